@@ -1,0 +1,179 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    BF16: _ClassVar[DType]
+    F16: _ClassVar[DType]
+    F32: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+BF16: DType
+F16: DType
+F32: DType
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("num_layers", "num_q_heads", "num_v_heads", "head_dim_k", "head_dim_v", "max_tokens_per_step", "max_sessions", "sessions_in_use", "backend", "state_dtype", "scale")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_Q_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_V_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_K_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_V_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    STATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_q_heads: int
+    num_v_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    max_tokens_per_step: int
+    max_sessions: int
+    sessions_in_use: int
+    backend: str
+    state_dtype: str
+    scale: float
+    def __init__(self, num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_v_heads: _Optional[int] = ..., head_dim_k: _Optional[int] = ..., head_dim_v: _Optional[int] = ..., max_tokens_per_step: _Optional[int] = ..., max_sessions: _Optional[int] = ..., sessions_in_use: _Optional[int] = ..., backend: _Optional[str] = ..., state_dtype: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
+
+class CreateSessionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CreateSessionResponse(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("layer", "session_ids", "q", "k", "v", "a", "b", "positions", "request_id")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    a: Tensor
+    b: Tensor
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    request_id: str
+    def __init__(self, layer: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., a: _Optional[_Union[Tensor, _Mapping]] = ..., b: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("o", "positions", "request_id", "error_code", "error_message")
+    O_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    o: Tensor
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    request_id: str
+    error_code: int
+    error_message: str
+    def __init__(self, o: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class ForkSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ExportStateRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class StateHeader(_message.Message):
+    __slots__ = ("num_layers", "num_v_heads", "head_dim_k", "head_dim_v", "dtype", "positions", "total_bytes", "checksum")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_V_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_K_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_V_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_v_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    dtype: str
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    total_bytes: int
+    checksum: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_v_heads: _Optional[int] = ..., head_dim_k: _Optional[int] = ..., head_dim_v: _Optional[int] = ..., dtype: _Optional[str] = ..., positions: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: StateHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[StateHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Stats(_message.Message):
+    __slots__ = ("launches", "rows_launched", "requests", "batches", "mean_rows_per_launch", "sessions_in_use", "max_sessions", "backend")
+    LAUNCHES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_LAUNCHED_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ROWS_PER_LAUNCH_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    launches: int
+    rows_launched: int
+    requests: int
+    batches: int
+    mean_rows_per_launch: float
+    sessions_in_use: int
+    max_sessions: int
+    backend: str
+    def __init__(self, launches: _Optional[int] = ..., rows_launched: _Optional[int] = ..., requests: _Optional[int] = ..., batches: _Optional[int] = ..., mean_rows_per_launch: _Optional[float] = ..., sessions_in_use: _Optional[int] = ..., max_sessions: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,82 @@
+"""Tensor <-> protobuf codec shared by the client and the server.
+
+A `gdn.v1.Tensor` is row-major, little-endian bytes with a dtype and a shape. Both sides use
+torch for the conversion because numpy has no bfloat16. Decoding never copies: the returned
+tensor is a read-only view of the message bytes (copy it before writing into it).
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from gdn_client.proto.gdn.v1 import gdn_pb2
+
+if sys.byteorder != "little":  # the wire format is little-endian; so is every host we ship for
+    raise ImportError("gdn-serve needs a little-endian host")
+
+# torch.frombuffer warns once per process that a bytes object is not writable; we only read.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+TORCH_DTYPE_OF: dict[int, torch.dtype] = {
+    gdn_pb2.BF16: torch.bfloat16,
+    gdn_pb2.F16: torch.float16,
+    gdn_pb2.F32: torch.float32,
+}
+WIRE_DTYPE_OF: dict[torch.dtype, int] = {v: k for k, v in TORCH_DTYPE_OF.items()}
+_NUMPY_TO_TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32}
+
+
+class WireFormatError(ValueError):
+    """A Tensor message whose dtype, shape and byte length do not agree."""
+
+
+def as_torch(x: Any) -> torch.Tensor:
+    """Accepts a torch tensor or a numpy array (float16/float32) and returns a CPU torch tensor."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, np.ndarray):
+        if x.dtype not in _NUMPY_TO_TORCH:
+            raise TypeError(f"numpy dtype {x.dtype} is not supported; use float16 or float32")
+        return torch.from_numpy(np.ascontiguousarray(x))
+    raise TypeError(f"expected a torch.Tensor or numpy.ndarray, got {type(x).__name__}")
+
+
+def tensor_to_proto(x: Any, out: gdn_pb2.Tensor | None = None) -> gdn_pb2.Tensor:
+    """Encodes a bf16/f16/f32 tensor (torch or numpy) into a `gdn.v1.Tensor`."""
+    t = as_torch(x)
+    if t.dtype not in WIRE_DTYPE_OF:
+        raise TypeError(f"dtype {t.dtype} is not supported on the wire; use bfloat16, float16 or float32")
+    t = t.contiguous()
+    msg = out if out is not None else gdn_pb2.Tensor()
+    msg.dtype = WIRE_DTYPE_OF[t.dtype]
+    msg.shape[:] = list(t.shape)
+    # view as same-width integers: numpy has no bfloat16
+    msg.data = t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().tobytes()
+    return msg
+
+
+def tensor_from_proto(msg: gdn_pb2.Tensor, name: str = "tensor") -> torch.Tensor:
+    """Decodes a `gdn.v1.Tensor` into a read-only torch view; raises WireFormatError when inconsistent."""
+    dtype = TORCH_DTYPE_OF.get(msg.dtype)
+    if dtype is None:
+        raise WireFormatError(f"{name}: dtype {msg.dtype} is not one of BF16, F16, F32")
+    shape = tuple(int(s) for s in msg.shape)
+    if any(s < 0 for s in shape):
+        raise WireFormatError(f"{name}: negative dimension in shape {list(shape)}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = 1
+    for s in shape:
+        numel *= s
+        if numel * itemsize > len(msg.data):  # checked while multiplying so huge shapes can't overflow
+            break
+    if numel * itemsize != len(msg.data):
+        raise WireFormatError(
+            f"{name}: shape {list(shape)} of {dtype} needs {numel * itemsize} bytes, got {len(msg.data)}"
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(msg.data, dtype=dtype).view(shape)

@@ -1,0 +1,4 @@
+from gdn_server.cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""The backend interface: a pool of bf16 states and the decode step over a StepBatch.
+
+A backend owns the state pool [num_sessions * L, HV, V, K] (bf16, K fastest) and A_log/dt_bias
+[L, HV]. `submit` starts one call over a batch of rows that share T and returns a handle whose
+`result()` is the bf16 output [rows, T, HV, V] on the CPU. The scheduler keeps at most a couple of
+handles in flight, so a backend may overlap the next batch's assembly with this one's run.
+State-changing session operations (`reset`, `copy`, `read`, `write`) are only called when no
+step is in flight.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from gdn_server.config import ModelShape
+from gdn_server.weights import GateParams
+from gdn_server.work import StepBatch
+
+
+class PendingStep(ABC):
+    @abstractmethod
+    def result(self) -> torch.Tensor:
+        """Blocks until the step is done; returns bf16 [rows, T, HV, V] on the CPU, valid until the
+        handle after next is taken (callers copy what they keep)."""
+
+
+class DoneStep(PendingStep):
+    """A step that completed synchronously."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self._out = out
+
+    def result(self) -> torch.Tensor:
+        return self._out
+
+
+class Backend(ABC):
+    name: str  # "cpu-torch" or "cuda-cute"
+
+    def __init__(self, shape: ModelShape, gates: GateParams, max_sessions: int, scale: float | None) -> None:
+        if gates.A_log.shape != (shape.num_layers, shape.num_v_heads):
+            raise ValueError(
+                f"gate params are {list(gates.A_log.shape)}, model needs [{shape.num_layers}, {shape.num_v_heads}]"
+            )
+        self.shape = shape
+        self.max_sessions = max_sessions
+        self.scale = shape.default_scale if scale is None else float(scale)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.max_sessions * self.shape.state_bytes_per_session
+
+    @abstractmethod
+    def submit(self, batch: StepBatch) -> PendingStep:
+        """Starts one decode step over all rows of `batch` (distinct pool slots, one T)."""
+
+    @abstractmethod
+    def reset_session(self, session_slot: int) -> None:
+        """Zeroes a session's state at every layer."""
+
+    @abstractmethod
+    def copy_session(self, src_slot: int, dst_slot: int) -> None:
+        """Copies a session's state at every layer (fork)."""
+
+    @abstractmethod
+    def read_session(self, session_slot: int) -> torch.Tensor:
+        """bf16 [L, HV, V, K] copy of a session's state, on the CPU."""
+
+    @abstractmethod
+    def write_session(self, session_slot: int, state: torch.Tensor) -> None:
+        """Overwrites a session's state from bf16 [L, HV, V, K]."""
+
+    def synchronize(self) -> None:
+        """Waits for all queued device work."""
+
+    def close(self) -> None:
+        """Releases device resources."""

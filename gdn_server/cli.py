@@ -1,0 +1,98 @@
+"""`gdn-server` / `python -m gdn_server`: the command line of ../shared/design/API.md."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from gdn_server.config import PRESETS, ModelShape, SchedulerConfig
+from gdn_server.server import ServerSettings, build_app, serve
+from gdn_server.weights import load_gate_params, random_gate_params
+
+log = logging.getLogger("gdn_server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gdn-server", description="gRPC service for Gated Delta Net decode steps")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=50051, help="port; 0 takes a free one (default 50051)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="auto: CUDA with the CuTe kernel when a GPU is present, else CPU")
+    shape = p.add_argument_group("model shape (a preset, or explicit sizes)")
+    shape.add_argument("--preset", choices=sorted(PRESETS), help="qwen3-next: H=16, HV=32, K=V=128, 36 layers")
+    shape.add_argument("--layers", type=int, help="number of GDN layers L")
+    shape.add_argument("--q-heads", type=int, help="query/key heads H")
+    shape.add_argument("--v-heads", type=int, help="value heads HV (a multiple of H)")
+    shape.add_argument("--head-dim", type=int, default=None, help="K = V head size (default 128)")
+    p.add_argument("--weights", help="safetensors file with float32 layers.{i}.A_log / layers.{i}.dt_bias [HV]")
+    p.add_argument("--seed", type=int, default=0, help="seed for A_log/dt_bias when --weights is not given")
+    p.add_argument("--scale", type=float, default=None, help="query scale (default 1/sqrt(K))")
+    p.add_argument("--max-sessions", type=int, default=None,
+                   help="session capacity (default: 64 on the CPU; on a GPU, what fits in 80%% of free memory, at most 4096)")
+    p.add_argument("--max-batch-rows", type=int, default=SchedulerConfig.max_batch_rows,
+                   help="rows (session x layer) per kernel launch at most")
+    p.add_argument("--max-queue-delay-us", type=int, default=SchedulerConfig.max_queue_delay_us,
+                   help="once work is pending, wait at most this long for more before launching")
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return p
+
+
+def shape_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelShape:
+    explicit = {"--layers": args.layers, "--q-heads": args.q_heads, "--v-heads": args.v_heads}
+    if args.preset:
+        if any(v is not None for v in explicit.values()) or args.head_dim is not None:
+            parser.error("--preset cannot be combined with --layers/--q-heads/--v-heads/--head-dim")
+        return PRESETS[args.preset]
+    missing = [k for k, v in explicit.items() if v is None]
+    if missing:
+        parser.error(f"give --preset or all of --layers --q-heads --v-heads (missing {' '.join(missing)})")
+    head_dim = args.head_dim if args.head_dim is not None else 128
+    try:
+        return ModelShape(args.layers, args.q_heads, args.v_heads, head_dim, head_dim)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    shape = shape_from_args(args, parser)
+    for flag in ("max_sessions", "max_batch_rows"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.max_queue_delay_us < 0:
+        parser.error("--max-queue-delay-us must be >= 0")
+    if args.weights:
+        try:
+            gates = load_gate_params(args.weights, shape.num_v_heads)
+        except (OSError, ValueError) as e:
+            parser.error(f"--weights: {e}")
+        if gates.num_layers != shape.num_layers:
+            parser.error(f"--weights has {gates.num_layers} GDN layers, the model shape has {shape.num_layers}")
+    else:
+        gates = random_gate_params(shape, args.seed)
+    settings = ServerSettings(
+        shape=shape,
+        gates=gates,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        max_sessions=args.max_sessions,
+        scheduler=SchedulerConfig(args.max_batch_rows, args.max_queue_delay_us),
+        scale=args.scale,
+    )
+    try:
+        app = build_app(settings)
+    except (ValueError, RuntimeError, OSError) as e:
+        log.error("cannot start: %s", e)
+        return 2
+    try:
+        asyncio.run(serve(app))
+    except OSError as e:
+        log.error("cannot serve: %s", e)
+        return 2
+    return 0

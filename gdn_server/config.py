@@ -1,0 +1,49 @@
+"""Model shapes and server settings, as plain frozen dataclasses."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_TOKENS_PER_STEP = 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Shapes of the GDN layers served. Value head j reads query/key head j // (HV // H)."""
+
+    num_layers: int
+    num_q_heads: int  # H
+    num_v_heads: int  # HV
+    head_dim_k: int = 128  # K
+    head_dim_v: int = 128  # V
+    max_tokens_per_step: int = MAX_TOKENS_PER_STEP
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_q_heads", "num_v_heads", "head_dim_k", "head_dim_v"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_v_heads % self.num_q_heads:
+            raise ValueError(
+                f"value heads ({self.num_v_heads}) must be a multiple of query heads ({self.num_q_heads})"
+            )
+
+    @property
+    def default_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim_k)
+
+    @property
+    def state_bytes_per_session(self) -> int:
+        """bf16 state of one session over all layers and value heads."""
+        return 2 * self.num_layers * self.num_v_heads * self.head_dim_v * self.head_dim_k
+
+
+PRESETS: dict[str, ModelShape] = {
+    # Qwen3-Next-80B-A3B: 36 Gated DeltaNet layers (of 48), 16 q/k heads, 32 value heads, 128-dim heads
+    "qwen3-next": ModelShape(num_layers=36, num_q_heads=16, num_v_heads=32, head_dim_k=128, head_dim_v=128),
+}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_rows: int = 1024  # rows (session x layer) per backend call at most
+    max_queue_delay_us: int = 0  # extra wait for more work once something is pending

@@ -1,0 +1,43 @@
+"""Domain errors. Each carries the gRPC status code it maps to; the servicer maps them in one place."""
+from __future__ import annotations
+
+import grpc
+
+
+class GdnError(Exception):
+    """A request that cannot be served as sent. Recoverable: the server and all states are unchanged."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+class InvalidArgument(GdnError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(GdnError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhausted(GdnError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class FailedPrecondition(GdnError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unavailable(GdnError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Unimplemented(GdnError):
+    code = grpc.StatusCode.UNIMPLEMENTED

@@ -1,0 +1,322 @@
+"""The scheduler: one queue for every client, one thread that turns it into backend calls.
+
+Each iteration takes whatever is pending (up to `max_batch_rows` rows; once something is pending
+it waits at most `max_queue_delay_us` for more), groups the rows by T and makes one backend call
+per group. A call mixes sessions, clients and layers; a (session, layer) pair never appears twice
+in one call, and a request whose session already has a row in this iteration (or an earlier
+request still waiting) waits for the next iteration, so each session's requests apply in order.
+
+Session checks that depend on state (unknown session, positions, retries) happen here, when a
+request is admitted, because only then are the session's earlier steps known to be applied.
+Requests are atomic: every session of a request is checked before any row is added.
+
+Control operations (close, fork, export, import, eviction) are queued too and run between
+batches, after every earlier step has finished and before any later one starts.
+
+Pipelining: a backend's `submit` may return before the device is done. The loop submits batch n,
+then finishes batch n-1 (waits for its output and answers it) while n runs.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from gdn_server.backends.base import Backend, PendingStep
+from gdn_server.config import SchedulerConfig
+from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
+from gdn_server.sessions import LastStep, Session, SessionTable
+from gdn_server.work import DecodeResult, DecodeWork, StepBatch
+
+log = logging.getLogger(__name__)
+
+Done = Callable[[Any], None]  # called once, on the scheduler thread, with a result or an exception
+
+
+@dataclass
+class _DecodeItem:
+    work: DecodeWork
+    done: Done
+    cancelled: Callable[[], bool] | None = None
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _ControlItem:
+    fn: Callable[[], Any]
+    done: Done
+
+
+@dataclass
+class _Admitted:
+    """A request in a batch: its sessions and where its rows sit in the backend call."""
+
+    item: _DecodeItem
+    sessions: list[Session]
+    first_row: int
+
+
+class _NotReady(Exception):
+    """A retry whose original step has not finished yet."""
+
+
+@dataclass
+class SchedulerStats:
+    launches: int = 0  # backend calls
+    rows_launched: int = 0
+    requests: int = 0  # decode requests answered successfully
+    batches: int = 0  # iterations that ran at least one backend call
+    queue_wait_s: float = 0.0  # total time requests waited between submit and launch
+    device_s: float = 0.0  # total time from submit to result of backend calls
+
+    @property
+    def mean_rows_per_launch(self) -> float:
+        return self.rows_launched / self.launches if self.launches else 0.0
+
+
+class Scheduler:
+    def __init__(self, backend: Backend, sessions: SessionTable, config: SchedulerConfig = SchedulerConfig()) -> None:
+        if config.max_batch_rows < 1:
+            raise ValueError(f"max_batch_rows must be >= 1, got {config.max_batch_rows}")
+        self.backend = backend
+        self.sessions = sessions
+        self.config = config
+        self.stats = SchedulerStats()
+        self.on_launch: Callable[[int, float, float], None] | None = None  # (rows, queue wait s, device s)
+        self._pending: deque[_DecodeItem | _ControlItem] = deque()
+        self._pending_rows = 0
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="gdn-scheduler", daemon=True)
+
+    # -- called from any thread -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit_decode(self, work: DecodeWork, done: Done, cancelled: Callable[[], bool] | None = None) -> None:
+        self._enqueue(_DecodeItem(work, done, cancelled), work.rows)
+
+    def submit_control(self, fn: Callable[[], Any], done: Done) -> None:
+        """Runs `fn()` on the scheduler thread once every earlier request has finished."""
+        self._enqueue(_ControlItem(fn, done), 0)
+
+    def stop_accepting(self) -> None:
+        """New work is refused with UNAVAILABLE from now on; queued work still runs."""
+        with self._cv:
+            self._accepting = False
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finishes everything queued, then stops the thread."""
+        with self._cv:
+            self._accepting = False
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    def _enqueue(self, item: _DecodeItem | _ControlItem, rows: int) -> None:
+        with self._cv:
+            if not self._accepting:
+                refused = True
+            else:
+                refused = False
+                self._pending.append(item)
+                self._pending_rows += rows
+                self._cv.notify()
+        if refused:
+            item.done(Unavailable("the server is shutting down"))
+
+    # -- the scheduler thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        previous: list = []  # batches submitted last iteration, possibly still on the device
+        while True:
+            with self._cv:
+                if not (previous and not self._pending):
+                    while not self._pending and not self._stopping:
+                        self._cv.wait()
+                    if not self._pending and self._stopping:
+                        return
+                self._wait_for_more()
+                items = list(self._pending)
+                self._pending.clear()
+                self._pending_rows = 0
+            current: list = []
+            deferred, control = self._launch(items, current, quiet=not previous)
+            # batch n is queued on the device: answer batch n-1 while it runs
+            self._finish(previous)
+            previous = current
+            if control is not None:
+                self._finish(previous)
+                previous = []
+                self._run_control(control)
+            if deferred:
+                with self._cv:
+                    self._pending.extendleft(reversed(deferred))
+                    self._pending_rows += sum(i.work.rows for i in deferred if isinstance(i, _DecodeItem))
+
+    def _wait_for_more(self) -> None:
+        delay = self.config.max_queue_delay_us / 1e6
+        if delay <= 0 or not self._pending:
+            return
+        deadline = time.monotonic() + delay
+        while self._pending_rows < self.config.max_batch_rows and not self._stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._cv.wait(left)
+
+    def _launch(
+        self, items: list[_DecodeItem | _ControlItem], in_flight: list, quiet: bool
+    ) -> tuple[list[_DecodeItem | _ControlItem], _ControlItem | None]:
+        """Admits what it can into per-T batches and submits them. Returns (deferred, control to
+        run before the deferred items)."""
+        batches: dict[int, tuple[StepBatch, list[_Admitted]]] = {}
+        busy: set[str] = set()  # sessions with a row in this iteration, or behind a deferred request
+        rows = 0
+        deferred: list[_DecodeItem | _ControlItem] = []
+        control: _ControlItem | None = None
+        for idx, item in enumerate(items):
+            if isinstance(item, _ControlItem):
+                if quiet and not batches:
+                    self._run_control(item)
+                    continue
+                control = item  # a barrier: later requests wait until it has run
+                deferred.extend(items[idx + 1 :])
+                break
+            work = item.work
+            if busy.intersection(work.session_ids) or (rows and rows + work.rows > self.config.max_batch_rows):
+                busy.update(work.session_ids)
+                deferred.append(item)
+                continue
+            if item.cancelled is not None and item.cancelled():
+                continue  # the client gave up: never reaches the device
+            try:
+                admitted = self._admit(item)
+            except _NotReady:  # a retry of a step still on the device: answer it next iteration
+                busy.update(work.session_ids)
+                deferred.append(item)
+                continue
+            if admitted is None:
+                continue  # answered (error or retry) already
+            batch, members = batches.setdefault(work.tokens, (StepBatch(work.tokens), []))
+            members.append(_Admitted(item, admitted, batch.rows))
+            batch.add(work, [s.pool_slot(work.layer) for s in admitted])
+            busy.update(work.session_ids)
+            rows += work.rows
+        for batch, members in batches.values():
+            self._submit(batch, members, in_flight)
+        return deferred, control
+
+    def _admit(self, item: _DecodeItem) -> list[Session] | None:
+        """Checks sessions and positions. Returns the sessions to apply the step to, or None when
+        the item was answered here (an error, or a retry of the last step)."""
+        work = item.work
+        try:
+            sessions = [self.sessions.get(sid) for sid in work.session_ids]
+            if work.positions is None:
+                return sessions
+            retries = 0
+            for s, pos in zip(sessions, work.positions):
+                count = s.positions[work.layer]
+                if pos == count:
+                    continue
+                last = s.last_steps.get(work.layer)
+                if last is not None and last.count_before == pos and last.tokens == work.tokens:
+                    if last.out is None:
+                        raise _NotReady()
+                    retries += 1
+                    continue
+                raise FailedPrecondition(
+                    f"session {s.id}: position {pos} at layer {work.layer} does not match the server's "
+                    f"count {count} (nor is it a retry of the last step)"
+                )
+            if retries == 0:
+                return sessions
+            if retries != len(sessions):
+                raise FailedPrecondition("positions mix a retry of the last step with a new step in one request")
+            item.done(self._replay(work, sessions))
+            return None
+        except GdnError as e:
+            item.done(e)
+            return None
+
+    def _replay(self, work: DecodeWork, sessions: list[Session]) -> DecodeResult:
+        """Answers a retried step from the outputs kept when it was first applied."""
+        parts = []
+        for s in sessions:
+            last = s.last_steps[work.layer]
+            row_bytes = len(last.out) // last.rows
+            parts.append(last.out[last.row * row_bytes : (last.row + 1) * row_bytes])
+        shape = self._out_shape(work.rows, work.tokens)
+        positions = tuple(s.positions[work.layer] for s in sessions)
+        return DecodeResult(b"".join(parts), shape, positions, work.request_id)
+
+    def _out_shape(self, rows: int, tokens: int) -> tuple[int, ...]:
+        shp = self.backend.shape
+        return (rows, tokens, shp.num_v_heads, shp.head_dim_v)
+
+    def _submit(self, batch: StepBatch, members: list[_Admitted], in_flight: list) -> None:
+        started = time.monotonic()
+        try:
+            pending = self.backend.submit(batch)
+        except Exception as e:  # a backend failure fails this batch only; the server stays up
+            log.exception("backend call failed (%d rows)", batch.rows)
+            for m in members:
+                m.item.done(GdnError(f"backend failure: {e}"))
+            return
+        now = time.monotonic()
+        for m in members:  # the step is queued on the device: later requests see the new positions
+            work = m.item.work
+            self.stats.queue_wait_s += now - m.item.enqueued
+            for row, s in enumerate(m.sessions):
+                before = s.positions[work.layer]
+                s.positions[work.layer] = before + work.tokens
+                s.last_steps[work.layer] = LastStep(before, work.tokens, None, row, work.rows)
+                s.last_used = now
+        in_flight.append((pending, batch, members, started))
+
+    def _finish(self, in_flight: list) -> None:
+        for pending, batch, members, started in in_flight:
+            try:
+                out = pending.result()
+            except Exception as e:
+                log.exception("backend step failed (%d rows)", batch.rows)
+                for m in members:
+                    m.item.done(GdnError(f"backend failure: {e}"))
+                continue
+            device_s = time.monotonic() - started
+            self.stats.launches += 1
+            self.stats.rows_launched += batch.rows
+            self.stats.batches += 1
+            self.stats.device_s += device_s
+            if self.on_launch is not None:
+                self.on_launch(batch.rows, 0.0, device_s)
+            out16 = out.view(torch.int16)
+            for m in members:
+                work = m.item.work
+                data = out16[m.first_row : m.first_row + work.rows].numpy().tobytes()
+                for s in m.sessions:
+                    s.last_steps[work.layer].out = data
+                positions = tuple(s.positions[work.layer] for s in m.sessions)
+                self.stats.requests += 1
+                m.item.done(DecodeResult(data, self._out_shape(work.rows, work.tokens), positions, work.request_id))
+
+    def _run_control(self, item: _ControlItem) -> None:
+        try:
+            self.backend.synchronize()
+            result = item.fn()
+        except Exception as e:
+            if not isinstance(e, GdnError):
+                log.exception("control operation failed")
+            item.done(e)
+            return
+        item.done(result)

@@ -1,0 +1,191 @@
+"""The gRPC servicer: protobuf in -> validated work -> scheduler -> protobuf out.
+
+It stays thin. Domain errors (`GdnError`) become status codes here and only here: unary RPCs abort
+with the code, DecodeStream answers the failing request with `error_code`/`error_message` and
+keeps going. The event loop never waits on the device: the scheduler thread settles futures.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+
+from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
+from gdn_server.config import ModelShape
+from gdn_server.errors import GdnError
+from gdn_server.scheduler import Scheduler
+from gdn_server.sessions import SessionTable
+from gdn_server.validation import decode_work_from_request
+from gdn_server.work import DecodeResult
+
+log = logging.getLogger(__name__)
+
+MAX_STREAM_IN_FLIGHT = 64  # requests of one DecodeStream read ahead of their replies
+
+
+def settle_on(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Future, Callable[[Any], None]]:
+    """A future on `loop` and a thread-safe callback that resolves it (exceptions are raised)."""
+    fut = loop.create_future()
+
+    def _settle(result: Any) -> None:
+        if fut.done():  # the RPC was cancelled meanwhile
+            return
+        if isinstance(result, BaseException):
+            fut.set_exception(result)
+        else:
+            fut.set_result(result)
+
+    def done(result: Any) -> None:
+        loop.call_soon_threadsafe(_settle, result)
+
+    return fut, done
+
+
+def decode_response(result: DecodeResult) -> gdn_pb2.DecodeResponse:
+    return gdn_pb2.DecodeResponse(
+        o=gdn_pb2.Tensor(dtype=gdn_pb2.BF16, shape=result.shape, data=result.out),
+        positions=result.positions,
+        request_id=result.request_id,
+    )
+
+
+def error_response(request_id: str, error: GdnError) -> gdn_pb2.DecodeResponse:
+    return gdn_pb2.DecodeResponse(
+        request_id=request_id, error_code=error.code.value[0], error_message=error.message
+    )
+
+
+class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
+    def __init__(self, shape: ModelShape, sessions: SessionTable, scheduler: Scheduler, backend_name: str) -> None:
+        self.shape = shape
+        self.sessions = sessions
+        self.scheduler = scheduler
+        self.backend_name = backend_name
+
+    # -- helpers ----------------------------------------------------------------------------
+    async def _control(self, fn: Callable[[], Any]) -> Any:
+        fut, done = settle_on(asyncio.get_running_loop())
+        self.scheduler.submit_control(fn, done)
+        return await fut
+
+    async def _decode(self, request: gdn_pb2.DecodeRequest) -> DecodeResult:
+        """Validates and runs one decode request; raises GdnError."""
+        work = decode_work_from_request(request, self.shape)
+        fut, done = settle_on(asyncio.get_running_loop())
+        cancelled = False
+        self.scheduler.submit_decode(work, done, cancelled=lambda: cancelled)
+        try:
+            return await fut
+        except asyncio.CancelledError:  # client cancelled or deadline passed: drop before the device
+            cancelled = True
+            raise
+
+    # -- RPCs -------------------------------------------------------------------------------
+    async def GetModelInfo(self, request, context):
+        s = self.shape
+        return gdn_pb2.ModelInfo(
+            num_layers=s.num_layers,
+            num_q_heads=s.num_q_heads,
+            num_v_heads=s.num_v_heads,
+            head_dim_k=s.head_dim_k,
+            head_dim_v=s.head_dim_v,
+            max_tokens_per_step=s.max_tokens_per_step,
+            max_sessions=self.sessions.capacity,
+            sessions_in_use=len(self.sessions),
+            backend=self.backend_name,
+            state_dtype="bfloat16",
+            scale=self.scheduler.backend.scale,
+        )
+
+    async def CreateSession(self, request, context):
+        try:
+            session = self.sessions.create()
+        except GdnError as e:
+            await context.abort(e.code, e.message)
+        return gdn_pb2.CreateSessionResponse(session_id=session.id)
+
+    async def CloseSession(self, request, context):
+        sid = request.session_id
+        backend = self.scheduler.backend
+
+        def close() -> None:  # runs after every earlier step of this session
+            session = self.sessions.remove(sid)
+            backend.reset_session(session.slot)  # a free slot always holds a zero state
+            self.sessions.free_slot(session.slot)
+
+        try:
+            await self._control(close)
+        except GdnError as e:
+            await context.abort(e.code, e.message)
+        return gdn_pb2.CloseSessionResponse()
+
+    async def Decode(self, request, context):
+        try:
+            result = await self._decode(request)
+        except GdnError as e:
+            await context.abort(e.code, e.message)
+        return decode_response(result)
+
+    async def DecodeStream(
+        self, request_iterator: AsyncIterator[gdn_pb2.DecodeRequest], context
+    ) -> AsyncIterator[gdn_pb2.DecodeResponse]:
+        # A reader task keeps up to MAX_STREAM_IN_FLIGHT requests submitted ahead of their replies,
+        # so one stream is pipelined; replies go out in request order.
+        replies: asyncio.Queue = asyncio.Queue(maxsize=MAX_STREAM_IN_FLIGHT)
+        end = object()
+
+        async def answer(request: gdn_pb2.DecodeRequest) -> gdn_pb2.DecodeResponse:
+            try:
+                return decode_response(await self._decode(request))
+            except GdnError as e:
+                return error_response(request.request_id, e)
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    await replies.put(asyncio.ensure_future(answer(request)))
+            except Exception as e:  # the stream broke: let the writer end the RPC
+                await replies.put(e)
+                return
+            await replies.put(end)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while True:
+                item = await replies.get()
+                if item is end:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                yield await item
+        finally:
+            reader.cancel()
+            while not replies.empty():  # cancel answers nobody will read
+                pending = replies.get_nowait()
+                if isinstance(pending, asyncio.Future):
+                    pending.cancel()
+
+    async def ForkSession(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ForkSession is not implemented yet")
+
+    async def ExportState(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ExportState is not implemented yet")
+
+    async def ImportState(self, request_iterator, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ImportState is not implemented yet")
+
+    async def GetStats(self, request, context):
+        st = self.scheduler.stats
+        return gdn_pb2.Stats(
+            launches=st.launches,
+            rows_launched=st.rows_launched,
+            requests=st.requests,
+            batches=st.batches,
+            mean_rows_per_launch=st.mean_rows_per_launch,
+            sessions_in_use=len(self.sessions),
+            max_sessions=self.sessions.capacity,
+            backend=self.backend_name,
+        )
+

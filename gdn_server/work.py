@@ -1,0 +1,70 @@
+"""Message types that flow through the server: validated requests, backend batches, results."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class DecodeWork:
+    """One validated DecodeRequest: B distinct sessions, one layer, T tokens each."""
+
+    layer: int
+    session_ids: tuple[str, ...]
+    q: torch.Tensor  # [B, T, H, K]   wire dtype, CPU, read-only view of the request bytes
+    k: torch.Tensor  # [B, T, H, K]
+    v: torch.Tensor  # [B, T, HV, V]
+    a: torch.Tensor  # [B, T, HV]
+    b: torch.Tensor  # [B, T, HV]
+    positions: tuple[int, ...] | None  # tokens each session has taken at `layer`, when given
+    request_id: str = ""
+
+    @property
+    def rows(self) -> int:
+        return len(self.session_ids)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.q.shape[1])
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """The answer to one DecodeWork: bf16 o [B, T, HV, V] as raw little-endian bytes."""
+
+    out: bytes
+    shape: tuple[int, ...]
+    positions: tuple[int, ...]
+    request_id: str = ""
+
+
+@dataclass
+class StepBatch:
+    """Rows of one backend call: all rows share T; each row is (pool slot, layer) and appears once.
+
+    Inputs are kept as the per-request tensors they arrived in; the backend copies each list into
+    its own staging buffer with one concatenation per input, so the scheduler does no per-row copy.
+    """
+
+    tokens: int  # T
+    slots: list[int] = field(default_factory=list)  # pool slot per row
+    layers: list[int] = field(default_factory=list)  # layer per row
+    q: list[torch.Tensor] = field(default_factory=list)  # each [B_r, T, H, K]
+    k: list[torch.Tensor] = field(default_factory=list)
+    v: list[torch.Tensor] = field(default_factory=list)  # each [B_r, T, HV, V]
+    a: list[torch.Tensor] = field(default_factory=list)  # each [B_r, T, HV]
+    b: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return len(self.slots)
+
+    def add(self, work: DecodeWork, slots: list[int]) -> None:
+        self.slots.extend(slots)
+        self.layers.extend([work.layer] * len(slots))
+        self.q.append(work.q)
+        self.k.append(work.k)
+        self.v.append(work.v)
+        self.a.append(work.a)
+        self.b.append(work.b)

@@ -1,0 +1,59 @@
+"""fp32 reference of one Gated Delta Net decode step, written for clarity, not speed.
+
+This is the oracle every backend is checked against: plain torch on float64/float32, one
+token at a time, no batching tricks. It follows ../shared/design/API.md line by line.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def gdn_reference_step(
+    state: torch.Tensor,  # [B, HV, V, K] float32, the state before the step
+    q: torch.Tensor,  # [B, T, H, K]
+    k: torch.Tensor,  # [B, T, H, K]
+    v: torch.Tensor,  # [B, T, HV, V]
+    a: torch.Tensor,  # [B, T, HV]
+    b: torch.Tensor,  # [B, T, HV]
+    A_log: torch.Tensor,  # [B, HV] float32, already gathered per row's layer
+    dt_bias: torch.Tensor,  # [B, HV] float32, already gathered per row's layer
+    scale: float | None = None,
+    softplus_beta: float = 1.0,
+    softplus_threshold: float = 20.0,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (o [B, T, HV, V], new_state [B, HV, V, K]) in ``dtype``, state not rounded."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    group = HV // H
+    scale = 1.0 / math.sqrt(K) if scale is None else scale
+    S = state.to(dtype).clone()
+    q, k, v, a, b = (x.to(dtype) for x in (q, k, v, a, b))
+    A_log, dt_bias = A_log.to(dtype), dt_bias.to(dtype)
+    out = torch.empty(B, T, HV, V, dtype=dtype)
+    for t in range(T):
+        for j in range(HV):
+            h = j // group
+            qn = q[:, t, h] / torch.sqrt((q[:, t, h] ** 2).sum(-1, keepdim=True) + 1e-6) * scale
+            kn = k[:, t, h] / torch.sqrt((k[:, t, h] ** 2).sum(-1, keepdim=True) + 1e-6)
+            x = softplus_beta * (a[:, t, j] + dt_bias[:, j])
+            sp = torch.where(x <= softplus_threshold, torch.log1p(torch.exp(x)) / softplus_beta, x / softplus_beta)
+            decay = torch.exp(-torch.exp(A_log[:, j]) * sp)  # [B]
+            beta = torch.sigmoid(b[:, t, j])  # [B]
+            Sj = S[:, j] * decay[:, None, None]  # [B, V, K]
+            pred = torch.einsum("bvk,bk->bv", Sj, kn)
+            delta = beta[:, None] * (v[:, t, j] - pred)
+            Sj = Sj + delta[:, :, None] * kn[:, None, :]
+            out[:, t, j] = torch.einsum("bvk,bk->bv", Sj, qn)
+            S[:, j] = Sj
+    return out, S
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64; NaN anywhere gives inf."""
+    x64, r64 = x.double(), ref.double()
+    if not torch.isfinite(x64).all():
+        return float("inf")
+    return float((x64 - r64).norm() / r64.norm().clamp_min(1e-30))
