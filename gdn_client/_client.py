@@ -1,0 +1,222 @@
+"""The synchronous client: `Client` and its `Session`."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+
+import grpc
+import torch
+
+from gdn_client._codec import (
+    ModelInfo,
+    PreparedStep,
+    SessionCursor,
+    Stats,
+    TensorLike,
+    model_info_from_proto,
+    prepare_step,
+    stats_from_proto,
+)
+from gdn_client._errors import GdnError, NotFoundError, error_from_rpc
+from gdn_client._options import ClientOptions
+from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
+
+if TYPE_CHECKING:
+    from gdn_client._stream import DecodeStream
+
+__all__ = ["Client", "Session"]
+
+logger = logging.getLogger("gdn_client")
+_R = TypeVar("_R")
+
+
+def make_channel(target: str, options: ClientOptions) -> grpc.Channel:
+    creds = options.channel_credentials()
+    args = options.channel_options()
+    channel = grpc.secure_channel(target, creds, args) if creds else grpc.insecure_channel(target, args)
+    if options.interceptors:
+        channel = grpc.intercept_channel(channel, *options.interceptors)
+    return channel
+
+
+class Client:
+    """A blocking client of a gdn-serve server.
+
+    >>> from gdn_client import Client
+    >>> with Client("127.0.0.1:50051") as client:                     # doctest: +SKIP
+    ...     info = client.model_info()
+    ...     with client.session() as s:
+    ...         T, H, HV, K = 1, info.num_q_heads, info.num_v_heads, info.head_dim_k
+    ...         q, k = torch.randn(T, H, K), torch.randn(T, H, K)
+    ...         v, a, b = torch.randn(T, HV, K), torch.randn(T, HV), torch.randn(T, HV)
+    ...         o = s.decode(0, q, k, v, a, b)                        # bf16 [T, HV, V]
+
+    ``options`` sets deadlines, retries, TLS and a bearer token (see `ClientOptions`).
+    """
+
+    def __init__(self, target: str, options: ClientOptions | None = None) -> None:
+        self.target = target
+        self.options = options or ClientOptions()
+        self._channel = make_channel(target, self.options)
+        self._stub = gdn_pb2_grpc.GdnDecodeStub(self._channel)
+        self._metadata = self.options.call_metadata()
+        self._model_info: ModelInfo | None = None
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _call(self, method: Callable[..., _R], request: Any, *, retry: bool = False) -> _R:
+        """Calls a unary method; retries UNAVAILABLE/DEADLINE_EXCEEDED when ``retry`` is set."""
+        delays = self.options.backoff_delays() if retry else iter(())
+        while True:
+            try:
+                return method(request, timeout=self.options.timeout, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                err = error_from_rpc(exc)
+            delay = next(delays, None) if err.retryable else None
+            if delay is None:
+                raise err from None
+            logger.info("%s; retrying in %.3f s", err, delay)
+            time.sleep(delay)
+
+    def _run_step(self, step: PreparedStep) -> torch.Tensor:
+        try:
+            reply = self._call(self._stub.Decode, step.request, retry=True)
+        except GdnError as err:
+            step.fail(err, in_doubt=err.retryable)
+            raise
+        return step.complete(reply)
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def model_info(self) -> ModelInfo:
+        """The served model's shape and capacity (fresh from the server every call)."""
+        info = model_info_from_proto(self._call(self._stub.GetModelInfo, gdn_pb2.GetModelInfoRequest(), retry=True))
+        self._model_info = info
+        return info
+
+    def stats(self) -> Stats:
+        """The server's counters (launches, rows per launch, requests)."""
+        return stats_from_proto(self._call(self._stub.GetStats, gdn_pb2.GetStatsRequest(), retry=True))
+
+    def create_session(self) -> "Session":
+        """Creates a session (its state starts at zero); close it, or use it as a context manager.
+
+        Not retried: a lost reply would leak a session slot on the server.
+        """
+        reply = self._call(self._stub.CreateSession, gdn_pb2.CreateSessionRequest())
+        return Session(self, reply.session_id)
+
+    def session(self) -> "Session":
+        """Same as `create_session`; reads well as ``with client.session() as s:``."""
+        return self.create_session()
+
+    def close_session(self, session: "Session | str") -> None:
+        """Closes a session by object or id; raises NotFoundError if the server does not know it."""
+        if isinstance(session, Session):
+            session.close()
+            return
+        self._call(self._stub.CloseSession, gdn_pb2.CloseSessionRequest(session_id=session))
+
+    def decode_batch(
+        self,
+        layer: int,
+        sessions: Sequence["Session"],
+        q: TensorLike,
+        k: TensorLike,
+        v: TensorLike,
+        a: TensorLike,
+        b: TensorLike,
+    ) -> torch.Tensor:
+        """One step at ``layer`` for B sessions at once, atomically.
+
+        q, k: [B, T, H, K]; v: [B, T, HV, V]; a, b: [B, T, HV]. Returns bf16 o [B, T, HV, V].
+        """
+        step = prepare_step(layer, [s._cursor for s in sessions], q, k, v, a, b, single=False)
+        return self._run_step(step)
+
+    def stream(self) -> "DecodeStream":
+        """Opens a pipelined DecodeStream; see `DecodeStream`."""
+        from gdn_client._stream import DecodeStream
+
+        return DecodeStream(self)
+
+    def close(self) -> None:
+        """Closes the channel. Sessions stay open on the server until closed."""
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client({self.target!r})"
+
+
+class Session:
+    """A sequence's recurrent state on the server, one per layer, and its positions.
+
+    Every step sends the session's position at that layer, so a step lost in transit is resent
+    safely and never applied twice. Use it as a context manager to close it on exit.
+    """
+
+    def __init__(self, client: Client, session_id: str) -> None:
+        self._client = client
+        self._cursor = SessionCursor(session_id)
+
+    @property
+    def id(self) -> str:
+        return self._cursor.session_id
+
+    @property
+    def closed(self) -> bool:
+        return self._cursor.closed
+
+    @property
+    def positions(self) -> dict[int, int]:
+        """Tokens taken so far per layer (as far as this client has sent them)."""
+        return self._cursor.positions()
+
+    def decode(
+        self, layer: int, q: TensorLike, k: TensorLike, v: TensorLike, a: TensorLike, b: TensorLike
+    ) -> torch.Tensor:
+        """One step of T tokens at ``layer``.
+
+        q, k: [T, H, K]; v: [T, HV, V]; a, b: [T, HV] (or the batched form with B = 1), torch
+        bf16/f16/f32 or numpy f16/f32. Returns bf16 o [T, HV, V].
+        """
+        step = prepare_step(layer, [self._cursor], q, k, v, a, b, single=True)
+        return self._client._run_step(step)
+
+    def recover(self) -> list[torch.Tensor]:
+        """Resends steps whose outcome stayed unknown after the last retry; returns their outputs.
+
+        Resending is safe (same positions): the server applies a step at most once.
+        """
+        outs = []
+        for step in self._cursor.in_doubt():
+            outs.append(self._client._run_step(step))
+        return outs
+
+    def close(self) -> None:
+        """Closes the session on the server; closing twice is a no-op."""
+        if self._cursor.closed:
+            return
+        self._cursor.closed = True
+        try:
+            self._client._call(
+                self._client._stub.CloseSession, gdn_pb2.CloseSessionRequest(session_id=self.id), retry=True
+            )
+        except NotFoundError:
+            pass  # a retried close whose first attempt went through
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Session({self.id!r})"

@@ -1,0 +1,339 @@
+"""Pipelined decode over one long-lived DecodeStream: `DecodeStream` (threads) and
+`AsyncDecodeStream` (asyncio).
+
+`submit` returns a future at once; replies come back in order and are matched to requests by
+``request_id``. A reply with ``error_code != 0`` becomes that future's exception and the stream
+goes on. If the stream itself breaks with UNAVAILABLE (server restart, connection reset), it is
+reopened with backoff and every unanswered request is resent in order: each carries its positions,
+so the server answers steps it already applied without applying them again.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Sequence, Union
+
+import grpc
+import torch
+
+from gdn_client._codec import PreparedStep, TensorLike, prepare_step
+from gdn_client._errors import (
+    GdnError,
+    UnavailableError,
+    error_from_code,
+    error_from_rpc,
+    error_from_status,
+)
+from gdn_client.proto.gdn.v1 import gdn_pb2
+
+if TYPE_CHECKING:
+    from gdn_client._aio import AsyncClient, AsyncSession
+    from gdn_client._client import Client, Session
+
+__all__ = ["DecodeStream", "AsyncDecodeStream"]
+
+logger = logging.getLogger("gdn_client")
+
+_FutureT = Union[concurrent.futures.Future, asyncio.Future]
+
+
+class _InFlight:
+    """Requests sent and not yet answered, in send order; shared by both stream flavours."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+        self._pending: OrderedDict[str, tuple[_FutureT, PreparedStep]] = OrderedDict()
+        self.broken: GdnError | None = None  # set when the stream gave up; submit then raises
+
+    def add(self, step: PreparedStep, fut: _FutureT) -> None:
+        step.request.request_id = str(next(self._ids))
+        self._pending[step.request.request_id] = (fut, step)
+
+    def requests(self) -> list[gdn_pb2.DecodeRequest]:
+        return [step.request for _, step in self._pending.values()]
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def resolve(self, reply: gdn_pb2.DecodeResponse) -> None:
+        entry = self._pending.pop(reply.request_id, None)
+        if entry is None:
+            if not self._pending:
+                logger.warning("DecodeStream reply %r matches no request", reply.request_id)
+                return
+            _, entry = self._pending.popitem(last=False)  # server did not echo request_id: FIFO
+        fut, step = entry
+        if reply.error_code:
+            err = error_from_code(reply.error_code, reply.error_message)
+            step.fail(err)
+            _settle(fut, exc=err)
+            return
+        try:
+            _settle(fut, result=step.complete(reply))
+        except GdnError as err:
+            _settle(fut, exc=err)
+
+    def fail_all(self, err: GdnError) -> None:
+        self.broken = err
+        while self._pending:
+            _, (fut, step) = self._pending.popitem(last=False)
+            step.fail(err, in_doubt=err.retryable)
+            _settle(fut, exc=err)
+
+
+def _settle(fut: _FutureT, *, result: Any = None, exc: BaseException | None = None) -> None:
+    if fut.done():  # cancelled by the caller
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+def _prepare(layer: int, sessions: Any, q, k, v, a, b) -> PreparedStep:
+    if hasattr(sessions, "_cursor"):
+        return prepare_step(layer, [sessions._cursor], q, k, v, a, b, single=True)
+    return prepare_step(layer, [s._cursor for s in sessions], q, k, v, a, b, single=False)
+
+
+_END = None  # sentinel that ends a request iterator
+
+
+class _Reconnecting:
+    """Backoff across reopenings of one stream; reset by any reply."""
+
+    _delays: Iterator[float] | None = None
+    _client: Any
+
+    def _next_delay(self, err: GdnError, closing: bool) -> float | None:
+        if not err.retryable or closing:
+            return None
+        if self._delays is None:
+            self._delays = self._client.options.backoff_delays()
+        return next(self._delays, None)
+
+
+class DecodeStream(_Reconnecting):
+    """Pipelined steps over one DecodeStream (thread-safe).
+
+    >>> with client.stream() as st:                                   # doctest: +SKIP
+    ...     f0 = st.submit(0, session, q, k, v, a, b)                 # one session: [T, ...]
+    ...     f1 = st.submit(0, [s1, s2], q2, k2, v2, a2, b2)           # batched: [B, T, ...]
+    ...     o0, o1 = f0.result(), f1.result()
+
+    Futures are `concurrent.futures.Future`; a failed step raises its `GdnError` from
+    ``result()``. Closing waits for outstanding replies (up to the client's timeout).
+    """
+
+    def __init__(self, client: "Client") -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._inflight = _InFlight()
+        self._closing = False
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._reader: threading.Thread | None = None
+        self._call: Any = None
+        self._open([])
+
+    def _open(self, replay: list[gdn_pb2.DecodeRequest]) -> None:
+        # caller holds self._lock (or is __init__)
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        for req in replay:
+            q.put(req)
+        self._queue = q
+        self._call = self._client._stub.DecodeStream(_drain(q), metadata=self._client._metadata)
+        self._reader = threading.Thread(
+            target=self._read, args=(self._call,), name="gdn-decode-stream", daemon=True
+        )
+        self._reader.start()
+
+    def submit(
+        self,
+        layer: int,
+        sessions: "Session | Sequence[Session]",
+        q: TensorLike,
+        k: TensorLike,
+        v: TensorLike,
+        a: TensorLike,
+        b: TensorLike,
+    ) -> concurrent.futures.Future:
+        """Queues one step; the future's result is bf16 o ([T, HV, V] for one Session, else
+        [B, T, HV, V])."""
+        step = _prepare(layer, sessions, q, k, v, a, b)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            err = self._inflight.broken or (UnavailableError("stream is closed") if self._closing else None)
+            if err is None:
+                self._inflight.add(step, fut)
+                self._queue.put(step.request)
+        if err is not None:
+            step.fail(err)
+            raise error_from_status(err.code, err.message) from None
+        return fut
+
+    def _read(self, call: Any) -> None:
+        try:
+            for reply in call:
+                with self._lock:
+                    self._inflight.resolve(reply)
+                    self._delays = None  # healthy again: a later break gets fresh retries
+            err: GdnError | None = None
+        except grpc.RpcError as exc:
+            err = error_from_rpc(exc)
+        with self._lock:
+            if err is None and (self._closing or not len(self._inflight)):
+                return
+            if err is None:
+                err = UnavailableError("DecodeStream ended with requests unanswered")
+            delay = self._next_delay(err, self._closing)
+            if delay is None:
+                self._inflight.fail_all(err)
+                return
+        logger.info("DecodeStream broke (%s); reopening in %.3f s", err, delay)
+        threading.Event().wait(delay)
+        with self._lock:
+            self._queue.put(_END)
+            self._open(self._inflight.requests())  # a new reader thread takes over
+
+    def close(self, timeout: float | None = None) -> None:
+        """Half-closes the stream and waits for the replies still due."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._queue.put(_END)
+        wait = self._client.options.timeout if timeout is None else timeout
+        while True:
+            reader = self._reader
+            if reader is None:
+                break
+            reader.join(wait)
+            if reader.is_alive() or reader is self._reader:
+                break
+        with self._lock:
+            if len(self._inflight):
+                self._call.cancel()
+                self._inflight.fail_all(UnavailableError("stream closed before the reply came"))
+
+    def __enter__(self) -> "DecodeStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _drain(q: queue.SimpleQueue) -> Iterator[gdn_pb2.DecodeRequest]:
+    while True:
+        item = q.get()
+        if item is _END:
+            return
+        yield item
+
+
+class AsyncDecodeStream(_Reconnecting):
+    """The asyncio flavour of `DecodeStream`; ``submit`` returns an `asyncio.Future`.
+
+    >>> async with client.stream() as st:                             # doctest: +SKIP
+    ...     futs = [st.submit(layer, session, q, k, v, a, b) for layer in range(3)]
+    ...     outs = await asyncio.gather(*futs)
+    """
+
+    def __init__(self, client: "AsyncClient") -> None:
+        self._client = client
+        self._inflight = _InFlight()
+        self._closing = False
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._call: Any = None
+        self._reader: asyncio.Task | None = None
+        self._open([])
+
+    def _open(self, replay: list[gdn_pb2.DecodeRequest]) -> None:
+        q: asyncio.Queue = asyncio.Queue()
+        for req in replay:
+            q.put_nowait(req)
+        self._queue = q
+        self._call = self._client._stub.DecodeStream(_adrain(q), metadata=self._client._metadata)
+        self._reader = asyncio.get_running_loop().create_task(self._read(self._call))
+
+    def submit(
+        self,
+        layer: int,
+        sessions: "AsyncSession | Sequence[AsyncSession]",
+        q: TensorLike,
+        k: TensorLike,
+        v: TensorLike,
+        a: TensorLike,
+        b: TensorLike,
+    ) -> asyncio.Future:
+        """Queues one step (no await needed); await the returned future for bf16 o."""
+        step = _prepare(layer, sessions, q, k, v, a, b)
+        err = self._inflight.broken or (UnavailableError("stream is closed") if self._closing else None)
+        if err is not None:
+            step.fail(err)
+            raise error_from_status(err.code, err.message) from None
+        fut = asyncio.get_running_loop().create_future()
+        self._inflight.add(step, fut)
+        self._queue.put_nowait(step.request)
+        return fut
+
+    async def _read(self, call: Any) -> None:
+        try:
+            async for reply in call:
+                self._inflight.resolve(reply)
+                self._delays = None
+            err: GdnError | None = None
+        except grpc.RpcError as exc:
+            err = error_from_rpc(exc)
+        except asyncio.CancelledError:
+            self._inflight.fail_all(UnavailableError("stream closed before the reply came"))
+            raise
+        if err is None and (self._closing or not len(self._inflight)):
+            return
+        if err is None:
+            err = UnavailableError("DecodeStream ended with requests unanswered")
+        delay = self._next_delay(err, self._closing)
+        if delay is None:
+            self._inflight.fail_all(err)
+            return
+        logger.info("DecodeStream broke (%s); reopening in %.3f s", err, delay)
+        await asyncio.sleep(delay)
+        self._queue.put_nowait(_END)
+        self._open(self._inflight.requests())
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Half-closes the stream and waits for the replies still due."""
+        if self._closing:
+            return
+        self._closing = True
+        self._queue.put_nowait(_END)
+        wait = self._client.options.timeout if timeout is None else timeout
+        while self._reader is not None:
+            reader = self._reader
+            try:
+                await asyncio.wait_for(asyncio.shield(reader), wait)
+            except asyncio.TimeoutError:
+                break
+            if reader is self._reader:
+                break
+        if len(self._inflight):
+            self._call.cancel()
+            self._inflight.fail_all(UnavailableError("stream closed before the reply came"))
+
+    async def __aenter__(self) -> "AsyncDecodeStream":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _adrain(q: asyncio.Queue) -> AsyncIterator[gdn_pb2.DecodeRequest]:
+    while True:
+        item = await q.get()
+        if item is _END:
+            return
+        yield item
