@@ -1,0 +1,211 @@
+"""Host side of the GDN decode kernel: argument checks, the compile cache and the launch.
+
+Importing this module is cheap: cutlass (and the kernel module) load on the first compile.
+The launch path is built for a server: after the first call of a variant, `gdn_decode` reads
+four shape entries in Python, looks up the compiled function and calls it through tvm-ffi,
+which checks every tensor's dtype, shape, strides, alignment and device against the compiled
+signature in C before the launch (and raises ValueError on a mismatch). The kernel runs on
+torch's current CUDA stream, allocates nothing and can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+HEAD_DIM = 128
+SUPPORTED_T = (1, 2, 3, 4)
+# (H, HV) pairs compiled by `compile_all_variants` (the CI check): Qwen3-Next and two other ratios.
+CHECKED_HEADS = ((16, 32), (8, 32), (32, 32))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled kernel: the static shape it serves and its tiling."""
+
+    T: int
+    H: int
+    HV: int
+    warps: int = 4
+    rows_per_thread: int = 4
+
+
+_cache: dict[Variant, Callable[..., Any]] = {}
+_launchers: dict[tuple[int, int, int, int, int], Callable[..., Any]] = {}
+_lock = threading.Lock()
+
+
+def default_variant(T: int, H: int, HV: int) -> Variant:
+    """The tiling `gdn_decode` uses for a (T, H, HV) shape."""
+    return Variant(T, H, HV)
+
+
+def check_variant(T: int, H: int, HV: int) -> None:
+    """Raise ValueError unless the kernel supports this (T, H, HV)."""
+    if T not in SUPPORTED_T:
+        raise ValueError(f"T={T} tokens per step is not supported (1..4)")
+    if H < 1 or HV < 1 or HV % H != 0:
+        raise ValueError(f"HV={HV} must be a positive multiple of H={H}")
+
+
+def compile_variant(T: int, H: int, HV: int, *, warps: int = 4, rows_per_thread: int = 4) -> Callable[..., Any]:
+    """Compile (or fetch from the cache) the kernel for one (T, H, HV); no GPU needed.
+
+    Without a GPU, set CUTE_DSL_ARCH=sm_90a. The result takes (state, slots, layers, q, k, v,
+    a, b, A_log, dt_bias, out, scale, softplus_beta, softplus_threshold) as torch tensors and
+    floats and launches on torch's current stream.
+    """
+    check_variant(T, H, HV)
+    variant = Variant(T, H, HV, warps, rows_per_thread)
+    fn = _cache.get(variant)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _cache.get(variant)
+        if fn is None:
+            fn = _compile(variant)
+            _cache[variant] = fn
+    return fn
+
+
+def compile_all_variants(heads: tuple[tuple[int, int], ...] = CHECKED_HEADS) -> dict[Variant, Callable[..., Any]]:
+    """Compile T = 1..4 for every (H, HV) in `heads`; returns {variant: compiled function}."""
+    out = {}
+    for H, HV in heads:
+        for T in SUPPORTED_T:
+            out[default_variant(T, H, HV)] = compile_variant(T, H, HV)
+    return out
+
+
+def _compile(variant: Variant) -> Callable[..., Any]:
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    from ._decode_kernel import DecodeConfig, GdnDecodeKernel
+
+    T, H, HV = variant.T, variant.H, variant.HV
+    D = HEAD_DIM
+    batch, slots, layers = cute.sym_int(), cute.sym_int(), cute.sym_int()
+
+    def fake(dtype, shape, align):  # row-major, contiguous, on the GPU
+        order = tuple(reversed(range(len(shape))))
+        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
+
+    kernel = GdnDecodeKernel(DecodeConfig(T, H, HV, variant.warps, variant.rows_per_thread))
+    return cute.compile(
+        kernel,
+        fake(BFloat16, (slots, HV, D, D), 16),  # state
+        fake(Int32, (batch,), 4),  # slots
+        fake(Int32, (batch,), 4),  # layers
+        fake(BFloat16, (batch, T, H, D), 16),  # q
+        fake(BFloat16, (batch, T, H, D), 16),  # k
+        fake(BFloat16, (batch, T, HV, D), 16),  # v
+        fake(BFloat16, (batch, T, HV), 2),  # a
+        fake(BFloat16, (batch, T, HV), 2),  # b
+        fake(Float32, (layers, HV), 4),  # A_log
+        fake(Float32, (layers, HV), 4),  # dt_bias
+        fake(BFloat16, (batch, T, HV, D), 16),  # out
+        Float32(1.0),
+        Float32(1.0),
+        Float32(20.0),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+        options="--enable-tvm-ffi",
+    )
+
+
+def validate_decode_args(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out, *, require_cuda: bool = True) -> None:
+    """Full check of gdn_decode's arguments; raises ValueError naming the offending argument.
+
+    gdn_decode runs it on the first call of each shape; later calls rely on the compiled
+    function's own checks. `require_cuda=False` lets CPU-only tests exercise the shape rules.
+    """
+    import torch
+
+    named = dict(state=state, slots=slots, layers=layers, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, out=out)
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    want_dtype = dict(slots=torch.int32, layers=torch.int32, A_log=torch.float32, dt_bias=torch.float32)
+    for name, t in named.items():
+        dtype = want_dtype.get(name, torch.bfloat16)
+        if t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    want_ndim = dict(state=4, slots=1, layers=1, q=4, k=4, v=4, a=3, b=3, A_log=2, dt_bias=2, out=4)
+    for name, t in named.items():
+        if t.dim() != want_ndim[name]:
+            raise ValueError(f"{name} must have {want_ndim[name]} dims, got shape {tuple(t.shape)}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if K != HEAD_DIM or V != HEAD_DIM:
+        raise ValueError(f"head dims must be K = V = {HEAD_DIM}, got q {tuple(q.shape)}, v {tuple(v.shape)}")
+    check_variant(T, H, HV)
+    L = A_log.shape[0]
+    want_shape = dict(
+        state=(state.shape[0], HV, V, K), slots=(B,), layers=(B,), q=(B, T, H, K), k=(B, T, H, K),
+        v=(B, T, HV, V), a=(B, T, HV), b=(B, T, HV), A_log=(L, HV), dt_bias=(L, HV), out=(B, T, HV, V),
+    )
+    for name, t in named.items():
+        if tuple(t.shape) != want_shape[name]:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want_shape[name]}")
+    if state.shape[0] < 1 or L < 1:
+        raise ValueError(f"state pool ({state.shape[0]} slots) and A_log ({L} layers) must not be empty")
+    device = state.device
+    for name, t in named.items():
+        if require_cuda and t.device.type != "cuda":
+            raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, state is on {device}: all tensors must share one device")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    for name in ("state", "q", "k", "v", "out"):
+        if named[name].data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned")
+
+
+def _launcher(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out) -> Callable[..., Any]:
+    validate_decode_args(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out)
+    _, T, H, _ = q.shape
+    HV = v.shape[2]
+    compiled = compile_variant(T, H, HV)
+    # Call the bare tvm-ffi function: the DSL's keyword wrapper costs a few microseconds.
+    fn = compiled.__tvm_ffi_object__() or compiled
+    _launchers[(T, H, HV, HEAD_DIM, HEAD_DIM)] = fn
+    return fn
+
+
+def gdn_decode(
+    state, slots, layers, q, k, v, a, b, A_log, dt_bias, out,
+    *, scale: float | None = None, softplus_beta: float = 1.0, softplus_threshold: float = 20.0,
+):
+    """One GDN decode step (API.md) for B rows, T tokens each, in one launch; returns `out`.
+
+    state   [num_slots, HV, 128, 128] bf16, updated in place at the rows' slots
+    slots   [B] int32: pool slot of each row; a negative slot marks a padding row (no state
+            read or written, zero outputs). Slots must be distinct and < num_slots.
+    layers  [B] int32: layer of each row, indexes A_log and dt_bias [L, HV] float32
+    q, k    [B, T, H, 128] bf16;  v [B, T, HV, 128] bf16;  a, b [B, T, HV] bf16
+    out     [B, T, HV, 128] bf16, written in full
+
+    All tensors contiguous on one CUDA device; wrong shapes, dtypes or devices raise ValueError
+    before anything is launched. Runs on torch's current stream.
+    """
+    try:
+        batch, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+    except (AttributeError, TypeError, ValueError, IndexError):
+        validate_decode_args(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out)
+        raise  # unreachable: the validator raises first
+    fn = _launchers.get((T, H, HV, K, V))
+    if fn is None:
+        fn = _launcher(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out)
+    if batch == 0:
+        return out
+    if scale is None:
+        scale = 1.0 / math.sqrt(K)
+    try:
+        fn(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out, scale, softplus_beta, softplus_threshold)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"gdn_decode: {e}") from None
+    return out

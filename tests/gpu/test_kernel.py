@@ -1,0 +1,148 @@
+"""The CuTe DSL decode kernel against the float64 reference, on a CUDA GPU (H200 / sm_90a).
+
+The full sweep (more shapes, 64-step drift, timings) is bench/kernel.py; this is the quick gate.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from reference import gdn_reference_step, rel_err
+
+D = 128
+DEV = "cuda"
+
+
+def _inputs(B, T, H, HV, L, gen):
+    bf = torch.bfloat16
+    rnd = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
+    return dict(
+        q=rnd(B, T, H, D).to(bf), k=rnd(B, T, H, D).to(bf), v=rnd(B, T, HV, D).to(bf),
+        a=rnd(B, T, HV).to(bf), b=rnd(B, T, HV).to(bf),
+        A_log=torch.log(torch.empty(L, HV, device=DEV).uniform_(1.0, 16.0, generator=gen)),
+        dt_bias=rnd(L, HV) * 0.5,
+        layers=torch.randint(0, L, (B,), device=DEV, generator=gen, dtype=torch.int32),
+    )
+
+
+def _run(pool, slots, x, out):
+    from gdn_server.kernels import gdn_decode
+
+    return gdn_decode(pool, slots, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"],
+                      x["A_log"], x["dt_bias"], out)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4])
+@pytest.mark.parametrize("H,HV", [(16, 32), (8, 32), (32, 32)])
+@pytest.mark.parametrize("B", [1, 7, 64])
+def test_matches_reference(B, T, H, HV):
+    gen = torch.Generator(device=DEV).manual_seed(B * 100 + T * 10 + H)
+    N = 2 * B + 8
+    pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+    before = pool.clone()
+    slots = torch.randperm(N, device=DEV, generator=gen)[:B].to(torch.int32)
+    if B > 1:
+        slots[::3] = -1  # padding rows
+    x = _inputs(B, T, H, HV, 3, gen)
+    out = torch.full((B, T, HV, D), float("nan"), device=DEV, dtype=torch.bfloat16)
+    _run(pool, slots, x, out)
+    torch.cuda.synchronize()
+
+    live = slots >= 0
+    ls = slots[live].long()
+    lay = x["layers"][live].long()
+    o_ref, s_ref = gdn_reference_step(
+        before[ls].float(), *(x[n][live] for n in ("q", "k", "v", "a", "b")),
+        x["A_log"][lay], x["dt_bias"][lay], dtype=torch.float64)
+    assert rel_err(out[live].float(), o_ref) < 5e-3
+    assert rel_err(pool[ls].float(), s_ref) < 5e-3
+    assert (out[~live] == 0).all()
+    untouched = torch.ones(N, dtype=torch.bool, device=DEV)
+    untouched[ls] = False
+    assert torch.equal(pool[untouched].view(torch.int16), before[untouched].view(torch.int16))
+
+
+def test_steps_without_drift():
+    B, T, H, HV, steps = 16, 2, 16, 32, 64
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    pool = (torch.randn(B + 4, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+    slots = torch.randperm(B + 4, device=DEV, generator=gen)[:B].to(torch.int32)
+    ls = slots.long()
+    s_ref = pool[ls].double()
+    out = torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
+    for _ in range(steps):
+        x = _inputs(B, T, H, HV, 2, gen)
+        _run(pool, slots, x, out)
+        lay = x["layers"].long()
+        o_ref, s_new = gdn_reference_step(s_ref, x["q"], x["k"], x["v"], x["a"], x["b"],
+                                          x["A_log"][lay], x["dt_bias"][lay], dtype=torch.float64)
+        s_ref = s_new.to(torch.bfloat16).double()  # the kernel rounds once per step too
+        assert rel_err(out.float(), o_ref) < 5e-3
+        assert rel_err(pool[ls].float(), s_new) < 5e-3
+
+
+def test_cuda_graph_replay_matches_eager():
+    B, T, H, HV = 32, 3, 16, 32
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    pool0 = (torch.randn(B + 4, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+    slots = torch.randperm(B + 4, device=DEV, generator=gen)[:B].to(torch.int32)
+    x = _inputs(B, T, H, HV, 2, gen)
+    pool_e, out_e = pool0.clone(), torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
+    _run(pool_e, slots, x, out_e)
+    pool_g, out_g = pool0.clone(), torch.empty_like(out_e)
+    _run(pool_g.clone(), slots, x, out_g)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _run(pool_g, slots, x, out_g)
+    pool_g.copy_(pool0)
+    out_g.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_g, out_e) and torch.equal(pool_g, pool_e)
+
+
+@pytest.mark.parametrize("change", ["q_dtype", "out_batch", "slots_int64", "v_cpu", "k_strided", "K_64"])
+def test_bad_arguments_raise_value_error(change):
+    from gdn_server.kernels import gdn_decode
+
+    B, T, H, HV = 4, 1, 16, 32
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    pool = torch.zeros(8, HV, D, D, device=DEV, dtype=torch.bfloat16)
+    slots = torch.arange(B, device=DEV, dtype=torch.int32)
+    x = _inputs(B, T, H, HV, 2, gen)
+    out = torch.zeros(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
+    _run(pool, slots, x, out)  # the variant is compiled and cached: the fast path checks too
+    args = dict(state=pool, slots=slots, layers=x["layers"], q=x["q"], k=x["k"], v=x["v"], a=x["a"],
+                b=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"], out=out)
+    bad = dict(
+        q_dtype=dict(q=x["q"].float()),
+        out_batch=dict(out=out[:2]),
+        slots_int64=dict(slots=slots.long()),
+        v_cpu=dict(v=x["v"].cpu()),
+        k_strided=dict(k=torch.empty(B, T, D, H, device=DEV, dtype=torch.bfloat16).transpose(2, 3)),
+        K_64=dict(q=x["q"][..., :64].contiguous(), k=x["k"][..., :64].contiguous()),
+    )[change]
+    pool_before = pool.clone()
+    with pytest.raises(ValueError):
+        gdn_decode(*dict(args, **bad).values())
+    torch.cuda.synchronize()
+    assert torch.equal(pool, pool_before)
+
+
+def test_default_scale_is_inverse_sqrt_k():
+    from gdn_server.kernels import gdn_decode
+
+    B, T, H, HV = 3, 1, 16, 32
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    pool = (torch.randn(B, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+    slots = torch.arange(B, device=DEV, dtype=torch.int32)
+    x = _inputs(B, T, H, HV, 1, gen)
+    args = (slots, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"])
+    p1, o1 = pool.clone(), torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
+    p2, o2 = pool.clone(), torch.empty_like(o1)
+    gdn_decode(p1, *args, o1)
+    gdn_decode(p2, *args, o2, scale=1.0 / math.sqrt(D))
+    torch.cuda.synchronize()
+    assert torch.equal(o1, o2)

@@ -1,0 +1,99 @@
+"""CPU checks of the CuTe DSL decode kernel: every variant compiles for sm_90a, and bad
+arguments raise ValueError, with no GPU (CUTE_DSL_ARCH=sm_90a)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from gdn_server.kernels import (  # noqa: E402
+    CHECKED_HEADS,
+    SUPPORTED_T,
+    check_variant,
+    compile_variant,
+    gdn_decode,
+    validate_decode_args,
+)
+
+D = 128
+
+
+def test_import_is_cheap_and_needs_no_gpu():
+    code = "import sys, gdn_server.kernels; assert 'cutlass' not in sys.modules, 'cutlass imported eagerly'"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+
+@pytest.mark.parametrize("H,HV", CHECKED_HEADS)
+@pytest.mark.parametrize("T", SUPPORTED_T)
+def test_variant_compiles_for_sm90a(T, H, HV):
+    fn = compile_variant(T, H, HV)
+    assert fn is compile_variant(T, H, HV)  # cached: compiled once per (T, H, HV)
+    assert fn.__tvm_ffi_object__() is not None
+
+
+@pytest.mark.parametrize("T,H,HV", [(0, 16, 32), (5, 16, 32), (1, 16, 24), (1, 0, 32)])
+def test_unsupported_variant_is_a_value_error(T, H, HV):
+    with pytest.raises(ValueError):
+        check_variant(T, H, HV)
+
+
+def _args(B=3, T=2, H=16, HV=32, device="cpu"):
+    bf = torch.bfloat16
+    return dict(
+        state=torch.zeros(5, HV, D, D, dtype=bf, device=device),
+        slots=torch.arange(B, dtype=torch.int32, device=device),
+        layers=torch.zeros(B, dtype=torch.int32, device=device),
+        q=torch.zeros(B, T, H, D, dtype=bf, device=device),
+        k=torch.zeros(B, T, H, D, dtype=bf, device=device),
+        v=torch.zeros(B, T, HV, D, dtype=bf, device=device),
+        a=torch.zeros(B, T, HV, dtype=bf, device=device),
+        b=torch.zeros(B, T, HV, dtype=bf, device=device),
+        A_log=torch.zeros(2, HV, dtype=torch.float32, device=device),
+        dt_bias=torch.zeros(2, HV, dtype=torch.float32, device=device),
+        out=torch.zeros(B, T, HV, D, dtype=bf, device=device),
+    )
+
+
+def test_cpu_tensors_are_a_value_error():
+    with pytest.raises(ValueError, match="CUDA"):
+        gdn_decode(*_args().values())
+
+
+def test_valid_shapes_pass_the_shape_rules():
+    validate_decode_args(*_args().values(), require_cuda=False)
+
+
+BAD = {
+    "q_dtype": lambda a: dict(q=a["q"].float()),
+    "state_dtype": lambda a: dict(state=a["state"].float()),
+    "slots_int64": lambda a: dict(slots=a["slots"].long()),
+    "A_log_bf16": lambda a: dict(A_log=a["A_log"].bfloat16()),
+    "out_batch": lambda a: dict(out=a["out"][:2]),
+    "v_heads": lambda a: dict(v=a["v"][:, :, :16].contiguous()),
+    "k_shape": lambda a: dict(k=a["k"][:, :1].contiguous()),
+    "a_ndim": lambda a: dict(a=a["a"][..., None]),
+    "layers_len": lambda a: dict(layers=a["layers"][:1]),
+    "dt_bias_heads": lambda a: dict(dt_bias=a["dt_bias"][:, :8].contiguous()),
+    "state_heads": lambda a: dict(state=a["state"][:, :16].contiguous()),
+    "head_dim_64": lambda a: dict(q=a["q"][..., :64].contiguous(), k=a["k"][..., :64].contiguous()),
+    "T_5": lambda a: _args(T=5),
+    "hv_not_multiple": lambda a: dict(q=a["q"][:, :, :12].contiguous(), k=a["k"][:, :, :12].contiguous()),
+    "k_strided": lambda a: dict(k=a["k"].transpose(2, 3).contiguous().transpose(2, 3)),
+    "not_a_tensor": lambda a: dict(b=[0.0]),
+    "empty_pool": lambda a: dict(state=a["state"][:0]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_arguments_are_value_errors(name):
+    args = _args()
+    args.update(BAD[name](args))
+    with pytest.raises(ValueError):
+        validate_decode_args(*args.values(), require_cuda=False)
+    with pytest.raises(ValueError):
+        gdn_decode(*args.values())
