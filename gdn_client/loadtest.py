@@ -1,0 +1,573 @@
+"""gdn-loadtest: N concurrent clients decoding against a gdn-serve server, next to a gRPC floor.
+
+Each client (an asyncio task with its own channel) owns ``--batch`` sessions and walks them
+through the model as a decoder would: layer 0..L-1 for one token, then the next token, one step
+in flight at a time (a layer's input depends on the previous layer's output). Inputs are random,
+drawn once per client and reused; requests always carry positions.
+
+    gdn-loadtest --target 127.0.0.1:50051 --clients 1,8,64 --mode stream --duration 10 \\
+        --echo --json results.json --plot plots/
+
+prints one row per clients value: steps/s, tokens*layers/s (= steps/s * B * T), p50/p90/p99
+latency, errors, the server's mean rows per kernel launch over the run (GetStats delta), and with
+``--echo`` the same load against a bytes echo server with identical message sizes
+(`gdn_client._echo`, started as a subprocess) and our throughput as a percentage of it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterator, Sequence
+
+import grpc
+import grpc.aio
+import numpy as np
+import torch
+
+from gdn_client._codec import ModelInfo, Stats, encode_request, model_info_from_proto, stats_from_proto
+from gdn_client._echo import STREAM as ECHO_STREAM
+from gdn_client._echo import UNARY as ECHO_UNARY
+from gdn_client._echo import echo_request
+from gdn_client._errors import GdnError, error_from_rpc
+from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
+
+__all__ = ["LoadConfig", "RunResult", "run_load", "main"]
+
+logger = logging.getLogger("gdn_client.loadtest")
+
+_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+_CHANNEL_ARGS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    target: str
+    clients: int
+    mode: str = "stream"  # "stream" or "unary"
+    batch: int = 1  # sessions per request
+    tokens: int = 1  # T per step
+    layers_per_token: int | None = None  # None: all layers
+    requests: int | None = None  # total over all clients; or
+    duration: float | None = None  # seconds
+    dtype: str = "bf16"
+    seed: int = 0
+    timeout: float = 30.0
+    progress: bool = True
+
+
+@dataclass
+class RunResult:
+    kind: str  # "gdn" or "echo"
+    mode: str
+    clients: int
+    batch: int
+    tokens: int
+    layers_per_token: int
+    steps: int
+    errors: int
+    elapsed_s: float
+    steps_per_s: float
+    token_layers_per_s: float
+    latency_ms: dict[str, float]
+    request_bytes: int
+    reply_bytes: int
+    server: dict[str, Any] | None = None
+    error_samples: list[str] = field(default_factory=list)
+    latencies_ms: list[float] = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("latencies_ms")
+        return d
+
+
+class _Budget:
+    """Shared stop condition: a request count or a deadline."""
+
+    def __init__(self, requests: int | None, duration: float | None) -> None:
+        self.left = requests
+        self.duration = duration
+        self.deadline = float("inf")
+
+    def start(self) -> None:
+        if self.duration is not None:
+            self.deadline = time.perf_counter() + self.duration
+
+    def take(self) -> bool:
+        if time.perf_counter() >= self.deadline:
+            return False
+        if self.left is None:
+            return True
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        return True
+
+
+@dataclass
+class _ClientTally:
+    latencies: list[float] = field(default_factory=list)
+    errors: int = 0
+    error_samples: list[str] = field(default_factory=list)
+
+    def error(self, msg: str) -> None:
+        self.errors += 1
+        if len(self.error_samples) < 5:
+            self.error_samples.append(msg)
+
+
+# -- one exchange per step: the same loop drives gdn and echo --------------------------------------
+
+Exchange = Callable[[], Awaitable[None]]  # sends one step and waits for its reply; raises on error
+
+
+class _GdnWorker:
+    """One client of the gdn server: its sessions, inputs and positions."""
+
+    def __init__(self, cfg: LoadConfig, info: ModelInfo, index: int) -> None:
+        self.cfg = cfg
+        self.layers = min(cfg.layers_per_token or info.num_layers, info.num_layers)
+        self.channel = grpc.aio.insecure_channel(cfg.target, _CHANNEL_ARGS)
+        self.stub = gdn_pb2_grpc.GdnDecodeStub(self.channel)
+        gen = torch.Generator().manual_seed(cfg.seed * 100_003 + index)
+        B, T, H, HV, K, V = cfg.batch, cfg.tokens, info.num_q_heads, info.num_v_heads, info.head_dim_k, info.head_dim_v
+        shapes = [(B, T, H, K), (B, T, H, K), (B, T, HV, V), (B, T, HV), (B, T, HV)]
+        self.tensors = [torch.randn(*s, generator=gen).to(_DTYPES[cfg.dtype]) for s in shapes]
+        self.session_ids: list[str] = []
+        self.positions = [0] * info.num_layers
+        self.step_index = 0
+        self.request = gdn_pb2.DecodeRequest()
+        self.call: Any = None
+        self.reply_bytes = 0
+
+    async def open(self) -> None:
+        for _ in range(self.cfg.batch):
+            reply = await self.stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=self.cfg.timeout)
+            self.session_ids.append(reply.session_id)
+        self.request = encode_request(0, self.session_ids, [0] * self.cfg.batch, self.tensors)
+        if self.cfg.mode == "stream":
+            self.call = self.stub.DecodeStream()
+
+    def _next_request(self) -> gdn_pb2.DecodeRequest:
+        layer = self.step_index % self.layers
+        self.request.layer = layer
+        self.request.positions[:] = [self.positions[layer]] * self.cfg.batch
+        self.request.request_id = str(self.step_index)
+        return self.request
+
+    def _advance(self, reply: gdn_pb2.DecodeResponse) -> None:
+        self.positions[self.request.layer] += self.cfg.tokens
+        self.step_index += 1
+        if not self.reply_bytes:
+            self.reply_bytes = reply.ByteSize()
+
+    async def exchange(self) -> None:
+        req = self._next_request()
+        if self.call is None:
+            try:
+                reply = await self.stub.Decode(req, timeout=self.cfg.timeout)
+            except grpc.RpcError as exc:
+                raise error_from_rpc(exc) from None
+        else:
+            try:
+                await self.call.write(req)
+                reply = await self.call.read()
+            except grpc.RpcError as exc:
+                raise error_from_rpc(exc) from None
+            if reply is grpc.aio.EOF:
+                raise GdnError("DecodeStream ended", grpc.StatusCode.UNAVAILABLE)
+            if reply.error_code:
+                raise GdnError(reply.error_message, grpc.StatusCode.UNKNOWN)
+        self._advance(reply)
+
+    async def close(self) -> None:
+        if self.call is not None:
+            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+                await self.call.done_writing()
+                async for _ in self.call:
+                    pass
+        for sid in self.session_ids:
+            with contextlib.suppress(grpc.RpcError):
+                await self.stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=sid), timeout=self.cfg.timeout)
+        await self.channel.close()
+
+
+class _EchoWorker:
+    """One client of the echo server, with a gdn step's message sizes."""
+
+    def __init__(self, cfg: LoadConfig, address: str, request_bytes: int, reply_bytes: int) -> None:
+        self.cfg = cfg
+        self.channel = grpc.aio.insecure_channel(address, _CHANNEL_ARGS)
+        self.payload = echo_request(request_bytes, reply_bytes)
+        self.call: Any = None
+
+    async def open(self) -> None:
+        if self.cfg.mode == "stream":
+            self.call = self.channel.stream_stream(ECHO_STREAM)()
+        else:
+            self.unary = self.channel.unary_unary(ECHO_UNARY)
+
+    async def exchange(self) -> None:
+        try:
+            if self.call is None:
+                await self.unary(self.payload, timeout=self.cfg.timeout)
+            else:
+                await self.call.write(self.payload)
+                if await self.call.read() is grpc.aio.EOF:
+                    raise GdnError("echo stream ended", grpc.StatusCode.UNAVAILABLE)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    async def close(self) -> None:
+        if self.call is not None:
+            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+                await self.call.done_writing()
+                async for _ in self.call:
+                    pass
+        await self.channel.close()
+
+
+async def _drive(
+    workers: Sequence[Any], cfg: LoadConfig, label: str, before_measure: Callable[[], Awaitable[None]] | None = None
+) -> tuple[list[_ClientTally], float]:
+    """Opens and warms every worker up with one step, then runs the budget; returns tallies, elapsed."""
+    await asyncio.gather(*(w.open() for w in workers))
+    await asyncio.gather(*(w.exchange() for w in workers))  # warm-up: connections, first launch
+    if before_measure is not None:
+        await before_measure()
+    budget = _Budget(cfg.requests, cfg.duration)
+    bar = _progress(cfg, label)
+    tallies = [_ClientTally() for _ in workers]
+
+    async def loop(worker: Any, tally: _ClientTally) -> None:
+        lat = tally.latencies
+        while budget.take():
+            t0 = time.perf_counter()
+            try:
+                await worker.exchange()
+            except GdnError as err:
+                tally.error(str(err))
+                if err.code == grpc.StatusCode.UNAVAILABLE:
+                    return  # the connection is gone; stop this client
+                continue
+            finally:
+                bar.update()
+            lat.append(time.perf_counter() - t0)
+
+    budget.start()
+    t0 = time.perf_counter()
+    ticker = asyncio.ensure_future(_tick(bar, budget)) if cfg.duration is not None else None
+    try:
+        await asyncio.gather(*(loop(w, t) for w, t in zip(workers, tallies)))
+    finally:
+        elapsed = time.perf_counter() - t0
+        if ticker is not None:
+            ticker.cancel()
+        bar.close()
+    return tallies, elapsed
+
+
+async def _tick(bar: Any, budget: _Budget) -> None:
+    while True:  # keeps the bar moving when replies stall
+        await asyncio.sleep(0.5)
+        bar.refresh()
+
+
+def _progress(cfg: LoadConfig, label: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(
+        total=cfg.requests, desc=label, unit="step", disable=not cfg.progress, leave=False, mininterval=0.25,
+        file=sys.stderr,
+    )
+
+
+def _result(kind: str, cfg: LoadConfig, layers: int, tallies: list[_ClientTally], elapsed: float,
+            request_bytes: int, reply_bytes: int, server: dict | None) -> RunResult:
+    lat_ms = np.array([x for t in tallies for x in t.latencies], dtype=np.float64) * 1e3
+    steps = int(lat_ms.size)
+    pct = {}
+    if steps:
+        p50, p90, p99 = np.percentile(lat_ms, [50, 90, 99])
+        pct = {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(lat_ms.mean()),
+               "max": float(lat_ms.max())}
+    rate = steps / elapsed if elapsed > 0 else 0.0
+    return RunResult(
+        kind=kind, mode=cfg.mode, clients=cfg.clients, batch=cfg.batch, tokens=cfg.tokens,
+        layers_per_token=layers, steps=steps, errors=sum(t.errors for t in tallies), elapsed_s=elapsed,
+        steps_per_s=rate, token_layers_per_s=rate * cfg.batch * cfg.tokens, latency_ms=pct,
+        request_bytes=request_bytes, reply_bytes=reply_bytes, server=server,
+        error_samples=[s for t in tallies for s in t.error_samples][:5], latencies_ms=lat_ms.tolist(),
+    )
+
+
+async def _server_view(target: str, timeout: float) -> tuple[ModelInfo, Stats]:
+    async with grpc.aio.insecure_channel(target, _CHANNEL_ARGS) as ch:
+        stub = gdn_pb2_grpc.GdnDecodeStub(ch)
+        try:
+            info = await stub.GetModelInfo(gdn_pb2.GetModelInfoRequest(), timeout=timeout)
+            stats = await stub.GetStats(gdn_pb2.GetStatsRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+    return model_info_from_proto(info), stats_from_proto(stats)
+
+
+async def run_load(cfg: LoadConfig) -> RunResult:
+    """One load run against a gdn server (one clients value)."""
+    info, _ = await _server_view(cfg.target, cfg.timeout)
+    free = info.max_sessions - info.sessions_in_use
+    if cfg.clients * cfg.batch > free:
+        raise GdnError(
+            f"{cfg.clients} clients x {cfg.batch} sessions need {cfg.clients * cfg.batch} sessions; "
+            f"the server has {free} free (--max-sessions)", grpc.StatusCode.RESOURCE_EXHAUSTED,
+        )
+    workers = [_GdnWorker(cfg, info, i) for i in range(cfg.clients)]
+    before: Stats | None = None
+
+    async def snapshot() -> None:
+        nonlocal before
+        _, before = await _server_view(cfg.target, cfg.timeout)
+
+    try:
+        tallies, elapsed = await _drive(workers, cfg, f"gdn {cfg.mode} x{cfg.clients}", snapshot)
+        _, after = await _server_view(cfg.target, cfg.timeout)
+    finally:
+        await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+    delta = after.since(before) if before is not None else after
+    server = {
+        "backend": after.backend, "launches": delta.launches, "rows_launched": delta.rows_launched,
+        "requests": delta.requests, "batches": delta.batches, "mean_rows_per_launch": delta.mean_rows_per_launch,
+    }
+    w0 = workers[0]
+    return _result("gdn", cfg, w0.layers, tallies, elapsed, w0.request.ByteSize(), w0.reply_bytes, server)
+
+
+async def run_echo(cfg: LoadConfig, address: str, request_bytes: int, reply_bytes: int, layers: int) -> RunResult:
+    """The same load against the echo server."""
+    workers = [_EchoWorker(cfg, address, request_bytes, reply_bytes) for _ in range(cfg.clients)]
+    try:
+        tallies, elapsed = await _drive(workers, cfg, f"echo {cfg.mode} x{cfg.clients}")
+    finally:
+        await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+    return _result("echo", cfg, layers, tallies, elapsed, request_bytes, reply_bytes, None)
+
+
+# -- echo server subprocess ------------------------------------------------------------------------
+
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+@contextlib.contextmanager
+def echo_server(timeout: float = 30.0) -> Iterator[str]:
+    """Starts `gdn_client._echo` on 127.0.0.1, port 0, as a subprocess; yields its address."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gdn_client._echo", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        address = None
+        assert proc.stdout is not None
+        while address is None:
+            line = proc.stdout.readline()
+            if not line and (proc.poll() is not None or time.monotonic() > deadline):
+                raise RuntimeError("echo server did not start")
+            m = _LISTENING.search(line)
+            if m:
+                address = f"{m.group(1)}:{m.group(2)}"
+        yield address
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+def format_table(results: Sequence[RunResult]) -> str:
+    """A plain-text table, one row per run; echo rows carry our throughput as % of them."""
+    header = ["kind", "mode", "clients", "B", "T", "steps", "steps/s", "tok*layers/s",
+              "p50 ms", "p90 ms", "p99 ms", "errors", "rows/launch", "% of echo"]
+    ours = {(r.mode, r.clients): r for r in results if r.kind == "gdn"}
+    rows = []
+    for r in results:
+        lat = r.latency_ms
+        pct = ""
+        if r.kind == "echo" and (r.mode, r.clients) in ours and r.steps_per_s:
+            pct = f"{100.0 * ours[(r.mode, r.clients)].steps_per_s / r.steps_per_s:.1f}%"
+        rows.append([
+            r.kind, r.mode, str(r.clients), str(r.batch), str(r.tokens), str(r.steps),
+            f"{r.steps_per_s:,.1f}", f"{r.token_layers_per_s:,.1f}",
+            *(f"{lat[p]:.3f}" if p in lat else "-" for p in ("p50", "p90", "p99")),
+            str(r.errors), f"{r.server['mean_rows_per_launch']:.2f}" if r.server else "-", pct,
+        ])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def write_plots(results: Sequence[RunResult], directory: Path) -> list[Path]:
+    """Throughput against concurrency (when several clients values ran) and latency CDFs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    by_kind: dict[str, list[RunResult]] = {}
+    for r in results:
+        by_kind.setdefault(f"{r.kind} {r.mode}", []).append(r)
+    if len({r.clients for r in results}) > 1:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, rs in by_kind.items():
+            rs = sorted(rs, key=lambda r: r.clients)
+            ax.plot([r.clients for r in rs], [r.steps_per_s for r in rs], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r.clients for r in results})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel("steps/s")
+        ax.set_title(f"throughput (B={results[0].batch}, T={results[0].tokens})")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        path = directory / "throughput_vs_clients.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        if not r.latencies_ms:
+            continue
+        lat = np.sort(np.asarray(r.latencies_ms))
+        ax.plot(lat, np.arange(1, lat.size + 1) / lat.size, label=f"{r.kind} {r.mode} x{r.clients}")
+    ax.set_xscale("log")
+    ax.set_xlabel("latency per step (ms)")
+    ax.set_ylabel("fraction of steps")
+    ax.set_title("latency CDF")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    path = directory / "latency_cdf.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+
+def _clients_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--clients takes integers like 1,8,64, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"--clients needs positive integers, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gdn-loadtest",
+        description="Concurrent decode load against a gdn-serve server, optionally next to a gRPC echo floor.",
+    )
+    p.add_argument("--target", default="127.0.0.1:50051", help="server address (default 127.0.0.1:50051)")
+    p.add_argument("--clients", type=_clients_list, default=[1],
+                   help="concurrent clients; a comma list runs each value in turn (e.g. 1,8,64)")
+    p.add_argument("--mode", choices=["stream", "unary"], default="stream", help="DecodeStream or unary Decode")
+    p.add_argument("--batch", type=int, default=1, help="sessions per request B (default 1)")
+    p.add_argument("--tokens", type=int, default=1, help="tokens per step T (default 1)")
+    p.add_argument("--layers-per-token", type=int, default=None, help="cycle only the first N layers")
+    stop = p.add_mutually_exclusive_group()
+    stop.add_argument("--duration", type=float, default=None, help="seconds per run")
+    stop.add_argument("--requests", type=int, default=None, help="steps per run, over all clients")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="input dtype on the wire")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--timeout", type=float, default=30.0, help="per-call deadline (s)")
+    p.add_argument("--echo", action="store_true", help="also run the same load against a bytes echo server")
+    p.add_argument("--json", type=Path, default=None, help="write results to this JSON file")
+    p.add_argument("--plot", type=Path, default=None, help="write PNG charts into this folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+async def _run_all(args: argparse.Namespace) -> list[RunResult]:
+    results: list[RunResult] = []
+    for n in args.clients:
+        cfg = LoadConfig(
+            target=args.target, clients=n, mode=args.mode, batch=args.batch, tokens=args.tokens,
+            layers_per_token=args.layers_per_token, requests=args.requests, duration=args.duration,
+            dtype=args.dtype, seed=args.seed, timeout=args.timeout, progress=not args.no_progress,
+        )
+        results.append(await run_load(cfg))
+    return results
+
+
+async def _run_echo_all(args: argparse.Namespace, ours: Sequence[RunResult], address: str) -> list[RunResult]:
+    results = []
+    for r in ours:
+        cfg = LoadConfig(target=address, clients=r.clients, mode=args.mode, batch=args.batch, tokens=args.tokens,
+                         requests=args.requests, duration=args.duration, timeout=args.timeout,
+                         progress=not args.no_progress)
+        results.append(await run_echo(cfg, address, r.request_bytes, r.reply_bytes, r.layers_per_token))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.duration is None and args.requests is None:
+        args.duration = 10.0
+    if args.batch < 1 or args.tokens < 1:
+        print("gdn-loadtest: --batch and --tokens must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        results = asyncio.run(_run_all(args))
+        if args.echo:
+            with echo_server() as address:
+                results += asyncio.run(_run_echo_all(args, results, address))
+    except GdnError as err:
+        print(f"gdn-loadtest: {err}", file=sys.stderr)
+        return 1
+    print(format_table(results))
+    for r in results:
+        for sample in r.error_samples:
+            print(f"  {r.kind} x{r.clients} error: {sample}", file=sys.stderr)
+    if args.json is not None:
+        ours = {(r.mode, r.clients): r for r in results if r.kind == "gdn"}
+        doc = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+               "runs": []}
+        for r in results:
+            d = r.summary()
+            if r.kind == "echo" and r.steps_per_s and (r.mode, r.clients) in ours:
+                d["gdn_pct_of_echo"] = 100.0 * ours[(r.mode, r.clients)].steps_per_s / r.steps_per_s
+            doc["runs"].append(d)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2))
+    if args.plot is not None:
+        for path in write_plots(results, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0 if all(r.errors == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""gdn-loadtest against the CPU server: short bounded runs, results checked through --json."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gdn_client import loadtest
+
+
+def _runs(path) -> list[dict]:
+    doc = json.loads(path.read_text())
+    return doc["runs"]
+
+
+def test_stream_with_echo_json_and_plots(small_server, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "results.json"
+    rc = loadtest.main([
+        "--target", small_server.address, "--clients", "1,3", "--mode", "stream", "--requests", "60",
+        "--batch", "2", "--tokens", "2", "--echo", "--json", str(out), "--plot", str(tmp_path / "plots"),
+        "--no-progress",
+    ])
+    assert rc == 0
+    runs = _runs(out)
+    gdn = [r for r in runs if r["kind"] == "gdn"]
+    echo = [r for r in runs if r["kind"] == "echo"]
+    assert [r["clients"] for r in gdn] == [1, 3] and [r["clients"] for r in echo] == [1, 3]
+    for r in gdn:
+        assert r["steps"] == 60 and r["errors"] == 0 and r["layers_per_token"] == 3
+        assert r["steps_per_s"] > 0 and r["token_layers_per_s"] == pytest.approx(r["steps_per_s"] * 4)
+        assert 0 < r["latency_ms"]["p50"] <= r["latency_ms"]["p90"] <= r["latency_ms"]["p99"]
+        srv = r["server"]
+        assert srv["requests"] == 60 and srv["launches"] >= 1
+        assert srv["mean_rows_per_launch"] >= 2  # every request carries B=2 rows
+    for r, g in zip(echo, gdn):  # the floor sees the same message sizes
+        assert (r["request_bytes"], r["reply_bytes"]) == (g["request_bytes"], g["reply_bytes"])
+        assert r["steps"] == 60 and r["errors"] == 0 and r["gdn_pct_of_echo"] > 0
+    assert (tmp_path / "plots" / "throughput_vs_clients.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "latency_cdf.png").stat().st_size > 0
+
+
+def test_unary_console_script(small_server, tmp_path):
+    out = tmp_path / "unary.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "gdn_client.loadtest", "--target", small_server.address, "--clients", "2",
+         "--mode", "unary", "--requests", "30", "--layers-per-token", "2", "--dtype", "f32",
+         "--json", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "steps/s" in proc.stdout and "p99 ms" in proc.stdout
+    (run,) = _runs(out)
+    assert run["mode"] == "unary" and run["steps"] == 30 and run["errors"] == 0
+    assert run["layers_per_token"] == 2 and run["server"]["requests"] == 30
+
+
+def test_too_many_sessions_is_a_clear_error(small_server, capsys):
+    rc = loadtest.main(["--target", small_server.address, "--clients", "65", "--requests", "1", "--no-progress"])
+    assert rc == 1
+    assert "sessions" in capsys.readouterr().err
