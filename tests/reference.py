@@ -57,3 +57,33 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(x64).all():
         return float("inf")
     return float((x64 - r64).norm() / r64.norm().clamp_min(1e-30))
+
+
+class ReferenceModel:
+    """Per-(session, layer) states advanced by `gdn_reference_step`, rounded to bf16 once per step
+    as the service stores them. Mirrors one server's view of a set of sessions."""
+
+    def __init__(self, A_log: torch.Tensor, dt_bias: torch.Tensor, head_dim: int = 128, scale: float | None = None):
+        self.A_log = A_log.float()  # [L, HV]
+        self.dt_bias = dt_bias.float()
+        self.num_v_heads = A_log.shape[1]
+        self.head_dim = head_dim
+        self.scale = scale
+        self.states: dict[tuple[str, int], torch.Tensor] = {}
+
+    def state(self, session: str, layer: int) -> torch.Tensor:
+        key = (session, layer)
+        if key not in self.states:
+            self.states[key] = torch.zeros(self.num_v_heads, self.head_dim, self.head_dim)
+        return self.states[key]
+
+    def step(self, layer: int, sessions: list[str], q, k, v, a, b) -> torch.Tensor:
+        """Applies one request; returns o [B, T, HV, V] float64 (before bf16 output rounding)."""
+        state = torch.stack([self.state(s, layer) for s in sessions]).float()
+        B = len(sessions)
+        A = self.A_log[layer].expand(B, -1)
+        dt = self.dt_bias[layer].expand(B, -1)
+        out, new = gdn_reference_step(state, q.float(), k.float(), v.float(), a.float(), b.float(), A, dt, self.scale)
+        for i, s in enumerate(sessions):
+            self.states[(s, layer)] = new[i].to(torch.bfloat16).float()
+        return out

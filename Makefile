@@ -1,0 +1,38 @@
+# Two commands do all set-up from a fresh clone:
+#   make serve   creates .venv, installs the package, starts gdn-server (CPU when there is no GPU)
+#   make test    creates .venv, installs the package with its dev extras, runs the test suite
+# Pass server flags with ARGS, e.g. `make serve ARGS="--preset qwen3-next --port 50051"`.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# a local CPU build of torch installs quickly; a bare `torch` would pull several GB of CUDA wheels.
+# On a GPU host, install the CUDA build of torch you need first and set TORCH_SPEC="".
+TORCH_SPEC ?= torch==2.13.0
+ARGS ?= --layers 3 --q-heads 2 --v-heads 4
+PYTEST_ARGS ?=
+
+.PHONY: serve test proto bench-kernel clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/gdn-server $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# regenerate the committed stubs (tests/test_proto_stubs.py fails when they are stale)
+proto: $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -Igdn_client/proto=proto --python_out=. --pyi_out=. --grpc_python_out=. proto/gdn/v1/gdn.proto
+
+bench-kernel: $(VENV)/.installed
+	$(PY) bench/kernel.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

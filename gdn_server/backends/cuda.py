@@ -1,0 +1,219 @@
+"""CUDA backend ("cuda-cute"): the state pool on the GPU, one CuTe DSL launch per batch.
+
+Per batch, on the backend's own stream:
+  1. the requests' tensors are copied into one pinned host staging buffer (a memcpy per request
+     and input; no per-row Python work), slot and layer indices included;
+  2. one host-to-device copy of that buffer;
+  3. one `gdn_decode` launch over all rows (mixed sessions, clients and layers);
+  4. one device-to-host copy of the outputs into pinned memory, and an event.
+`submit` returns at once; `result()` waits for the event. A ring of staging sets lets the scheduler
+assemble batch n+1 while batch n runs: a set is reused only after its previous event completed.
+
+Shapes the kernel does not cover (head dims other than 128) run the same pipeline through the
+torch math on the GPU instead.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from gdn_server.backends.base import Backend, PendingStep
+from gdn_server.backends.torch_math import gdn_step_fp32
+from gdn_server.config import ModelShape
+from gdn_server.weights import GateParams
+from gdn_server.work import StepBatch
+
+log = logging.getLogger(__name__)
+
+MAX_DEFAULT_SESSIONS = 4096
+POOL_MEMORY_FRACTION = 0.8  # of the free device memory, for the default --max-sessions
+RING = 8  # staging sets; more than the batches the scheduler keeps in flight
+_ALIGN = 128  # bytes; keeps every carved view 16-byte aligned for the kernel's vector loads
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _Staging:
+    """One pinned host buffer and its device twin, carved into the inputs of one launch."""
+
+    def __init__(self, device: torch.device, nbytes: int, out_bytes: int) -> None:
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.out_dev = torch.empty(out_bytes, dtype=torch.uint8, device=device)
+        self.out_host = torch.empty(out_bytes, dtype=torch.uint8, pin_memory=True)
+        self.done = torch.cuda.Event()
+        self.used = False
+
+    @property
+    def capacity(self) -> int:
+        return self.host.numel()
+
+
+class _CudaStep(PendingStep):
+    def __init__(self, staging: _Staging, out: torch.Tensor) -> None:
+        self._staging = staging
+        self._out = out
+
+    def result(self) -> torch.Tensor:
+        self._staging.done.synchronize()
+        return self._out
+
+
+class CudaBackend(Backend):
+    name = "cuda-cute"
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        gates: GateParams,
+        max_sessions: int | None,
+        scale: float | None = None,
+        device: str | torch.device = "cuda",
+        rows_hint: int = 1024,
+    ) -> None:
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if max_sessions is None:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            max_sessions = max(1, min(MAX_DEFAULT_SESSIONS, int(free * POOL_MEMORY_FRACTION) // shape.state_bytes_per_session))
+        super().__init__(shape, gates, max_sessions, scale)
+        L, HV, V, K = shape.num_layers, shape.num_v_heads, shape.head_dim_v, shape.head_dim_k
+        self.state_pool = torch.zeros(max_sessions * L, HV, V, K, dtype=torch.bfloat16, device=self.device)
+        self.A_log = gates.A_log.float().contiguous().to(self.device)
+        self.dt_bias = gates.dt_bias.float().contiguous().to(self.device)
+        self.stream = torch.cuda.Stream(self.device)
+        self.use_kernel = K == V == 128
+        if self.use_kernel:
+            from gdn_server.kernels import gdn_decode  # compiles lazily per (T, H, HV)
+
+            self._kernel = gdn_decode
+        else:
+            log.warning("head dims K=%d V=%d: the CuTe kernel needs 128; using torch on the GPU", K, V)
+        self._ring: list[_Staging | None] = [None] * RING
+        self._next = 0
+        self._rows_hint = rows_hint
+
+    # -- layout of one staging buffer for R rows of T tokens -----------------------------------
+    def _layout(self, rows: int, tokens: int) -> dict[str, tuple[int, tuple[int, ...], torch.dtype]]:
+        s = self.shape
+        H, HV, K, V = s.num_q_heads, s.num_v_heads, s.head_dim_k, s.head_dim_v
+        shapes = {
+            "q": ((rows, tokens, H, K), torch.bfloat16),
+            "k": ((rows, tokens, H, K), torch.bfloat16),
+            "v": ((rows, tokens, HV, V), torch.bfloat16),
+            "a": ((rows, tokens, HV), torch.bfloat16),
+            "b": ((rows, tokens, HV), torch.bfloat16),
+            "slots": ((rows,), torch.int32),
+            "layers": ((rows,), torch.int32),
+        }
+        layout, offset = {}, 0
+        for name, (shp, dtype) in shapes.items():
+            layout[name] = (offset, shp, dtype)
+            offset += _align(math.prod(shp) * torch.empty((), dtype=dtype).element_size())
+        layout["_total"] = (offset, (), torch.uint8)
+        return layout
+
+    def _staging_for(self, in_bytes: int, out_bytes: int) -> _Staging:
+        idx = self._next
+        self._next = (idx + 1) % RING
+        staging = self._ring[idx]
+        if staging is not None and staging.used:
+            staging.done.synchronize()  # its previous batch must be off the buffers
+        if staging is None or staging.capacity < in_bytes or staging.out_host.numel() < out_bytes:
+            hint = self._layout(self._rows_hint, self.shape.max_tokens_per_step)["_total"][0]
+            out_hint = self._rows_hint * self.shape.max_tokens_per_step * self.shape.num_v_heads * self.shape.head_dim_v * 2
+            staging = _Staging(self.device, max(in_bytes, hint), max(out_bytes, out_hint))
+            self._ring[idx] = staging
+        staging.used = True
+        return staging
+
+    @staticmethod
+    def _view(buf: torch.Tensor, entry: tuple[int, tuple[int, ...], torch.dtype]) -> torch.Tensor:
+        offset, shp, dtype = entry
+        nbytes = math.prod(shp) * torch.empty((), dtype=dtype).element_size()
+        return buf[offset : offset + nbytes].view(dtype).view(shp)
+
+    def submit(self, batch: StepBatch) -> PendingStep:
+        R, T = batch.rows, batch.tokens
+        s = self.shape
+        layout = self._layout(R, T)
+        out_shape = (R, T, s.num_v_heads, s.head_dim_v)
+        out_bytes = math.prod(out_shape) * 2
+        staging = self._staging_for(layout["_total"][0], out_bytes)
+
+        # 1. requests -> pinned staging (one copy per request and input, casting to bf16)
+        host = {name: self._view(staging.host, layout[name]) for name in ("q", "k", "v", "a", "b")}
+        for name, parts in (("q", batch.q), ("k", batch.k), ("v", batch.v), ("a", batch.a), ("b", batch.b)):
+            dst, row = host[name], 0
+            for part in parts:
+                n = part.shape[0]
+                dst[row : row + n].copy_(part)
+                row += n
+        self._view(staging.host, layout["slots"]).copy_(torch.tensor(batch.slots, dtype=torch.int32))
+        self._view(staging.host, layout["layers"]).copy_(torch.tensor(batch.layers, dtype=torch.int32))
+
+        total = layout["_total"][0]
+        with torch.cuda.stream(self.stream):
+            # 2. one host-to-device copy
+            staging.dev[:total].copy_(staging.host[:total], non_blocking=True)
+            dev = {name: self._view(staging.dev, layout[name]) for name in layout if name != "_total"}
+            out_dev = staging.out_dev[:out_bytes].view(torch.bfloat16).view(out_shape)
+            # 3. one launch over every row
+            if self.use_kernel:
+                self._kernel(
+                    self.state_pool, dev["slots"], dev["layers"], dev["q"], dev["k"], dev["v"], dev["a"], dev["b"],
+                    self.A_log, self.dt_bias, out_dev, scale=self.scale,
+                )
+            else:
+                self._torch_step(dev, out_dev)
+            # 4. one device-to-host copy of the outputs
+            out_host = staging.out_host[:out_bytes].view(torch.bfloat16).view(out_shape)
+            out_host.copy_(out_dev, non_blocking=True)
+            staging.done.record(self.stream)
+        return _CudaStep(staging, out_host)
+
+    def _torch_step(self, dev: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+        slots = dev["slots"].long()
+        layers = dev["layers"].long()
+        state = self.state_pool.index_select(0, slots).float()
+        o = gdn_step_fp32(
+            state, dev["q"], dev["k"], dev["v"], dev["a"], dev["b"],
+            self.A_log.index_select(0, layers), self.dt_bias.index_select(0, layers), self.scale,
+        )
+        self.state_pool.index_copy_(0, slots, state.to(torch.bfloat16))
+        out.copy_(o)
+
+    # -- session operations (called with no step in flight) ----------------------------------
+    def _rows(self, session_slot: int) -> slice:
+        L = self.shape.num_layers
+        return slice(session_slot * L, (session_slot + 1) * L)
+
+    def reset_session(self, session_slot: int) -> None:
+        with torch.cuda.stream(self.stream):
+            self.state_pool[self._rows(session_slot)].zero_()
+
+    def copy_session(self, src_slot: int, dst_slot: int) -> None:
+        with torch.cuda.stream(self.stream):  # device-side copy
+            self.state_pool[self._rows(dst_slot)].copy_(self.state_pool[self._rows(src_slot)])
+
+    def read_session(self, session_slot: int) -> torch.Tensor:
+        with torch.cuda.stream(self.stream):
+            out = self.state_pool[self._rows(session_slot)].to("cpu", non_blocking=False)
+        self.stream.synchronize()
+        return out
+
+    def write_session(self, session_slot: int, state: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            self.state_pool[self._rows(session_slot)].copy_(state.to(torch.bfloat16), non_blocking=False)
+        self.stream.synchronize()
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        self.stream.synchronize()

@@ -1,0 +1,63 @@
+"""The command line: flags of API.md, clear errors for bad ones, weights files in both namings."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import torch
+
+from conftest import start_server
+from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
+from gdn_client.wire import tensor_from_proto
+from reference import ReferenceModel, rel_err
+from util import decode_request, random_inputs, write_gates
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gdn_server", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_bad_command_lines_fail_with_a_reason(tmp_path):
+    cases = {
+        ("--layers", "2", "--q-heads", "3", "--v-heads", "4"): "multiple",
+        ("--layers", "2"): "--q-heads",
+        ("--preset", "qwen3-next", "--layers", "3"): "cannot be combined",
+        ("--preset", "qwen3-next", "--weights", str(tmp_path / "missing.safetensors")): "--weights",
+        ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--max-sessions", "0"): "--max-sessions",
+    }
+    for args, reason in cases.items():
+        result = _run_cli("--device", "cpu", "--port", "0", *args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert reason in result.stderr, (args, result.stderr)
+
+
+def test_weights_with_layer_count_mismatch_is_refused(tmp_path):
+    write_gates(tmp_path / "g.safetensors", layers=2, v_heads=4)
+    result = _run_cli("--device", "cpu", "--port", "0", "--layers", "3", "--q-heads", "2", "--v-heads", "4",
+                      "--weights", str(tmp_path / "g.safetensors"))
+    assert result.returncode == 2 and "2 GDN layers" in result.stderr
+
+
+def test_hugging_face_weight_names_are_renumbered(tmp_path):
+    path = tmp_path / "hf.safetensors"
+    A_log, dt_bias = write_gates(path, layers=2, v_heads=4, seed=4, hf_names=True)
+    ref = ReferenceModel(A_log, dt_bias)
+    gen = torch.Generator().manual_seed(0)
+    with start_server("--layers", "2", "--q-heads", "2", "--v-heads", "4", "--weights", str(path)) as srv:
+        with grpc.insecure_channel(srv.address) as channel:
+            stub = gdn_pb2_grpc.GdnDecodeStub(channel)
+            sid = stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=30).session_id
+            for layer in (0, 1, 1):
+                inputs = random_inputs(1, 2, 2, 4, gen=gen)
+                reply = stub.Decode(decode_request(layer, [sid], inputs), timeout=30)
+                assert rel_err(tensor_from_proto(reply.o), ref.step(layer, [sid], **inputs)) < 5e-3
+
+
+def test_preset_serves_qwen3_next_shapes_and_exits_cleanly_on_sigint():
+    with start_server("--preset", "qwen3-next", "--max-sessions", "2") as srv:
+        with grpc.insecure_channel(srv.address) as channel:
+            info = gdn_pb2_grpc.GdnDecodeStub(channel).GetModelInfo(gdn_pb2.GetModelInfoRequest(), timeout=30)
+        assert (info.num_layers, info.num_q_heads, info.num_v_heads, info.head_dim_k) == (36, 16, 32, 128)
+        import signal
+        assert srv.stop(signal.SIGINT) == 0
