@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 # a local CPU build of torch installs quickly; a bare `torch` would pull several GB of CUDA wheels.
 # On a GPU host, install the CUDA build of torch you need first and set TORCH_SPEC="".
 TORCH_SPEC ?= torch==2.13.0
-ARGS ?= --layers 3 --q-heads 2 --v-heads 4
+ARGS ?= --preset qwen3-next
 PYTEST_ARGS ?=
 
 .PHONY: serve test proto bench-kernel clean
