@@ -48,13 +48,16 @@ class _InFlight:
     def __init__(self) -> None:
         self._ids = itertools.count()
         self._pending: OrderedDict[str, tuple[_FutureT, PreparedStep]] = OrderedDict()
+        self._replayed: set[str] = set()
         self.broken: GdnError | None = None  # set when the stream gave up; submit then raises
 
     def add(self, step: PreparedStep, fut: _FutureT) -> None:
         step.request.request_id = str(next(self._ids))
         self._pending[step.request.request_id] = (fut, step)
 
-    def requests(self) -> list[gdn_pb2.DecodeRequest]:
+    def replay(self) -> list[gdn_pb2.DecodeRequest]:
+        """The unanswered requests, in order, marked as resent."""
+        self._replayed.update(self._pending)
         return [step.request for _, step in self._pending.values()]
 
     def __len__(self) -> int:
@@ -68,9 +71,21 @@ class _InFlight:
                 return
             _, entry = self._pending.popitem(last=False)  # server did not echo request_id: FIFO
         fut, step = entry
+        replayed = step.request.request_id in self._replayed
+        self._replayed.discard(step.request.request_id)
         if reply.error_code:
             err = error_from_code(reply.error_code, reply.error_message)
-            step.fail(err)
+            if replayed and err.code == grpc.StatusCode.FAILED_PRECONDITION:
+                # The server remembers only the last step per (session, layer): an older step that
+                # was applied before the stream broke can no longer be answered. Its fate is unknown.
+                err = error_from_code(
+                    reply.error_code,
+                    f"{err.message} (resent after the stream broke; the step may have been applied: "
+                    "keep one step in flight per session and layer to make resends exact)",
+                )
+                step.fail(err, in_doubt=True)
+            else:
+                step.fail(err)
             _settle(fut, exc=err)
             return
         try:
@@ -198,7 +213,7 @@ class DecodeStream(_Reconnecting):
         threading.Event().wait(delay)
         with self._lock:
             self._queue.put(_END)
-            self._open(self._inflight.requests())  # a new reader thread takes over
+            self._open(self._inflight.replay())  # a new reader thread takes over
 
     def close(self, timeout: float | None = None) -> None:
         """Half-closes the stream and waits for the replies still due."""
@@ -303,7 +318,7 @@ class AsyncDecodeStream(_Reconnecting):
         logger.info("DecodeStream broke (%s); reopening in %.3f s", err, delay)
         await asyncio.sleep(delay)
         self._queue.put_nowait(_END)
-        self._open(self._inflight.requests())
+        self._open(self._inflight.replay())
 
     async def close(self, timeout: float | None = None) -> None:
         """Half-closes the stream and waits for the replies still due."""

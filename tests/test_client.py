@@ -378,3 +378,48 @@ def test_unreachable_server_raises_unavailable():
         with pytest.raises(GdnError) as info:
             c.model_info()
     assert info.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class _BreakFirstStream(grpc.StreamStreamClientInterceptor):
+    """Cuts the first DecodeStream with UNAVAILABLE after ``after`` replies (a connection reset)."""
+
+    def __init__(self, after: int) -> None:
+        self.after = after
+        self.calls = 0
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        call = continuation(details, request_iterator)
+        self.calls += 1
+        return call if self.calls > 1 else _Breaking(call, self.after)
+
+
+class _Breaking:
+    def __init__(self, call, after: int) -> None:
+        self.call, self.left = call, after
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.left == 0:
+            self.call.cancel()
+            raise _LoseReplies.Lost()
+        self.left -= 1
+        return next(self.call)
+
+    def cancel(self):
+        return self.call.cancel()
+
+
+def test_stream_reopens_and_resends_after_reset(server, gates):
+    brk = _BreakFirstStream(after=1)
+    ref = Reference(gates)
+    opts = ClientOptions(timeout=20, backoff_initial=0.01, interceptors=[brk])
+    with Client(server.address, opts) as c, c.session() as s, c.stream() as st:
+        for token in range(2):  # one step in flight per layer, as a decoder pipelines
+            xs = [inputs(1, seed=600 + 10 * token + layer) for layer in range(L)]
+            futs = [st.submit(layer, s, *x) for layer, x in enumerate(xs)]
+            for layer, (x, fut) in enumerate(zip(xs, futs)):
+                o = fut.result(timeout=20)
+                assert rel_err(o, ref.step(layer, *(t[None] for t in x))[0]) < TOL, (token, layer)
+        assert brk.calls == 2 and s.positions == {0: 2, 1: 2, 2: 2}
