@@ -61,7 +61,6 @@ class Client:
         self._channel = make_channel(target, self.options)
         self._stub = gdn_pb2_grpc.GdnDecodeStub(self._channel)
         self._metadata = self.options.call_metadata()
-        self._model_info: ModelInfo | None = None
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -91,9 +90,7 @@ class Client:
 
     def model_info(self) -> ModelInfo:
         """The served model's shape and capacity (fresh from the server every call)."""
-        info = model_info_from_proto(self._call(self._stub.GetModelInfo, gdn_pb2.GetModelInfoRequest(), retry=True))
-        self._model_info = info
-        return info
+        return model_info_from_proto(self._call(self._stub.GetModelInfo, gdn_pb2.GetModelInfoRequest(), retry=True))
 
     def stats(self) -> Stats:
         """The server's counters (launches, rows per launch, requests)."""

@@ -39,7 +39,7 @@ from gdn_client._codec import ModelInfo, Stats, encode_request, model_info_from_
 from gdn_client._echo import STREAM as ECHO_STREAM
 from gdn_client._echo import UNARY as ECHO_UNARY
 from gdn_client._echo import echo_request
-from gdn_client._errors import GdnError, error_from_rpc
+from gdn_client._errors import GdnError, error_from_code, error_from_rpc
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 
 __all__ = ["LoadConfig", "RunResult", "run_load", "main"]
@@ -188,7 +188,7 @@ class _GdnWorker:
             if reply is grpc.aio.EOF:
                 raise GdnError("DecodeStream ended", grpc.StatusCode.UNAVAILABLE)
             if reply.error_code:
-                raise GdnError(reply.error_message, grpc.StatusCode.UNKNOWN)
+                raise error_from_code(reply.error_code, reply.error_message)
         self._advance(reply)
 
     async def close(self) -> None:
