@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Iterator
+from typing import Any, Iterator
 
 import grpc
 import numpy as np
@@ -21,10 +21,11 @@ from gdn_client import (
 )
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_client.wire import tensor_from_proto, tensor_to_proto
-from conftest import SMALL_MODEL, ServerProcess, start_server
+from conftest import start_server
 from reference import gdn_reference_step, rel_err
 
 L, H, HV, K = 3, 2, 4, 128
+MODEL = ("--layers", str(L), "--q-heads", str(H), "--v-heads", str(HV), "--head-dim", str(K))
 TOL = 1e-2
 
 
@@ -44,8 +45,8 @@ def gates(tmp_path_factory) -> tuple[torch.Tensor, torch.Tensor, str]:
 
 
 @pytest.fixture(scope="module")
-def server(gates) -> Iterator[ServerProcess]:
-    with start_server(*SMALL_MODEL, "--max-sessions", "64", "--weights", gates[2]) as srv:
+def server(gates) -> Iterator[Any]:
+    with start_server(*MODEL, "--max-sessions", "64", "--weights", gates[2]) as srv:
         yield srv
 
 
