@@ -61,6 +61,8 @@ class Stats:
     sessions_in_use: int
     max_sessions: int
     backend: str
+    device_seconds: float = 0.0  # summed submit-to-result time of backend calls
+    queue_wait_seconds: float = 0.0  # summed time requests waited before their launch
 
     def since(self, before: "Stats") -> "Stats":
         """The counters accumulated between ``before`` and this snapshot."""
@@ -73,6 +75,8 @@ class Stats:
             requests=self.requests - before.requests,
             batches=self.batches - before.batches,
             mean_rows_per_launch=rows / launches if launches else 0.0,
+            device_seconds=self.device_seconds - before.device_seconds,
+            queue_wait_seconds=self.queue_wait_seconds - before.queue_wait_seconds,
         )
 
 

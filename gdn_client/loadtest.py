@@ -348,6 +348,7 @@ async def run_load(cfg: LoadConfig) -> RunResult:
     server = {
         "backend": after.backend, "launches": delta.launches, "rows_launched": delta.rows_launched,
         "requests": delta.requests, "batches": delta.batches, "mean_rows_per_launch": delta.mean_rows_per_launch,
+        "device_seconds": delta.device_seconds, "queue_wait_seconds": delta.queue_wait_seconds,
     }
     w0 = workers[0]
     return _result("gdn", cfg, w0.layers, tallies, elapsed, w0.request.ByteSize(), w0.reply_bytes, server)

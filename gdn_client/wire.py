@@ -27,6 +27,9 @@ TORCH_DTYPE_OF: dict[int, torch.dtype] = {
     gdn_pb2.F32: torch.float32,
 }
 WIRE_DTYPE_OF: dict[torch.dtype, int] = {v: k for k, v in TORCH_DTYPE_OF.items()}
+ITEMSIZE_OF: dict[int, int] = {gdn_pb2.BF16: 2, gdn_pb2.F16: 2, gdn_pb2.F32: 4}
+# Bits that are all ones in the exponent of an Inf or NaN, per wire dtype, read as unsigned ints.
+_NONFINITE_EXPONENT = {gdn_pb2.BF16: (np.uint16, 0x7F80), gdn_pb2.F16: (np.uint16, 0x7C00), gdn_pb2.F32: (np.uint32, 0x7F800000)}
 _NUMPY_TO_TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32}
 
 
@@ -67,7 +70,7 @@ def tensor_from_proto(msg: gdn_pb2.Tensor, name: str = "tensor") -> torch.Tensor
     shape = tuple(int(s) for s in msg.shape)
     if any(s < 0 for s in shape):
         raise WireFormatError(f"{name}: negative dimension in shape {list(shape)}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = ITEMSIZE_OF[msg.dtype]
     numel = 1
     for s in shape:
         numel *= s
@@ -80,3 +83,14 @@ def tensor_from_proto(msg: gdn_pb2.Tensor, name: str = "tensor") -> torch.Tensor
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(msg.data, dtype=dtype).view(shape)
+
+
+def has_nonfinite(msg: gdn_pb2.Tensor) -> bool:
+    """True when a well-formed Tensor message holds a NaN or Inf.
+
+    Reads the exponent bits of the raw bytes with numpy: several times cheaper per request than
+    torch.isfinite on small tensors, which matters on the server's event loop.
+    """
+    uint, mask = _NONFINITE_EXPONENT[msg.dtype]
+    bits = np.frombuffer(msg.data, dtype=uint)
+    return bool(np.any((bits & uint(mask)) == uint(mask)))

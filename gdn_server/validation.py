@@ -2,10 +2,8 @@
 on its own (without looking at session state) is caught here as InvalidArgument."""
 from __future__ import annotations
 
-import torch
-
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_client.wire import WireFormatError, tensor_from_proto
+from gdn_client.wire import WireFormatError, has_nonfinite, tensor_from_proto
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
 from gdn_server.work import DecodeWork
@@ -54,8 +52,8 @@ def decode_work_from_request(req: gdn_pb2.DecodeRequest, shape: ModelShape) -> D
         got = tuple(tensors[name].shape)
         if got != want:
             raise InvalidArgument(f"{name} must have shape {list(want)} (B={B}, T={T}), got {list(got)}")
-    for name, t in tensors.items():
-        if not bool(torch.isfinite(t).all()):
+    for name in tensors:
+        if has_nonfinite(getattr(req, name)):
             raise InvalidArgument(f"tensor {name} has NaN or Inf values")
 
     positions = None

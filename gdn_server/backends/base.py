@@ -71,6 +71,9 @@ class Backend(ABC):
     def write_session(self, session_slot: int, state: torch.Tensor) -> None:
         """Overwrites a session's state from bf16 [L, HV, V, K]."""
 
+    def warmup(self) -> None:
+        """Prepares everything a first step would otherwise pay for (kernel compiles)."""
+
     def synchronize(self) -> None:
         """Waits for all queued device work."""
 

@@ -188,6 +188,15 @@ class CudaBackend(Backend):
         self.state_pool.index_copy_(0, slots, state.to(torch.bfloat16))
         out.copy_(o)
 
+    def warmup(self) -> None:
+        if not self.use_kernel:
+            return
+        from gdn_server.kernels import compile_variant
+
+        s = self.shape
+        for T in range(1, s.max_tokens_per_step + 1):
+            compile_variant(T, s.num_q_heads, s.num_v_heads)
+
     # -- session operations (called with no step in flight) ----------------------------------
     def _rows(self, session_slot: int) -> slice:
         L = self.shape.num_layers

@@ -159,7 +159,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("launches", "rows_launched", "requests", "batches", "mean_rows_per_launch", "sessions_in_use", "max_sessions", "backend")
+    __slots__ = ("launches", "rows_launched", "requests", "batches", "mean_rows_per_launch", "sessions_in_use", "max_sessions", "backend", "device_seconds", "queue_wait_seconds")
     LAUNCHES_FIELD_NUMBER: _ClassVar[int]
     ROWS_LAUNCHED_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,8 @@ class Stats(_message.Message):
     SESSIONS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     launches: int
     rows_launched: int
     requests: int
@@ -176,4 +178,6 @@ class Stats(_message.Message):
     sessions_in_use: int
     max_sessions: int
     backend: str
-    def __init__(self, launches: _Optional[int] = ..., rows_launched: _Optional[int] = ..., requests: _Optional[int] = ..., batches: _Optional[int] = ..., mean_rows_per_launch: _Optional[float] = ..., sessions_in_use: _Optional[int] = ..., max_sessions: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+    device_seconds: float
+    queue_wait_seconds: float
+    def __init__(self, launches: _Optional[int] = ..., rows_launched: _Optional[int] = ..., requests: _Optional[int] = ..., batches: _Optional[int] = ..., mean_rows_per_launch: _Optional[float] = ..., sessions_in_use: _Optional[int] = ..., max_sessions: _Optional[int] = ..., backend: _Optional[str] = ..., device_seconds: _Optional[float] = ..., queue_wait_seconds: _Optional[float] = ...) -> None: ...

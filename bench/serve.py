@@ -1,0 +1,127 @@
+"""Serving benchmark (issue 4): the service under load against a plain gRPC echo floor.
+
+Runs, on one host (the GPU host for the published figures):
+  (a) N = 1, 8, 64, 256 streaming clients, one session each, T=1, every layer cycled per token,
+      qwen3-next preset: steps/s, p50/p99, mean rows per launch, with the echo floor beside it (d);
+  (b) the same with batching off (--max-batch-rows 1);
+  (c) one client sending B=256 sessions per request, unary: time per request against the
+      server's device time per launch and the echo of the same bytes.
+Each part is one `gdn-loadtest` run against a fresh server process; results go to one JSON file
+and a markdown table.
+
+    python bench/serve.py --device cuda --out bench/results          # the full run (~2 min)
+    python bench/serve.py --device cpu --clients 1,8 --duration 2     # a smoke run anywhere
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+def start_server(args: argparse.Namespace, *extra: str) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "gdn_server", "--host", "127.0.0.1", "--port", "0", "--device", args.device,
+           *args.model.split(), "--max-sessions", str(args.max_sessions), "--log-level", "WARNING", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    deadline = time.monotonic() + 600
+    for line in proc.stdout:
+        m = _LISTENING.search(line)
+        if m:
+            return proc, f"{m.group(1)}:{m.group(2)}"
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise RuntimeError(f"server did not start: {' '.join(cmd)}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def loadtest(target: str, out: Path, *flags: str) -> dict:
+    cmd = [sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--no-progress", "--json", str(out), *flags]
+    print("$", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, timeout=1200)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--model", default="--preset qwen3-next", help="server shape flags")
+    p.add_argument("--clients", default="1,8,64,256")
+    p.add_argument("--duration", type=float, default=4.0, help="seconds per load point")
+    p.add_argument("--batch-sessions", type=int, default=256, help="B of part (c)")
+    p.add_argument("--max-sessions", type=int, default=512)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    p.add_argument("--skip", default="", help="comma list of parts to skip: a,b,c")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    skip = set(filter(None, args.skip.split(",")))
+    results: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    common = ["--mode", "stream", "--tokens", "1", "--duration", str(args.duration)]
+
+    if "a" not in skip:
+        proc, target = start_server(args)
+        try:
+            results["a_batched"] = loadtest(target, out / "serve_a.json", "--clients", args.clients, "--echo", *common)
+        finally:
+            stop(proc)
+    if "b" not in skip:
+        proc, target = start_server(args, "--max-batch-rows", "1")
+        try:
+            results["b_unbatched"] = loadtest(target, out / "serve_b.json", "--clients", args.clients, *common)
+        finally:
+            stop(proc)
+    if "c" not in skip:
+        proc, target = start_server(args)
+        try:
+            results["c_big_batch"] = loadtest(
+                target, out / "serve_c.json", "--clients", "1", "--batch", str(args.batch_sessions), "--mode", "unary",
+                "--tokens", "1", "--duration", str(args.duration), "--echo",
+            )
+        finally:
+            stop(proc)
+
+    (out / "serve.json").write_text(json.dumps(results, indent=1))
+    table = summarize(results)
+    (out / "serve.md").write_text(table + "\n")
+    print(table)
+
+
+def summarize(results: dict) -> str:
+    lines = ["| part | clients | B | steps/s | p50 ms | p99 ms | rows/launch | device us/launch | echo steps/s | echo p50 ms | % of echo |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for part in ("a_batched", "b_unbatched", "c_big_batch"):
+        runs = results.get(part, {}).get("runs", [])
+        echo = {(r["clients"], r["batch"]): r for r in runs if r["kind"] == "echo"}
+        for r in runs:
+            if r["kind"] != "gdn":
+                continue
+            e = echo.get((r["clients"], r["batch"]))
+            srv = r.get("server") or {}
+            launches = srv.get("launches") or 0
+            dev_us = 1e6 * srv.get("device_seconds", 0.0) / launches if launches else float("nan")
+            lines.append(
+                f"| {part} | {r['clients']} | {r['batch']} | {r['steps_per_s']:,.0f} | {r['latency_ms']['p50']:.3f} | "
+                f"{r['latency_ms']['p99']:.3f} | {srv.get('mean_rows_per_launch', float('nan')):.1f} | {dev_us:.0f} | "
+                + (f"{e['steps_per_s']:,.0f} | {e['latency_ms']['p50']:.3f} | {100 * r['steps_per_s'] / e['steps_per_s']:.0f}% |"
+                   if e else "- | - | - |")
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
