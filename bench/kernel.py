@@ -78,7 +78,8 @@ def reference(state_rows, q, k, v, a, b, A_log, dt_bias, layers, scale=None):
     """float64 reference on the GPU; state_rows [B, HV, V, K]. Returns (o, new_state) float64."""
     Al = A_log[layers.long()]
     dt = dt_bias[layers.long()]
-    return ref.gdn_reference_step(state_rows, q, k, v, a, b, Al, dt, scale=scale, dtype=torch.float64)
+    o, s = ref.gdn_reference_step(state_rows, q, k, v, a, b, Al, dt, scale=scale, dtype=torch.float64)
+    return o.to(DEV), s.to(DEV)  # the reference builds o on the CPU
 
 
 # ----------------------------------------------------------------------------- checks
