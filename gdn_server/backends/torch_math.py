@@ -8,6 +8,26 @@ from __future__ import annotations
 import torch
 
 
+_LANES = 64  # a multiple of every SIMD width torch's CPU kernels use (AVX-512 fp32 is 16 lanes)
+
+
+def _lane_aligned(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise transcendental, computed over a length padded to whole SIMD vectors.
+
+    torch's CPU kernels run exp/log1p/sigmoid through vectorised code for whole vectors and
+    scalar code for the tail, which can differ in the last bit; which elements fall in the tail
+    depends on the batch size. Padding puts every element on the vector path, so a row's result
+    does not depend on how many other rows share its call.
+    """
+    if x.device.type != "cpu":
+        return fn(x)
+    flat = x.reshape(-1)
+    pad = (-flat.numel()) % _LANES
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return fn(flat)[: x.numel()].view(x.shape)
+
+
 def gdn_step_fp32(
     state: torch.Tensor,  # [B, HV, V, K] float32, updated in place
     q: torch.Tensor,  # [B, T, H, K]
@@ -32,9 +52,10 @@ def gdn_step_fp32(
         qn = qn.repeat_interleave(group, dim=2)
         kn = kn.repeat_interleave(group, dim=2)
     x = softplus_beta * (a + dt_bias[:, None, :])
-    softplus = torch.where(x <= softplus_threshold, torch.log1p(torch.exp(x)), x) / softplus_beta
-    decay = torch.exp(-torch.exp(A_log)[:, None, :] * softplus)  # [B, T, HV]
-    beta = torch.sigmoid(b)  # [B, T, HV]
+    softplus = torch.where(x <= softplus_threshold, _lane_aligned(lambda t: torch.log1p(torch.exp(t)), x), x)
+    softplus = softplus / softplus_beta
+    decay = _lane_aligned(torch.exp, -_lane_aligned(torch.exp, A_log)[:, None, :] * softplus)  # [B, T, HV]
+    beta = _lane_aligned(torch.sigmoid, b)  # [B, T, HV]
     out = torch.empty(B, T, HV, v.shape[3], dtype=torch.float32, device=state.device)
     for t in range(T):
         k_t = kn[:, t].unsqueeze(-1)  # [B, HV, K, 1]
