@@ -27,7 +27,7 @@ class Variant:
     T: int
     H: int
     HV: int
-    warps: int = 4
+    warps: int = 2
     rows_per_thread: int = 4
 
 
@@ -49,7 +49,7 @@ def check_variant(T: int, H: int, HV: int) -> None:
         raise ValueError(f"HV={HV} must be a positive multiple of H={H}")
 
 
-def compile_variant(T: int, H: int, HV: int, *, warps: int = 4, rows_per_thread: int = 4) -> Callable[..., Any]:
+def compile_variant(T: int, H: int, HV: int, *, warps: int = 2, rows_per_thread: int = 4) -> Callable[..., Any]:
     """Compile (or fetch from the cache) the kernel for one (T, H, HV); no GPU needed.
 
     Without a GPU, set CUTE_DSL_ARCH=sm_90a. The result takes (state, slots, layers, q, k, v,

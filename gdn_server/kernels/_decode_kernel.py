@@ -24,16 +24,19 @@ is read once and written once per step, whatever T.
 
 Per token the thread loads its 16 elements of q and k (L1/L2 hits), and three 8-lane
 butterfly reductions give |q|^2, |k|^2 and q.k, so normalisation needs no shared memory and no
-barrier. With S the state before the token, g the decay, b the beta gate, rk = 1/|k|,
-rq = scale/|q| and raw (unnormalised) q, k:
+barrier. The registers hold U with S = gamma * U (gamma = product of this step's decays, one
+value per (row, head)); with g the decay, b the beta gate, rk = 1/|k|, rq = scale/|q| and raw
+(unnormalised) q, k, a token is
 
-    sk = S . k_raw,  sq = S . q_raw               (one pass over S, one 8-lane reduction)
-    delta = b * (v - g * rk * sk)
-    o     = g * rq * sq + delta * rk * rq * (q_raw . k_raw)
-    S     = g * S + (delta * rk) * k_raw
+    gamma *= g
+    sk = U . k_raw,  sq = U . q_raw               (one pass, one 8-lane reduction)
+    delta = b * (v - gamma * rk * sk)
+    o     = gamma * rq * sq + delta * rk * rq * (q_raw . k_raw)
+    U    += (delta * rk / gamma) * k_raw
 
-which is the API.md recurrence (decay, delta rule, o = S_new . q) rearranged so the state is
-walked once per token.
+3 FMAs per state element and token; S = gamma * U is formed once, when the state is written
+(gamma is folded into U early if it falls below RESCALE_BELOW, so 1/gamma stays finite). This
+is the API.md recurrence (decay, delta rule, o = S_new . q) rearranged, in fp32.
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ VEC = 8  # bf16 elements per 16-byte access
 ELEMS_PER_THREAD = HEAD_DIM // LANES_PER_ROW  # 16 K elements of each row per thread
 ROWS_PER_WARP = 32 // LANES_PER_ROW  # 4
 EPS = 1e-6
+RESCALE_BELOW = 1e-20  # lazy decay: fold gamma into the registers below this
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ class DecodeConfig:
     T: int  # tokens per step, 1..4
     H: int  # q/k heads
     HV: int  # value heads, a multiple of H
-    warps: int = 4  # warps per CTA
+    warps: int = 2  # warps per CTA
     rows_per_thread: int = 4  # V-rows held in registers by each thread
 
     @property
@@ -179,7 +183,13 @@ class GdnDecodeKernel:
 
             st = cute.make_rmem_tensor((VEC, 2, R), Float32)
             st.store(sraw.load().to(Float32))
+            inv_sp_beta = Float32(1.0) / softplus_beta
 
+            # Lazy decay: the state is S = gamma * U with U in registers, so a token costs
+            # 3 ops per element (two dot FMAs, one update FMA) instead of 4; gamma is folded
+            # back when the state is written. The decay is one value per (row, head), so the
+            # rescale branch below is uniform across the CTA.
+            gamma = Float32(1.0)
             qraw = cute.make_rmem_tensor((VEC, 2), BFloat16)
             kraw = cute.make_rmem_tensor((VEC, 2), BFloat16)
             for t in cutlass.range_constexpr(T):
@@ -206,35 +216,40 @@ class GdnDecodeKernel:
                 bx = softplus_beta * x
                 softplus = x
                 if bx <= softplus_threshold:
-                    softplus = cute.math.log(
-                        Float32(1.0) + cute.math.exp(bx, fastmath=True), fastmath=True
-                    ) / softplus_beta
-                g = cute.math.exp(neg_a * softplus, fastmath=True)
-                beta = Float32(1.0) / (Float32(1.0) + cute.math.exp(-mB[b, t, head].to(Float32), fastmath=True))
-                gk = g * rk
-                gq = g * rq
+                    softplus = cute.math.log(Float32(1.0) + cute.math.exp(bx, fastmath=True), fastmath=True) * inv_sp_beta
+                gamma = gamma * cute.math.exp(neg_a * softplus, fastmath=True)
+                beta = cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-mB[b, t, head].to(Float32), fastmath=True))
+                if gamma < RESCALE_BELOW:  # fold gamma into U before 1/gamma can overflow
+                    for i in cutlass.range_constexpr(2 * VEC * R):
+                        st[i] = st[i] * gamma
+                    gamma = Float32(1.0)
+                gk = gamma * rk
+                gq = gamma * rq
+                rk_over_gamma = rk * cute.arch.rcp_approx(gamma)
 
                 o_mine = Float32(0.0)
                 for p in cutlass.range_constexpr(R):
                     sk = Float32(0.0)
                     sq = Float32(0.0)
                     for i in cutlass.range_constexpr(2 * VEC):
-                        s = st[i % VEC, i // VEC, p]
-                        sk = sk + s * kv[i]
-                        sq = sq + s * qv[i]
+                        u = st[i % VEC, i // VEC, p]
+                        sk = sk + u * kv[i]
+                        sq = sq + u * qv[i]
                     sk = _sum8(sk)
                     sq = _sum8(sq)
                     vv = mV[b, t, head, row0 + p * row_stride].to(Float32)
                     delta = beta * (vv - gk * sk)
                     o = gq * sq + delta * kq
-                    dk = delta * rk
+                    dk = delta * rk_over_gamma
                     for i in cutlass.range_constexpr(2 * VEC):
-                        st[i % VEC, i // VEC, p] = st[i % VEC, i // VEC, p] * g + dk * kv[i]
+                        st[i % VEC, i // VEC, p] = st[i % VEC, i // VEC, p] + dk * kv[i]
                     if c == p:
                         o_mine = o
                 if c < R:
                     mO[b, t, head, row0 + c * row_stride] = o_mine.to(BFloat16)
 
+            for i in cutlass.range_constexpr(2 * VEC * R):
+                st[i] = st[i] * gamma
             sraw.store(st.load().to(BFloat16))
             for p in cutlass.range_constexpr(R):
                 for h in cutlass.range_constexpr(2):
