@@ -1,87 +1,15 @@
-"""Shared fixtures: real server processes on free loopback ports.
-
-`start_server(*flags)` runs `python -m gdn_server --host 127.0.0.1 --port 0 ...`, waits for its
-`listening on HOST:PORT` line and stops it with SIGTERM at the end. The `small_server` fixture is
-one such process shared by a test module, with a small model (3 layers, H=2, HV=4, K=V=128).
-"""
+"""Fixtures shared by every test module; the helpers behind them live in `servers`."""
 from __future__ import annotations
 
-import contextlib
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
-import time
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import pytest
 
-SMALL_MODEL = ("--layers", "3", "--q-heads", "2", "--v-heads", "4", "--head-dim", "128")
-_LISTENING = re.compile(r"listening on (\S+):(\d+)")
-
-
-@dataclass
-class ServerProcess:
-    proc: subprocess.Popen
-    host: str
-    port: int
-    log: list[str] = field(default_factory=list)
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        return self.proc.returncode
-
-
-def _pump(stream, sink: list[str]) -> None:
-    for line in iter(stream.readline, ""):
-        sink.append(line)
-
-
-@contextlib.contextmanager
-def start_server(*flags: str, timeout: float = 60.0, env: dict | None = None) -> Iterator[ServerProcess]:
-    """Starts a real server process and yields it once it accepts requests."""
-    cmd = [sys.executable, "-m", "gdn_server", "--host", "127.0.0.1", "--port", "0", *flags]
-    if "--device" not in flags:
-        cmd += ["--device", "cpu"]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-    )
-    log: list[str] = []
-    reader = threading.Thread(target=_pump, args=(proc.stdout, log), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + timeout
-    match = None
-    while match is None:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"server did not start: {cmd}\n{''.join(log)}")
-        for line in list(log):
-            match = _LISTENING.search(line)
-            if match:
-                break
-        time.sleep(0.02)
-    server = ServerProcess(proc, match.group(1), int(match.group(2)), log)
-    try:
-        yield server
-    finally:
-        server.stop()
+from servers import SMALL_MODEL, ServerProcess, start_server
 
 
 @pytest.fixture(scope="module")
 def small_server() -> Iterator[ServerProcess]:
+    """One small CPU server per test module (3 layers, H=2, HV=4, 64 sessions, seed 7)."""
     with start_server(*SMALL_MODEL, "--max-sessions", "64", "--seed", "7") as server:
         yield server

@@ -7,7 +7,7 @@ import sys
 import grpc
 import torch
 
-from conftest import start_server
+from servers import start_server
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_client.wire import tensor_from_proto
 from reference import ReferenceModel, rel_err

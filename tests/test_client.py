@@ -21,7 +21,7 @@ from gdn_client import (
 )
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_client.wire import tensor_from_proto, tensor_to_proto
-from conftest import start_server
+from servers import start_server
 from reference import gdn_reference_step, rel_err
 
 L, H, HV, K = 3, 2, 4, 128

@@ -15,7 +15,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import SMALL_MODEL, start_server
+from servers import SMALL_MODEL, start_server
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from util import decode_request, random_inputs
 

@@ -27,7 +27,7 @@ from gdn_server.backends.cpu import CpuBackend
 from gdn_server.config import ModelShape
 from gdn_server.weights import GateParams
 from gdn_server.work import DecodeWork, StepBatch
-from conftest import start_server
+from servers import start_server
 from reference import gdn_reference_step, rel_err
 
 SHAPE = ModelShape(num_layers=3, num_q_heads=2, num_v_heads=4, head_dim_k=32, head_dim_v=32)
