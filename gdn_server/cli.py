@@ -7,7 +7,9 @@ import logging
 import sys
 
 from gdn_server.config import PRESETS, ModelShape, SchedulerConfig
+from gdn_server.security import SecurityConfig
 from gdn_server.server import ServerSettings, build_app, serve
+from gdn_server.snapshot import SnapshotError
 from gdn_server.weights import load_gate_params, random_gate_params
 
 log = logging.getLogger("gdn_server")
@@ -34,6 +36,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows (session x layer) per kernel launch at most")
     p.add_argument("--max-queue-delay-us", type=int, default=SchedulerConfig.max_queue_delay_us,
                    help="once work is pending, wait at most this long for more before launching")
+    p.add_argument("--state-dir", default=None,
+                   help="save every session here on SIGTERM/SIGINT and restore them on start (default: off)")
+    p.add_argument("--session-idle-timeout-s", type=float, default=None,
+                   help="close sessions unused for this many seconds; they answer NOT_FOUND (default: never)")
+    p.add_argument("--max-queue-rows", type=int, default=SchedulerConfig.max_queue_rows,
+                   help="rows waiting for the device at most; requests beyond get UNAVAILABLE (clients retry)")
+    ops = p.add_argument_group("operations")
+    ops.add_argument("--metrics-port", type=int, default=None,
+                     help="serve Prometheus /metrics on --host at this port; 0 takes a free one (default: off)")
+    ops.add_argument("--shutdown-delay-s", type=float, default=0.0,
+                     help="on SIGTERM, report NOT_SERVING but keep serving this long before draining (default 0)")
+    ops.add_argument("--drain-timeout-s", type=float, default=30.0,
+                     help="on shutdown, how long in-flight RPCs may take to finish (default 30)")
+    sec = p.add_argument_group("security")
+    sec.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
+    sec.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    sec.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    sec.add_argument("--auth-token-file",
+                     help="file of `name:token` lines: every RPC needs `authorization: Bearer <token>`")
+    sec.add_argument("--max-sessions-per-client", type=int, default=None,
+                     help="sessions one identity (token name or client certificate) may hold (default: no limit)")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return p
 
@@ -66,6 +89,19 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.max_queue_delay_us < 0:
         parser.error("--max-queue-delay-us must be >= 0")
+    if args.max_queue_rows < 1:
+        parser.error("--max-queue-rows must be >= 1")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        parser.error("--metrics-port must be 0..65535")
+    if args.shutdown_delay_s < 0 or args.drain_timeout_s < 0:
+        parser.error("--shutdown-delay-s and --drain-timeout-s must be >= 0")
+    try:
+        security = SecurityConfig(args.tls_cert, args.tls_key, args.tls_client_ca, args.auth_token_file,
+                                  args.max_sessions_per_client)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.session_idle_timeout_s is not None and not args.session_idle_timeout_s > 0:
+        parser.error("--session-idle-timeout-s must be > 0")
     if args.weights:
         try:
             gates = load_gate_params(args.weights, shape.num_v_heads)
@@ -82,8 +118,14 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         device=args.device,
         max_sessions=args.max_sessions,
-        scheduler=SchedulerConfig(args.max_batch_rows, args.max_queue_delay_us),
+        scheduler=SchedulerConfig(args.max_batch_rows, args.max_queue_delay_us, args.max_queue_rows),
         scale=args.scale,
+        grace_s=args.drain_timeout_s,
+        shutdown_delay_s=args.shutdown_delay_s,
+        security=security,
+        metrics_port=args.metrics_port,
+        state_dir=args.state_dir,
+        session_idle_timeout_s=args.session_idle_timeout_s,
     )
     try:
         app = build_app(settings)
@@ -95,4 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         log.error("cannot serve: %s", e)
         return 2
+    except SnapshotError as e:
+        log.error("%s", e)
+        return 1
     return 0

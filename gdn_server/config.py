@@ -47,3 +47,4 @@ PRESETS: dict[str, ModelShape] = {
 class SchedulerConfig:
     max_batch_rows: int = 1024  # rows (session x layer) per backend call at most
     max_queue_delay_us: int = 0  # extra wait for more work once something is pending
+    max_queue_rows: int = 8192  # rows waiting for the device at most; more is refused with UNAVAILABLE

@@ -41,3 +41,9 @@ class Unavailable(GdnError):
 
 class Unimplemented(GdnError):
     code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class PermissionDenied(GdnError):
+    """The session belongs to another identity (only where auth is on)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED

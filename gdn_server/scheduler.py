@@ -83,11 +83,15 @@ class Scheduler:
     def __init__(self, backend: Backend, sessions: SessionTable, config: SchedulerConfig = SchedulerConfig()) -> None:
         if config.max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {config.max_batch_rows}")
+        if config.max_queue_rows < 1:
+            raise ValueError(f"max_queue_rows must be >= 1, got {config.max_queue_rows}")
         self.backend = backend
         self.sessions = sessions
         self.config = config
         self.stats = SchedulerStats()
-        self.on_launch: Callable[[int, float, float], None] | None = None  # (rows, queue wait s, device s)
+        # metrics hooks, called on the scheduler thread
+        self.on_launch: Callable[[int, float, float], None] | None = None  # (rows, longest queue wait s, device s)
+        self.on_dispatch: Callable[[float], None] | None = None  # (queue wait s) per request sent to the device
         self._pending: deque[_DecodeItem | _ControlItem] = deque()
         self._pending_rows = 0
         self._cv = threading.Condition()
@@ -126,14 +130,17 @@ class Scheduler:
     def _enqueue(self, item: _DecodeItem | _ControlItem, rows: int) -> None:
         with self._cv:
             if not self._accepting:
-                refused = True
+                refused: GdnError | None = Unavailable("the server is shutting down")
+            elif rows and self._pending_rows and self._pending_rows + rows > self.config.max_queue_rows:
+                # bounded: slow clients and bursts cannot pile up unbounded memory; clients retry
+                refused = Unavailable(f"the server's queue is full ({self._pending_rows} rows waiting); retry later")
             else:
-                refused = False
+                refused = None
                 self._pending.append(item)
                 self._pending_rows += rows
                 self._cv.notify()
-        if refused:
-            item.done(Unavailable("the server is shutting down"))
+        if refused is not None:
+            item.done(refused)
 
     # -- the scheduler thread ---------------------------------------------------------------
     def _run(self) -> None:
@@ -186,6 +193,9 @@ class Scheduler:
         control: _ControlItem | None = None
         for idx, item in enumerate(items):
             if isinstance(item, _ControlItem):
+                if deferred:  # an earlier request is held back: the barrier stays behind it
+                    deferred.extend(items[idx:])
+                    break
                 if quiet and not batches:
                     self._run_control(item)
                     continue
@@ -222,6 +232,8 @@ class Scheduler:
         work = item.work
         try:
             sessions = [self.sessions.get(sid) for sid in work.session_ids]
+            for s in sessions:
+                s.check_owner(work.owner)
             if work.positions is None:
                 return sessions
             retries = 0
@@ -277,6 +289,8 @@ class Scheduler:
         for m in members:  # the step is queued on the device: later requests see the new positions
             work = m.item.work
             self.stats.queue_wait_s += now - m.item.enqueued
+            if self.on_dispatch is not None:
+                self.on_dispatch(started - m.item.enqueued)
             for row, s in enumerate(m.sessions):
                 before = s.positions[work.layer]
                 s.positions[work.layer] = before + work.tokens
@@ -291,6 +305,7 @@ class Scheduler:
             except Exception as e:
                 log.exception("backend step failed (%d rows)", batch.rows)
                 for m in members:
+                    self._roll_back(m)
                     m.item.done(GdnError(f"backend failure: {e}"))
                 continue
             device_s = time.monotonic() - started
@@ -299,7 +314,7 @@ class Scheduler:
             self.stats.batches += 1
             self.stats.device_s += device_s
             if self.on_launch is not None:
-                self.on_launch(batch.rows, 0.0, device_s)
+                self.on_launch(batch.rows, max(started - m.item.enqueued for m in members), device_s)
             out16 = out.view(torch.int16)
             for m in members:
                 work = m.item.work
@@ -309,6 +324,21 @@ class Scheduler:
                 positions = tuple(s.positions[work.layer] for s in m.sessions)
                 self.stats.requests += 1
                 m.item.done(DecodeResult(data, self._out_shape(work.rows, work.tokens), positions, work.request_id))
+
+    @staticmethod
+    def _roll_back(member: _Admitted) -> None:
+        """Undoes the position advance of a step whose backend call failed after dispatch."""
+        layer = member.item.work.layer
+        for s in member.sessions:
+            last = s.last_steps.get(layer)
+            if last is not None and last.out is None:
+                s.positions[layer] = last.count_before
+                del s.last_steps[layer]
+
+    @property
+    def running(self) -> bool:
+        """True while the scheduler thread is alive (queued work may still change states)."""
+        return self._thread.is_alive()
 
     def _run_control(self, item: _ControlItem) -> None:
         try:

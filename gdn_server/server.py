@@ -2,21 +2,31 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
 
-from gdn_client.proto.gdn.v1 import gdn_pb2_grpc
+from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server.backends import Backend, make_backend
 from gdn_server.config import ModelShape, SchedulerConfig
+from gdn_server.metrics import Metrics, MetricsInterceptor
+from gdn_server.lifecycle import evict_idle, idle_sessions
 from gdn_server.scheduler import Scheduler
+from gdn_server.security import AuthInterceptor, RejectMalformed, SecurityConfig, load_tokens, server_credentials
 from gdn_server.servicer import GdnDecodeServicer
 from gdn_server.sessions import SessionTable
+from gdn_server.snapshot import load_snapshot, save_snapshot
 from gdn_server.weights import GateParams
 
 log = logging.getLogger(__name__)
+
+GDN_SERVICE = gdn_pb2.DESCRIPTOR.services_by_name["GdnDecode"].full_name  # "gdn.v1.GdnDecode"
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,11 @@ class ServerSettings:
     scheduler: SchedulerConfig = SchedulerConfig()
     scale: float | None = None
     grace_s: float = 30.0  # how long in-flight RPCs may take to finish on shutdown
+    shutdown_delay_s: float = 0.0  # on SIGTERM: health NOT_SERVING, still serving, this long before draining
+    security: SecurityConfig = SecurityConfig()
+    metrics_port: int | None = None  # None: no /metrics endpoint; 0: a free port
+    state_dir: str | None = None  # sessions are saved here on shutdown and restored on start
+    session_idle_timeout_s: float | None = None  # evict sessions unused this long (None: never)
 
 
 @dataclass
@@ -41,14 +56,31 @@ class GdnApp:
     sessions: SessionTable
     scheduler: Scheduler
     servicer: GdnDecodeServicer
+    background: list[asyncio.Task] = field(default_factory=list)  # cancelled by stop_server
+    metrics: Metrics | None = None
+    auth: AuthInterceptor | None = None  # tokens and/or mutual TLS identities
+    credentials: grpc.ServerCredentials | None = None  # TLS, else a plaintext port
+    health: HealthServicer | None = None  # set by start_server
 
 
 def build_app(settings: ServerSettings) -> GdnApp:
     backend = make_backend(settings.device, settings.shape, settings.gates, settings.max_sessions, settings.scale)
+    backend.warmup()  # compile kernels before `listening on`, not on the first request
     sessions = SessionTable(backend.max_sessions, settings.shape.num_layers)
     scheduler = Scheduler(backend, sessions, settings.scheduler)
     servicer = GdnDecodeServicer(settings.shape, sessions, scheduler, backend.name)
-    return GdnApp(settings, backend, sessions, scheduler, servicer)
+    app = GdnApp(settings, backend, sessions, scheduler, servicer)
+    sec = settings.security
+    sessions.max_per_owner = sec.max_sessions_per_client
+    if sec.auth_token_file or sec.mutual_tls:
+        tokens = load_tokens(sec.auth_token_file) if sec.auth_token_file else None
+        app.auth = AuthInterceptor(tokens, sec.mutual_tls)
+    app.credentials = server_credentials(sec)
+    if settings.metrics_port is not None:
+        app.metrics = Metrics()
+        app.metrics.attach(app)
+        servicer.metrics = app.metrics
+    return app
 
 
 def max_message_bytes(shape: ModelShape, max_batch_rows: int) -> int:
@@ -61,7 +93,12 @@ def max_message_bytes(shape: ModelShape, max_batch_rows: int) -> int:
 async def start_server(app: GdnApp) -> tuple[grpc.aio.Server, int]:
     """Starts serving; returns the server and the port it bound (useful with port 0)."""
     limit = max_message_bytes(app.settings.shape, app.settings.scheduler.max_batch_rows)
+    interceptors = [MetricsInterceptor(app.metrics)] if app.metrics is not None else []  # outermost: counts auth failures
+    if app.auth is not None:
+        interceptors.append(app.auth)
+    interceptors.append(RejectMalformed())  # innermost: only authenticated calls get parsed
     server = grpc.aio.server(
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
@@ -69,20 +106,69 @@ async def start_server(app: GdnApp) -> tuple[grpc.aio.Server, int]:
         ]
     )
     gdn_pb2_grpc.add_GdnDecodeServicer_to_server(app.servicer, server)
-    port = server.add_insecure_port(f"{app.settings.host}:{app.settings.port}")
+    app.health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(app.health, server)
+    for service in ("", GDN_SERVICE):
+        await app.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection(
+        (GDN_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    address = f"{app.settings.host}:{app.settings.port}"
+    if app.credentials is not None:
+        port = server.add_secure_port(address, app.credentials)
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind {app.settings.host}:{app.settings.port}")
+    if app.settings.state_dir:  # before the first request: clients continue where they were
+        load_snapshot(app.settings.state_dir, app.sessions, app.backend, app.settings.gates)
     app.scheduler.start()
+    if app.settings.session_idle_timeout_s:
+        app.background.append(asyncio.create_task(_evict_idle_sessions(app, app.settings.session_idle_timeout_s)))
     await server.start()
+    if app.metrics is not None:
+        app.metrics.serve(app.settings.host, app.settings.metrics_port or 0)
+    for service in ("", GDN_SERVICE):
+        await app.health.set(service, health_pb2.HealthCheckResponse.SERVING)
     return server, port
+
+
+async def _evict_idle_sessions(app: GdnApp, timeout_s: float) -> None:
+    """Every so often, evicts idle sessions as a scheduler control item (never during a step)."""
+    interval = max(0.05, min(timeout_s / 4, 5.0))
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(interval)
+        if not idle_sessions(app.sessions, timeout_s):  # a cheap look first: no barrier when none is idle
+            continue
+        fut = loop.create_future()
+        app.scheduler.submit_control(
+            lambda: evict_idle(app.sessions, app.backend, timeout_s),
+            lambda result: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result)),
+        )
+        await fut
 
 
 async def stop_server(app: GdnApp, server: grpc.aio.Server) -> None:
     """Graceful: refuse new work, let in-flight RPCs finish, drain the queue, release the device."""
+    if app.health is not None:
+        await app.health.enter_graceful_shutdown()  # NOT_SERVING from now on
     app.scheduler.stop_accepting()
+    for task in app.background:
+        task.cancel()
     await server.stop(app.settings.grace_s)
     await asyncio.get_running_loop().run_in_executor(None, app.scheduler.stop)
-    app.backend.close()
+    try:
+        if app.settings.state_dir and app.scheduler.running:
+            log.error("the scheduler did not drain in time: no snapshot written (states may be mid-step)")
+        elif app.settings.state_dir:  # every step has finished: the states are final
+            await asyncio.get_running_loop().run_in_executor(
+                None, save_snapshot, app.settings.state_dir, app.sessions, app.backend, app.settings.gates
+            )
+    finally:
+        app.backend.close()
+        if app.metrics is not None:
+            app.metrics.close()
 
 
 async def serve(app: GdnApp) -> None:
@@ -93,11 +179,20 @@ async def serve(app: GdnApp) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     host = app.settings.host
+    if app.metrics is not None and app.metrics.port is not None:
+        print(f"metrics on http://{host}:{app.metrics.port}/metrics", flush=True)
     print(f"listening on {host}:{port}", flush=True)
     log.info(
         "backend %s, %d sessions x %d layers, pool %.1f MiB",
         app.backend.name, app.sessions.capacity, app.settings.shape.num_layers, app.backend.pool_bytes / 2**20,
     )
     await stop.wait()
+    delay = app.settings.shutdown_delay_s
+    if delay > 0:  # let load balancers see NOT_SERVING while requests are still served
+        log.info("SIGTERM: health NOT_SERVING, draining in %.1f s (signal again to drain now)", delay)
+        await app.health.enter_graceful_shutdown()
+        stop.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
     log.info("shutting down")
     await stop_server(app, server)

@@ -7,6 +7,7 @@ keeps going. The event loop never waits on the device: the scheduler thread sett
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any, AsyncIterator, Callable
 
@@ -15,8 +16,11 @@ import grpc
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError
+from gdn_server.lifecycle import export_session, fork_session, import_session
 from gdn_server.scheduler import Scheduler
+from gdn_server.security import current_identity
 from gdn_server.sessions import SessionTable
+from gdn_server.state_transfer import StateAssembler, encode_state
 from gdn_server.validation import decode_work_from_request
 from gdn_server.work import DecodeResult
 
@@ -63,6 +67,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         self.sessions = sessions
         self.scheduler = scheduler
         self.backend_name = backend_name
+        self.metrics = None  # gdn_server.metrics.Metrics, when --metrics-port is on
 
     # -- helpers ----------------------------------------------------------------------------
     async def _control(self, fn: Callable[[], Any]) -> Any:
@@ -70,17 +75,29 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         self.scheduler.submit_control(fn, done)
         return await fut
 
-    async def _decode(self, request: gdn_pb2.DecodeRequest) -> DecodeResult:
+    async def _decode(self, request: gdn_pb2.DecodeRequest, method: str = "Decode") -> DecodeResult:
         """Validates and runs one decode request; raises GdnError."""
-        work = decode_work_from_request(request, self.shape)
-        fut, done = settle_on(asyncio.get_running_loop())
+        code = grpc.StatusCode.CANCELLED
         cancelled = False
-        self.scheduler.submit_decode(work, done, cancelled=lambda: cancelled)
         try:
-            return await fut
+            work = decode_work_from_request(request, self.shape)
+            identity = current_identity()
+            if identity is not None:  # every session must be this caller's
+                work = dataclasses.replace(work, owner=identity)
+            fut, done = settle_on(asyncio.get_running_loop())
+            self.scheduler.submit_decode(work, done, cancelled=lambda: cancelled)
+            result = await fut
+            code = grpc.StatusCode.OK
+            return result
         except asyncio.CancelledError:  # client cancelled or deadline passed: drop before the device
             cancelled = True
             raise
+        except GdnError as e:
+            code = e.code
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.count_decode(method, code)
 
     # -- RPCs -------------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):
@@ -101,7 +118,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
 
     async def CreateSession(self, request, context):
         try:
-            session = self.sessions.create()
+            session = self.sessions.create(owner=current_identity())
         except GdnError as e:
             await context.abort(e.code, e.message)
         return gdn_pb2.CreateSessionResponse(session_id=session.id)
@@ -109,8 +126,10 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
     async def CloseSession(self, request, context):
         sid = request.session_id
         backend = self.scheduler.backend
+        identity = current_identity()
 
         def close() -> None:  # runs after every earlier step of this session
+            self.sessions.get(sid).check_owner(identity)
             session = self.sessions.remove(sid)
             backend.reset_session(session.slot)  # a free slot always holds a zero state
             self.sessions.free_slot(session.slot)
@@ -138,7 +157,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
 
         async def answer(request: gdn_pb2.DecodeRequest) -> gdn_pb2.DecodeResponse:
             try:
-                return decode_response(await self._decode(request))
+                return decode_response(await self._decode(request, "DecodeStream"))
             except GdnError as e:
                 return error_response(request.request_id, e)
 
@@ -168,13 +187,38 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
                     pending.cancel()
 
     async def ForkSession(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ForkSession is not implemented yet")
+        backend = self.scheduler.backend
+        identity = current_identity()  # read here: the lambda runs on the scheduler thread
+        try:  # after every earlier step of the source: the copy sees all of them
+            child = await self._control(lambda: fork_session(self.sessions, backend, request.session_id, identity))
+        except GdnError as e:
+            await context.abort(e.code, e.message)
+        return gdn_pb2.CreateSessionResponse(session_id=child.id)
 
     async def ExportState(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ExportState is not implemented yet")
+        backend = self.scheduler.backend
+        identity = current_identity()
+        try:
+            state = await self._control(lambda: export_session(self.sessions, backend, request.session_id, identity))
+        except GdnError as e:
+            await context.abort(e.code, e.message)
+        # checksum and chunking off the event loop (tens of MiB for a large model)
+        chunks = await asyncio.get_running_loop().run_in_executor(None, lambda: list(encode_state(state)))
+        for chunk in chunks:
+            yield chunk
 
     async def ImportState(self, request_iterator, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "ImportState is not implemented yet")
+        assembler = StateAssembler(self.shape)
+        backend = self.scheduler.backend
+        identity = current_identity()
+        try:
+            async for chunk in request_iterator:
+                assembler.add(chunk)
+            state = assembler.finish()  # the whole stream checks out before anything is created
+            session = await self._control(lambda: import_session(self.sessions, backend, state, owner=identity))
+        except GdnError as e:
+            await context.abort(e.code, e.message)
+        return gdn_pb2.CreateSessionResponse(session_id=session.id)
 
     async def GetStats(self, request, context):
         st = self.scheduler.stats
@@ -187,5 +231,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
             sessions_in_use=len(self.sessions),
             max_sessions=self.sessions.capacity,
             backend=self.backend_name,
+            device_seconds=st.device_s,
+            queue_wait_seconds=st.queue_wait_s,
         )
 

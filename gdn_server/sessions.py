@@ -13,9 +13,10 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from gdn_server.errors import NotFound, ResourceExhausted
+from gdn_server.errors import NotFound, PermissionDenied, ResourceExhausted
 
 
 @dataclass
@@ -46,6 +47,14 @@ class Session:
     def pool_slot(self, layer: int) -> int:
         return self.slot * self.num_layers + layer
 
+    def check_owner(self, identity: str | None) -> None:
+        """PermissionDenied unless `identity` created this session (both None where auth is off)."""
+        if self.owner != identity:
+            raise PermissionDenied(f"session {self.id!r} belongs to another client")
+
+
+MAX_EVICTED_IDS = 65536  # evicted ids remembered (oldest forgotten first), to answer why they are gone
+
 
 def new_session_id() -> str:
     """128 random bits, URL-safe."""
@@ -60,7 +69,10 @@ class SessionTable:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.num_layers = num_layers
+        self.max_per_owner: int | None = None  # sessions one identity may hold (None: no limit)
+        self._per_owner: dict[str | None, int] = {}
         self._by_id: dict[str, Session] = {}
+        self._evicted: OrderedDict[str, str] = OrderedDict()  # id -> why it was evicted
         # lowest slots first keeps a lightly used pool compact (friendlier to caches)
         self._free = list(range(capacity - 1, -1, -1))
         self._lock = threading.Lock()
@@ -68,30 +80,56 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def create(self, owner: str | None = None, session_id: str | None = None) -> Session:
-        """Takes a free slot (whose state is zero) for a new session; ResourceExhausted when full."""
+    def create(self, owner: str | None = None, session_id: str | None = None, *, restoring: bool = False) -> Session:
+        """Takes a free slot (whose state is zero) for a new session; ResourceExhausted when full.
+
+        `restoring` (a snapshot on start) skips the per-client limit: those sessions already existed.
+        """
         with self._lock:
             if not self._free:
                 raise ResourceExhausted(f"no free session capacity: all {self.capacity} sessions are in use")
+            held = self._per_owner.get(owner, 0)
+            if not restoring and self.max_per_owner is not None and held >= self.max_per_owner:
+                raise ResourceExhausted(f"this client already holds {held} sessions, the most one client may hold")
             sid = session_id or new_session_id()
             if sid in self._by_id:
                 raise ValueError(f"session id {sid!r} already exists")
             session = Session(id=sid, slot=self._free.pop(), num_layers=self.num_layers, owner=owner)
             self._by_id[sid] = session
+            self._per_owner[owner] = held + 1
             return session
 
     def get(self, session_id: str) -> Session:
         session = self._by_id.get(session_id)
         if session is None:
-            raise NotFound(f"unknown or closed session {session_id!r}")
+            raise self._not_found(session_id)
+        return session
+
+    def _not_found(self, session_id: str) -> NotFound:
+        reason = self._evicted.get(session_id)
+        if reason is not None:
+            return NotFound(f"session {session_id!r} was evicted: {reason}")
+        return NotFound(f"unknown or closed session {session_id!r}")
+
+    def evict(self, session_id: str, reason: str) -> Session:
+        """`remove`, remembering why: later lookups of the id answer NotFound with `reason`."""
+        session = self.remove(session_id)
+        with self._lock:
+            self._evicted[session_id] = reason
+            while len(self._evicted) > MAX_EVICTED_IDS:
+                self._evicted.popitem(last=False)
         return session
 
     def remove(self, session_id: str) -> Session:
         """Forgets a session; its slot is not reusable until `free_slot` (after the state is zeroed)."""
         with self._lock:
             session = self._by_id.pop(session_id, None)
+            if session is not None:
+                left = self._per_owner.pop(session.owner, 1) - 1
+                if left:
+                    self._per_owner[session.owner] = left
         if session is None:
-            raise NotFound(f"unknown or closed session {session_id!r}")
+            raise self._not_found(session_id)
         return session
 
     def free_slot(self, slot: int) -> None:

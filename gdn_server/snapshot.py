@@ -309,7 +309,7 @@ def _load_verified(root: Path, sessions: SessionTable, backend: Backend, gates: 
     try:  # pass 2: load (files are checked again, in case they changed since pass 1)
         for entry in entries:
             r = _read_session_file(root, entry, shape)
-            session = sessions.create(owner=r.owner, session_id=r.id)
+            session = sessions.create(owner=r.owner, session_id=r.id, restoring=True)
             created.append(session)
             backend.write_session(session.slot, r.state)
             session.positions = r.positions

@@ -19,6 +19,7 @@ class DecodeWork:
     b: torch.Tensor  # [B, T, HV]
     positions: tuple[int, ...] | None  # tokens each session has taken at `layer`, when given
     request_id: str = ""
+    owner: str | None = None  # the caller's identity where auth is on; must own every session
 
     @property
     def rows(self) -> int:
