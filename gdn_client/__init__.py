@@ -14,7 +14,8 @@
 All failures raise `GdnError` (``.code`` is the grpc.StatusCode).
 """
 from gdn_client._aio import AsyncClient, AsyncSession
-from gdn_client._client import Client, Session
+from gdn_client._client import Client, Session, Speculation
+from gdn_client._sessions_ext import ExportedState
 from gdn_client._codec import ModelInfo, Stats
 from gdn_client._errors import (
     DeadlineExceededError,
@@ -37,6 +38,7 @@ __all__ = [
     "ClientOptions",
     "DeadlineExceededError",
     "DecodeStream",
+    "ExportedState",
     "FailedPreconditionError",
     "GdnError",
     "InvalidArgumentError",
@@ -44,6 +46,7 @@ __all__ = [
     "NotFoundError",
     "ResourceExhaustedError",
     "Session",
+    "Speculation",
     "Stats",
     "UnauthenticatedError",
     "UnavailableError",

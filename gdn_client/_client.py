@@ -20,6 +20,7 @@ from gdn_client._codec import (
 )
 from gdn_client._errors import GdnError, NotFoundError, error_from_rpc
 from gdn_client._options import ClientOptions
+from gdn_client._sessions_ext import ExportedState
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 
 if TYPE_CHECKING:
@@ -132,6 +133,23 @@ class Client:
         step = prepare_step(layer, [s._cursor for s in sessions], q, k, v, a, b, single=False)
         return self._run_step(step)
 
+    def import_state(self, exported: ExportedState) -> "Session":
+        """Creates a session on this server holding an exported state (see `Session.export`), which
+        continues exactly as the exported session would: migration between replicas.
+
+        Not retried: a lost reply would leak a session slot on the server.
+        """
+        reply = self._call_stream_in(self._stub.ImportState, exported.chunks())
+        session = Session(self, reply.session_id)
+        session._cursor._adopt(list(exported.header.positions))
+        return session
+
+    def _call_stream_in(self, method: Callable[..., _R], requests: Any) -> _R:
+        try:
+            return method(requests, timeout=self.options.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+
     def stream(self) -> "DecodeStream":
         """Opens a pipelined DecodeStream; see `DecodeStream`."""
         from gdn_client._stream import DecodeStream
@@ -177,15 +195,62 @@ class Session:
         return self._cursor.positions()
 
     def decode(
-        self, layer: int, q: TensorLike, k: TensorLike, v: TensorLike, a: TensorLike, b: TensorLike
+        self, layer: int, q: TensorLike, k: TensorLike, v: TensorLike, a: TensorLike, b: TensorLike,
+        *, speculative: bool = False,
     ) -> torch.Tensor:
         """One step of T tokens at ``layer``.
 
         q, k: [T, H, K]; v: [T, HV, V]; a, b: [T, HV] (or the batched form with B = 1), torch
-        bf16/f16/f32 or numpy f16/f32. Returns bf16 o [T, HV, V].
+        bf16/f16/f32 or numpy f16/f32. Returns bf16 o [T, HV, V]. ``speculative=True`` makes it a
+        draft step (T up to ModelInfo.max_speculative_tokens) that `commit` settles; prefer
+        `speculate()`.
         """
-        step = prepare_step(layer, [self._cursor], q, k, v, a, b, single=True)
+        step = prepare_step(layer, [self._cursor], q, k, v, a, b, single=True, speculative=speculative)
         return self._client._run_step(step)
+
+    def commit(self, accepted: int) -> dict[int, int]:
+        """Keeps the first ``accepted`` tokens of every open speculative step (one per layer) and
+        drops the rest; returns the positions per layer afterwards. Safe to retry."""
+        reply = self._client._call(
+            self._client._stub.Commit, gdn_pb2.CommitRequest(session_id=self.id, accepted=accepted), retry=True
+        )
+        self._cursor._adopt(list(reply.positions))
+        return self.positions
+
+    def speculate(self) -> "Speculation":
+        """A draft-and-verify step over every layer, settled by `Speculation.commit`.
+
+        >>> with session.speculate() as spec:                            # doctest: +SKIP
+        ...     for layer in range(info.num_layers):                     # T draft tokens per layer
+        ...         o = spec.decode(layer, q[layer], k[layer], v[layer], a[layer], b[layer])
+        ...     accepted = verify(o)                                     # tokens the target model keeps
+        ...     spec.commit(accepted)                                    # states rewound to `accepted`
+
+        Leaving the block without `commit` (an exception, say) commits 0 tokens: the session is as
+        before the draft.
+        """
+        return Speculation(self)
+
+    def fork(self) -> "Session":
+        """A new session whose states and positions are copies of this one's (prefix sharing, beam
+        search). Not retried: a lost reply would leak a session slot on the server."""
+        self._cursor._require_settled("fork()")
+        reply = self._client._call(self._client._stub.ForkSession, gdn_pb2.ForkSessionRequest(session_id=self.id))
+        child = Session(self._client, reply.session_id)
+        child._cursor._adopt(self._cursor.positions())
+        return child
+
+    def export(self) -> ExportedState:
+        """This session's state and positions, to move it to another server with `Client.import_state`."""
+        self._cursor._require_settled("export()")
+        try:
+            chunks = self._client._stub.ExportState(
+                gdn_pb2.ExportStateRequest(session_id=self.id), timeout=self._client.options.timeout,
+                metadata=self._client._metadata,
+            )
+            return ExportedState.from_chunks(chunks)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
 
     def recover(self) -> list[torch.Tensor]:
         """Resends steps whose outcome stayed unknown after the last retry; returns their outputs.
@@ -217,3 +282,27 @@ class Session:
 
     def __repr__(self) -> str:
         return f"Session({self.id!r})"
+
+
+class Speculation:
+    """An open draft step of one session (see `Session.speculate`)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.committed: dict[int, int] | None = None
+
+    def decode(self, layer: int, q: TensorLike, k: TensorLike, v: TensorLike, a: TensorLike, b: TensorLike) -> torch.Tensor:
+        """A speculative step of T draft tokens at ``layer``; returns bf16 o [T, HV, V]."""
+        return self.session.decode(layer, q, k, v, a, b, speculative=True)
+
+    def commit(self, accepted: int) -> dict[int, int]:
+        """Keeps the first ``accepted`` tokens at every layer; returns the positions afterwards."""
+        self.committed = self.session.commit(accepted)
+        return self.committed
+
+    def __enter__(self) -> "Speculation":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.committed is None:
+            self.commit(0)

@@ -174,6 +174,21 @@ class SessionCursor:
             self._next[layer] = min(self._next.get(layer, 0), pos)
             self._in_doubt[layer] = step
 
+    def _adopt(self, positions: "Sequence[int] | dict[int, int]") -> None:
+        """Takes positions (a per-layer list from the server, or a {layer: n} dict) as the next
+        steps' positions."""
+        items = positions.items() if isinstance(positions, dict) else enumerate(positions)
+        with self._lock:
+            self._next = {int(layer): int(p) for layer, p in items}
+
+    def _require_settled(self, what: str) -> None:
+        with self._lock:
+            if self._in_doubt:
+                raise FailedPreconditionError(
+                    f"session {self.session_id!r}: steps at layer(s) {sorted(self._in_doubt)} are in doubt; "
+                    f"call recover() before {what}"
+                )
+
     def _settle(self, layer: int, after: int, step: "PreparedStep") -> None:
         with self._lock:
             if self._in_doubt.get(layer) is step:
@@ -236,6 +251,7 @@ def prepare_step(
     b: TensorLike,
     *,
     single: bool,
+    speculative: bool = False,
 ) -> PreparedStep:
     """Validates the inputs, reserves positions and builds the DecodeRequest."""
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
@@ -265,4 +281,5 @@ def prepare_step(
             cur._lock.release()
     positions = tuple(pos for _, pos in reserved)
     request.positions[:] = positions
+    request.speculative = speculative
     return PreparedStep(request, tuple(cursors), layer, tokens, positions, single)

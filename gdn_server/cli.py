@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=None, help="query scale (default 1/sqrt(K))")
     p.add_argument("--max-sessions", type=int, default=None,
                    help="session capacity (default: 64 on the CPU; on a GPU, what fits in 80%% of free memory, at most 4096)")
+    p.add_argument("--speculative-sessions", type=int, default=None,
+                   help="sessions that may hold uncommitted speculative steps at once; each uses up to 2 scratch "
+                        "states per layer (default: min(max sessions, 32); 0 turns speculative steps off)")
     p.add_argument("--max-batch-rows", type=int, default=SchedulerConfig.max_batch_rows,
                    help="rows (session x layer) per kernel launch at most")
     p.add_argument("--max-queue-delay-us", type=int, default=SchedulerConfig.max_queue_delay_us,
@@ -89,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.max_queue_delay_us < 0:
         parser.error("--max-queue-delay-us must be >= 0")
+    if args.speculative_sessions is not None and args.speculative_sessions < 0:
+        parser.error("--speculative-sessions must be >= 0")
     if args.max_queue_rows < 1:
         parser.error("--max-queue-rows must be >= 1")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
@@ -118,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         port=args.port,
         device=args.device,
         max_sessions=args.max_sessions,
+        speculative_sessions=args.speculative_sessions,
         scheduler=SchedulerConfig(args.max_batch_rows, args.max_queue_delay_us, args.max_queue_rows),
         scale=args.scale,
         grace_s=args.drain_timeout_s,

@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 
 MAX_TOKENS_PER_STEP = 4
+MAX_SPECULATIVE_TOKENS = 8  # draft tokens of one speculative step
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class ModelShape:
     head_dim_k: int = 128  # K
     head_dim_v: int = 128  # V
     max_tokens_per_step: int = MAX_TOKENS_PER_STEP
+    max_speculative_tokens: int = MAX_SPECULATIVE_TOKENS
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_q_heads", "num_v_heads", "head_dim_k", "head_dim_v"):

@@ -13,7 +13,9 @@ import logging
 import time
 
 from gdn_server.backends import Backend
+from gdn_server.errors import FailedPrecondition, InvalidArgument
 from gdn_server.sessions import Session, SessionTable
+from gdn_server.work import DecodeWork, StepBatch
 from gdn_server.state_transfer import SessionState
 
 log = logging.getLogger(__name__)
@@ -26,11 +28,82 @@ def _discard(sessions: SessionTable, backend: Backend, session: Session) -> None
     sessions.free_slot(session.slot)
 
 
+def bring_home(sessions: SessionTable, backend: Backend, session: Session) -> None:
+    """Moves accepted speculative states from scratch rows back to the session's own rows, so
+    `slot`-wide operations (copy, read) see every layer's committed state."""
+    if not session.scratch_current:
+        return
+    layers = sorted(session.scratch_current)
+    backend.copy_rows([session.scratch_current[l] for l in layers], [session.pool_slot(l) for l in layers])
+    for layer in layers:
+        sessions.give_scratch(session.scratch_current.pop(layer))
+
+
+def settled(sessions: SessionTable, backend: Backend, session: Session) -> Session:
+    """The session with every state home; FailedPrecondition while a speculative step is open."""
+    if session.provisional:
+        raise FailedPrecondition(
+            f"session {session.id!r} has an uncommitted speculative step at layer(s) "
+            f"{sorted(session.provisional)}: Commit it first"
+        )
+    bring_home(sessions, backend, session)
+    return session
+
+
+def drop_speculation(sessions: SessionTable, backend: Backend, session: Session) -> None:
+    """Forgets uncommitted speculative steps (as if never sent) and brings states home: what a
+    snapshot saves, so a restart never resumes a half-committed session."""
+    for layer, pending in list(session.provisional.items()):
+        sessions.give_scratch(pending.row)
+        session.positions[layer] = pending.count_before
+        session.last_steps.pop(layer, None)
+        del session.provisional[layer]
+    bring_home(sessions, backend, session)
+
+
+def commit_speculation(
+    sessions: SessionTable, backend: Backend, session_id: str, accepted: int, identity: str | None = None
+) -> tuple[list[int], list[int]]:
+    """Settles every open speculative step of a session to its first `accepted` tokens.
+
+    Fully accepted: the scratch row the step wrote is the committed state (no copy). Partly
+    accepted: the scratch row is dropped and the first `accepted` tokens are replayed from the
+    untouched starting state, all layers in one backend call (one extra plain step at most).
+    Returns (positions per layer, the layers settled). Atomic: a bad `accepted` changes nothing.
+    """
+    session = sessions.get(session_id)
+    session.check_owner(identity)
+    pending = dict(sorted(session.provisional.items()))
+    too_many = {layer: p.tokens for layer, p in pending.items() if accepted > p.tokens}
+    if too_many:
+        raise InvalidArgument(f"accepted = {accepted} is more than the speculative step's T at layer(s) {too_many}")
+    replay = StepBatch(accepted)
+    for layer, p in pending.items():
+        del session.provisional[layer]
+        if accepted == p.tokens:
+            if p.read_row != session.pool_slot(layer):
+                sessions.give_scratch(p.read_row)
+            session.scratch_current[layer] = p.row
+            continue
+        sessions.give_scratch(p.row)
+        session.positions[layer] = p.count_before + accepted
+        session.last_steps.pop(layer, None)  # that step's output no longer describes the state
+        if accepted:
+            q, k, v, a, b = (t[:, :accepted] for t in p.inputs)
+            work = DecodeWork(layer, (session.id,), q=q, k=k, v=v, a=a, b=b, positions=None)
+            replay.add(work, [p.read_row])
+    if replay.rows:
+        backend.submit(replay).result()  # writes the replayed states in place, at their read rows
+    session.last_used = time.monotonic()
+    return list(session.positions), list(pending)
+
+
 def fork_session(sessions: SessionTable, backend: Backend, source_id: str, identity: str | None = None) -> Session:
     """A new session of `identity` whose states (every layer) and positions are copies of
     `source_id`'s (which `identity` must own, where auth is on)."""
     source = sessions.get(source_id)
     source.check_owner(identity)
+    settled(sessions, backend, source)
     child = sessions.create(owner=identity)
     try:
         backend.copy_session(source.slot, child.slot)  # device-side copy on the GPU
@@ -46,6 +119,7 @@ def export_session(sessions: SessionTable, backend: Backend, session_id: str, id
     """A CPU copy of a session's state and positions."""
     session = sessions.get(session_id)
     session.check_owner(identity)
+    settled(sessions, backend, session)
     state = backend.read_session(session.slot).contiguous()
     session.last_used = time.monotonic()
     return SessionState(state, tuple(session.positions))
@@ -81,6 +155,7 @@ def evict_idle(sessions: SessionTable, backend: Backend, timeout_s: float) -> li
     evicted = []
     for sid in idle_sessions(sessions, timeout_s):
         session = sessions.evict(sid, f"it was idle for more than {timeout_s:g} s (--session-idle-timeout-s)")
+        # evict() returned its scratch rows; its own rows are zeroed below
         backend.reset_session(session.slot)
         sessions.free_slot(session.slot)
         evicted.append(sid)

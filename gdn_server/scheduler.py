@@ -30,7 +30,7 @@ import torch
 from gdn_server.backends.base import Backend, PendingStep
 from gdn_server.config import SchedulerConfig
 from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
-from gdn_server.sessions import LastStep, Session, SessionTable
+from gdn_server.sessions import LastStep, Provisional, Session, SessionTable
 from gdn_server.work import DecodeResult, DecodeWork, StepBatch
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,9 @@ class _Admitted:
     item: _DecodeItem
     sessions: list[Session]
     first_row: int
+    read_rows: list[int] = field(default_factory=list)  # pool row each session's state is read from
+    write_rows: list[int] = field(default_factory=list)  # pool row each session's new state goes to
+    released: list[int] = field(default_factory=list)  # scratch rows free once this step is queued
 
 
 class _NotReady(Exception):
@@ -217,9 +220,15 @@ class Scheduler:
                 continue
             if admitted is None:
                 continue  # answered (error or retry) already
+            try:
+                member = self._route(item, admitted)
+            except GdnError as e:
+                item.done(e)
+                continue
             batch, members = batches.setdefault(work.tokens, (StepBatch(work.tokens), []))
-            members.append(_Admitted(item, admitted, batch.rows))
-            batch.add(work, [s.pool_slot(work.layer) for s in admitted])
+            member.first_row = batch.rows
+            members.append(member)
+            batch.add(work, member.read_rows, member.write_rows)
             busy.update(work.session_ids)
             rows += work.rows
         for batch, members in batches.values():
@@ -261,6 +270,36 @@ class Scheduler:
             item.done(e)
             return None
 
+    def _route(self, item: _DecodeItem, sessions: list[Session]) -> _Admitted:
+        """Picks each session's read and write rows for an admitted step.
+
+        A plain step reads the committed state and writes the session's own row. A speculative
+        step writes a scratch row instead, so the state it started from survives until Commit.
+        A new step at a layer with an open speculative step commits all of its tokens first (the
+        positions already count them): the scratch row it wrote becomes the committed state.
+        """
+        work = item.work
+        layer = work.layer
+        scratch = self.sessions.take_scratch_rows(len(sessions)) if work.speculative else []
+        member = _Admitted(item, sessions, 0)
+        for i, s in enumerate(sessions):
+            pending = s.provisional.pop(layer, None)
+            if pending is not None:  # implicit commit of all T tokens
+                if pending.read_row != s.pool_slot(layer):
+                    member.released.append(pending.read_row)
+                s.scratch_current[layer] = pending.row
+            home = s.pool_slot(layer)
+            read = s.scratch_current.get(layer, home)
+            if work.speculative:
+                write = scratch[i]
+            else:
+                write = home
+                if read != home:  # the state goes home with this step; its scratch row is free after
+                    member.released.append(s.scratch_current.pop(layer))
+            member.read_rows.append(read)
+            member.write_rows.append(write)
+        return member
+
     def _replay(self, work: DecodeWork, sessions: list[Session]) -> DecodeResult:
         """Answers a retried step from the outputs kept when it was first applied."""
         parts = []
@@ -283,6 +322,9 @@ class Scheduler:
         except Exception as e:  # a backend failure fails this batch only; the server stays up
             log.exception("backend call failed (%d rows)", batch.rows)
             for m in members:
+                if m.item.work.speculative:
+                    for row in m.write_rows:
+                        self.sessions.give_scratch(row)
                 m.item.done(GdnError(f"backend failure: {e}"))
             return
         now = time.monotonic()
@@ -296,6 +338,14 @@ class Scheduler:
                 s.positions[work.layer] = before + work.tokens
                 s.last_steps[work.layer] = LastStep(before, work.tokens, None, row, work.rows)
                 s.last_used = now
+                if work.speculative:
+                    s.provisional[work.layer] = Provisional(
+                        row=m.write_rows[row], read_row=m.read_rows[row], tokens=work.tokens, count_before=before,
+                        inputs=tuple(t[row : row + 1] for t in (work.q, work.k, work.v, work.a, work.b)),
+                    )
+            # rows superseded by this step: any later launch on the stream may write them again
+            for released in m.released:
+                self.sessions.give_scratch(released)
         in_flight.append((pending, batch, members, started))
 
     def _finish(self, in_flight: list) -> None:
@@ -325,8 +375,7 @@ class Scheduler:
                 self.stats.requests += 1
                 m.item.done(DecodeResult(data, self._out_shape(work.rows, work.tokens), positions, work.request_id))
 
-    @staticmethod
-    def _roll_back(member: _Admitted) -> None:
+    def _roll_back(self, member: _Admitted) -> None:
         """Undoes the position advance of a step whose backend call failed after dispatch."""
         layer = member.item.work.layer
         for s in member.sessions:
@@ -334,6 +383,10 @@ class Scheduler:
             if last is not None and last.out is None:
                 s.positions[layer] = last.count_before
                 del s.last_steps[layer]
+            pending = s.provisional.get(layer)
+            if pending is not None and pending.row in member.write_rows:
+                del s.provisional[layer]
+                self.sessions.give_scratch(pending.row)
 
     @property
     def running(self) -> bool:

@@ -37,6 +37,7 @@ class ServerSettings:
     port: int = 50051
     device: str = "auto"
     max_sessions: int | None = None  # None: the backend's default
+    speculative_sessions: int | None = None  # sessions with open speculative steps at once (None: default)
     scheduler: SchedulerConfig = SchedulerConfig()
     scale: float | None = None
     grace_s: float = 30.0  # how long in-flight RPCs may take to finish on shutdown
@@ -64,9 +65,14 @@ class GdnApp:
 
 
 def build_app(settings: ServerSettings) -> GdnApp:
-    backend = make_backend(settings.device, settings.shape, settings.gates, settings.max_sessions, settings.scale)
+    backend = make_backend(
+        settings.device, settings.shape, settings.gates, settings.max_sessions, settings.scale,
+        speculative_sessions=settings.speculative_sessions,
+    )
     backend.warmup()  # compile kernels before `listening on`, not on the first request
-    sessions = SessionTable(backend.max_sessions, settings.shape.num_layers)
+    sessions = SessionTable(
+        backend.max_sessions, settings.shape.num_layers, range(backend.home_rows, backend.pool_rows)
+    )
     scheduler = Scheduler(backend, sessions, settings.scheduler)
     servicer = GdnDecodeServicer(settings.shape, sessions, scheduler, backend.name)
     app = GdnApp(settings, backend, sessions, scheduler, servicer)
@@ -87,7 +93,7 @@ def max_message_bytes(shape: ModelShape, max_batch_rows: int) -> int:
     """Largest request we accept: max(max_batch_rows, 256) rows of float32 inputs at the largest T."""
     per_token = 4 * (2 * shape.num_q_heads * shape.head_dim_k + shape.num_v_heads * (shape.head_dim_v + 2))
     rows = max(max_batch_rows, 256)
-    return min(per_token * shape.max_tokens_per_step * rows + (1 << 20), 2**31 - 1)
+    return min(per_token * shape.max_speculative_tokens * rows + (1 << 20), 2**31 - 1)
 
 
 async def start_server(app: GdnApp) -> tuple[grpc.aio.Server, int]:

@@ -16,7 +16,7 @@ import grpc
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError
-from gdn_server.lifecycle import export_session, fork_session, import_session
+from gdn_server.lifecycle import commit_speculation, export_session, fork_session, import_session
 from gdn_server.scheduler import Scheduler
 from gdn_server.security import current_identity
 from gdn_server.sessions import SessionTable
@@ -109,6 +109,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
             head_dim_k=s.head_dim_k,
             head_dim_v=s.head_dim_v,
             max_tokens_per_step=s.max_tokens_per_step,
+            max_speculative_tokens=s.max_speculative_tokens,
             max_sessions=self.sessions.capacity,
             sessions_in_use=len(self.sessions),
             backend=self.backend_name,
@@ -185,6 +186,17 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
                 pending = replies.get_nowait()
                 if isinstance(pending, asyncio.Future):
                     pending.cancel()
+
+    async def Commit(self, request, context):
+        backend = self.scheduler.backend
+        identity = current_identity()
+        try:  # after the session's earlier steps (the speculative one included) have run
+            positions, layers = await self._control(
+                lambda: commit_speculation(self.sessions, backend, request.session_id, int(request.accepted), identity)
+            )
+        except GdnError as e:
+            await context.abort(e.code, e.message)
+        return gdn_pb2.CommitResponse(positions=positions, committed_layers=layers)
 
     async def ForkSession(self, request, context):
         backend = self.scheduler.backend

@@ -5,8 +5,13 @@ A session owns one *session slot*; its state for layer l lives at pool row
 layer. `LastStep` remembers the previous step per layer so a retried request (same positions,
 same T) is answered again without being applied twice.
 
-Only the scheduler thread mutates positions and last steps; `create`/`release` take the table lock
-because they are also called from the gRPC event loop.
+Speculative steps (draft tokens) write into *scratch rows* after the sessions' own rows, so the
+state before the step survives until `Commit`: `Provisional` records such a step per layer. A
+fully accepted step leaves the committed state in its scratch row (`scratch_current`) until the
+next plain step at that layer writes it back home, so acceptance costs no extra copy.
+
+Only the scheduler thread mutates positions, last steps and speculative records; `create`/`remove`
+take the table lock because they are also called from the gRPC event loop.
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+import torch
 
 from gdn_server.errors import NotFound, PermissionDenied, ResourceExhausted
 
@@ -31,6 +38,17 @@ class LastStep:
 
 
 @dataclass
+class Provisional:
+    """An uncommitted speculative step of one session at one layer."""
+
+    row: int  # scratch row holding the state after all T tokens
+    read_row: int  # row holding the committed state the step started from (left untouched)
+    tokens: int  # T
+    count_before: int  # position at that layer before the step
+    inputs: tuple[torch.Tensor, ...]  # this session's q, k, v, a, b of the step, each [1, T, ...]
+
+
+@dataclass
 class Session:
     id: str
     slot: int
@@ -39,13 +57,34 @@ class Session:
     positions: list[int] = field(default_factory=list)
     last_steps: dict[int, LastStep] = field(default_factory=dict)
     last_used: float = field(default_factory=time.monotonic)
+    scratch_current: dict[int, int] = field(default_factory=dict)  # layer -> scratch row with the committed state
+    provisional: dict[int, Provisional] = field(default_factory=dict)  # layer -> uncommitted speculative step
 
     def __post_init__(self) -> None:
         if not self.positions:
             self.positions = [0] * self.num_layers
 
     def pool_slot(self, layer: int) -> int:
+        """The session's own (home) pool row for `layer`."""
         return self.slot * self.num_layers + layer
+
+    def read_row(self, layer: int) -> int:
+        """Where the state a new step at `layer` starts from lives now."""
+        pending = self.provisional.get(layer)
+        if pending is not None:
+            return pending.row
+        return self.scratch_current.get(layer, self.pool_slot(layer))
+
+    def scratch_rows(self) -> list[int]:
+        """Every scratch row this session holds."""
+        return list(self.scratch_current.values()) + [p.row for p in self.provisional.values()]
+
+    def committed_positions(self) -> list[int]:
+        """Positions with every uncommitted speculative step left out."""
+        positions = list(self.positions)
+        for layer, p in self.provisional.items():
+            positions[layer] = p.count_before
+        return positions
 
     def check_owner(self, identity: str | None) -> None:
         """PermissionDenied unless `identity` created this session (both None where auth is off)."""
@@ -64,7 +103,7 @@ def new_session_id() -> str:
 class SessionTable:
     """Live sessions by id, and the free session slots of the state pool."""
 
-    def __init__(self, capacity: int, num_layers: int) -> None:
+    def __init__(self, capacity: int, num_layers: int, scratch_rows: range = range(0)) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
@@ -75,6 +114,8 @@ class SessionTable:
         self._evicted: OrderedDict[str, str] = OrderedDict()  # id -> why it was evicted
         # lowest slots first keeps a lightly used pool compact (friendlier to caches)
         self._free = list(range(capacity - 1, -1, -1))
+        self._scratch_free = list(reversed(scratch_rows))
+        self.scratch_capacity = len(scratch_rows)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -130,7 +171,35 @@ class SessionTable:
                     self._per_owner[session.owner] = left
         if session is None:
             raise self._not_found(session_id)
+        for row in session.scratch_rows():  # a dropped speculative state is never read again
+            self.give_scratch(row)
+        session.scratch_current.clear()
+        session.provisional.clear()
         return session
+
+    def take_scratch(self) -> int:
+        """A free scratch row for a speculative state; ResourceExhausted when none is left."""
+        with self._lock:
+            if not self._scratch_free:
+                raise ResourceExhausted(
+                    f"no free speculative capacity: all {self.scratch_capacity} scratch rows hold uncommitted "
+                    "or recently accepted speculative states (--speculative-sessions)"
+                )
+            return self._scratch_free.pop()
+
+    def take_scratch_rows(self, n: int) -> list[int]:
+        """`n` free scratch rows at once, or ResourceExhausted and none."""
+        with self._lock:
+            if len(self._scratch_free) < n:
+                raise ResourceExhausted(
+                    f"no free speculative capacity: {len(self._scratch_free)} of {self.scratch_capacity} scratch rows "
+                    f"free, {n} needed (--speculative-sessions)"
+                )
+            return [self._scratch_free.pop() for _ in range(n)]
+
+    def give_scratch(self, row: int) -> None:
+        with self._lock:
+            self._scratch_free.append(row)
 
     def free_slot(self, slot: int) -> None:
         with self._lock:

@@ -59,6 +59,7 @@ from safetensors.torch import save as st_save
 
 from gdn_server.backends import Backend
 from gdn_server.config import ModelShape
+from gdn_server.lifecycle import drop_speculation
 from gdn_server.sessions import LastStep, Session, SessionTable
 from gdn_server.weights import GateParams
 
@@ -210,6 +211,7 @@ def save_snapshot(state_dir: str | os.PathLike, sessions: SessionTable, backend:
         entries = []
         total = 0
         for n, session in enumerate(sessions.sessions()):
+            drop_speculation(sessions, backend, session)  # save committed states only
             data = encode_session(session, backend.read_session(session.slot), shape)
             rel = f"{gen_dir.name}/{n:06d}.safetensors"
             _write_durable(root / rel, data)

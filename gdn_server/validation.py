@@ -39,8 +39,10 @@ def decode_work_from_request(req: gdn_pb2.DecodeRequest, shape: ModelShape) -> D
     if q.dim() != 4:
         raise InvalidArgument(f"q must be [B, T, H, K] = [{B}, T, {H}, {K}], got {list(q.shape)}")
     T = int(q.shape[1])
-    if not 1 <= T <= shape.max_tokens_per_step:
-        raise InvalidArgument(f"T = {T} tokens per step is out of range 1..{shape.max_tokens_per_step}")
+    max_T = shape.max_speculative_tokens if req.speculative else shape.max_tokens_per_step
+    if not 1 <= T <= max_T:
+        kind = "speculative step" if req.speculative else "step"
+        raise InvalidArgument(f"T = {T} tokens per {kind} is out of range 1..{max_T}")
     expected = {
         "q": (B, T, H, K),
         "k": (B, T, H, K),
@@ -64,5 +66,6 @@ def decode_work_from_request(req: gdn_pb2.DecodeRequest, shape: ModelShape) -> D
         session_ids=session_ids,
         positions=positions,
         request_id=req.request_id,
+        speculative=bool(req.speculative),
         **tensors,
     )

@@ -20,6 +20,7 @@ class DecodeWork:
     positions: tuple[int, ...] | None  # tokens each session has taken at `layer`, when given
     request_id: str = ""
     owner: str | None = None  # the caller's identity where auth is on; must own every session
+    speculative: bool = False  # a draft step: provisional until Commit or the next step at the layer
 
     @property
     def rows(self) -> int:
@@ -49,7 +50,8 @@ class StepBatch:
     """
 
     tokens: int  # T
-    slots: list[int] = field(default_factory=list)  # pool slot per row
+    slots: list[int] = field(default_factory=list)  # pool slot each row reads its state from
+    out_slots: list[int] = field(default_factory=list)  # pool slot each row writes its new state to
     layers: list[int] = field(default_factory=list)  # layer per row
     q: list[torch.Tensor] = field(default_factory=list)  # each [B_r, T, H, K]
     k: list[torch.Tensor] = field(default_factory=list)
@@ -61,8 +63,14 @@ class StepBatch:
     def rows(self) -> int:
         return len(self.slots)
 
-    def add(self, work: DecodeWork, slots: list[int]) -> None:
+    @property
+    def in_place(self) -> bool:
+        """Every row writes back to the slot it read (no speculative rows)."""
+        return self.slots == self.out_slots
+
+    def add(self, work: DecodeWork, slots: list[int], out_slots: list[int] | None = None) -> None:
         self.slots.extend(slots)
+        self.out_slots.extend(slots if out_slots is None else out_slots)
         self.layers.extend([work.layer] * len(slots))
         self.q.append(work.q)
         self.k.append(work.k)

@@ -28,13 +28,14 @@ def resolve_device(device: str) -> str:
 
 
 def make_backend(
-    device: str, shape: ModelShape, gates: GateParams, max_sessions: int | None, scale: float | None = None
+    device: str, shape: ModelShape, gates: GateParams, max_sessions: int | None, scale: float | None = None,
+    speculative_sessions: int | None = None,
 ) -> Backend:
     device = resolve_device(device)
     if device == "cuda":
         from gdn_server.backends.cuda import CudaBackend
 
-        return CudaBackend(shape, gates, max_sessions, scale)
+        return CudaBackend(shape, gates, max_sessions, scale, speculative_sessions=speculative_sessions)
     from gdn_server.backends.cpu import CpuBackend
 
-    return CpuBackend(shape, gates, max_sessions or DEFAULT_CPU_SESSIONS, scale)
+    return CpuBackend(shape, gates, max_sessions or DEFAULT_CPU_SESSIONS, scale, speculative_sessions)

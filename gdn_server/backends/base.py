@@ -18,6 +18,11 @@ from gdn_server.weights import GateParams
 from gdn_server.work import StepBatch
 
 
+def default_speculative_sessions(max_sessions: int) -> int:
+    """Sessions that may hold uncommitted speculative steps at once, unless configured."""
+    return min(max_sessions, 32)
+
+
 class PendingStep(ABC):
     @abstractmethod
     def result(self) -> torch.Tensor:
@@ -38,7 +43,10 @@ class DoneStep(PendingStep):
 class Backend(ABC):
     name: str  # "cpu-torch" or "cuda-cute"
 
-    def __init__(self, shape: ModelShape, gates: GateParams, max_sessions: int, scale: float | None) -> None:
+    def __init__(
+        self, shape: ModelShape, gates: GateParams, max_sessions: int, scale: float | None,
+        speculative_sessions: int | None = None,
+    ) -> None:
         if gates.A_log.shape != (shape.num_layers, shape.num_v_heads):
             raise ValueError(
                 f"gate params are {list(gates.A_log.shape)}, model needs [{shape.num_layers}, {shape.num_v_heads}]"
@@ -46,10 +54,19 @@ class Backend(ABC):
         self.shape = shape
         self.max_sessions = max_sessions
         self.scale = shape.default_scale if scale is None else float(scale)
+        # Rows [0, home_rows) are the sessions' own (session slot * L + layer); the scratch rows
+        # after them hold speculative states: a speculating session uses up to 2 per layer.
+        spec = default_speculative_sessions(max_sessions) if speculative_sessions is None else speculative_sessions
+        self.home_rows = max_sessions * shape.num_layers
+        self.scratch_rows = 2 * shape.num_layers * min(spec, max_sessions)
+
+    @property
+    def pool_rows(self) -> int:
+        return self.home_rows + self.scratch_rows
 
     @property
     def pool_bytes(self) -> int:
-        return self.max_sessions * self.shape.state_bytes_per_session
+        return self.pool_rows * self.shape.state_bytes_per_session // self.shape.num_layers
 
     @abstractmethod
     def submit(self, batch: StepBatch) -> PendingStep:
@@ -70,6 +87,10 @@ class Backend(ABC):
     @abstractmethod
     def write_session(self, session_slot: int, state: torch.Tensor) -> None:
         """Overwrites a session's state from bf16 [L, HV, V, K]."""
+
+    @abstractmethod
+    def copy_rows(self, src_rows: list[int], dst_rows: list[int]) -> None:
+        """Copies pool rows (one (session, layer) state each) on the device."""
 
     def warmup(self) -> None:
         """Prepares everything a first step would otherwise pay for (kernel compiles)."""

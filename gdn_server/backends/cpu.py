@@ -15,10 +15,13 @@ from gdn_server.work import StepBatch
 class CpuBackend(Backend):
     name = "cpu-torch"
 
-    def __init__(self, shape: ModelShape, gates: GateParams, max_sessions: int, scale: float | None = None) -> None:
-        super().__init__(shape, gates, max_sessions, scale)
-        L, HV, V, K = shape.num_layers, shape.num_v_heads, shape.head_dim_v, shape.head_dim_k
-        self.state_pool = torch.zeros(max_sessions * L, HV, V, K, dtype=torch.bfloat16)
+    def __init__(
+        self, shape: ModelShape, gates: GateParams, max_sessions: int, scale: float | None = None,
+        speculative_sessions: int | None = None,
+    ) -> None:
+        super().__init__(shape, gates, max_sessions, scale, speculative_sessions)
+        HV, V, K = shape.num_v_heads, shape.head_dim_v, shape.head_dim_k
+        self.state_pool = torch.zeros(self.pool_rows, HV, V, K, dtype=torch.bfloat16)
         self.A_log = gates.A_log.float().contiguous()
         self.dt_bias = gates.dt_bias.float().contiguous()
 
@@ -38,7 +41,8 @@ class CpuBackend(Backend):
             self.scale,
         )
         # written only after the whole step succeeded: a failure leaves every state unchanged
-        self.state_pool.index_copy_(0, slots, state.to(torch.bfloat16))
+        out_slots = slots if batch.in_place else torch.tensor(batch.out_slots, dtype=torch.long)
+        self.state_pool.index_copy_(0, out_slots, state.to(torch.bfloat16))
         return DoneStep(out.to(torch.bfloat16))
 
     def _rows(self, session_slot: int) -> slice:
@@ -56,3 +60,7 @@ class CpuBackend(Backend):
 
     def write_session(self, session_slot: int, state: torch.Tensor) -> None:
         self.state_pool[self._rows(session_slot)].copy_(state)
+
+    def copy_rows(self, src_rows: list[int], dst_rows: list[int]) -> None:
+        src = self.state_pool.index_select(0, torch.tensor(src_rows, dtype=torch.long))
+        self.state_pool.index_copy_(0, torch.tensor(dst_rows, dtype=torch.long), src)

@@ -74,16 +74,24 @@ class CudaBackend(Backend):
         scale: float | None = None,
         device: str | torch.device = "cuda",
         rows_hint: int = 1024,
+        speculative_sessions: int | None = None,
     ) -> None:
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if max_sessions is None:
+            # sessions plus their share of speculative scratch rows fit in a fraction of free memory
             free, _ = torch.cuda.mem_get_info(self.device)
-            max_sessions = max(1, min(MAX_DEFAULT_SESSIONS, int(free * POOL_MEMORY_FRACTION) // shape.state_bytes_per_session))
-        super().__init__(shape, gates, max_sessions, scale)
-        L, HV, V, K = shape.num_layers, shape.num_v_heads, shape.head_dim_v, shape.head_dim_k
-        self.state_pool = torch.zeros(max_sessions * L, HV, V, K, dtype=torch.bfloat16, device=self.device)
+            budget = int(free * POOL_MEMORY_FRACTION)
+            per_session = shape.state_bytes_per_session
+            if speculative_sessions is None:  # the default scratch is 2 sessions' worth for each of 32
+                budget -= 2 * 32 * per_session
+            else:
+                budget -= 2 * speculative_sessions * per_session
+            max_sessions = max(1, min(MAX_DEFAULT_SESSIONS, budget // per_session))
+        super().__init__(shape, gates, max_sessions, scale, speculative_sessions)
+        HV, V, K = shape.num_v_heads, shape.head_dim_v, shape.head_dim_k
+        self.state_pool = torch.zeros(self.pool_rows, HV, V, K, dtype=torch.bfloat16, device=self.device)
         self.A_log = gates.A_log.float().contiguous().to(self.device)
         self.dt_bias = gates.dt_bias.float().contiguous().to(self.device)
         self.stream = torch.cuda.Stream(self.device)
@@ -109,6 +117,7 @@ class CudaBackend(Backend):
             "a": ((rows, tokens, HV), torch.bfloat16),
             "b": ((rows, tokens, HV), torch.bfloat16),
             "slots": ((rows,), torch.int32),
+            "out_slots": ((rows,), torch.int32),
             "layers": ((rows,), torch.int32),
         }
         layout, offset = {}, 0
@@ -155,6 +164,9 @@ class CudaBackend(Backend):
                 dst[row : row + n].copy_(part)
                 row += n
         self._view(staging.host, layout["slots"]).copy_(torch.tensor(batch.slots, dtype=torch.int32))
+        in_place = batch.in_place
+        if not in_place:
+            self._view(staging.host, layout["out_slots"]).copy_(torch.tensor(batch.out_slots, dtype=torch.int32))
         self._view(staging.host, layout["layers"]).copy_(torch.tensor(batch.layers, dtype=torch.int32))
 
         total = layout["_total"][0]
@@ -168,24 +180,26 @@ class CudaBackend(Backend):
                 self._kernel(
                     self.state_pool, dev["slots"], dev["layers"], dev["q"], dev["k"], dev["v"], dev["a"], dev["b"],
                     self.A_log, self.dt_bias, out_dev, scale=self.scale,
+                    **({} if in_place else {"out_slots": dev["out_slots"]}),
                 )
             else:
-                self._torch_step(dev, out_dev)
+                self._torch_step(dev, out_dev, in_place)
             # 4. one device-to-host copy of the outputs
             out_host = staging.out_host[:out_bytes].view(torch.bfloat16).view(out_shape)
             out_host.copy_(out_dev, non_blocking=True)
             staging.done.record(self.stream)
         return _CudaStep(staging, out_host)
 
-    def _torch_step(self, dev: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+    def _torch_step(self, dev: dict[str, torch.Tensor], out: torch.Tensor, in_place: bool) -> None:
         slots = dev["slots"].long()
+        out_slots = slots if in_place else dev["out_slots"].long()
         layers = dev["layers"].long()
         state = self.state_pool.index_select(0, slots).float()
         o = gdn_step_fp32(
             state, dev["q"], dev["k"], dev["v"], dev["a"], dev["b"],
             self.A_log.index_select(0, layers), self.dt_bias.index_select(0, layers), self.scale,
         )
-        self.state_pool.index_copy_(0, slots, state.to(torch.bfloat16))
+        self.state_pool.index_copy_(0, out_slots, state.to(torch.bfloat16))
         out.copy_(o)
 
     def warmup(self) -> None:
@@ -194,7 +208,7 @@ class CudaBackend(Backend):
         from gdn_server.kernels import compile_variant
 
         s = self.shape
-        for T in range(1, s.max_tokens_per_step + 1):
+        for T in range(1, s.max_tokens_per_step + 1):  # speculative T > 4 compiles on first use
             compile_variant(T, s.num_q_heads, s.num_v_heads)
 
     # -- session operations (called with no step in flight) ----------------------------------
@@ -220,6 +234,12 @@ class CudaBackend(Backend):
         with torch.cuda.stream(self.stream):
             self.state_pool[self._rows(session_slot)].copy_(state.to(torch.bfloat16), non_blocking=False)
         self.stream.synchronize()
+
+    def copy_rows(self, src_rows: list[int], dst_rows: list[int]) -> None:
+        with torch.cuda.stream(self.stream):
+            src = torch.tensor(src_rows, dtype=torch.long).to(self.device)
+            dst = torch.tensor(dst_rows, dtype=torch.long).to(self.device)
+            self.state_pool.index_copy_(0, dst, self.state_pool.index_select(0, src))
 
     def synchronize(self) -> None:
         self.stream.synchronize()

@@ -33,7 +33,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("num_layers", "num_q_heads", "num_v_heads", "head_dim_k", "head_dim_v", "max_tokens_per_step", "max_sessions", "sessions_in_use", "backend", "state_dtype", "scale")
+    __slots__ = ("num_layers", "num_q_heads", "num_v_heads", "head_dim_k", "head_dim_v", "max_tokens_per_step", "max_sessions", "sessions_in_use", "backend", "state_dtype", "scale", "max_speculative_tokens")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_Q_HEADS_FIELD_NUMBER: _ClassVar[int]
     NUM_V_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class ModelInfo(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     STATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_q_heads: int
     num_v_heads: int
@@ -56,7 +57,8 @@ class ModelInfo(_message.Message):
     backend: str
     state_dtype: str
     scale: float
-    def __init__(self, num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_v_heads: _Optional[int] = ..., head_dim_k: _Optional[int] = ..., head_dim_v: _Optional[int] = ..., max_tokens_per_step: _Optional[int] = ..., max_sessions: _Optional[int] = ..., sessions_in_use: _Optional[int] = ..., backend: _Optional[str] = ..., state_dtype: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
+    max_speculative_tokens: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_v_heads: _Optional[int] = ..., head_dim_k: _Optional[int] = ..., head_dim_v: _Optional[int] = ..., max_tokens_per_step: _Optional[int] = ..., max_sessions: _Optional[int] = ..., sessions_in_use: _Optional[int] = ..., backend: _Optional[str] = ..., state_dtype: _Optional[str] = ..., scale: _Optional[float] = ..., max_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
     __slots__ = ()
@@ -79,7 +81,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("layer", "session_ids", "q", "k", "v", "a", "b", "positions", "request_id")
+    __slots__ = ("layer", "session_ids", "q", "k", "v", "a", "b", "positions", "request_id", "speculative")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +91,7 @@ class DecodeRequest(_message.Message):
     B_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     layer: int
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     q: Tensor
@@ -98,7 +101,8 @@ class DecodeRequest(_message.Message):
     b: Tensor
     positions: _containers.RepeatedScalarFieldContainer[int]
     request_id: str
-    def __init__(self, layer: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., a: _Optional[_Union[Tensor, _Mapping]] = ..., b: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    speculative: bool
+    def __init__(self, layer: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., a: _Optional[_Union[Tensor, _Mapping]] = ..., b: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., speculative: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("o", "positions", "request_id", "error_code", "error_message")
@@ -181,3 +185,19 @@ class Stats(_message.Message):
     device_seconds: float
     queue_wait_seconds: float
     def __init__(self, launches: _Optional[int] = ..., rows_launched: _Optional[int] = ..., requests: _Optional[int] = ..., batches: _Optional[int] = ..., mean_rows_per_launch: _Optional[float] = ..., sessions_in_use: _Optional[int] = ..., max_sessions: _Optional[int] = ..., backend: _Optional[str] = ..., device_seconds: _Optional[float] = ..., queue_wait_seconds: _Optional[float] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("session_id", "accepted")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    accepted: int
+    def __init__(self, session_id: _Optional[str] = ..., accepted: _Optional[int] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("positions", "committed_layers")
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    committed_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, positions: _Optional[_Iterable[int]] = ..., committed_layers: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -79,6 +79,11 @@ class GdnDecodeStub:
                 request_serializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.Stats.FromString,
                 _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/gdn.v1.GdnDecode/Commit',
+                request_serializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.CommitRequest.SerializeToString,
+                response_deserializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.CommitResponse.FromString,
+                _registered_method=True)
 
 
 class GdnDecodeServicer:
@@ -139,6 +144,14 @@ class GdnDecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Commit(self, request, context):
+        """Settles a session's speculative steps: at every layer whose last step was speculative, the
+        state and position become those after the first `accepted` tokens of that step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GdnDecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +199,11 @@ def add_GdnDecodeServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.GetStatsRequest.FromString,
                     response_serializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.Stats.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.CommitRequest.FromString,
+                    response_serializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.CommitResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -431,6 +449,33 @@ class GdnDecode:
             '/gdn.v1.GdnDecode/GetStats',
             gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.GetStatsRequest.SerializeToString,
             gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gdn.v1.GdnDecode/Commit',
+            gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.CommitRequest.SerializeToString,
+            gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.CommitResponse.FromString,
             options,
             channel_credentials,
             insecure,
