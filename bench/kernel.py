@@ -1,12 +1,13 @@
 """Check and time the CuTe DSL GDN decode kernel on one GPU, in one go.
 
-    python bench/kernel.py                      # checks, timings, tiling sweep
-    python bench/kernel.py --skip-sweep --out bench/results
+    python bench/kernel.py                      # checks, timings, candidate variants
+    python bench/kernel.py --skip-baselines --variants 2:2x4:prep,2:2x4:inline --out bench/results
 
-Checks (against tests/reference.py in float64): T = 1..4, B in {1, 7, 64, 513}, H:HV of 16:32,
-8:32 and 32:32, rows of mixed layers and padding rows in one launch, slots that no row names
-left bit-for-bit untouched, the output poisoned before the launch, 64 consecutive steps against
-a reference whose state is rounded to bf16 once per step, and a CUDA-graph replay.
+Checks (against tests/reference.py in float64): T = 1..8 (16:32) and 1..4 (8:32, 32:32), B in
+{1, 7, 64, 513}, rows of mixed layers and padding rows in one launch, slots that no row names
+left bit-for-bit untouched, the output poisoned before the launch; out_slots (read one slot,
+write another; in place; outputs only); 64 consecutive steps against a reference whose state is
+rounded to bf16 once per step; a CUDA-graph replay; every candidate variant at B=64.
 
 Timings (ANCHORS.md method): H=16, HV=32, a 4096-slot (4 GiB) pool, random slots, 16 rotated
 slot sets, device time by CUDA-graph replay (triton.testing.do_bench_cudagraph, median), host
@@ -41,7 +42,7 @@ def _load_reference():
 
 
 ref = _load_reference()
-from gdn_server.kernels import compile_variant, gdn_decode  # noqa: E402
+from gdn_server.kernels import CHECKED_HEADS, SUPPORTED_T, UNROLLED_T, compile_variant, gdn_decode  # noqa: E402
 
 DEV = "cuda"
 D = 128
@@ -83,7 +84,8 @@ def reference(state_rows, q, k, v, a, b, A_log, dt_bias, layers, scale=None):
 
 
 # ----------------------------------------------------------------------------- checks
-def check_case(B, T, H, HV, pad_frac, gen, log):
+def check_case(B, T, H, HV, pad_frac, gen, log, fn=None, name=""):
+    """One launch of gdn_decode (or of the compiled variant `fn`) against the reference."""
     N = 2 * B + 16
     pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
     perm = torch.randperm(N, device=DEV, generator=gen)[:B].to(torch.int32)
@@ -96,7 +98,7 @@ def check_case(B, T, H, HV, pad_frac, gen, log):
     before = pool.clone()
     out = torch.full((B, T, HV, D), float("nan"), device=DEV, dtype=torch.bfloat16)
     live = slots >= 0
-    gdn_decode(pool, slots, layers, q, k, v, a, b, A_log, dt_bias, out)
+    (fn or ours)(pool, slots, layers, q, k, v, a, b, A_log, dt_bias, out)
     torch.cuda.synchronize()
     ls = slots[live].long()
     o_ref, s_ref = reference(before[ls].float(), q[live], k[live], v[live], a[live], b[live], A_log, dt_bias, layers[live])
@@ -109,10 +111,43 @@ def check_case(B, T, H, HV, pad_frac, gen, log):
     finite = bool(torch.isfinite(out.float()).all().item())
     ok = e_out < 5e-3 and e_state < 5e-3 and pad_zero and poison_ok and finite
     row = dict(B=B, T=T, H=H, HV=HV, padding=int((~live).sum()), err_out=e_out, err_state=e_state,
-               pad_zero=pad_zero, untouched_ok=poison_ok, finite=finite, ok=ok)
-    log(f"check B={B:4d} T={T} H:HV={H}:{HV} pad={row['padding']:3d} err_out={e_out:.2e} "
+               pad_zero=pad_zero, untouched_ok=poison_ok, finite=finite, ok=ok, variant=name)
+    log(f"check {name} B={B:4d} T={T} H:HV={H}:{HV} pad={row['padding']:3d} err_out={e_out:.2e} "
         f"err_state={e_state:.2e} pad0={pad_zero} untouched={poison_ok} {'OK' if ok else 'FAIL'}")
     return row
+
+
+def check_out_slots(B, T, H, HV, gen, log):
+    """Rows read slots[i] and write out_slots[i]: distinct write slots, one row in place, one row
+    writing nothing (out_slot -1), padding rows; every slot but the live rows' write slots must
+    stay bit-for-bit unchanged (the read slots too)."""
+    N = 3 * B + 8
+    pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+    perm = torch.randperm(N, device=DEV, generator=gen).to(torch.int32)
+    slots, out_slots = perm[:B].clone(), perm[B:2 * B].clone()
+    out_slots[1] = slots[1]  # in place
+    out_slots[2] = -1  # outputs only
+    slots[3::5] = -1  # padding rows (their out_slots must stay untouched)
+    q, k, v, a, b, A_log, dt_bias, layers = make_inputs(B, T, H, HV, gen=gen)
+    before = pool.clone()
+    out = torch.full((B, T, HV, D), float("nan"), device=DEV, dtype=torch.bfloat16)
+    gdn_decode(pool, slots, layers, q, k, v, a, b, A_log, dt_bias, out, out_slots=out_slots)
+    torch.cuda.synchronize()
+    live = slots >= 0
+    o_ref, s_ref = reference(before[slots[live].long()].float(), q[live], k[live], v[live], a[live], b[live],
+                             A_log, dt_bias, layers[live])
+    e_out = ref.rel_err(out[live].float(), o_ref)
+    wrote = out_slots[live] >= 0
+    ws = out_slots[live][wrote].long()
+    e_state = ref.rel_err(pool[ws].float(), s_ref[wrote])
+    untouched = torch.ones(N, dtype=torch.bool, device=DEV)
+    untouched[ws] = False
+    poison_ok = bool(torch.equal(pool[untouched].view(torch.int16), before[untouched].view(torch.int16)))
+    pad_zero = bool((out[~live] == 0).all().item())
+    ok = e_out < 5e-3 and e_state < 5e-3 and poison_ok and pad_zero
+    log(f"out_slots B={B} T={T}: err_out={e_out:.2e} err_state={e_state:.2e} others untouched={poison_ok} "
+        f"pad0={pad_zero} {'OK' if ok else 'FAIL'}")
+    return dict(B=B, T=T, err_out=e_out, err_state=e_state, untouched_ok=poison_ok, ok=ok)
 
 
 def check_drift(B, T, H, HV, steps, gen, log):
@@ -179,12 +214,16 @@ def check_errors(log):
         "v on cpu": dict(v=v.cpu()),
         "k non-contiguous": dict(k=torch.empty(B, T, D, H, device=DEV, dtype=torch.bfloat16).transpose(2, 3)),
         "A_log wrong HV": dict(A_log=A_log[:, :16].contiguous()),
+        "out_slots int64": dict(out_slots=slots.long()),
+        "out_slots wrong B": dict(out_slots=slots[:2].contiguous()),
+        "out_slots on cpu": dict(out_slots=slots.cpu()),
     }
     results = {}
     for name, change in bad.items():
         args = dict(good, **change)
+        extra = {"out_slots": args.pop("out_slots")} if "out_slots" in args else {}
         try:
-            gdn_decode(*args.values())
+            gdn_decode(*args.values(), **extra)
             results[name] = "no error"
         except ValueError as e:
             results[name] = "ValueError"
@@ -309,7 +348,7 @@ def host_breakdown(log):
     raw = compile_variant(T, H, HV).__tvm_ffi_object__()
     scale = 1.0 / math.sqrt(D)
     r = {}
-    r["raw_tvm_ffi_us"] = time_host(lambda: raw(*args, scale, 1.0, 20.0))[1]
+    r["raw_tvm_ffi_us"] = time_host(lambda: raw(pool, slots, slots, *args[2:], scale, 1.0, 20.0))[1]
     r["do_bench_us"], r["gdn_decode_us"] = time_host(lambda: gdn_decode(*args))
     log(f"host per call: {r}")
     return r
@@ -319,13 +358,21 @@ def ours(pool, slots, layers, q, k, v, a, b, A_log, dt_bias, out):
     gdn_decode(pool, slots, layers, q, k, v, a, b, A_log, dt_bias, out)
 
 
-def tiled(T, H, HV, warps, rpt):
-    fn = compile_variant(T, H, HV, warps=warps, rows_per_thread=rpt).__tvm_ffi_object__()
+def tiled(T, H, HV, warps, rpt, prep, scatter):
+    """The compiled variant as a gdn_decode-like callable (in-place update)."""
+    fn = compile_variant(T, H, HV, warps=warps, rows_per_thread=rpt, prep=prep, scatter=scatter).__tvm_ffi_object__()
     scale = 1.0 / math.sqrt(D)
 
     def call(pool, slots, layers, q, k, v, a, b, A_log, dt_bias, out):
-        fn(pool, slots, layers, q, k, v, a, b, A_log, dt_bias, out, scale, 1.0, 20.0)
+        fn(pool, slots, slots, layers, q, k, v, a, b, A_log, dt_bias, out, scale, 1.0, 20.0)
     return call
+
+
+def parse_variant(text):
+    """'T:WxR:prep|inline[+rs]' -> (T, warps, rows_per_thread, prep, scatter)."""
+    t, tiling, kind = text.split(":")
+    w, r = tiling.split("x")
+    return int(t), int(w), int(r), kind.split("+")[0] == "prep", kind.endswith("+rs")
 
 
 def bench_rows(rows, pool, gen, log, with_baselines=True):
@@ -363,19 +410,28 @@ def bench_rows(rows, pool, gen, log, with_baselines=True):
     return results
 
 
-def sweep_tilings(rows, tilings, pool, gen, log):
+def sweep_variants(variants, batches, pool, gen, log):
+    """Check each candidate variant once (B=64), then time it at every B in `batches`."""
     H, HV = 16, 32
     res = []
-    for B, T in rows:
-        rot = Rotation(B, T, H, HV, pool, gen=gen)
-        for warps, rpt in tilings:
-            try:
-                us = time_device(rot.call(tiled(T, H, HV, warps, rpt)), rep_ms=100)
-            except Exception as e:  # noqa: BLE001
-                us = None
-                log(f"tiling {warps}x{rpt} failed: {e!r}")
-            res.append(dict(B=B, T=T, warps=warps, rows_per_thread=rpt, us=us))
-            log(f"sweep B={B} T={T} warps={warps} rows/thread={rpt}: {us}")
+    for T in sorted({v[0] for v in variants}):
+        for B in batches:
+            rot = Rotation(B, T, H, HV, pool, gen=gen)
+            for vt, warps, rpt, prep, scatter in variants:
+                if vt != T:
+                    continue
+                name = f"{warps}x{rpt}:{'prep' if prep else 'inline'}{'+rs' if scatter else ''}"
+                try:
+                    fn = tiled(T, H, HV, warps, rpt, prep, scatter)
+                    ok = True
+                    if B == batches[0]:
+                        ok = check_case(64, T, H, HV, 0.15, gen, log, fn=fn, name=name)["ok"]
+                    us = time_device(rot.call(fn), rep_ms=100)
+                except Exception as e:  # noqa: BLE001
+                    us, ok = None, False
+                    log(f"variant T={T} {name} failed: {e!r}")
+                res.append(dict(B=B, T=T, warps=warps, rows_per_thread=rpt, prep=prep, scatter=scatter, us=us, ok=ok))
+                log(f"variant B={B} T={T} {name}: {us} us ok={ok}")
     return res
 
 
@@ -418,11 +474,55 @@ def to_markdown(res):
                      f"{c['err_state']:.2e} | {c['untouched_ok']} | {c['ok']} |")
     for d in res.get("drift", []):
         lines.append(f"\nDrift, {d['steps']} steps B={d['B']} T={d['T']}: worst out {d['err_out']:.2e}, state {d['err_state']:.2e}, ok={d['ok']}")
+    for d in res.get("out_slots", []):
+        lines.append(f"\nout_slots B={d['B']} T={d['T']}: out {d['err_out']:.2e}, written state {d['err_state']:.2e}, "
+                     f"other slots untouched={d['untouched_ok']}, ok={d['ok']}")
+    if res.get("picks"):
+        lines += ["", "Defaults picked from the candidates below (checks and timings above use them): "
+                  + ", ".join(f"T={t}: {v}" for t, v in res["picks"].items())]
     if res.get("sweep"):
-        lines += ["", "## Tiling sweep (us)", "", "| B | T | warps | rows/thread | us |", "|---|---|---|---|---|"]
+        lines += ["", "## Candidate variants (us; checked at B=64)", "",
+                  "| B | T | warps x rows/thread | per-token prep | dot reduction | us | ok |",
+                  "|---|---|---|---|---|---|---|"]
         for s in res["sweep"]:
-            lines.append(f"| {s['B']} | {s['T']} | {s['warps']} | {s['rows_per_thread']} | {s['us']} |")
+            us = "-" if s["us"] is None else f"{s['us']:.1f}"
+            lines.append(f"| {s['B']} | {s['T']} | {s['warps']}x{s['rows_per_thread']} | "
+                         f"{'smem' if s['prep'] else 'inline'} | {'scatter' if s.get('scatter') else 'butterfly'} | "
+                         f"{us} | {s['ok']} |")
     return "\n".join(lines) + "\n"
+
+
+def pick_defaults(sweep, log):
+    """Per swept T, the correct candidate with the least summed time over the swept batches;
+    installed as gdn_decode's default for that T and for the unswept T it stands for (the next
+    swept T above, on the same side of 4, else the one below). Returns {T: variant name}."""
+    import gdn_server.kernels._api as api
+
+    best = {}
+    for T in sorted({s["T"] for s in sweep}):
+        total = {}
+        for s in sweep:
+            if s["T"] == T:
+                key = (s["warps"], s["rows_per_thread"], s["prep"], s["scatter"])
+                ok = s["ok"] and s["us"] is not None and total.get(key, 0.0) is not None
+                total[key] = total.get(key, 0.0) + s["us"] if ok else None
+        ranked = sorted((us, key) for key, us in total.items() if us is not None)
+        if ranked:
+            best[T] = ranked[0][1]
+    if not best:
+        return {}
+    default = api.default_variant
+
+    def picked(T, H, HV):
+        same_side = [t for t in best if (t > 4) == (T > 4)] or list(best)
+        src = T if T in best else min((t for t in same_side if t > T), default=max(same_side))
+        w, r, prep, scatter = best[src]
+        return api.Variant(T, H, HV, w, r, prep or T > 4, scatter)
+
+    api.default_variant = picked
+    picks = {T: str(picked(T, 16, 32)) for T in SUPPORTED_T}
+    log(f"picked defaults (from {default.__name__} candidates): {json.dumps(picks)}")
+    return picks
 
 
 def main():
@@ -433,7 +533,14 @@ def main():
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--skip-baselines", action="store_true")
     p.add_argument("--skip-sweep", action="store_true")
-    p.add_argument("--tilings", default="2x4,4x2,4x4,1x4,2x2,1x8", help="warps x rows-per-thread to sweep")
+    p.add_argument("--variants", default="1:2x4:inline,1:2x4:prep,1:2x4:inline+rs,1:2x4:prep+rs,"
+                   "2:2x4:inline,2:2x4:prep,2:2x4:prep+rs,2:1x8:prep,2:1x8:prep+rs,2:4x4:prep,"
+                   "4:2x4:inline,4:2x4:prep,4:2x4:prep+rs,4:1x8:prep,4:1x8:prep+rs,4:4x4:prep,"
+                   "8:2x4:prep,8:2x4:prep+rs,8:4x4:prep",
+                   help="candidate variants to check and time, T:WARPSxROWS:prep|inline[+rs]")
+    p.add_argument("--variant-batches", default="128,512")
+    p.add_argument("--pick", action="store_true",
+                   help="make the fastest correct candidate of each swept T gdn_decode's default for the checks and timings")
     args = p.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -447,48 +554,60 @@ def main():
     gen = torch.Generator(device=DEV)
     gen.manual_seed(1234)
     res = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
-    t0 = time.time()
-    for H, HV in ((16, 32), (8, 32), (32, 32)):
-        for T in (1, 2, 3, 4):
-            compile_variant(T, H, HV)
-    log(f"compiled 12 variants in {time.time() - t0:.1f} s")
+    res["checks"], res["drift"], res["out_slots"], res["timings"], res["sweep"] = [], [], [], [], []
 
-    res["checks"], res["drift"] = [], []
-    if not args.skip_checks:
-        for H, HV in ((16, 32), (8, 32), (32, 32)):
-            for T in (1, 2, 3, 4):
-                for B in (1, 7, 64, 513):
-                    try:
-                        res["checks"].append(check_case(B, T, H, HV, 0.15, gen, log))
-                    except Exception:  # noqa: BLE001
-                        log(traceback.format_exc())
-                        res["checks"].append(dict(B=B, T=T, H=H, HV=HV, padding=-1, err_out=float("inf"),
-                                                  err_state=float("inf"), untouched_ok=False, ok=False))
-        for T in (1, 4):
-            res["drift"].append(check_drift(64, T, 16, 32, 64, gen, log))
-        res["graph"] = [check_graph(64, T, 16, 32, gen, log) for T in (1, 3)]
-        res["errors"] = check_errors(log)
-        res["fla_check"] = fla_check(gen, log)
-        n_ok = sum(c["ok"] for c in res["checks"])
-        log(f"checks: {n_ok}/{len(res['checks'])} ok; worst out {max(c['err_out'] for c in res['checks']):.2e}, "
-            f"worst state {max(c['err_state'] for c in res['checks']):.2e}")
+    def save():
+        (out_dir / f"{args.tag}.json").write_text(json.dumps(res, indent=1))
+        (out_dir / f"{args.tag}.md").write_text(to_markdown(res))
 
     pool = None
     if not (args.skip_timing and args.skip_sweep):
         pool = (torch.randn(4096, 32, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
-    res["timings"] = []
-    if not args.skip_timing:
-        rows = [(1, 1), (16, 1), (128, 1), (512, 1), (128, 2), (128, 3), (128, 4), (512, 2), (512, 4), (1, 4)]
-        res["timings"] = bench_rows(rows, pool, gen, log, with_baselines=not args.skip_baselines)
-    res["sweep"] = []
     if not args.skip_sweep:
-        tilings = [tuple(int(x) for x in t.split("x")) for t in args.tilings.split(",")]
-        res["sweep"] = sweep_tilings([(1, 1), (128, 1), (512, 1), (128, 4), (512, 4)], tilings, pool, gen, log)
+        t0 = time.time()
+        variants = [parse_variant(v) for v in args.variants.split(",")]
+        batches = [int(x) for x in args.variant_batches.split(",")]
+        res["sweep"] = sweep_variants(variants, batches, pool, gen, log)
+        log(f"sweep took {time.time() - t0:.1f} s")
+        if args.pick:
+            res["picks"] = pick_defaults(res["sweep"], log)
+        save()
+
+    t0 = time.time()
+    shapes = [(H, HV, T) for i, (H, HV) in enumerate(CHECKED_HEADS) for T in (SUPPORTED_T if i == 0 else UNROLLED_T)]
+    for H, HV, T in shapes:
+        compile_variant(T, H, HV)
+    log(f"compiled {len(shapes)} variants in {time.time() - t0:.1f} s")
+
+    if not args.skip_checks:
+        for H, HV, T in shapes:
+            for B in (1, 7, 64, 513):
+                try:
+                    res["checks"].append(check_case(B, T, H, HV, 0.15, gen, log))
+                except Exception:  # noqa: BLE001
+                    log(traceback.format_exc())
+                    res["checks"].append(dict(B=B, T=T, H=H, HV=HV, padding=-1, err_out=float("inf"),
+                                              err_state=float("inf"), untouched_ok=False, ok=False))
+        for T in (1, 4, 8):
+            res["drift"].append(check_drift(64, T, 16, 32, 64, gen, log))
+        for T in (1, 3, 4, 6):
+            res["out_slots"].append(check_out_slots(64, T, 16, 32, gen, log))
+        res["graph"] = [check_graph(64, T, 16, 32, gen, log) for T in (1, 3, 8)]
+        res["errors"] = check_errors(log)
+        if not args.skip_baselines:
+            res["fla_check"] = fla_check(gen, log)
+        n_ok = sum(c["ok"] for c in res["checks"] + res["out_slots"] + res["drift"] + res["graph"]) + res["errors"]["ok"]
+        n_all = len(res["checks"]) + len(res["out_slots"]) + len(res["drift"]) + len(res["graph"]) + 1
+        log(f"checks: {n_ok}/{n_all} ok; worst out {max(c['err_out'] for c in res['checks']):.2e}, "
+            f"worst state {max(c['err_state'] for c in res['checks']):.2e}")
+        save()
 
     if not args.skip_timing:
+        rows = [(1, 1), (16, 1), (128, 1), (512, 1), (128, 2), (128, 3), (128, 4), (512, 2), (512, 4), (1, 4),
+                (128, 8), (512, 8)]
+        res["timings"] = bench_rows(rows, pool, gen, log, with_baselines=not args.skip_baselines)
         res["host"] = host_breakdown(log)
-    (out_dir / f"{args.tag}.json").write_text(json.dumps(res, indent=1))
-    (out_dir / f"{args.tag}.md").write_text(to_markdown(res))
+    save()
     print()
     print(to_markdown(res))
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 HEAD_DIM = 128
-SUPPORTED_T = (1, 2, 3, 4)
+SUPPORTED_T = (1, 2, 3, 4, 5, 6, 7, 8)
+UNROLLED_T = (1, 2, 3, 4)  # the serving fast path; T = 5..8 (speculative decoding) compile on demand
 # (H, HV) pairs compiled by `compile_all_variants` (the CI check): Qwen3-Next and two other ratios.
 CHECKED_HEADS = ((16, 32), (8, 32), (32, 32))
 
@@ -29,6 +30,8 @@ class Variant:
     HV: int
     warps: int = 2
     rows_per_thread: int = 4
+    prep: bool = True  # q/k norms and gates once per CTA in shared memory (T > 4 needs it)
+    scatter: bool = False  # reduce-scatter of the row dots across the row's 8 lanes
 
 
 _cache: dict[Variant, Callable[..., Any]] = {}
@@ -37,27 +40,37 @@ _lock = threading.Lock()
 
 
 def default_variant(T: int, H: int, HV: int) -> Variant:
-    """The tiling `gdn_decode` uses for a (T, H, HV) shape."""
-    return Variant(T, H, HV)
+    """The variant `gdn_decode` uses for a (T, H, HV) shape: the fastest of bench/kernel.py's
+    candidates on an H200 (NOTES.md, attempt 4): T = 1 inline (prep costs 9-11% there), T = 2
+    prep, T >= 3 prep with the reduce-scatter (-3.5% at T = 4, -17% at T = 8)."""
+    return Variant(T, H, HV, prep=T > 1, scatter=T > 2)
 
 
 def check_variant(T: int, H: int, HV: int) -> None:
     """Raise ValueError unless the kernel supports this (T, H, HV)."""
     if T not in SUPPORTED_T:
-        raise ValueError(f"T={T} tokens per step is not supported (1..4)")
+        raise ValueError(f"T={T} tokens per step is not supported (1..{SUPPORTED_T[-1]})")
     if H < 1 or HV < 1 or HV % H != 0:
         raise ValueError(f"HV={HV} must be a positive multiple of H={H}")
 
 
-def compile_variant(T: int, H: int, HV: int, *, warps: int = 2, rows_per_thread: int = 4) -> Callable[..., Any]:
+def compile_variant(
+    T: int, H: int, HV: int, *, warps: int | None = None, rows_per_thread: int | None = None, prep: bool | None = None,
+    scatter: bool | None = None,
+) -> Callable[..., Any]:
     """Compile (or fetch from the cache) the kernel for one (T, H, HV); no GPU needed.
 
-    Without a GPU, set CUTE_DSL_ARCH=sm_90a. The result takes (state, slots, layers, q, k, v,
-    a, b, A_log, dt_bias, out, scale, softplus_beta, softplus_threshold) as torch tensors and
-    floats and launches on torch's current stream.
+    Unset tiling options take `default_variant`'s. Without a GPU, set CUTE_DSL_ARCH=sm_90a. The
+    result takes (state, slots, out_slots, layers, q, k, v, a, b, A_log, dt_bias, out, scale,
+    softplus_beta, softplus_threshold) as torch tensors and floats and launches on torch's
+    current stream.
     """
     check_variant(T, H, HV)
-    variant = Variant(T, H, HV, warps, rows_per_thread)
+    d = default_variant(T, H, HV)
+    variant = Variant(
+        T, H, HV, d.warps if warps is None else warps, d.rows_per_thread if rows_per_thread is None else rows_per_thread,
+        d.prep if prep is None else prep, d.scatter if scatter is None else scatter,
+    )
     fn = _cache.get(variant)
     if fn is not None:
         return fn
@@ -70,10 +83,11 @@ def compile_variant(T: int, H: int, HV: int, *, warps: int = 2, rows_per_thread:
 
 
 def compile_all_variants(heads: tuple[tuple[int, int], ...] = CHECKED_HEADS) -> dict[Variant, Callable[..., Any]]:
-    """Compile T = 1..4 for every (H, HV) in `heads`; returns {variant: compiled function}."""
+    """Compile T = 1..4 for every (H, HV) in `heads`, and T = 5..8 for the first (Qwen3-Next);
+    returns {variant: compiled function}."""
     out = {}
-    for H, HV in heads:
-        for T in SUPPORTED_T:
+    for i, (H, HV) in enumerate(heads):
+        for T in SUPPORTED_T if i == 0 else UNROLLED_T:
             out[default_variant(T, H, HV)] = compile_variant(T, H, HV)
     return out
 
@@ -93,11 +107,12 @@ def _compile(variant: Variant) -> Callable[..., Any]:
         order = tuple(reversed(range(len(shape))))
         return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
 
-    kernel = GdnDecodeKernel(DecodeConfig(T, H, HV, variant.warps, variant.rows_per_thread))
+    kernel = GdnDecodeKernel(DecodeConfig(T, H, HV, variant.warps, variant.rows_per_thread, variant.prep, variant.scatter))
     return cute.compile(
         kernel,
         fake(BFloat16, (slots, HV, D, D), 16),  # state
         fake(Int32, (batch,), 4),  # slots
+        fake(Int32, (batch,), 4),  # out_slots
         fake(Int32, (batch,), 4),  # layers
         fake(BFloat16, (batch, T, H, D), 16),  # q
         fake(BFloat16, (batch, T, H, D), 16),  # k
@@ -115,7 +130,9 @@ def _compile(variant: Variant) -> Callable[..., Any]:
     )
 
 
-def validate_decode_args(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out, *, require_cuda: bool = True) -> None:
+def validate_decode_args(
+    state, slots, layers, q, k, v, a, b, A_log, dt_bias, out, *, out_slots=None, require_cuda: bool = True,
+) -> None:
     """Full check of gdn_decode's arguments; raises ValueError naming the offending argument.
 
     gdn_decode runs it on the first call of each shape; later calls rely on the compiled
@@ -124,15 +141,17 @@ def validate_decode_args(state, slots, layers, q, k, v, a, b, A_log, dt_bias, ou
     import torch
 
     named = dict(state=state, slots=slots, layers=layers, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, out=out)
+    if out_slots is not None:
+        named["out_slots"] = out_slots
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    want_dtype = dict(slots=torch.int32, layers=torch.int32, A_log=torch.float32, dt_bias=torch.float32)
+    want_dtype = dict(slots=torch.int32, out_slots=torch.int32, layers=torch.int32, A_log=torch.float32, dt_bias=torch.float32)
     for name, t in named.items():
         dtype = want_dtype.get(name, torch.bfloat16)
         if t.dtype != dtype:
             raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
-    want_ndim = dict(state=4, slots=1, layers=1, q=4, k=4, v=4, a=3, b=3, A_log=2, dt_bias=2, out=4)
+    want_ndim = dict(state=4, slots=1, out_slots=1, layers=1, q=4, k=4, v=4, a=3, b=3, A_log=2, dt_bias=2, out=4)
     for name, t in named.items():
         if t.dim() != want_ndim[name]:
             raise ValueError(f"{name} must have {want_ndim[name]} dims, got shape {tuple(t.shape)}")
@@ -143,7 +162,7 @@ def validate_decode_args(state, slots, layers, q, k, v, a, b, A_log, dt_bias, ou
     check_variant(T, H, HV)
     L = A_log.shape[0]
     want_shape = dict(
-        state=(state.shape[0], HV, V, K), slots=(B,), layers=(B,), q=(B, T, H, K), k=(B, T, H, K),
+        state=(state.shape[0], HV, V, K), slots=(B,), out_slots=(B,), layers=(B,), q=(B, T, H, K), k=(B, T, H, K),
         v=(B, T, HV, V), a=(B, T, HV), b=(B, T, HV), A_log=(L, HV), dt_bias=(L, HV), out=(B, T, HV, V),
     )
     for name, t in named.items():
@@ -164,8 +183,8 @@ def validate_decode_args(state, slots, layers, q, k, v, a, b, A_log, dt_bias, ou
             raise ValueError(f"{name} must be 16-byte aligned")
 
 
-def _launcher(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out) -> Callable[..., Any]:
-    validate_decode_args(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out)
+def _launcher(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out, out_slots) -> Callable[..., Any]:
+    validate_decode_args(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out, out_slots=out_slots)
     _, T, H, _ = q.shape
     HV = v.shape[2]
     compiled = compile_variant(T, H, HV)
@@ -177,16 +196,23 @@ def _launcher(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out) -> Calla
 
 def gdn_decode(
     state, slots, layers, q, k, v, a, b, A_log, dt_bias, out,
-    *, scale: float | None = None, softplus_beta: float = 1.0, softplus_threshold: float = 20.0,
+    *, scale: float | None = None, softplus_beta: float = 1.0, softplus_threshold: float = 20.0, out_slots=None,
 ):
     """One GDN decode step (API.md) for B rows, T tokens each, in one launch; returns `out`.
 
-    state   [num_slots, HV, 128, 128] bf16, updated in place at the rows' slots
-    slots   [B] int32: pool slot of each row; a negative slot marks a padding row (no state
-            read or written, zero outputs). Slots must be distinct and < num_slots.
-    layers  [B] int32: layer of each row, indexes A_log and dt_bias [L, HV] float32
-    q, k    [B, T, H, 128] bf16;  v [B, T, HV, 128] bf16;  a, b [B, T, HV] bf16
-    out     [B, T, HV, 128] bf16, written in full
+    state     [num_slots, HV, 128, 128] bf16, read at `slots`, written at `out_slots`
+    slots     [B] int32: the slot each row reads its state from; a negative slot marks a padding
+              row (no state read or written, whatever its out_slot; zero outputs).
+    out_slots [B] int32 or None (= slots, in-place update): the slot each row writes its new
+              state to; a negative out_slot computes the outputs and writes no state. Slots other
+              than the out_slots of live rows are left bit-for-bit untouched.
+    layers    [B] int32: layer of each row, indexes A_log and dt_bias [L, HV] float32
+    q, k      [B, T, H, 128] bf16;  v [B, T, HV, 128] bf16;  a, b [B, T, HV] bf16; T = 1..8
+              (1..4 are the unrolled fast path; 5..8 compile on their first call)
+    out       [B, T, HV, 128] bf16, written in full
+
+    The caller keeps the rows independent: the live rows' out_slots are distinct and < num_slots,
+    and no row writes a slot that another row reads (a row may write its own read slot).
 
     All tensors contiguous on one CUDA device; wrong shapes, dtypes or devices raise ValueError
     before anything is launched. Runs on torch's current stream.
@@ -195,17 +221,19 @@ def gdn_decode(
         batch, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
     except (AttributeError, TypeError, ValueError, IndexError):
-        validate_decode_args(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out)
+        validate_decode_args(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out, out_slots=out_slots)
         raise  # unreachable: the validator raises first
     fn = _launchers.get((T, H, HV, K, V))
     if fn is None:
-        fn = _launcher(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out)
+        fn = _launcher(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out, out_slots)
     if batch == 0:
         return out
     if scale is None:
         scale = 1.0 / math.sqrt(K)
+    if out_slots is None:
+        out_slots = slots
     try:
-        fn(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out, scale, softplus_beta, softplus_threshold)
+        fn(state, slots, out_slots, layers, q, k, v, a, b, A_log, dt_bias, out, scale, softplus_beta, softplus_threshold)
     except (TypeError, ValueError) as e:
         raise ValueError(f"gdn_decode: {e}") from None
     return out

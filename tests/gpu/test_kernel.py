@@ -27,15 +27,18 @@ def _inputs(B, T, H, HV, L, gen):
     )
 
 
-def _run(pool, slots, x, out):
+def _run(pool, slots, x, out, **kw):
     from gdn_server.kernels import gdn_decode
 
     return gdn_decode(pool, slots, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"],
-                      x["A_log"], x["dt_bias"], out)
+                      x["A_log"], x["dt_bias"], out, **kw)
 
 
-@pytest.mark.parametrize("T", [1, 2, 3, 4])
-@pytest.mark.parametrize("H,HV", [(16, 32), (8, 32), (32, 32)])
+SHAPES = [(T, H, HV) for H, HV in [(16, 32), (8, 32), (32, 32)] for T in (1, 2, 3, 4)]
+SHAPES += [(T, H, HV) for H, HV in [(16, 32), (8, 32)] for T in (5, 6, 7, 8)]  # speculative decoding
+
+
+@pytest.mark.parametrize("T,H,HV", SHAPES)
 @pytest.mark.parametrize("B", [1, 7, 64])
 def test_matches_reference(B, T, H, HV):
     gen = torch.Generator(device=DEV).manual_seed(B * 100 + T * 10 + H)
@@ -62,6 +65,58 @@ def test_matches_reference(B, T, H, HV):
     untouched = torch.ones(N, dtype=torch.bool, device=DEV)
     untouched[ls] = False
     assert torch.equal(pool[untouched].view(torch.int16), before[untouched].view(torch.int16))
+
+
+@pytest.mark.parametrize("T", [1, 4, 7])
+def test_out_slots_reads_one_slot_and_writes_another(T):
+    """Each row reads slots[i] and writes out_slots[i]; one row updates in place, one writes no
+    state (out_slot -1), padding rows touch nothing: every other slot stays bit-for-bit."""
+    B, H, HV = 24, 16, 32
+    gen = torch.Generator(device=DEV).manual_seed(40 + T)
+    N = 3 * B
+    pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+    before = pool.clone()
+    perm = torch.randperm(N, device=DEV, generator=gen).to(torch.int32)
+    slots, out_slots = perm[:B].clone(), perm[B:2 * B].clone()
+    out_slots[1] = slots[1]
+    out_slots[2] = -1
+    slots[3::5] = -1
+    x = _inputs(B, T, H, HV, 2, gen)
+    out = torch.full((B, T, HV, D), float("nan"), device=DEV, dtype=torch.bfloat16)
+    _run(pool, slots, x, out, out_slots=out_slots)
+    torch.cuda.synchronize()
+
+    live = slots >= 0
+    lay = x["layers"][live].long()
+    o_ref, s_ref = gdn_reference_step(
+        before[slots[live].long()].float(), *(x[n][live] for n in ("q", "k", "v", "a", "b")),
+        x["A_log"][lay], x["dt_bias"][lay], dtype=torch.float64)
+    assert rel_err(out[live].float(), o_ref.to(DEV)) < 5e-3
+    assert (out[~live] == 0).all()
+    wrote = out_slots[live] >= 0
+    ws = out_slots[live][wrote].long()
+    assert rel_err(pool[ws].float(), s_ref[wrote]) < 5e-3
+    untouched = torch.ones(N, dtype=torch.bool, device=DEV)
+    untouched[ws] = False
+    assert torch.equal(pool[untouched].view(torch.int16), before[untouched].view(torch.int16))
+    assert torch.equal(pool[slots[4].long()], before[slots[4].long()])  # a read slot, unchanged
+
+
+@pytest.mark.parametrize("change", ["int64", "short", "cpu"])
+def test_bad_out_slots_raise_value_error(change):
+    B, T, H, HV = 4, 2, 16, 32
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    pool = torch.zeros(8, HV, D, D, device=DEV, dtype=torch.bfloat16)
+    slots = torch.arange(B, device=DEV, dtype=torch.int32)
+    x = _inputs(B, T, H, HV, 2, gen)
+    out = torch.zeros(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
+    _run(pool, slots, x, out)  # compiled and cached: the fast path checks out_slots too
+    bad = dict(int64=(slots + 4).long(), short=(slots + 4)[:2].contiguous(), cpu=(slots + 4).cpu())[change]
+    pool_before = pool.clone()
+    with pytest.raises(ValueError):
+        _run(pool, slots, x, out, out_slots=bad)
+    torch.cuda.synchronize()
+    assert torch.equal(pool, pool_before)
 
 
 def test_steps_without_drift():
