@@ -30,8 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", help="safetensors file with float32 layers.{i}.A_log / layers.{i}.dt_bias [HV]")
     p.add_argument("--seed", type=int, default=0, help="seed for A_log/dt_bias when --weights is not given")
     p.add_argument("--scale", type=float, default=None, help="query scale (default 1/sqrt(K))")
+    p.add_argument("--devices", default=None,
+                   help="CUDA devices to serve from, e.g. 0,1 (default: every visible GPU; one state pool and "
+                        "scheduler each, sessions placed on the one with the most free slots)")
     p.add_argument("--max-sessions", type=int, default=None,
-                   help="session capacity (default: 64 on the CPU; on a GPU, what fits in 80%% of free memory, at most 4096)")
+                   help="session capacity per device (default: 64 on the CPU; on a GPU, what fits in 80%% of its "
+                        "free memory, at most 4096)")
     p.add_argument("--speculative-sessions", type=int, default=None,
                    help="sessions that may hold uncommitted speculative steps at once; each uses up to 2 scratch "
                         "states per layer (default: min(max sessions, 32); 0 turns speculative steps off)")
@@ -94,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-queue-delay-us must be >= 0")
     if args.speculative_sessions is not None and args.speculative_sessions < 0:
         parser.error("--speculative-sessions must be >= 0")
+    devices = None
+    if args.devices is not None:
+        try:
+            devices = tuple(int(d) for d in args.devices.split(",") if d.strip())
+        except ValueError:
+            parser.error(f"--devices takes CUDA device numbers like 0,1; got {args.devices!r}")
     if args.max_queue_rows < 1:
         parser.error("--max-queue-rows must be >= 1")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
@@ -122,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         device=args.device,
+        devices=devices,
         max_sessions=args.max_sessions,
         speculative_sessions=args.speculative_sessions,
         scheduler=SchedulerConfig(args.max_batch_rows, args.max_queue_delay_us, args.max_queue_rows),

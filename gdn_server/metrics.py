@@ -70,12 +70,14 @@ class Metrics:
 
     def attach(self, app: GdnApp) -> None:
         """Reads gauges from the app at scrape time and takes the scheduler's hooks."""
-        self.sessions_in_use.set_function(lambda: len(app.sessions))
-        self.sessions_capacity.set_function(lambda: app.sessions.capacity)
-        self.pool_bytes.set_function(lambda: app.backend.pool_bytes)
-        self.queue_depth.set_function(app.scheduler.queue_depth)
-        app.scheduler.on_launch = self.observe_launch
-        app.scheduler.on_dispatch = self.queue_wait.observe
+        shards = app.placement.shards  # summed over devices
+        self.sessions_in_use.set_function(lambda: app.placement.in_use)
+        self.sessions_capacity.set_function(lambda: app.placement.capacity)
+        self.pool_bytes.set_function(lambda: sum(s.backend.pool_bytes for s in shards))
+        self.queue_depth.set_function(lambda: sum(s.scheduler.queue_depth() for s in shards))
+        for shard in shards:
+            shard.scheduler.on_launch = self.observe_launch
+            shard.scheduler.on_dispatch = self.queue_wait.observe
 
     def observe_launch(self, rows: int, queue_wait_s: float, device_s: float) -> None:
         self.launch_rows.observe(rows)

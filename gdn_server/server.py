@@ -1,4 +1,5 @@
-"""Server wiring: settings -> backend, session table, scheduler, servicer -> a grpc.aio server."""
+"""Server wiring: settings -> one shard (backend, session table, scheduler) per device -> servicer
+-> a grpc.aio server."""
 from __future__ import annotations
 
 import asyncio
@@ -13,10 +14,11 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
-from gdn_server.backends import Backend, make_backend
+from gdn_server.backends import make_backends
 from gdn_server.config import ModelShape, SchedulerConfig
-from gdn_server.metrics import Metrics, MetricsInterceptor
 from gdn_server.lifecycle import evict_idle, idle_sessions
+from gdn_server.metrics import Metrics, MetricsInterceptor
+from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
 from gdn_server.security import AuthInterceptor, RejectMalformed, SecurityConfig, load_tokens, server_credentials
 from gdn_server.servicer import GdnDecodeServicer
@@ -36,7 +38,8 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 50051
     device: str = "auto"
-    max_sessions: int | None = None  # None: the backend's default
+    devices: tuple[int, ...] | None = None  # CUDA devices to serve from (None: every visible one)
+    max_sessions: int | None = None  # per device; None: the backend's default
     speculative_sessions: int | None = None  # sessions with open speculative steps at once (None: default)
     scheduler: SchedulerConfig = SchedulerConfig()
     scale: float | None = None
@@ -53,9 +56,7 @@ class GdnApp:
     """Everything one server process runs, in the order data flows through it."""
 
     settings: ServerSettings
-    backend: Backend
-    sessions: SessionTable
-    scheduler: Scheduler
+    placement: Placement  # one shard (state pool, session table, scheduler) per device
     servicer: GdnDecodeServicer
     background: list[asyncio.Task] = field(default_factory=list)  # cancelled by stop_server
     metrics: Metrics | None = None
@@ -65,19 +66,22 @@ class GdnApp:
 
 
 def build_app(settings: ServerSettings) -> GdnApp:
-    backend = make_backend(
-        settings.device, settings.shape, settings.gates, settings.max_sessions, settings.scale,
+    backends = make_backends(
+        settings.device, settings.devices, settings.shape, settings.gates, settings.max_sessions, settings.scale,
         speculative_sessions=settings.speculative_sessions,
     )
-    backend.warmup()  # compile kernels before `listening on`, not on the first request
-    sessions = SessionTable(
-        backend.max_sessions, settings.shape.num_layers, range(backend.home_rows, backend.pool_rows)
-    )
-    scheduler = Scheduler(backend, sessions, settings.scheduler)
-    servicer = GdnDecodeServicer(settings.shape, sessions, scheduler, backend.name)
-    app = GdnApp(settings, backend, sessions, scheduler, servicer)
+    shards = []
+    for index, backend in backends:
+        backend.warmup()  # compile kernels before `listening on`, not on the first request
+        sessions = SessionTable(
+            backend.max_sessions, settings.shape.num_layers, range(backend.home_rows, backend.pool_rows)
+        )
+        sessions.max_per_owner = settings.security.max_sessions_per_client  # per device
+        shards.append(Shard(index, backend, sessions, Scheduler(backend, sessions, settings.scheduler)))
+    placement = Placement(shards)
+    servicer = GdnDecodeServicer(settings.shape, placement, shards[0].backend.name)
+    app = GdnApp(settings, placement, servicer)
     sec = settings.security
-    sessions.max_per_owner = sec.max_sessions_per_client
     if sec.auth_token_file or sec.mutual_tls:
         tokens = load_tokens(sec.auth_token_file) if sec.auth_token_file else None
         app.auth = AuthInterceptor(tokens, sec.mutual_tls)
@@ -127,10 +131,11 @@ async def start_server(app: GdnApp) -> tuple[grpc.aio.Server, int]:
     if port == 0:
         raise OSError(f"could not bind {app.settings.host}:{app.settings.port}")
     if app.settings.state_dir:  # before the first request: clients continue where they were
-        load_snapshot(app.settings.state_dir, app.sessions, app.backend, app.settings.gates)
-    app.scheduler.start()
-    if app.settings.session_idle_timeout_s:
-        app.background.append(asyncio.create_task(_evict_idle_sessions(app, app.settings.session_idle_timeout_s)))
+        load_snapshot(app.settings.state_dir, app.placement.shards, app.settings.gates)
+    for shard in app.placement:
+        shard.scheduler.start()
+        if app.settings.session_idle_timeout_s:
+            app.background.append(asyncio.create_task(_evict_idle_sessions(shard, app.settings.session_idle_timeout_s)))
     await server.start()
     if app.metrics is not None:
         app.metrics.serve(app.settings.host, app.settings.metrics_port or 0)
@@ -139,17 +144,17 @@ async def start_server(app: GdnApp) -> tuple[grpc.aio.Server, int]:
     return server, port
 
 
-async def _evict_idle_sessions(app: GdnApp, timeout_s: float) -> None:
+async def _evict_idle_sessions(shard: Shard, timeout_s: float) -> None:
     """Every so often, evicts idle sessions as a scheduler control item (never during a step)."""
     interval = max(0.05, min(timeout_s / 4, 5.0))
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(interval)
-        if not idle_sessions(app.sessions, timeout_s):  # a cheap look first: no barrier when none is idle
+        if not idle_sessions(shard.sessions, timeout_s):  # a cheap look first: no barrier when none is idle
             continue
         fut = loop.create_future()
-        app.scheduler.submit_control(
-            lambda: evict_idle(app.sessions, app.backend, timeout_s),
+        shard.scheduler.submit_control(
+            lambda: evict_idle(shard.sessions, shard.backend, timeout_s),
             lambda result: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result)),
         )
         await fut
@@ -159,20 +164,22 @@ async def stop_server(app: GdnApp, server: grpc.aio.Server) -> None:
     """Graceful: refuse new work, let in-flight RPCs finish, drain the queue, release the device."""
     if app.health is not None:
         await app.health.enter_graceful_shutdown()  # NOT_SERVING from now on
-    app.scheduler.stop_accepting()
+    shards = app.placement.shards
+    for shard in shards:
+        shard.scheduler.stop_accepting()
     for task in app.background:
         task.cancel()
     await server.stop(app.settings.grace_s)
-    await asyncio.get_running_loop().run_in_executor(None, app.scheduler.stop)
+    loop = asyncio.get_running_loop()
+    await asyncio.gather(*(loop.run_in_executor(None, shard.scheduler.stop) for shard in shards))
     try:
-        if app.settings.state_dir and app.scheduler.running:
-            log.error("the scheduler did not drain in time: no snapshot written (states may be mid-step)")
+        if app.settings.state_dir and any(shard.scheduler.running for shard in shards):
+            log.error("a scheduler did not drain in time: no snapshot written (states may be mid-step)")
         elif app.settings.state_dir:  # every step has finished: the states are final
-            await asyncio.get_running_loop().run_in_executor(
-                None, save_snapshot, app.settings.state_dir, app.sessions, app.backend, app.settings.gates
-            )
+            await loop.run_in_executor(None, save_snapshot, app.settings.state_dir, shards, app.settings.gates)
     finally:
-        app.backend.close()
+        for shard in shards:
+            shard.backend.close()
         if app.metrics is not None:
             app.metrics.close()
 
@@ -188,10 +195,12 @@ async def serve(app: GdnApp) -> None:
     if app.metrics is not None and app.metrics.port is not None:
         print(f"metrics on http://{host}:{app.metrics.port}/metrics", flush=True)
     print(f"listening on {host}:{port}", flush=True)
-    log.info(
-        "backend %s, %d sessions x %d layers, pool %.1f MiB",
-        app.backend.name, app.sessions.capacity, app.settings.shape.num_layers, app.backend.pool_bytes / 2**20,
-    )
+    for shard in app.placement:
+        log.info(
+            "device %d (%s): backend %s, %d sessions x %d layers, pool %.1f MiB",
+            shard.index, shard.backend.device_name, shard.backend.name, shard.sessions.capacity,
+            app.settings.shape.num_layers, shard.backend.pool_bytes / 2**20,
+        )
     await stop.wait()
     delay = app.settings.shutdown_delay_s
     if delay > 0:  # let load balancers see NOT_SERVING while requests are still served

@@ -17,9 +17,8 @@ from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError
 from gdn_server.lifecycle import commit_speculation, export_session, fork_session, import_session
-from gdn_server.scheduler import Scheduler
+from gdn_server.placement import Placement, Shard
 from gdn_server.security import current_identity
-from gdn_server.sessions import SessionTable
 from gdn_server.state_transfer import StateAssembler, encode_state
 from gdn_server.validation import decode_work_from_request
 from gdn_server.work import DecodeResult
@@ -62,17 +61,17 @@ def error_response(request_id: str, error: GdnError) -> gdn_pb2.DecodeResponse:
 
 
 class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
-    def __init__(self, shape: ModelShape, sessions: SessionTable, scheduler: Scheduler, backend_name: str) -> None:
+    def __init__(self, shape: ModelShape, placement: Placement, backend_name: str) -> None:
         self.shape = shape
-        self.sessions = sessions
-        self.scheduler = scheduler
+        self.placement = placement
         self.backend_name = backend_name
         self.metrics = None  # gdn_server.metrics.Metrics, when --metrics-port is on
 
     # -- helpers ----------------------------------------------------------------------------
-    async def _control(self, fn: Callable[[], Any]) -> Any:
+    async def _control(self, shard: Shard, fn: Callable[[], Any]) -> Any:
+        """Runs `fn` on `shard`'s scheduler thread between batches; returns its result."""
         fut, done = settle_on(asyncio.get_running_loop())
-        self.scheduler.submit_control(fn, done)
+        shard.scheduler.submit_control(fn, done)
         return await fut
 
     async def _decode(self, request: gdn_pb2.DecodeRequest, method: str = "Decode") -> DecodeResult:
@@ -84,8 +83,9 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
             identity = current_identity()
             if identity is not None:  # every session must be this caller's
                 work = dataclasses.replace(work, owner=identity)
+            shard = self.placement.shard_for(work.session_ids)
             fut, done = settle_on(asyncio.get_running_loop())
-            self.scheduler.submit_decode(work, done, cancelled=lambda: cancelled)
+            shard.scheduler.submit_decode(work, done, cancelled=lambda: cancelled)
             result = await fut
             code = grpc.StatusCode.OK
             return result
@@ -110,33 +110,41 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
             head_dim_v=s.head_dim_v,
             max_tokens_per_step=s.max_tokens_per_step,
             max_speculative_tokens=s.max_speculative_tokens,
-            max_sessions=self.sessions.capacity,
-            sessions_in_use=len(self.sessions),
+            max_sessions=self.placement.capacity,
+            sessions_in_use=self.placement.in_use,
             backend=self.backend_name,
             state_dtype="bfloat16",
-            scale=self.scheduler.backend.scale,
+            scale=self.placement.shards[0].backend.scale,
+            devices=[
+                gdn_pb2.DeviceInfo(
+                    index=shard.index, name=shard.backend.device_name, max_sessions=shard.sessions.capacity,
+                    sessions_in_use=len(shard.sessions),
+                )
+                for shard in self.placement
+            ],
         )
 
     async def CreateSession(self, request, context):
         try:
-            session = self.sessions.create(owner=current_identity())
+            shard = self.placement.place(request.colocate_with or None)
+            session = shard.sessions.create(owner=current_identity())
         except GdnError as e:
             await context.abort(e.code, e.message)
         return gdn_pb2.CreateSessionResponse(session_id=session.id)
 
     async def CloseSession(self, request, context):
         sid = request.session_id
-        backend = self.scheduler.backend
         identity = current_identity()
 
-        def close() -> None:  # runs after every earlier step of this session
-            self.sessions.get(sid).check_owner(identity)
-            session = self.sessions.remove(sid)
-            backend.reset_session(session.slot)  # a free slot always holds a zero state
-            self.sessions.free_slot(session.slot)
+        def close(shard: Shard) -> None:  # runs after every earlier step of this session
+            shard.sessions.get(sid).check_owner(identity)
+            session = shard.sessions.remove(sid)
+            shard.backend.reset_session(session.slot)  # a free slot always holds a zero state
+            shard.sessions.free_slot(session.slot)
 
         try:
-            await self._control(close)
+            shard = self.placement.shard_of(sid)
+            await self._control(shard, lambda: close(shard))
         except GdnError as e:
             await context.abort(e.code, e.message)
         return gdn_pb2.CloseSessionResponse()
@@ -188,30 +196,37 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
                     pending.cancel()
 
     async def Commit(self, request, context):
-        backend = self.scheduler.backend
         identity = current_identity()
         try:  # after the session's earlier steps (the speculative one included) have run
+            shard = self.placement.shard_of(request.session_id)
             positions, layers = await self._control(
-                lambda: commit_speculation(self.sessions, backend, request.session_id, int(request.accepted), identity)
+                shard,
+                lambda: commit_speculation(
+                    shard.sessions, shard.backend, request.session_id, int(request.accepted), identity
+                ),
             )
         except GdnError as e:
             await context.abort(e.code, e.message)
         return gdn_pb2.CommitResponse(positions=positions, committed_layers=layers)
 
     async def ForkSession(self, request, context):
-        backend = self.scheduler.backend
         identity = current_identity()  # read here: the lambda runs on the scheduler thread
-        try:  # after every earlier step of the source: the copy sees all of them
-            child = await self._control(lambda: fork_session(self.sessions, backend, request.session_id, identity))
+        try:  # after every earlier step of the source: the copy sees all of them; same device
+            shard = self.placement.shard_of(request.session_id)
+            child = await self._control(
+                shard, lambda: fork_session(shard.sessions, shard.backend, request.session_id, identity)
+            )
         except GdnError as e:
             await context.abort(e.code, e.message)
         return gdn_pb2.CreateSessionResponse(session_id=child.id)
 
     async def ExportState(self, request, context):
-        backend = self.scheduler.backend
         identity = current_identity()
         try:
-            state = await self._control(lambda: export_session(self.sessions, backend, request.session_id, identity))
+            shard = self.placement.shard_of(request.session_id)
+            state = await self._control(
+                shard, lambda: export_session(shard.sessions, shard.backend, request.session_id, identity)
+            )
         except GdnError as e:
             await context.abort(e.code, e.message)
         # checksum and chunking off the event loop (tens of MiB for a large model)
@@ -221,29 +236,33 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
 
     async def ImportState(self, request_iterator, context):
         assembler = StateAssembler(self.shape)
-        backend = self.scheduler.backend
         identity = current_identity()
         try:
             async for chunk in request_iterator:
                 assembler.add(chunk)
             state = assembler.finish()  # the whole stream checks out before anything is created
-            session = await self._control(lambda: import_session(self.sessions, backend, state, owner=identity))
+            shard = self.placement.place()
+            session = await self._control(
+                shard, lambda: import_session(shard.sessions, shard.backend, state, owner=identity)
+            )
         except GdnError as e:
             await context.abort(e.code, e.message)
         return gdn_pb2.CreateSessionResponse(session_id=session.id)
 
     async def GetStats(self, request, context):
-        st = self.scheduler.stats
+        stats = [shard.scheduler.stats for shard in self.placement]  # summed over devices
+        launches = sum(st.launches for st in stats)
+        rows = sum(st.rows_launched for st in stats)
         return gdn_pb2.Stats(
-            launches=st.launches,
-            rows_launched=st.rows_launched,
-            requests=st.requests,
-            batches=st.batches,
-            mean_rows_per_launch=st.mean_rows_per_launch,
-            sessions_in_use=len(self.sessions),
-            max_sessions=self.sessions.capacity,
+            launches=launches,
+            rows_launched=rows,
+            requests=sum(st.requests for st in stats),
+            batches=sum(st.batches for st in stats),
+            mean_rows_per_launch=rows / launches if launches else 0.0,
+            sessions_in_use=self.placement.in_use,
+            max_sessions=self.placement.capacity,
             backend=self.backend_name,
-            device_seconds=st.device_s,
-            queue_wait_seconds=st.queue_wait_s,
+            device_seconds=sum(st.device_s for st in stats),
+            queue_wait_seconds=sum(st.queue_wait_s for st in stats),
         )
 

@@ -140,6 +140,12 @@ class SessionTable:
             self._per_owner[owner] = held + 1
             return session
 
+    def find(self, session_id: str) -> Session | None:
+        return self._by_id.get(session_id)
+
+    def was_evicted(self, session_id: str) -> bool:
+        return session_id in self._evicted
+
     def get(self, session_id: str) -> Session:
         session = self._by_id.get(session_id)
         if session is None:

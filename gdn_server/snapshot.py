@@ -52,16 +52,20 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from gdn_server.backends import Backend
 from gdn_server.config import ModelShape
 from gdn_server.lifecycle import drop_speculation
-from gdn_server.sessions import LastStep, Session, SessionTable
+from gdn_server.placement import Shard
+from gdn_server.sessions import LastStep, Session
 from gdn_server.weights import GateParams
+
+if TYPE_CHECKING:
+    from gdn_server.backends import Backend
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +112,7 @@ def _gates_sha256(gates: GateParams) -> str:
     return h.hexdigest()
 
 
-def _model_entry(shape: ModelShape, backend: Backend, gates: GateParams) -> dict:
+def _model_entry(shape: ModelShape, backend: "Backend", gates: GateParams) -> dict:
     return {
         "num_layers": shape.num_layers,
         "num_q_heads": shape.num_q_heads,
@@ -195,12 +199,13 @@ def _safetensors_metadata(data: bytes) -> dict[str, str]:
 # -- writing ---------------------------------------------------------------------------------------
 
 
-def save_snapshot(state_dir: str | os.PathLike, sessions: SessionTable, backend: Backend, gates: GateParams) -> Path:
+def save_snapshot(state_dir: str | os.PathLike, shards: Sequence[Shard], gates: GateParams) -> Path:
     """Writes every live session to `state_dir` atomically; returns the manifest path.
 
     Call only with no step in flight (the scheduler stopped). Raises SnapshotError.
     """
     root = Path(state_dir)
+    backend = shards[0].backend
     shape = backend.shape
     started = time.monotonic()
     try:
@@ -210,9 +215,10 @@ def save_snapshot(state_dir: str | os.PathLike, sessions: SessionTable, backend:
         gen_dir.mkdir()
         entries = []
         total = 0
-        for n, session in enumerate(sessions.sessions()):
-            drop_speculation(sessions, backend, session)  # save committed states only
-            data = encode_session(session, backend.read_session(session.slot), shape)
+        every = [(shard, session) for shard in shards for session in shard.sessions.sessions()]
+        for n, (shard, session) in enumerate(every):
+            drop_speculation(shard.sessions, shard.backend, session)  # save committed states only
+            data = encode_session(session, shard.backend.read_session(session.slot), shape)
             rel = f"{gen_dir.name}/{n:06d}.safetensors"
             _write_durable(root / rel, data)
             entries.append(
@@ -291,10 +297,11 @@ def _read_session_file(root: Path, entry: dict, shape: ModelShape) -> _Restored:
     return decode_session(data, entry, shape)
 
 
-def _load_verified(root: Path, sessions: SessionTable, backend: Backend, gates: GateParams) -> int:
+def _load_verified(root: Path, shards: Sequence[Shard], gates: GateParams) -> int:
+    backend = shards[0].backend
     shape = backend.shape
     try:
-        manifest = _read_manifest(root, shape, sessions.capacity - len(sessions))
+        manifest = _read_manifest(root, shape, sum(shard.free for shard in shards))
         entries = manifest["sessions"]
         for entry in entries:  # pass 1: check every file before touching the pool
             _read_session_file(root, entry, shape)
@@ -307,21 +314,22 @@ def _load_verified(root: Path, sessions: SessionTable, backend: Backend, gates: 
             "another --scale: sessions are restored, but their outputs will differ from the old server's",
             root,
         )
-    created: list[Session] = []
+    created: list[tuple[Shard, Session]] = []
     try:  # pass 2: load (files are checked again, in case they changed since pass 1)
         for entry in entries:
             r = _read_session_file(root, entry, shape)
-            session = sessions.create(owner=r.owner, session_id=r.id, restoring=True)
-            created.append(session)
-            backend.write_session(session.slot, r.state)
+            shard = max(shards, key=lambda s: (s.free, -s.index))  # spread over the devices
+            session = shard.sessions.create(owner=r.owner, session_id=r.id, restoring=True)
+            created.append((shard, session))
+            shard.backend.write_session(session.slot, r.state)
             session.positions = r.positions
             session.last_steps = r.last_steps
             session.last_used = time.monotonic()
     except BaseException:
-        for session in created:  # never half-loaded
-            sessions.remove(session.id)
-            backend.reset_session(session.slot)
-            sessions.free_slot(session.slot)
+        for shard, session in created:  # never half-loaded
+            shard.sessions.remove(session.id)
+            shard.backend.reset_session(session.slot)
+            shard.sessions.free_slot(session.slot)
         raise
     return len(entries)
 
@@ -344,7 +352,7 @@ def _consume(root: Path) -> None:
         shutil.rmtree(gen, ignore_errors=True)
 
 
-def load_snapshot(state_dir: str | os.PathLike, sessions: SessionTable, backend: Backend, gates: GateParams) -> int:
+def load_snapshot(state_dir: str | os.PathLike, shards: Sequence[Shard], gates: GateParams) -> int:
     """Restores the sessions saved in `state_dir`, if any; returns how many.
 
     Call before the server accepts requests. A snapshot that fails a check is refused whole
@@ -368,7 +376,7 @@ def load_snapshot(state_dir: str | os.PathLike, sessions: SessionTable, backend:
         return 0
     started = time.monotonic()
     try:
-        count = _load_verified(root, sessions, backend, gates)
+        count = _load_verified(root, shards, gates)
     except SnapshotError as e:
         try:
             where = f"moved to {_move_aside(root, manifest_path)}"

@@ -9,7 +9,7 @@ from gdn_server.backends.base import Backend, DoneStep, PendingStep
 from gdn_server.config import ModelShape
 from gdn_server.weights import GateParams
 
-__all__ = ["Backend", "DoneStep", "PendingStep", "make_backend", "resolve_device"]
+__all__ = ["Backend", "DoneStep", "PendingStep", "make_backend", "make_backends", "resolve_device"]
 
 log = logging.getLogger(__name__)
 
@@ -39,3 +39,29 @@ def make_backend(
     from gdn_server.backends.cpu import CpuBackend
 
     return CpuBackend(shape, gates, max_sessions or DEFAULT_CPU_SESSIONS, scale, speculative_sessions)
+
+
+def make_backends(
+    device: str, devices: tuple[int, ...] | None, shape: ModelShape, gates: GateParams, max_sessions: int | None,
+    scale: float | None = None, speculative_sessions: int | None = None,
+) -> list[tuple[int, Backend]]:
+    """One backend per device: every visible GPU (or those in `devices`), or the CPU alone.
+
+    `max_sessions` and `speculative_sessions` are per device. Returns (device index, backend).
+    """
+    device = resolve_device(device)
+    if device == "cpu":
+        if devices not in (None, (0,)):
+            raise ValueError("--devices names CUDA devices; the CPU backend serves from one")
+        return [(0, make_backend("cpu", shape, gates, max_sessions, scale, speculative_sessions))]
+    count = torch.cuda.device_count()
+    indices = tuple(range(count)) if devices is None else devices
+    bad = [i for i in indices if not 0 <= i < count]
+    if bad or len(set(indices)) != len(indices) or not indices:
+        raise ValueError(f"--devices {list(indices)}: this host has CUDA devices 0..{count - 1}, each named once")
+    from gdn_server.backends.cuda import CudaBackend
+
+    return [
+        (i, CudaBackend(shape, gates, max_sessions, scale, device=f"cuda:{i}", speculative_sessions=speculative_sessions))
+        for i in indices
+    ]

@@ -42,6 +42,7 @@ class DoneStep(PendingStep):
 
 class Backend(ABC):
     name: str  # "cpu-torch" or "cuda-cute"
+    device_name: str = "cpu"  # what ModelInfo.devices reports
 
     def __init__(
         self, shape: ModelShape, gates: GateParams, max_sessions: int, scale: float | None,

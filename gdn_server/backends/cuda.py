@@ -90,6 +90,7 @@ class CudaBackend(Backend):
                 budget -= 2 * speculative_sessions * per_session
             max_sessions = max(1, min(MAX_DEFAULT_SESSIONS, budget // per_session))
         super().__init__(shape, gates, max_sessions, scale, speculative_sessions)
+        self.device_name = torch.cuda.get_device_name(self.device)
         HV, V, K = shape.num_v_heads, shape.head_dim_v, shape.head_dim_k
         self.state_pool = torch.zeros(self.pool_rows, HV, V, K, dtype=torch.bfloat16, device=self.device)
         self.A_log = gates.A_log.float().contiguous().to(self.device)

@@ -33,7 +33,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("num_layers", "num_q_heads", "num_v_heads", "head_dim_k", "head_dim_v", "max_tokens_per_step", "max_sessions", "sessions_in_use", "backend", "state_dtype", "scale", "max_speculative_tokens")
+    __slots__ = ("num_layers", "num_q_heads", "num_v_heads", "head_dim_k", "head_dim_v", "max_tokens_per_step", "max_sessions", "sessions_in_use", "backend", "state_dtype", "scale", "max_speculative_tokens", "devices")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_Q_HEADS_FIELD_NUMBER: _ClassVar[int]
     NUM_V_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class ModelInfo(_message.Message):
     STATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
     MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_q_heads: int
     num_v_heads: int
@@ -58,11 +59,26 @@ class ModelInfo(_message.Message):
     state_dtype: str
     scale: float
     max_speculative_tokens: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_v_heads: _Optional[int] = ..., head_dim_k: _Optional[int] = ..., head_dim_v: _Optional[int] = ..., max_tokens_per_step: _Optional[int] = ..., max_sessions: _Optional[int] = ..., sessions_in_use: _Optional[int] = ..., backend: _Optional[str] = ..., state_dtype: _Optional[str] = ..., scale: _Optional[float] = ..., max_speculative_tokens: _Optional[int] = ...) -> None: ...
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
+    def __init__(self, num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_v_heads: _Optional[int] = ..., head_dim_k: _Optional[int] = ..., head_dim_v: _Optional[int] = ..., max_tokens_per_step: _Optional[int] = ..., max_sessions: _Optional[int] = ..., sessions_in_use: _Optional[int] = ..., backend: _Optional[str] = ..., state_dtype: _Optional[str] = ..., scale: _Optional[float] = ..., max_speculative_tokens: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ...) -> None: ...
+
+class DeviceInfo(_message.Message):
+    __slots__ = ("index", "name", "max_sessions", "sessions_in_use")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    name: str
+    max_sessions: int
+    sessions_in_use: int
+    def __init__(self, index: _Optional[int] = ..., name: _Optional[str] = ..., max_sessions: _Optional[int] = ..., sessions_in_use: _Optional[int] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("colocate_with",)
+    COLOCATE_WITH_FIELD_NUMBER: _ClassVar[int]
+    colocate_with: str
+    def __init__(self, colocate_with: _Optional[str] = ...) -> None: ...
 
 class CreateSessionResponse(_message.Message):
     __slots__ = ("session_id",)
