@@ -18,7 +18,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
-K8S = sorted((DOCKER / "k8s").glob("*.yaml"))
+K8S_SINGLE = sorted((DOCKER / "k8s").glob("*.yaml"))  # one replica: Deployment, Service, PVC
+K8S_REPLICAS = sorted((DOCKER / "k8s" / "replicas").glob("*.yaml"))  # many: StatefulSet, headless Service, PDB
+K8S = K8S_SINGLE + K8S_REPLICAS
 YAML_FILES = [DOCKER / "compose.yaml", *K8S]
 
 
@@ -57,11 +59,16 @@ def test_kubernetes_schemas():
     assert r.stdout.count("passed") == len(K8S), r.stdout
 
 
-def test_kubernetes_validate_catches_mistakes(tmp_path):
+@pytest.mark.parametrize("name, field", [("deployment.yaml", "livenessProbe:"),
+                                         ("replicas/statefulset.yaml", "volumeClaimTemplates:"),
+                                         ("replicas/service-headless.yaml", "publishNotReadyAddresses:")])
+def test_kubernetes_validate_catches_mistakes(tmp_path, name, field):
     """The schema check is real: a misspelt field fails it."""
     tool = _tool("kubernetes-validate")
+    text = (DOCKER / "k8s" / name).read_text()
+    assert field in text
     bad = tmp_path / "bad.yaml"
-    bad.write_text((DOCKER / "k8s" / "deployment.yaml").read_text().replace("livenessProbe:", "livenesProbe:"))
+    bad.write_text(text.replace(field, field[:3] + field[4:]))
     assert _run(tool, "--strict", str(bad)).returncode != 0
 
 
@@ -111,13 +118,13 @@ def test_entrypoint_maps_environment_to_flags(tmp_path):
     pairs = dict(zip(args[:-2:2], args[1:-2:2]))
     assert pairs == {"--port": "7000", "--max-sessions": "512", "--tls-cert": "/certs/tls.crt"}
     assert args[-2:] == ["--port", "7001"]  # given arguments come last and win
-    # every variable it maps is a real gdn-server flag
+    # the variables it maps are exactly the gdn-server flags that take a value
     from gdn_server.cli import build_parser
 
-    flags = {s for a in build_parser()._actions for s in a.option_strings}
+    flags = {s for a in build_parser()._actions if a.nargs != 0 for s in a.option_strings}
     names = re.search(r"for name in (.*?); do", (DOCKER / "entrypoint.sh").read_text(), re.S).group(1)
-    for name in names.replace("\\", " ").split():
-        assert "--" + name.lower().replace("_", "-") in flags, name
+    mapped = {"--" + name.lower().replace("_", "-") for name in names.replace("\\", " ").split()}
+    assert mapped == flags, f"not real flags: {sorted(mapped - flags)}; not mapped: {sorted(flags - mapped)}"
     # a command runs as it is
     r = subprocess.run(["sh", str(DOCKER / "entrypoint.sh"), "echo", "hi"], env=env, capture_output=True,
                        text=True, timeout=30)
@@ -139,10 +146,16 @@ def test_compose_structure():
     assert target == f"gdn-server:{server['ports'][0].split(':')[1]}"
 
 
-def test_kubernetes_structure():
-    docs = {d["kind"]: d for path in K8S for d in _load_yaml(path)}
-    dep, svc = docs["Deployment"], docs["Service"]
-    pod = dep["spec"]["template"]["spec"]
+def _kinds(paths: list[Path]) -> dict[str, dict]:
+    docs = [d for path in paths for d in _load_yaml(path)]
+    kinds = {d["kind"]: d for d in docs}
+    assert len(kinds) == len(docs), "one object of each kind per set of manifests"
+    return kinds
+
+
+def _check_server_pod(pod: dict) -> dict:
+    """What every gdn-server pod needs: one GPU, gRPC probes, room to drain and snapshot, non-root,
+    the state volume at --state-dir. Returns the container."""
     (c,) = pod["containers"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
@@ -152,9 +165,51 @@ def test_kubernetes_structure():
     grace = float(env["GDN_SHUTDOWN_DELAY_S"]) + float(env["GDN_DRAIN_TIMEOUT_S"])
     assert pod["terminationGracePeriodSeconds"] >= grace + 120  # and time to write the snapshot
     assert pod["securityContext"]["runAsNonRoot"] is True
-    mounts = {m["mountPath"] for m in c["volumeMounts"]}
-    assert env["GDN_STATE_DIR"] in mounts
+    state = next(m for m in c["volumeMounts"] if m["mountPath"] == env["GDN_STATE_DIR"])
+    assert state["name"] == "state"
+    return c
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_kubernetes_structure():
+    docs = _kinds(K8S_SINGLE)
+    dep, svc = docs["Deployment"], docs["Service"]
+    assert dep["spec"]["replicas"] == 1
+    pod = dep["spec"]["template"]["spec"]
+    c = _check_server_pod(pod)
     claim = next(v for v in pod["volumes"] if v["name"] == "state")["persistentVolumeClaim"]["claimName"]
     assert docs["PersistentVolumeClaim"]["metadata"]["name"] == claim
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
     assert {p["targetPort"] for p in svc["spec"]["ports"]} <= {p["name"] for p in c["ports"]}
+
+
+def test_kubernetes_replicas_structure():
+    docs = _kinds(K8S_REPLICAS)
+    sts, headless, pdb = docs["StatefulSet"], docs["Service"], docs["PodDisruptionBudget"]
+    spec = sts["spec"]
+    assert spec["replicas"] >= 2
+    labels = spec["template"]["metadata"]["labels"]
+    assert _selects(spec["selector"]["matchLabels"], labels)
+    c = _check_server_pod(spec["template"]["spec"])
+    # every pod gets its own --state-dir volume, kept across restarts
+    (claim,) = spec["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "state" and claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert not spec["template"]["spec"].get("volumes")
+    # headless: pod DNS names gdn-serve-N.gdn-serve-headless.<ns>.svc, also while a pod drains
+    assert spec["serviceName"] == headless["metadata"]["name"] == "gdn-serve-headless"
+    assert sts["metadata"]["name"] == "gdn-serve"
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    assert headless["spec"]["selector"] == spec["selector"]["matchLabels"]
+    grpc_port = next(p for p in headless["spec"]["ports"] if p["name"] == "grpc")
+    assert grpc_port["port"] == 50051 and grpc_port["targetPort"] in {p["name"] for p in c["ports"]}
+    assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["selector"] == spec["selector"]
+    # the single-replica Service never routes to a StatefulSet pod (sessions would land at random)
+    assert not _selects(_kinds(K8S_SINGLE)["Service"]["spec"]["selector"], labels)
+    # the same server settings as the single-replica Deployment
+    (single,) = _kinds(K8S_SINGLE)["Deployment"]["spec"]["template"]["spec"]["containers"]
+    for key in ("image", "env", "ports", "startupProbe", "readinessProbe", "livenessProbe", "resources"):
+        assert c[key] == single[key], key
