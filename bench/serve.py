@@ -27,8 +27,9 @@ _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 
 def start_server(args: argparse.Namespace, *extra: str) -> tuple[subprocess.Popen, str]:
+    sizing = [] if args.max_sessions is None else ["--max-sessions", str(args.max_sessions)]
     cmd = [sys.executable, "-m", "gdn_server", "--host", "127.0.0.1", "--port", "0", "--device", args.device,
-           *args.model.split(), "--max-sessions", str(args.max_sessions), "--log-level", "WARNING", *extra]
+           *args.model.split(), *sizing, "--log-level", "WARNING", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     deadline = time.monotonic() + 600
     for line in proc.stdout:

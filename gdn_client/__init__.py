@@ -15,6 +15,7 @@ All failures raise `GdnError` (``.code`` is the grpc.StatusCode).
 """
 from gdn_client._aio import AsyncClient, AsyncSession
 from gdn_client._client import Client, Session, Speculation
+from gdn_client._replicas import ReplicaSet
 from gdn_client._sessions_ext import ExportedState
 from gdn_client._codec import ModelInfo, Stats
 from gdn_client._errors import (
@@ -44,6 +45,7 @@ __all__ = [
     "InvalidArgumentError",
     "ModelInfo",
     "NotFoundError",
+    "ReplicaSet",
     "ResourceExhaustedError",
     "Session",
     "Speculation",

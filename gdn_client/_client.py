@@ -280,6 +280,11 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _rebind(self, client: Client, cursor: SessionCursor) -> None:
+        """Points this object at the same session's new home (after a migration)."""
+        self._client = client
+        self._cursor = cursor
+
     def __repr__(self) -> str:
         return f"Session({self.id!r})"
 

@@ -73,7 +73,7 @@ class CudaBackend(Backend):
         max_sessions: int | None,
         scale: float | None = None,
         device: str | torch.device = "cuda",
-        rows_hint: int = 1024,
+        rows_hint: int = 256,
         speculative_sessions: int | None = None,
     ) -> None:
         self.device = torch.device(device)

@@ -45,18 +45,22 @@ def _trace(shape: ModelShape, sessions: int, launches: int, seed: int):
 
 
 def test_cuda_and_cpu_backends_agree_on_a_recorded_trace():
+    """Plain rows write back in place; every third request is speculative and writes scratch rows."""
     shape = ModelShape(num_layers=4, num_q_heads=16, num_v_heads=32)
     gates = random_gate_params(shape, seed=1)
-    cpu = CpuBackend(shape, gates, max_sessions=24)
-    gpu = CudaBackend(shape, gates, max_sessions=24)
+    cpu = CpuBackend(shape, gates, max_sessions=24, speculative_sessions=8)
+    gpu = CudaBackend(shape, gates, max_sessions=24, speculative_sessions=8)
     worst = 0.0
-    for T, requests in _trace(shape, sessions=24, launches=20, seed=2):
+    for launch, (T, requests) in enumerate(_trace(shape, sessions=24, launches=20, seed=2)):
         outs = []
         for backend in (cpu, gpu):
             batch = StepBatch(T)
-            for layer, members, x in requests:
+            scratch = iter(range(backend.home_rows, backend.pool_rows))
+            for r, (layer, members, x) in enumerate(requests):
                 work = DecodeWork(layer, tuple(map(str, members)), positions=None, **x)
-                batch.add(work, [m * shape.num_layers + layer for m in members])
+                reads = [m * shape.num_layers + layer for m in members]
+                writes = [next(scratch) for _ in members] if (launch + r) % 3 == 0 else None
+                batch.add(work, reads, writes)
             outs.append(backend.submit(batch).result().clone())
         worst = max(worst, rel_err(outs[1], outs[0].float()))
     state_err = rel_err(gpu.state_pool.cpu(), cpu.state_pool.float())

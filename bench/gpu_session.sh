@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
+# Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
+#   bash bench/gpu_session.sh tests|serve|scale     (each part fits in one 10-minute call)
+# Logs and results go to $OUT (or bench/results).
+set -uo pipefail
+out=${OUT:-bench/results}
+mkdir -p "$out"
+if [[ -d .whl ]]; then  # runtime packages the image lacks (grpcio-health-checking, grpcio-reflection)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONUNBUFFERED=1
+case "${1:-}" in
+  tests)
+    nvidia-smi -L
+    timeout 420 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py tests/gpu/test_multi_gpu.py \
+      tests/gpu/test_kernel.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
+    ;;
+  serve)
+    timeout 480 python3 bench/serve.py --device cuda --out "$out" 2>&1 | tee "$out/serve.log" | tail -30
+    ;;
+  scale)
+    timeout 540 python3 bench/scale.py --device cuda --out "$out" 2>&1 | tee "$out/scale.log" | tail -20
+    ;;
+  *) echo "usage: $0 tests|serve|scale" >&2; exit 2 ;;
+esac

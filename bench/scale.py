@@ -1,0 +1,119 @@
+"""Scale-out benchmark (issue 8): one server process over one GPU against the same over two.
+
+For each device set it starts `gdn-server --preset qwen3-next --devices ...`, reads the session
+capacity from GetModelInfo, then drives N streaming clients (T=1, every layer cycled) from
+several `gdn-loadtest` processes at once (one Python load process tops out long before a GPU
+does), and sums their throughput. The same load against the gRPC echo floor, with as many
+processes, says whether the bound is the GPU, the server's Python front end, or the loader.
+
+    python bench/scale.py --out bench/results            # on a host with two GPUs (~3 min)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve import start_server, stop  # noqa: E402  (same folder: the serving bench's helpers)
+
+
+def model_info(target: str) -> dict:
+    from gdn_client import Client
+
+    with Client(target) as client:
+        info = client.model_info()
+    return {"max_sessions": info.max_sessions, "backend": info.backend}
+
+
+def parallel_load(target: str, clients: int, procs: int, duration: float, echo: bool) -> dict:
+    """Runs `procs` loadtest processes with clients/procs clients each; sums their results."""
+    per = max(1, clients // procs)
+    outs, running = [], []
+    tmp = Path(tempfile.mkdtemp())
+    for p in range(procs):
+        out = tmp / f"load{p}.json"
+        cmd = [sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--clients", str(per), "--mode",
+               "stream", "--tokens", "1", "--duration", str(duration), "--no-progress", "--json", str(out),
+               "--seed", str(p)]
+        if echo:
+            cmd.append("--echo")
+        running.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        outs.append(out)
+    for proc in running:
+        _, err = proc.communicate(timeout=900)
+        if proc.returncode:
+            raise RuntimeError(f"loadtest failed: {err[-2000:]}")
+    result = {"clients": per * procs, "procs": procs, "gdn_steps_per_s": 0.0, "echo_steps_per_s": 0.0,
+              "p50_ms": [], "p99_ms": [], "rows_per_launch": []}
+    for out in outs:
+        for run in json.loads(out.read_text())["runs"]:
+            key = "gdn_steps_per_s" if run["kind"] == "gdn" else "echo_steps_per_s"
+            result[key] += run["steps_per_s"]
+            if run["kind"] == "gdn":
+                result["p50_ms"].append(run["latency_ms"]["p50"])
+                result["p99_ms"].append(run["latency_ms"]["p99"])
+                if run.get("server"):
+                    result["rows_per_launch"].append(run["server"]["mean_rows_per_launch"])
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--model", default="--preset qwen3-next")
+    p.add_argument("--device-sets", default="0;0,1", help="semicolon list of --devices values")
+    p.add_argument("--clients", default="128,512")
+    p.add_argument("--procs", type=int, default=8, help="load processes per point")
+    p.add_argument("--duration", type=float, default=4.0)
+    p.add_argument("--max-sessions", type=int, default=600, help="per device, for the throughput runs")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "capacity": {}, "throughput": []}
+
+    for devices in args.device_sets.split(";"):
+        # capacity with the default sizing (80% of each GPU's free memory)
+        cap_args = argparse.Namespace(device=args.device, model=f"{args.model} --devices {devices}", max_sessions=None)
+        proc, target = start_server(cap_args)
+        try:
+            results["capacity"][devices] = model_info(target)
+        finally:
+            stop(proc)
+        run_args = argparse.Namespace(device=args.device, model=f"{args.model} --devices {devices}",
+                                      max_sessions=args.max_sessions)
+        proc, target = start_server(run_args)
+        try:
+            for clients in (int(c) for c in args.clients.split(",")):
+                r = parallel_load(target, clients, args.procs, args.duration, echo=True)
+                r["devices"] = devices
+                results["throughput"].append(r)
+                print(json.dumps(r), flush=True)
+        finally:
+            stop(proc)
+
+    (out / "scale.json").write_text(json.dumps(results, indent=1))
+    lines = ["| devices | sessions (default sizing) |", "|---|---|"]
+    lines += [f"| {d} | {c['max_sessions']:,} |" for d, c in results["capacity"].items()]
+    lines += ["", "| devices | clients | load procs | steps/s | echo steps/s (same procs) | % of echo | p50 ms (median over procs) | rows/launch |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in results["throughput"]:
+        p50 = sorted(r["p50_ms"])[len(r["p50_ms"]) // 2] if r["p50_ms"] else float("nan")
+        rpl = sum(r["rows_per_launch"]) / len(r["rows_per_launch"]) if r["rows_per_launch"] else float("nan")
+        pct = 100 * r["gdn_steps_per_s"] / r["echo_steps_per_s"] if r["echo_steps_per_s"] else float("nan")
+        lines.append(f"| {r['devices']} | {r['clients']} | {r['procs']} | {r['gdn_steps_per_s']:,.0f} | "
+                     f"{r['echo_steps_per_s']:,.0f} | {pct:.0f}% | {p50:.2f} | {rpl:.1f} |")
+    table = "\n".join(lines)
+    (out / "scale.md").write_text(table + "\n")
+    print(table)
+
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Sessions spread over several gdn-serve replicas (hosts), each session at home on one of them.
+
+A session's state lives on one GPU of one replica, so a session is sticky: every call of it goes
+to its home replica. `ReplicaSet` creates each new session on the replica with the most free
+capacity (from GetModelInfo) and moves a session to another replica on request (ExportState ->
+ImportState), e.g. to drain a replica before it is stopped. The `Session` object keeps working
+after a move: it is re-pointed at its new home.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from gdn_client._client import Client, Session
+from gdn_client._errors import GdnError, ResourceExhaustedError
+from gdn_client._options import ClientOptions
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaSet:
+    """Several replicas of one model behind one client.
+
+    >>> from gdn_client import ReplicaSet
+    >>> replicas = ReplicaSet(["gdn-0:50051", "gdn-1:50051"])           # doctest: +SKIP
+    >>> s = replicas.create_session()          # on the replica with the most free sessions
+    >>> o = s.decode(0, q, k, v, a, b)         # always served by its home replica
+    >>> replicas.migrate(s, "gdn-1:50051")     # drain gdn-0: the session continues on gdn-1
+    >>> replicas.home_of(s)
+    'gdn-1:50051'
+
+    All replicas must serve the same model (shapes and weights), or migrated sessions would
+    continue with other numbers.
+    """
+
+    def __init__(self, targets: Sequence[str], options: ClientOptions | None = None) -> None:
+        if not targets:
+            raise ValueError("a ReplicaSet needs at least one target")
+        if len(set(targets)) != len(targets):
+            raise ValueError("replica targets must be distinct")
+        self.clients: dict[str, Client] = {t: Client(t, options) for t in targets}
+
+    @property
+    def targets(self) -> list[str]:
+        return list(self.clients)
+
+    def free_capacity(self) -> dict[str, int]:
+        """Free session slots per replica; replicas that do not answer are left out."""
+        free = {}
+        for target, client in self.clients.items():
+            try:
+                info = client.model_info()
+            except GdnError as err:
+                logger.warning("replica %s: %s", target, err)
+                continue
+            free[target] = info.max_sessions - info.sessions_in_use
+        return free
+
+    def create_session(self) -> Session:
+        """A new session on the replica with the most free capacity."""
+        free = self.free_capacity()
+        for target in sorted(free, key=lambda t: -free[t]):
+            if free[target] <= 0:
+                break
+            try:
+                return self.clients[target].create_session()
+            except ResourceExhaustedError:  # filled up since we asked: try the next one
+                continue
+        raise ResourceExhaustedError("no replica has a free session slot")
+
+    def session(self) -> Session:
+        """Same as `create_session`; reads well as ``with replicas.session() as s:``."""
+        return self.create_session()
+
+    def home_of(self, session: Session) -> str:
+        """The target of the replica that holds `session`'s state."""
+        return session._client.target
+
+    def migrate(self, session: Session, target: str) -> Session:
+        """Moves `session` to the replica `target` and returns it (the same object, re-pointed).
+
+        Export, import on `target`, then close on the old home; if the import fails the session
+        stays where it was. Call it while no step of this session is in flight (steps sent to the
+        old home after the export would not move with it).
+        """
+        if target not in self.clients:
+            raise ValueError(f"{target!r} is not one of this set's replicas {self.targets}")
+        source = session._client
+        if source.target == target:
+            return session
+        exported = session.export()
+        moved = self.clients[target].import_state(exported)
+        old_id = session.id
+        session._rebind(moved._client, moved._cursor)
+        try:
+            source._call(source._stub.CloseSession, _close_request(old_id), retry=True)
+        except GdnError as err:  # the state lives on at the new home; the old copy idles out
+            logger.warning("migrated session %s to %s but could not close it on %s: %s", old_id, target, source.target, err)
+        return session
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+
+    def __enter__(self) -> "ReplicaSet":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ReplicaSet({self.targets!r})"
+
+
+def _close_request(session_id: str):
+    from gdn_client.proto.gdn.v1 import gdn_pb2
+
+    return gdn_pb2.CloseSessionRequest(session_id=session_id)
