@@ -14,14 +14,14 @@ export PYTHONUNBUFFERED=1
 case "${1:-}" in
   tests)
     nvidia-smi -L
-    timeout 420 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py tests/gpu/test_multi_gpu.py \
+    timeout 270 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py tests/gpu/test_multi_gpu.py \
       tests/gpu/test_kernel.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
     ;;
   serve)
-    timeout 480 python3 bench/serve.py --device cuda --out "$out" 2>&1 | tee "$out/serve.log" | tail -30
+    timeout 420 python3 bench/serve.py --device cuda --duration 3 --out "$out" 2>&1 | tee "$out/serve.log" | tail -30
     ;;
   scale)
-    timeout 540 python3 bench/scale.py --device cuda --out "$out" 2>&1 | tee "$out/scale.log" | tail -20
+    timeout 420 python3 bench/scale.py --device cuda --duration 3 --out "$out" 2>&1 | tee "$out/scale.log" | tail -20
     ;;
   *) echo "usage: $0 tests|serve|scale" >&2; exit 2 ;;
 esac
