@@ -18,6 +18,8 @@ case "${1:-}" in
       tests/gpu/test_kernel.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
     ;;
   serve)
+    timeout 60 python3 bench/backend_step.py --out "$out" 2>&1 | tee "$out/backend_step.log" | tail -6
+    timeout 270 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py 2>&1 | tail -3
     timeout 420 python3 bench/serve.py --device cuda --duration 3 --out "$out" 2>&1 | tee "$out/serve.log" | tail -30
     ;;
   scale)

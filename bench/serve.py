@@ -60,7 +60,7 @@ def loadtest(target: str, out: Path, *flags: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--model", default="--preset qwen3-next", help="server shape flags")
+    p.add_argument("--model", default="--preset qwen3-next --devices 0", help="server shape flags (one GPU)")
     p.add_argument("--clients", default="1,8,64,256")
     p.add_argument("--duration", type=float, default=4.0, help="seconds per load point")
     p.add_argument("--batch-sessions", type=int, default=256, help="B of part (c)")

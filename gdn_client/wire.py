@@ -69,12 +69,16 @@ def tensor_from_proto(msg: gdn_pb2.Tensor, name: str = "tensor", *, finite: bool
     exponent bits of the raw bytes with numpy, several times cheaper than torch.isfinite on the
     small tensors of a decode step (it runs on the server's event loop for every request).
     """
-    wire_dtype = msg.dtype
+    # protobuf hands out a new bytes object per access of `data`: read it once
+    return tensor_from_parts(msg.dtype, tuple(msg.shape), msg.data, name, finite=finite)
+
+
+def tensor_from_parts(wire_dtype: int, shape: tuple[int, ...], data: bytes, name: str = "tensor", *,
+                      finite: bool = False) -> torch.Tensor:
+    """`tensor_from_proto` on a Tensor message's fields, for callers that keep the bytes too."""
     dtype = TORCH_DTYPE_OF.get(wire_dtype)
     if dtype is None:
         raise WireFormatError(f"{name}: dtype {wire_dtype} is not one of BF16, F16, F32")
-    shape = tuple(msg.shape)
-    data = msg.data  # protobuf hands out a new bytes object per access: read it once
     itemsize = ITEMSIZE_OF[wire_dtype]
     numel = 1
     for s in shape:

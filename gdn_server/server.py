@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from dataclasses import dataclass, field
 
 import grpc
@@ -184,8 +185,14 @@ async def stop_server(app: GdnApp, server: grpc.aio.Server) -> None:
             app.metrics.close()
 
 
+GIL_SWITCH_INTERVAL_S = 0.0002
+
+
 async def serve(app: GdnApp) -> None:
     """Runs until SIGTERM or SIGINT, then stops gracefully."""
+    # The gRPC event loop and the scheduler threads share the GIL. A thread waking from a GPU
+    # wait would otherwise wait up to 5 ms (Python's default) for a busy event loop to yield.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     server, port = await start_server(app)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

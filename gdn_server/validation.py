@@ -3,7 +3,7 @@ on its own (without looking at session state) is caught here as InvalidArgument.
 from __future__ import annotations
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_client.wire import WireFormatError, tensor_from_proto
+from gdn_client.wire import WireFormatError, tensor_from_parts
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
 from gdn_server.work import DecodeWork
@@ -27,11 +27,15 @@ def decode_work_from_request(req: gdn_pb2.DecodeRequest, shape: ModelShape) -> D
             raise InvalidArgument(f"malformed session id {sid[:MAX_SESSION_ID_LEN]!r}")
 
     tensors = {}
+    raw: list[bytes | None] = []
     for name in ("q", "k", "v", "a", "b"):
         if not req.HasField(name):
             raise InvalidArgument(f"tensor {name} is missing")
         try:
-            tensors[name] = tensor_from_proto(getattr(req, name), name, finite=True)
+            msg = getattr(req, name)
+            data = msg.data  # a fresh bytes object per access: read it once
+            tensors[name] = tensor_from_parts(msg.dtype, tuple(msg.shape), data, name, finite=True)
+            raw.append(data if msg.dtype == gdn_pb2.BF16 else None)
         except WireFormatError as e:
             raise InvalidArgument(str(e)) from None
 
@@ -67,5 +71,6 @@ def decode_work_from_request(req: gdn_pb2.DecodeRequest, shape: ModelShape) -> D
         positions=positions,
         request_id=req.request_id,
         speculative=bool(req.speculative),
+        bf16_bytes=tuple(raw) if all(r is not None for r in raw) else None,
         **tensors,
     )

@@ -21,6 +21,9 @@ class DecodeWork:
     request_id: str = ""
     owner: str | None = None  # the caller's identity where auth is on; must own every session
     speculative: bool = False  # a draft step: provisional until Commit or the next step at the layer
+    # q, k, v, a, b as the request's raw bf16 bytes, when all five came as BF16: a GPU backend
+    # copies them into its pinned staging buffer with plain memcpys
+    bf16_bytes: tuple[bytes, bytes, bytes, bytes, bytes] | None = None
 
     @property
     def rows(self) -> int:
@@ -58,6 +61,7 @@ class StepBatch:
     v: list[torch.Tensor] = field(default_factory=list)  # each [B_r, T, HV, V]
     a: list[torch.Tensor] = field(default_factory=list)  # each [B_r, T, HV]
     b: list[torch.Tensor] = field(default_factory=list)
+    bf16_bytes: list[tuple[bytes, ...] | None] = field(default_factory=list)  # per request, see DecodeWork
 
     @property
     def rows(self) -> int:
@@ -77,3 +81,4 @@ class StepBatch:
         self.v.append(work.v)
         self.a.append(work.a)
         self.b.append(work.b)
+        self.bf16_bytes.append(work.bf16_bytes)

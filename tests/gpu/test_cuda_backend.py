@@ -57,7 +57,10 @@ def test_cuda_and_cpu_backends_agree_on_a_recorded_trace():
             batch = StepBatch(T)
             scratch = iter(range(backend.home_rows, backend.pool_rows))
             for r, (layer, members, x) in enumerate(requests):
-                work = DecodeWork(layer, tuple(map(str, members)), positions=None, **x)
+                raw = None
+                if x["q"].dtype == torch.bfloat16:  # as validation hands them on: the bytes a GPU memcpys
+                    raw = tuple(x[n].contiguous().view(torch.int16).numpy().tobytes() for n in "qkvab")
+                work = DecodeWork(layer, tuple(map(str, members)), positions=None, bf16_bytes=raw, **x)
                 reads = [m * shape.num_layers + layer for m in members]
                 writes = [next(scratch) for _ in members] if (launch + r) % 3 == 0 else None
                 batch.add(work, reads, writes)
@@ -72,14 +75,15 @@ def test_server_on_the_gpu_matches_the_reference():
     gates = random_gate_params(ModelShape(3, 16, 32), seed=5)
     ref = ReferenceModel(gates.A_log, gates.dt_bias)
     gen = torch.Generator().manual_seed(3)
-    with start_server("--device", "cuda", "--layers", "3", "--q-heads", "16", "--v-heads", "32", "--seed", "5",
-                      "--max-sessions", "16", timeout=300) as srv:
+    # one device: a request's sessions must share one (see test_multi_gpu.py for two)
+    with start_server("--device", "cuda", "--devices", "0", "--layers", "3", "--q-heads", "16", "--v-heads", "32",
+                      "--seed", "5", "--max-sessions", "16", timeout=300) as srv:
         with grpc.insecure_channel(srv.address) as channel:
             stub = gdn_pb2_grpc.GdnDecodeStub(channel)
             assert stub.GetModelInfo(gdn_pb2.GetModelInfoRequest(), timeout=60).backend == "cuda-cute"
             sessions = [stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=60).session_id for _ in range(3)]
             for step in range(8):
-                for layer in range(3):
-                    x = random_inputs(3, step % 4 + 1, 16, 32, gen=gen)
+                for layer in range(3):  # bf16 on the wire (memcpy staging) and f32 (casting copy)
+                    x = random_inputs(3, step % 4 + 1, 16, 32, gen=gen, dtype=(torch.bfloat16, torch.float32)[step % 2])
                     reply = stub.Decode(decode_request(layer, sessions, x), timeout=120)
                     assert rel_err(tensor_from_proto(reply.o), ref.step(layer, sessions, **x)) < 1e-2

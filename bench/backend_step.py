@@ -1,0 +1,80 @@
+"""Where the microseconds of one serving step go on the GPU, without gRPC (issue 4 profile).
+
+Times, for qwen3-next shapes and B rows of bf16 requests: the bare kernel launch (host time),
+CudaBackend.submit (staging memcpys + H2D + launch + D2H, host time), result() (the wait), and
+an empty event record + synchronize (the floor of any wait). Median of many calls.
+
+    python bench/backend_step.py --out bench/results
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from gdn_server.backends.cuda import CudaBackend
+from gdn_server.config import PRESETS
+from gdn_server.weights import random_gate_params
+from gdn_server.work import DecodeWork, StepBatch
+
+
+def _median_us(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--rows", default="1,8,64,256")
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    args = p.parse_args()
+    shape = PRESETS["qwen3-next"]
+    backend = CudaBackend(shape, random_gate_params(shape, 0), max_sessions=512, device="cuda:0")
+    backend.warmup()
+    H, HV, K = shape.num_q_heads, shape.num_v_heads, shape.head_dim_k
+    results = []
+    event = torch.cuda.Event()
+    sync_us = _median_us(lambda: (event.record(backend.stream), event.synchronize()), args.calls)
+    for B in (int(b) for b in args.rows.split(",")):
+        batch = StepBatch(1)
+        for r in range(B):  # one request per row, as B clients would send them
+            x = {n: torch.randn(1, 1, *s).bfloat16() for n, s in
+                 (("q", (H, K)), ("k", (H, K)), ("v", (HV, K)), ("a", (HV,)), ("b", (HV,)))}
+            raw = tuple(x[n].view(torch.int16).numpy().tobytes() for n in "qkvab")
+            batch.add(DecodeWork(r % shape.num_layers, (str(r),), positions=None, bf16_bytes=raw, **x), [r * shape.num_layers + r % shape.num_layers])
+        for _ in range(20):
+            backend.submit(batch).result()
+        submit_times, wait_times, total_times = [], [], []
+        for _ in range(args.calls):
+            t0 = time.perf_counter()
+            pending = backend.submit(batch)
+            t1 = time.perf_counter()
+            pending.result()
+            t2 = time.perf_counter()
+            submit_times.append(t1 - t0)
+            wait_times.append(t2 - t1)
+            total_times.append(t2 - t0)
+        row = {"rows": B, "submit_us": 1e6 * statistics.median(submit_times), "wait_us": 1e6 * statistics.median(wait_times),
+               "total_us": 1e6 * statistics.median(total_times), "event_sync_floor_us": sync_us}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "backend_step.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}, indent=1))
+    print("| rows | submit (host) us | wait us | total us |\n|---|---|---|---|")
+    for r in results:
+        print(f"| {r['rows']} | {r['submit_us']:.1f} | {r['wait_us']:.1f} | {r['total_us']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
