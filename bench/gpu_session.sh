@@ -23,6 +23,8 @@ case "${1:-}" in
     timeout 420 python3 bench/serve.py --device cuda --duration 3 --out "$out" 2>&1 | tee "$out/serve.log" | tail -30
     ;;
   scale)
+    timeout 60 python3 bench/backend_step.py --out "$out" 2>&1 | tee "$out/backend_step.log" | tail -6
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py tests/gpu/test_multi_gpu.py 2>&1 | tail -3
     timeout 420 python3 bench/scale.py --device cuda --duration 3 --out "$out" 2>&1 | tee "$out/scale.log" | tail -20
     ;;
   *) echo "usage: $0 tests|serve|scale" >&2; exit 2 ;;

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -49,10 +50,54 @@ class _Staging:
         self.out_host = torch.empty(out_bytes, dtype=torch.uint8, pin_memory=True)
         self.done = torch.cuda.Event()
         self.used = False
+        self._views: dict[tuple[int, int], _Views] = {}
+
+    def views_for(self, plan: _Plan, key: tuple[int, int]) -> _Views:
+        views = self._views.get(key)
+        if views is None:
+            out = (plan.out_shape, torch.bfloat16)
+            views = _Views(
+                host={name: _carve(self.host, e) for name, e in plan.entries.items()},
+                dev={name: _carve(self.dev, e) for name, e in plan.entries.items()},
+                host_all=self.host[: plan.total],
+                dev_all=self.dev[: plan.total],
+                out_dev=self.out_dev[: plan.out_bytes].view(torch.bfloat16).view(out[0]),
+                out_host=self.out_host[: plan.out_bytes].view(torch.bfloat16).view(out[0]),
+            )
+            self._views[key] = views
+        return views
 
     @property
     def capacity(self) -> int:
         return self.host.numel()
+
+
+_INPUTS = ("q", "k", "v", "a", "b")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    entries: dict  # name -> (byte offset, shape, dtype, bytes)
+    total: int  # bytes of inputs
+    out_shape: tuple[int, ...]
+    out_bytes: int
+
+
+@dataclass(frozen=True)
+class _Views:
+    """Tensor views of one staging set for one (R, T): made once, reused by every launch."""
+
+    host: dict[str, torch.Tensor]
+    dev: dict[str, torch.Tensor]
+    host_all: torch.Tensor  # the used prefix of the pinned buffer
+    dev_all: torch.Tensor
+    out_dev: torch.Tensor
+    out_host: torch.Tensor
+
+
+def _carve(buf: torch.Tensor, entry: tuple) -> torch.Tensor:
+    offset, shape, dtype, nbytes = entry
+    return buf[offset : offset + nbytes].view(dtype).view(shape)
 
 
 class _CudaStep(PendingStep):
@@ -106,100 +151,96 @@ class CudaBackend(Backend):
         else:
             log.warning("head dims K=%d V=%d: the CuTe kernel needs 128; using torch on the GPU", K, V)
         self._ring: list[_Staging | None] = [None] * RING
+        self._plans: dict[tuple[int, int], _Plan] = {}
         self._next = 0
         self._rows_hint = rows_hint
 
-    # -- layout of one staging buffer for R rows of T tokens -----------------------------------
-    def _layout(self, rows: int, tokens: int) -> dict[str, tuple[int, tuple[int, ...], torch.dtype]]:
+    # -- staging plans: where each input of a launch of R rows and T tokens sits ----------------
+    def _plan(self, rows: int, tokens: int) -> "_Plan":
+        """The byte layout of a launch's inputs in a staging buffer, computed once per (R, T)."""
+        plan = self._plans.get((rows, tokens))
+        if plan is not None:
+            return plan
         s = self.shape
         H, HV, K, V = s.num_q_heads, s.num_v_heads, s.head_dim_k, s.head_dim_v
         shapes = {
-            "q": ((rows, tokens, H, K), torch.bfloat16),
-            "k": ((rows, tokens, H, K), torch.bfloat16),
-            "v": ((rows, tokens, HV, V), torch.bfloat16),
-            "a": ((rows, tokens, HV), torch.bfloat16),
-            "b": ((rows, tokens, HV), torch.bfloat16),
-            "slots": ((rows,), torch.int32),
-            "out_slots": ((rows,), torch.int32),
-            "layers": ((rows,), torch.int32),
+            "q": ((rows, tokens, H, K), torch.bfloat16, 2),
+            "k": ((rows, tokens, H, K), torch.bfloat16, 2),
+            "v": ((rows, tokens, HV, V), torch.bfloat16, 2),
+            "a": ((rows, tokens, HV), torch.bfloat16, 2),
+            "b": ((rows, tokens, HV), torch.bfloat16, 2),
+            "slots": ((rows,), torch.int32, 4),
+            "out_slots": ((rows,), torch.int32, 4),
+            "layers": ((rows,), torch.int32, 4),
         }
-        layout, offset = {}, 0
-        for name, (shp, dtype) in shapes.items():
-            layout[name] = (offset, shp, dtype)
-            offset += _align(math.prod(shp) * torch.empty((), dtype=dtype).element_size())
-        layout["_total"] = (offset, (), torch.uint8)
-        return layout
+        entries, offset = {}, 0
+        for name, (shp, dtype, size) in shapes.items():
+            nbytes = math.prod(shp) * size
+            entries[name] = (offset, shp, dtype, nbytes)
+            offset += _align(nbytes)
+        out_shape = (rows, tokens, HV, V)
+        plan = _Plan(entries, offset, out_shape, math.prod(out_shape) * 2)
+        self._plans[(rows, tokens)] = plan
+        return plan
 
-    def _staging_for(self, in_bytes: int, out_bytes: int) -> _Staging:
+    def _staging_for(self, plan: "_Plan") -> _Staging:
         idx = self._next
         self._next = (idx + 1) % RING
         staging = self._ring[idx]
         if staging is not None and staging.used:
             staging.done.synchronize()  # its previous batch must be off the buffers
-        if staging is None or staging.capacity < in_bytes or staging.out_host.numel() < out_bytes:
-            hint = self._layout(self._rows_hint, self.shape.max_tokens_per_step)["_total"][0]
-            out_hint = self._rows_hint * self.shape.max_tokens_per_step * self.shape.num_v_heads * self.shape.head_dim_v * 2
-            staging = _Staging(self.device, max(in_bytes, hint), max(out_bytes, out_hint))
+        if staging is None or staging.capacity < plan.total or staging.out_host.numel() < plan.out_bytes:
+            hint = self._plan(self._rows_hint, self.shape.max_tokens_per_step)
+            staging = _Staging(self.device, max(plan.total, hint.total), max(plan.out_bytes, hint.out_bytes))
             self._ring[idx] = staging
         staging.used = True
         return staging
 
-    @staticmethod
-    def _view(buf: torch.Tensor, entry: tuple[int, tuple[int, ...], torch.dtype]) -> torch.Tensor:
-        offset, shp, dtype = entry
-        nbytes = math.prod(shp) * torch.empty((), dtype=dtype).element_size()
-        return buf[offset : offset + nbytes].view(dtype).view(shp)
-
     def submit(self, batch: StepBatch) -> PendingStep:
         R, T = batch.rows, batch.tokens
-        s = self.shape
-        layout = self._layout(R, T)
-        out_shape = (R, T, s.num_v_heads, s.head_dim_v)
-        out_bytes = math.prod(out_shape) * 2
-        staging = self._staging_for(layout["_total"][0], out_bytes)
+        plan = self._plan(R, T)
+        staging = self._staging_for(plan)
+        views = staging.views_for(plan, (R, T))
 
         # 1. requests -> pinned staging: a memcpy per request and input for bf16 requests, a
         #    casting copy for f16/f32 ones; no per-row work
-        names = ("q", "k", "v", "a", "b")
-        host = {name: self._view(staging.host, layout[name]) for name in names}
-        row_bytes = {name: host[name][0].numel() * 2 if R else 0 for name in names}
-        parts_of = {"q": batch.q, "k": batch.k, "v": batch.v, "a": batch.a, "b": batch.b}
+        host_bytes, entries = staging.host_bytes, plan.entries
         row = 0
         for r, raw in enumerate(batch.bf16_bytes):
             n = batch.q[r].shape[0]
-            for i, name in enumerate(names):
-                if raw is not None:
-                    start = layout[name][0] + row * row_bytes[name]
-                    staging.host_bytes[start : start + len(raw[i])] = np.frombuffer(raw[i], dtype=np.uint8)
-                else:
-                    host[name][row : row + n].copy_(parts_of[name][r])
+            if raw is not None:
+                for name, data in zip(_INPUTS, raw):
+                    offset, _, _, nbytes = entries[name]
+                    start = offset + row * (nbytes // R)
+                    host_bytes[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            else:
+                for name, parts in zip(_INPUTS, (batch.q, batch.k, batch.v, batch.a, batch.b)):
+                    views.host[name][row : row + n].copy_(parts[r])
             row += n
-        self._view(staging.host, layout["slots"]).copy_(torch.tensor(batch.slots, dtype=torch.int32))
         in_place = batch.in_place
-        if not in_place:
-            self._view(staging.host, layout["out_slots"]).copy_(torch.tensor(batch.out_slots, dtype=torch.int32))
-        self._view(staging.host, layout["layers"]).copy_(torch.tensor(batch.layers, dtype=torch.int32))
+        for name, values in (("slots", batch.slots), ("layers", batch.layers)) + (
+            () if in_place else (("out_slots", batch.out_slots),)
+        ):
+            offset, _, _, nbytes = entries[name]
+            host_bytes[offset : offset + nbytes].view(np.int32)[:] = values
 
-        total = layout["_total"][0]
+        dev = views.dev
         with torch.cuda.stream(self.stream):
             # 2. one host-to-device copy
-            staging.dev[:total].copy_(staging.host[:total], non_blocking=True)
-            dev = {name: self._view(staging.dev, layout[name]) for name in layout if name != "_total"}
-            out_dev = staging.out_dev[:out_bytes].view(torch.bfloat16).view(out_shape)
+            views.dev_all.copy_(views.host_all, non_blocking=True)
             # 3. one launch over every row
             if self.use_kernel:
                 self._kernel(
                     self.state_pool, dev["slots"], dev["layers"], dev["q"], dev["k"], dev["v"], dev["a"], dev["b"],
-                    self.A_log, self.dt_bias, out_dev, scale=self.scale,
+                    self.A_log, self.dt_bias, views.out_dev, scale=self.scale,
                     **({} if in_place else {"out_slots": dev["out_slots"]}),
                 )
             else:
-                self._torch_step(dev, out_dev, in_place)
+                self._torch_step(dev, views.out_dev, in_place)
             # 4. one device-to-host copy of the outputs
-            out_host = staging.out_host[:out_bytes].view(torch.bfloat16).view(out_shape)
-            out_host.copy_(out_dev, non_blocking=True)
+            views.out_host.copy_(views.out_dev, non_blocking=True)
             staging.done.record(self.stream)
-        return _CudaStep(staging, out_host)
+        return _CudaStep(staging, views.out_host)
 
     def _torch_step(self, dev: dict[str, torch.Tensor], out: torch.Tensor, in_place: bool) -> None:
         slots = dev["slots"].long()
