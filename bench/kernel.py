@@ -24,7 +24,6 @@ import importlib.util
 import json
 import math
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -225,7 +224,7 @@ def check_errors(log):
         try:
             gdn_decode(*args.values(), **extra)
             results[name] = "no error"
-        except ValueError as e:
+        except ValueError:
             results[name] = "ValueError"
         except Exception as e:  # noqa: BLE001 - reported, not hidden
             results[name] = f"{type(e).__name__}: {e}"

@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--clients", default="128,512")
     p.add_argument("--procs", type=int, default=8, help="load processes per point")
     p.add_argument("--duration", type=float, default=4.0)
-    p.add_argument("--max-sessions", type=int, default=600, help="per device, for the throughput runs")
+    p.add_argument("--max-sessions", type=int, default=1300, help="per device, for the throughput runs (room for every point's clients at once)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = p.parse_args()
     out = Path(args.out)

@@ -17,7 +17,7 @@ from gdn_client._aio import AsyncClient, AsyncSession
 from gdn_client._client import Client, Session, Speculation
 from gdn_client._replicas import ReplicaSet
 from gdn_client._sessions_ext import ExportedState
-from gdn_client._codec import ModelInfo, Stats
+from gdn_client._codec import DeviceInfo, ModelInfo, Stats
 from gdn_client._errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -39,6 +39,7 @@ __all__ = [
     "ClientOptions",
     "DeadlineExceededError",
     "DecodeStream",
+    "DeviceInfo",
     "ExportedState",
     "FailedPreconditionError",
     "GdnError",

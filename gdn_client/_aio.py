@@ -26,6 +26,7 @@ from gdn_client._codec import (
 )
 from gdn_client._errors import GdnError, NotFoundError, error_from_rpc
 from gdn_client._options import ClientOptions
+from gdn_client._sessions_ext import ExportedState
 from gdn_client._stream import AsyncDecodeStream
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 
@@ -95,9 +96,13 @@ class AsyncClient:
         """The server's counters (launches, rows per launch, requests)."""
         return stats_from_proto(await self._call(self._stub.GetStats, gdn_pb2.GetStatsRequest(), retry=True))
 
-    async def create_session(self) -> "AsyncSession":
-        """Creates a session; close it with ``await s.close()`` or use ``async with``."""
-        reply = await self._call(self._stub.CreateSession, gdn_pb2.CreateSessionRequest())
+    async def create_session(self, colocate_with: "AsyncSession | str | None" = None) -> "AsyncSession":
+        """Creates a session; close it with ``await s.close()`` or use ``async with``.
+
+        ``colocate_with``: on the same device as that session (see `Client.create_session`).
+        """
+        sid = colocate_with.id if isinstance(colocate_with, AsyncSession) else (colocate_with or "")
+        reply = await self._call(self._stub.CreateSession, gdn_pb2.CreateSessionRequest(colocate_with=sid))
         return AsyncSession(self, reply.session_id)
 
     @contextlib.asynccontextmanager
@@ -128,6 +133,18 @@ class AsyncClient:
         """One atomic step for B sessions: [B, T, ...] inputs, bf16 o [B, T, HV, V]."""
         step = prepare_step(layer, [s._cursor for s in sessions], q, k, v, a, b, single=False)
         return await self._run_step(step)
+
+    async def import_state(self, exported: ExportedState) -> "AsyncSession":
+        """A new session on this server holding an exported state; not retried."""
+        try:
+            reply = await self._stub.ImportState(
+                iter(list(exported.chunks())), timeout=self.options.timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        session = AsyncSession(self, reply.session_id)
+        session._cursor._adopt(list(exported.header.positions))
+        return session
 
     def stream(self) -> AsyncDecodeStream:
         """Opens a pipelined DecodeStream (``async with client.stream() as st``)."""
@@ -166,11 +183,41 @@ class AsyncSession:
         return self._cursor.positions()
 
     async def decode(
-        self, layer: int, q: TensorLike, k: TensorLike, v: TensorLike, a: TensorLike, b: TensorLike
+        self, layer: int, q: TensorLike, k: TensorLike, v: TensorLike, a: TensorLike, b: TensorLike,
+        *, speculative: bool = False,
     ) -> torch.Tensor:
-        """One step of T tokens at ``layer``: [T, ...] inputs, bf16 o [T, HV, V]."""
-        step = prepare_step(layer, [self._cursor], q, k, v, a, b, single=True)
+        """One step of T tokens at ``layer``: [T, ...] inputs, bf16 o [T, HV, V]. ``speculative``:
+        a draft step that `commit` settles (see `Session.speculate`)."""
+        step = prepare_step(layer, [self._cursor], q, k, v, a, b, single=True, speculative=speculative)
         return await self._client._run_step(step)
+
+    async def commit(self, accepted: int) -> dict[int, int]:
+        """Keeps the first ``accepted`` tokens of every open speculative step; returns positions."""
+        reply = await self._client._call(
+            self._client._stub.Commit, gdn_pb2.CommitRequest(session_id=self.id, accepted=accepted), retry=True
+        )
+        self._cursor._adopt(list(reply.positions))
+        return self.positions
+
+    async def fork(self) -> "AsyncSession":
+        """A copy of this session (states and positions) on the same device; not retried."""
+        self._cursor._require_settled("fork()")
+        reply = await self._client._call(self._client._stub.ForkSession, gdn_pb2.ForkSessionRequest(session_id=self.id))
+        child = AsyncSession(self._client, reply.session_id)
+        child._cursor._adopt(self._cursor.positions())
+        return child
+
+    async def export(self) -> ExportedState:
+        """This session's state and positions (see `AsyncClient.import_state`)."""
+        self._cursor._require_settled("export()")
+        call = self._client._stub.ExportState(
+            gdn_pb2.ExportStateRequest(session_id=self.id), timeout=self._client.options.timeout,
+            metadata=self._client._metadata,
+        )
+        try:
+            return ExportedState.from_chunks([chunk async for chunk in call])
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
 
     async def recover(self) -> list[torch.Tensor]:
         """Resends steps whose outcome stayed unknown after the last retry."""

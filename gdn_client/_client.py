@@ -97,12 +97,15 @@ class Client:
         """The server's counters (launches, rows per launch, requests)."""
         return stats_from_proto(self._call(self._stub.GetStats, gdn_pb2.GetStatsRequest(), retry=True))
 
-    def create_session(self) -> "Session":
+    def create_session(self, colocate_with: "Session | str | None" = None) -> "Session":
         """Creates a session (its state starts at zero); close it, or use it as a context manager.
 
-        Not retried: a lost reply would leak a session slot on the server.
+        ``colocate_with`` puts it on the same device as that session, so both can go in one
+        `decode_batch` request on a server with several GPUs. Not retried: a lost reply would leak
+        a session slot on the server.
         """
-        reply = self._call(self._stub.CreateSession, gdn_pb2.CreateSessionRequest())
+        request = gdn_pb2.CreateSessionRequest(colocate_with=_session_id(colocate_with))
+        reply = self._call(self._stub.CreateSession, request)
         return Session(self, reply.session_id)
 
     def session(self) -> "Session":
@@ -168,6 +171,12 @@ class Client:
 
     def __repr__(self) -> str:
         return f"Client({self.target!r})"
+
+
+def _session_id(session: "Session | str | None") -> str:
+    if session is None:
+        return ""
+    return session if isinstance(session, str) else session.id
 
 
 class Session:

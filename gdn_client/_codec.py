@@ -47,6 +47,18 @@ class ModelInfo:
     backend: str
     state_dtype: str
     scale: float
+    max_speculative_tokens: int = 0
+    devices: tuple["DeviceInfo", ...] = ()  # capacity per device (one per GPU; one for the CPU)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device of the server (mirrors ``gdn.v1.DeviceInfo``)."""
+
+    index: int
+    name: str
+    max_sessions: int
+    sessions_in_use: int
 
 
 @dataclass(frozen=True)
@@ -88,7 +100,9 @@ def _from_proto(cls: type[_T], msg: Any) -> _T:
 
 
 def model_info_from_proto(msg: gdn_pb2.ModelInfo) -> ModelInfo:
-    return _from_proto(ModelInfo, msg)
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(ModelInfo) if f.name != "devices"}
+    devices = tuple(_from_proto(DeviceInfo, d) for d in msg.devices)
+    return ModelInfo(**fields, devices=devices)
 
 
 def stats_from_proto(msg: gdn_pb2.Stats) -> Stats:

@@ -19,7 +19,6 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Sequence, Union
 
 import grpc
-import torch
 
 from gdn_client._codec import PreparedStep, TensorLike, prepare_step
 from gdn_client._errors import (

@@ -152,8 +152,9 @@ class _GdnWorker:
         self.reply_bytes = 0
 
     async def open(self) -> None:
-        for _ in range(self.cfg.batch):
-            reply = await self.stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=self.cfg.timeout)
+        for _ in range(self.cfg.batch):  # one device for all of them: they share every request
+            request = gdn_pb2.CreateSessionRequest(colocate_with=self.session_ids[0] if self.session_ids else "")
+            reply = await self.stub.CreateSession(request, timeout=self.cfg.timeout)
             self.session_ids.append(reply.session_id)
         self.request = encode_request(0, self.session_ids, [0] * self.cfg.batch, self.tensors)
         if self.cfg.mode == "stream":

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from gdn_server.backends.base import Backend, PendingStep
+from gdn_server.backends.base import Backend
 from gdn_server.config import SchedulerConfig
 from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
 from gdn_server.sessions import LastStep, Provisional, Session, SessionTable

@@ -23,7 +23,7 @@ from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
 from gdn_server.security import AuthInterceptor, RejectMalformed, SecurityConfig, load_tokens, server_credentials
 from gdn_server.servicer import GdnDecodeServicer
-from gdn_server.sessions import SessionTable
+from gdn_server.sessions import OwnerQuota, SessionTable
 from gdn_server.snapshot import load_snapshot, save_snapshot
 from gdn_server.weights import GateParams
 
@@ -72,12 +72,12 @@ def build_app(settings: ServerSettings) -> GdnApp:
         speculative_sessions=settings.speculative_sessions,
     )
     shards = []
+    quota = OwnerQuota(settings.security.max_sessions_per_client)  # one count over every device
     for index, backend in backends:
         backend.warmup()  # compile kernels before `listening on`, not on the first request
         sessions = SessionTable(
-            backend.max_sessions, settings.shape.num_layers, range(backend.home_rows, backend.pool_rows)
+            backend.max_sessions, settings.shape.num_layers, range(backend.home_rows, backend.pool_rows), quota
         )
-        sessions.max_per_owner = settings.security.max_sessions_per_client  # per device
         shards.append(Shard(index, backend, sessions, Scheduler(backend, sessions, settings.scheduler)))
     placement = Placement(shards)
     servicer = GdnDecodeServicer(settings.shape, placement, shards[0].backend.name)

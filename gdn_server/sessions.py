@@ -100,16 +100,40 @@ def new_session_id() -> str:
     return secrets.token_urlsafe(16)
 
 
+class OwnerQuota:
+    """Sessions held per identity, against `--max-sessions-per-client`; one is shared by every
+    device's table, so the limit holds for the whole server."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit  # None: no limit
+        self._held: dict[str | None, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, owner: str | None, *, enforce: bool = True) -> None:
+        with self._lock:
+            held = self._held.get(owner, 0)
+            if enforce and self.limit is not None and held >= self.limit:
+                raise ResourceExhausted(f"this client already holds {held} sessions, the most one client may hold")
+            self._held[owner] = held + 1
+
+    def give(self, owner: str | None) -> None:
+        with self._lock:
+            left = self._held.pop(owner, 1) - 1
+            if left:
+                self._held[owner] = left
+
+
 class SessionTable:
     """Live sessions by id, and the free session slots of the state pool."""
 
-    def __init__(self, capacity: int, num_layers: int, scratch_rows: range = range(0)) -> None:
+    def __init__(
+        self, capacity: int, num_layers: int, scratch_rows: range = range(0), quota: OwnerQuota | None = None
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.num_layers = num_layers
-        self.max_per_owner: int | None = None  # sessions one identity may hold (None: no limit)
-        self._per_owner: dict[str | None, int] = {}
+        self.quota = quota if quota is not None else OwnerQuota()
         self._by_id: dict[str, Session] = {}
         self._evicted: OrderedDict[str, str] = OrderedDict()  # id -> why it was evicted
         # lowest slots first keeps a lightly used pool compact (friendlier to caches)
@@ -129,15 +153,12 @@ class SessionTable:
         with self._lock:
             if not self._free:
                 raise ResourceExhausted(f"no free session capacity: all {self.capacity} sessions are in use")
-            held = self._per_owner.get(owner, 0)
-            if not restoring and self.max_per_owner is not None and held >= self.max_per_owner:
-                raise ResourceExhausted(f"this client already holds {held} sessions, the most one client may hold")
             sid = session_id or new_session_id()
             if sid in self._by_id:
                 raise ValueError(f"session id {sid!r} already exists")
+            self.quota.take(owner, enforce=not restoring)
             session = Session(id=sid, slot=self._free.pop(), num_layers=self.num_layers, owner=owner)
             self._by_id[sid] = session
-            self._per_owner[owner] = held + 1
             return session
 
     def find(self, session_id: str) -> Session | None:
@@ -172,9 +193,7 @@ class SessionTable:
         with self._lock:
             session = self._by_id.pop(session_id, None)
             if session is not None:
-                left = self._per_owner.pop(session.owner, 1) - 1
-                if left:
-                    self._per_owner[session.owner] = left
+                self.quota.give(session.owner)
         if session is None:
             raise self._not_found(session_id)
         for row in session.scratch_rows():  # a dropped speculative state is never read again

@@ -20,8 +20,9 @@ from gdn_client import (
     NotFoundError,
 )
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
-from gdn_client.wire import tensor_from_proto, tensor_to_proto
+from gdn_client.wire import tensor_to_proto
 from servers import start_server
+from util import random_inputs
 from reference import gdn_reference_step, rel_err
 
 L, H, HV, K = 3, 2, 4, 128
@@ -424,3 +425,33 @@ def test_stream_reopens_and_resends_after_reset(server, gates):
                 o = fut.result(timeout=20)
                 assert rel_err(o, ref.step(layer, *(t[None] for t in x))[0]) < TOL, (token, layer)
         assert brk.calls == 2 and s.positions == {0: 2, 1: 2, 2: 2}
+
+
+def test_async_client_speculates_forks_and_moves_sessions(tmp_path):
+    """The asyncio client has the session operations of the blocking one."""
+    from gdn_client import AsyncClient
+
+    flags = ("--layers", "2", "--q-heads", "2", "--v-heads", "4", "--seed", "3")
+    gen = torch.Generator().manual_seed(2)
+    x = {n: t[0] for n, t in random_inputs(1, 3, 2, 4, gen=gen).items()}
+    with start_server(*flags) as a, start_server(*flags) as b:
+
+        async def main():
+            async with AsyncClient(a.address) as ca, AsyncClient(b.address) as cb:
+                info = await ca.model_info()
+                assert info.max_speculative_tokens == 8 and [d.index for d in info.devices] == [0]
+                s = await ca.create_session()
+                buddy = await ca.create_session(colocate_with=s)
+                await s.decode(0, **x, speculative=True)
+                assert await s.commit(2) == {0: 2}
+                child = await s.fork()
+                assert child.positions == {0: 2}
+                moved = await cb.import_state(await s.export())
+                assert moved.positions == {0: 2}
+                nxt = {n: t[:1] for n, t in x.items()}
+                outs = [await t.decode(0, **nxt) for t in (s, child, moved)]
+                assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+                for t in (s, buddy, child, moved):
+                    await t.close()
+
+        asyncio.run(main())

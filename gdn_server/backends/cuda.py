@@ -44,7 +44,8 @@ class _Staging:
 
     def __init__(self, device: torch.device, nbytes: int, out_bytes: int) -> None:
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        self.host_bytes = self.host.numpy()  # the same pinned memory, for memcpy from request bytes
+        self.host_bytes = self.host.numpy()  # the same pinned memory, for the int32 index arrays
+        self.host_mem = memoryview(self.host_bytes)  # and for memcpy from request bytes (cheapest slice copy)
         self.dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.out_dev = torch.empty(out_bytes, dtype=torch.uint8, device=device)
         self.out_host = torch.empty(out_bytes, dtype=torch.uint8, pin_memory=True)
@@ -204,7 +205,7 @@ class CudaBackend(Backend):
 
         # 1. requests -> pinned staging: a memcpy per request and input for bf16 requests, a
         #    casting copy for f16/f32 ones; no per-row work
-        host_bytes, entries = staging.host_bytes, plan.entries
+        host_mem, host_bytes, entries = staging.host_mem, staging.host_bytes, plan.entries
         row = 0
         for r, raw in enumerate(batch.bf16_bytes):
             n = batch.q[r].shape[0]
@@ -212,7 +213,7 @@ class CudaBackend(Backend):
                 for name, data in zip(_INPUTS, raw):
                     offset, _, _, nbytes = entries[name]
                     start = offset + row * (nbytes // R)
-                    host_bytes[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                    host_mem[start : start + len(data)] = data
             else:
                 for name, parts in zip(_INPUTS, (batch.q, batch.k, batch.v, batch.a, batch.b)):
                     views.host[name][row : row + n].copy_(parts[r])

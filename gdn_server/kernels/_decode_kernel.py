@@ -63,7 +63,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32
 
 HEAD_DIM = 128  # K = V = 128, the only size the kernel supports
 LANES_PER_ROW = 8  # lanes sharing one V-row
