@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|serve|scale     (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|serve|scale|speculative   (each part fits in one 10-minute call)
 # Logs and results go to $OUT (or bench/results).
 set -uo pipefail
 out=${OUT:-bench/results}
@@ -27,5 +27,8 @@ case "${1:-}" in
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py tests/gpu/test_multi_gpu.py 2>&1 | tail -3
     timeout 420 python3 bench/scale.py --device cuda --duration 3 --out "$out" 2>&1 | tee "$out/scale.log" | tail -20
     ;;
-  *) echo "usage: $0 tests|serve|scale" >&2; exit 2 ;;
+  speculative)
+    timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8
+    ;;
+  *) echo "usage: $0 tests|serve|scale|speculative" >&2; exit 2 ;;
 esac

@@ -1,0 +1,97 @@
+"""Cost of speculative steps on the GPU (issue 7), side by side with the plain step.
+
+A speculative step is the plain kernel writing its new state to a scratch slot (`out_slots`)
+instead of in place, so the step it started from survives until Commit. A full accept adopts the
+scratch slot (no GPU work); a partial accept of n tokens replays them: one plain step with T = n.
+Rules to check: spec / plain <= 1.25 at the same B and T, and a rollback costs at most one plain
+step (replay(n) <= plain(T)).
+
+Method as bench/kernel.py: H=16, HV=32, a 4096-slot pool, random slots, 8 rotated slot sets, device
+time by CUDA-graph replay (median).
+
+    python bench/speculative.py --out bench/results
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from gdn_server.kernels import gdn_decode
+
+H, HV, D, SLOTS, SETS = 16, 32, 128, 4096, 8
+
+
+def _inputs(B: int, T: int, gen: torch.Generator) -> dict:
+    def r(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    return dict(q=r(B, T, H, D), k=r(B, T, H, D), v=r(B, T, HV, D), a=r(B, T, HV), b=r(B, T, HV),
+                out=torch.empty(B, T, HV, D, device="cuda", dtype=torch.bfloat16))
+
+
+def _time(fn) -> float:
+    import triton.testing as tt
+
+    fn()
+    torch.cuda.synchronize()
+    return 1e3 * tt.do_bench_cudagraph(fn, rep=200, return_mode="median")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="128x4,512x4,128x8,512x8", help="BxT list")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    args = p.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pool = (torch.randn(SLOTS, HV, D, D, device="cuda", generator=gen) * 0.3).to(torch.bfloat16)
+    L = 36
+    A_log = torch.randn(L, HV, device="cuda", generator=gen)
+    dt_bias = torch.randn(L, HV, device="cuda", generator=gen)
+    rows = []
+    for shape in args.shapes.split(","):
+        B, T = (int(x) for x in shape.split("x"))
+        sets = []
+        for _ in range(SETS):  # disjoint read and write slots, rotated so the state is cold in L2
+            perm = torch.randperm(SLOTS, device="cuda", generator=gen).to(torch.int32)
+            layers = torch.randint(0, L, (B,), device="cuda", generator=gen, dtype=torch.int32)
+            sets.append((perm[:B].contiguous(), perm[B : 2 * B].contiguous(), layers, _inputs(B, T, gen)))
+        i = [0]
+
+        def step(spec: bool, tokens: int):
+            def run():
+                slots, scratch, layers, x = sets[i[0] % SETS]
+                i[0] += 1
+                q, k, v, a, b, out = (x[n][:, :tokens] for n in ("q", "k", "v", "a", "b", "out"))
+                if tokens != T:  # a replay of the accepted prefix: contiguous inputs, as the server stages them
+                    q, k, v, a, b, out = (t.contiguous() for t in (q, k, v, a, b, out))
+                gdn_decode(pool, slots, layers, q, k, v, a, b, A_log, dt_bias, out,
+                           **({"out_slots": scratch} if spec else {}))
+            return run
+
+        plain = _time(step(False, T))
+        spec = _time(step(True, T))
+        replays = {n: _time(step(False, n)) for n in sorted({1, T // 2, T - 1}) if n >= 1}
+        row = {"B": B, "T": T, "plain_us": plain, "speculative_us": spec, "spec_over_plain": spec / plain,
+               "rollback_replay_us": replays, "worst_rollback_over_plain": max(replays.values()) / plain}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speculative.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}, indent=1))
+    lines = ["| B | T | plain us | speculative us | spec/plain (<= 1.25) | rollback replay us (n: us) | worst replay / plain (<= 1) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        reps = ", ".join(f"{n}: {t:.1f}" for n, t in r["rollback_replay_us"].items())
+        lines.append(f"| {r['B']} | {r['T']} | {r['plain_us']:.1f} | {r['speculative_us']:.1f} | "
+                     f"{r['spec_over_plain']:.2f} | {reps} | {r['worst_rollback_over_plain']:.2f} |")
+    (out / "speculative.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
