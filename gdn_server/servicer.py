@@ -74,30 +74,37 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         shard.scheduler.submit_control(fn, done)
         return await fut
 
-    async def _decode(self, request: gdn_pb2.DecodeRequest, method: str = "Decode") -> DecodeResult:
-        """Validates and runs one decode request; raises GdnError."""
-        code = grpc.StatusCode.CANCELLED
-        cancelled = False
+    def _start_decode(self, request: gdn_pb2.DecodeRequest) -> asyncio.Future:
+        """Validates one decode request and queues it; returns the future of its DecodeResult.
+
+        Raises GdnError for what validation finds; the future raises it for what the scheduler
+        finds. A cancelled future (client gone, deadline passed) is dropped before the device.
+        """
+        work = decode_work_from_request(request, self.shape)
+        identity = current_identity()
+        if identity is not None:  # every session must be this caller's
+            work = dataclasses.replace(work, owner=identity)
+        shard = self.placement.shard_for(work.session_ids)
+        fut, done = settle_on(asyncio.get_running_loop())
+        shard.scheduler.submit_decode(work, done, cancelled=fut.cancelled)
+        return fut
+
+    def _count(self, method: str, code: grpc.StatusCode) -> None:
+        if self.metrics is not None:
+            self.metrics.count_decode(method, code)
+
+    async def _decode(self, request: gdn_pb2.DecodeRequest) -> DecodeResult:
+        """Validates and runs one unary decode request; raises GdnError."""
+        code = grpc.StatusCode.CANCELLED  # unless it ends otherwise (cancelling the task cancels `fut`)
         try:
-            work = decode_work_from_request(request, self.shape)
-            identity = current_identity()
-            if identity is not None:  # every session must be this caller's
-                work = dataclasses.replace(work, owner=identity)
-            shard = self.placement.shard_for(work.session_ids)
-            fut, done = settle_on(asyncio.get_running_loop())
-            shard.scheduler.submit_decode(work, done, cancelled=lambda: cancelled)
-            result = await fut
+            result = await self._start_decode(request)
             code = grpc.StatusCode.OK
             return result
-        except asyncio.CancelledError:  # client cancelled or deadline passed: drop before the device
-            cancelled = True
-            raise
         except GdnError as e:
             code = e.code
             raise
         finally:
-            if self.metrics is not None:
-                self.metrics.count_decode(method, code)
+            self._count("Decode", code)
 
     # -- RPCs -------------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):
@@ -159,21 +166,20 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
     async def DecodeStream(
         self, request_iterator: AsyncIterator[gdn_pb2.DecodeRequest], context
     ) -> AsyncIterator[gdn_pb2.DecodeResponse]:
-        # A reader task keeps up to MAX_STREAM_IN_FLIGHT requests submitted ahead of their replies,
-        # so one stream is pipelined; replies go out in request order.
+        # A reader task validates and queues up to MAX_STREAM_IN_FLIGHT requests ahead of their
+        # replies, so one stream is pipelined; this generator answers them in request order. Each
+        # message costs a future and a queue slot, no task of its own.
         replies: asyncio.Queue = asyncio.Queue(maxsize=MAX_STREAM_IN_FLIGHT)
         end = object()
-
-        async def answer(request: gdn_pb2.DecodeRequest) -> gdn_pb2.DecodeResponse:
-            try:
-                return decode_response(await self._decode(request, "DecodeStream"))
-            except GdnError as e:
-                return error_response(request.request_id, e)
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
-                    await replies.put(asyncio.ensure_future(answer(request)))
+                    try:
+                        pending: asyncio.Future | GdnError = self._start_decode(request)
+                    except GdnError as e:
+                        pending = e
+                    await replies.put((request.request_id, pending))
             except Exception as e:  # the stream broke: let the writer end the RPC
                 await replies.put(e)
                 return
@@ -187,13 +193,22 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
                     break
                 if isinstance(item, BaseException):
                     raise item
-                yield await item
+                request_id, pending = item
+                try:
+                    if isinstance(pending, GdnError):
+                        raise pending
+                    reply = decode_response(await pending)
+                    self._count("DecodeStream", grpc.StatusCode.OK)
+                except GdnError as e:
+                    self._count("DecodeStream", e.code)
+                    reply = error_response(request_id, e)
+                yield reply
         finally:
             reader.cancel()
-            while not replies.empty():  # cancel answers nobody will read
+            while not replies.empty():  # drop answers nobody will read (before the device, if not yet there)
                 pending = replies.get_nowait()
-                if isinstance(pending, asyncio.Future):
-                    pending.cancel()
+                if isinstance(pending, tuple) and isinstance(pending[1], asyncio.Future):
+                    pending[1].cancel()
 
     async def Commit(self, request, context):
         identity = current_identity()
