@@ -1,0 +1,49 @@
+"""The tensor codec shared by client and server: round trips, NaN/Inf detection, bad messages."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gdn_client.proto.gdn.v1 import gdn_pb2
+from gdn_client.wire import WireFormatError, tensor_from_proto, tensor_to_proto
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_round_trip_is_exact(dtype):
+    x = torch.randn(2, 3, 4, 5).to(dtype)
+    y = tensor_from_proto(tensor_to_proto(x))
+    assert y.dtype == dtype and torch.equal(x, y)
+
+
+def test_numpy_inputs_are_accepted():
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float16)
+    assert torch.equal(tensor_from_proto(tensor_to_proto(x)), torch.from_numpy(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_values_are_found_anywhere(dtype, bad):
+    for index in (0, 17, 59):  # first, middle, last element
+        x = torch.randn(60).to(dtype)
+        x[index] = bad
+        with pytest.raises(WireFormatError, match="NaN or Inf"):
+            tensor_from_proto(tensor_to_proto(x), finite=True)
+    big = torch.full((60,), torch.finfo(dtype).max, dtype=dtype)  # the largest finite value passes
+    tensor_from_proto(tensor_to_proto(big), finite=True)
+
+
+def test_inconsistent_messages_are_refused():
+    msg = tensor_to_proto(torch.randn(2, 3))
+    msg.data = msg.data[:-1]
+    with pytest.raises(WireFormatError, match="needs 24 bytes"):
+        tensor_from_proto(msg)
+    with pytest.raises(WireFormatError, match="dtype"):
+        tensor_from_proto(gdn_pb2.Tensor(dtype=gdn_pb2.DTYPE_UNSPECIFIED, shape=[1], data=b"\0\0"))
+    with pytest.raises(WireFormatError, match="negative"):
+        tensor_from_proto(gdn_pb2.Tensor(dtype=gdn_pb2.F32, shape=[-1], data=b""))
+    huge = gdn_pb2.Tensor(dtype=gdn_pb2.F32, shape=[2**40, 2**40, 2**40], data=b"\0" * 8)
+    with pytest.raises(WireFormatError):  # no overflow, no huge allocation
+        tensor_from_proto(huge)
+    with pytest.raises(TypeError):
+        tensor_to_proto(torch.zeros(2, dtype=torch.int64))
