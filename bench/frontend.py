@@ -1,0 +1,97 @@
+"""The server's own overhead, on any machine: a backend that does a GPU step's host work and then
+waits 60 us without the GIL (as a GPU step would), behind the real servicer and scheduler.
+
+    python bench/frontend.py --clients 1,32          # starts the server, runs gdn-loadtest on it
+    python bench/frontend.py --serve --port 50079     # only the server (for py-spy and friends)
+
+What it measures is everything but the kernel: gRPC, validation, scheduling, staging-sized
+copies, answering. bench/NOTES.md compares versions of the front end with it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import subprocess
+import sys
+import time
+
+import torch
+
+from gdn_server.backends.base import PendingStep
+from gdn_server.backends.cpu import CpuBackend
+from gdn_server.config import ModelShape, SchedulerConfig
+from gdn_server.placement import Placement, Shard
+from gdn_server.scheduler import Scheduler
+from gdn_server.server import GdnApp, ServerSettings, serve
+from gdn_server.servicer import GdnDecodeServicer
+from gdn_server.sessions import SessionTable
+from gdn_server.weights import random_gate_params
+
+GPU_WAIT_S = 60e-6
+
+
+class _Waiting(PendingStep):
+    def __init__(self, out: torch.Tensor) -> None:
+        self._out = out
+        self._ready = time.monotonic() + GPU_WAIT_S
+
+    def result(self) -> torch.Tensor:
+        left = self._ready - time.monotonic()
+        if left > 0:
+            time.sleep(left)  # releases the GIL, like waiting on a CUDA event
+        return self._out
+
+
+class HostOnlyBackend(CpuBackend):
+    """Copies the inputs as staging would, skips the math, waits like a GPU."""
+
+    name = "host-only"
+
+    def submit(self, batch):
+        for parts in (batch.q, batch.k, batch.v, batch.a, batch.b):
+            for part in parts:
+                part.clone()
+        s = self.shape
+        return _Waiting(torch.zeros(batch.rows, batch.tokens, s.num_v_heads, s.head_dim_v, dtype=torch.bfloat16))
+
+
+def run_server(port: int, sessions: int) -> None:
+    shape = ModelShape(num_layers=4, num_q_heads=16, num_v_heads=32)
+    gates = random_gate_params(shape, 0)
+    backend = HostOnlyBackend(shape, gates, sessions, speculative_sessions=0)
+    table = SessionTable(sessions, shape.num_layers)
+    placement = Placement([Shard(0, backend, table, Scheduler(backend, table, SchedulerConfig()))])
+    settings = ServerSettings(shape=shape, gates=gates, port=port, device="cpu")
+    app = GdnApp(settings, placement, GdnDecodeServicer(shape, placement, backend.name))
+    asyncio.run(serve(app))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--serve", action="store_true", help="run only the server")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--clients", default="1,32")
+    p.add_argument("--duration", type=float, default=4.0)
+    args = p.parse_args()
+    if args.serve:
+        run_server(args.port, sessions=600)
+        return
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", "--port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            m = re.search(r"listening on (\S+):(\d+)", line)
+            if m:
+                target = f"{m.group(1)}:{m.group(2)}"
+                break
+        else:
+            raise RuntimeError("the server did not start")
+        subprocess.run([sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--clients", args.clients,
+                        "--duration", str(args.duration), "--no-progress"], check=True, timeout=600)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()
