@@ -11,11 +11,16 @@ from __future__ import annotations
 import logging
 from typing import Sequence
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from gdn_client._client import Client, Session
 from gdn_client._errors import GdnError, ResourceExhaustedError
 from gdn_client._options import ClientOptions
 
 logger = logging.getLogger(__name__)
+
+_SERVICE = "gdn.v1.GdnDecode"  # the name the server's health service reports
 
 
 class ReplicaSet:
@@ -45,9 +50,12 @@ class ReplicaSet:
         return list(self.clients)
 
     def free_capacity(self) -> dict[str, int]:
-        """Free session slots per replica; replicas that do not answer are left out."""
+        """Free session slots per replica; replicas that do not answer, or that report NOT_SERVING
+        on the gRPC health service (starting, or draining before a shutdown), are left out."""
         free = {}
         for target, client in self.clients.items():
+            if not _serving(client):
+                continue
             try:
                 info = client.model_info()
             except GdnError as err:
@@ -110,6 +118,22 @@ class ReplicaSet:
 
     def __repr__(self) -> str:
         return f"ReplicaSet({self.targets!r})"
+
+
+def _serving(client: Client) -> bool:
+    """The replica's health for the GdnDecode service; a server without the health service counts
+    as serving (its GetModelInfo answer decides)."""
+    stub = health_pb2_grpc.HealthStub(client._channel)
+    try:
+        reply = stub.Check(
+            health_pb2.HealthCheckRequest(service=_SERVICE), timeout=client.options.timeout, metadata=client._metadata
+        )
+    except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return True
+        logger.warning("replica %s: health check failed: %s", client.target, err.code().name)
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def _close_request(session_id: str):

@@ -88,3 +88,25 @@ def test_live_migration_under_load_loses_nothing(weights):
             assert sum(1 for s in sessions.values() if replicas.home_of(s) == r0.address) == replicas.clients[
                 r0.address
             ].model_info().sessions_in_use
+
+
+def test_new_sessions_avoid_a_draining_replica(weights):
+    """During --shutdown-delay-s a replica still serves its sessions but reports NOT_SERVING:
+    new sessions go elsewhere, and the old ones can still be migrated off it."""
+    import signal
+    import time
+
+    with start_server(*_flags(weights, 8), "--shutdown-delay-s", "5") as r0, start_server(*_flags(weights, 2)) as r1:
+        with ReplicaSet([r0.address, r1.address]) as replicas:
+            s = replicas.create_session()
+            assert replicas.home_of(s) == r0.address  # the most free slots
+            r0.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while r0.address in replicas.free_capacity() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert list(replicas.free_capacity()) == [r1.address]
+            assert replicas.home_of(replicas.create_session()) == r1.address
+            layer, x = _steps(3, 1)[0]
+            s.decode(layer, **x)  # still served while draining
+            replicas.migrate(s, r1.address)
+            assert replicas.home_of(s) == r1.address
