@@ -79,12 +79,12 @@ def commit_speculation(
         raise InvalidArgument(f"accepted = {accepted} is more than the speculative step's T at layer(s) {too_many}")
     replay = StepBatch(accepted)
     for layer, p in pending.items():
-        del session.provisional[layer]
         if accepted == p.tokens:
-            if p.read_row != session.pool_slot(layer):
-                sessions.give_scratch(p.read_row)
-            session.scratch_current[layer] = p.row
+            superseded = session.accept_all(layer)
+            if superseded is not None:  # no launch is queued (a control item runs when quiet)
+                sessions.give_scratch(superseded)
             continue
+        del session.provisional[layer]
         sessions.give_scratch(p.row)
         session.positions[layer] = p.count_before + accepted
         session.last_steps.pop(layer, None)  # that step's output no longer describes the state

@@ -283,11 +283,10 @@ class Scheduler:
         scratch = self.sessions.take_scratch_rows(len(sessions)) if work.speculative else []
         member = _Admitted(item, sessions, 0)
         for i, s in enumerate(sessions):
-            pending = s.provisional.pop(layer, None)
-            if pending is not None:  # implicit commit of all T tokens
-                if pending.read_row != s.pool_slot(layer):
-                    member.released.append(pending.read_row)
-                s.scratch_current[layer] = pending.row
+            if layer in s.provisional:  # implicit commit of all T tokens
+                superseded = s.accept_all(layer)
+                if superseded is not None:
+                    member.released.append(superseded)
             home = s.pool_slot(layer)
             read = s.scratch_current.get(layer, home)
             if work.speculative:

@@ -68,23 +68,17 @@ class Session:
         """The session's own (home) pool row for `layer`."""
         return self.slot * self.num_layers + layer
 
-    def read_row(self, layer: int) -> int:
-        """Where the state a new step at `layer` starts from lives now."""
-        pending = self.provisional.get(layer)
-        if pending is not None:
-            return pending.row
-        return self.scratch_current.get(layer, self.pool_slot(layer))
-
     def scratch_rows(self) -> list[int]:
         """Every scratch row this session holds."""
         return list(self.scratch_current.values()) + [p.row for p in self.provisional.values()]
 
-    def committed_positions(self) -> list[int]:
-        """Positions with every uncommitted speculative step left out."""
-        positions = list(self.positions)
-        for layer, p in self.provisional.items():
-            positions[layer] = p.count_before
-        return positions
+    def accept_all(self, layer: int) -> int | None:
+        """Commits every token of the open speculative step at `layer`: the scratch row it wrote
+        becomes the committed state (no copy). Returns the scratch row that held the state before
+        it, which the caller frees once no queued launch reads it, or None."""
+        pending = self.provisional.pop(layer)
+        self.scratch_current[layer] = pending.row
+        return pending.read_row if pending.read_row != self.pool_slot(layer) else None
 
     def check_owner(self, identity: str | None) -> None:
         """PermissionDenied unless `identity` created this session (both None where auth is off)."""

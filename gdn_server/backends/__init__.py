@@ -9,7 +9,7 @@ from gdn_server.backends.base import Backend, DoneStep, PendingStep
 from gdn_server.config import ModelShape
 from gdn_server.weights import GateParams
 
-__all__ = ["Backend", "DoneStep", "PendingStep", "make_backend", "make_backends", "resolve_device"]
+__all__ = ["Backend", "DoneStep", "PendingStep", "make_backends", "resolve_device"]
 
 log = logging.getLogger(__name__)
 
@@ -27,20 +27,6 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def make_backend(
-    device: str, shape: ModelShape, gates: GateParams, max_sessions: int | None, scale: float | None = None,
-    speculative_sessions: int | None = None,
-) -> Backend:
-    device = resolve_device(device)
-    if device == "cuda":
-        from gdn_server.backends.cuda import CudaBackend
-
-        return CudaBackend(shape, gates, max_sessions, scale, speculative_sessions=speculative_sessions)
-    from gdn_server.backends.cpu import CpuBackend
-
-    return CpuBackend(shape, gates, max_sessions or DEFAULT_CPU_SESSIONS, scale, speculative_sessions)
-
-
 def make_backends(
     device: str, devices: tuple[int, ...] | None, shape: ModelShape, gates: GateParams, max_sessions: int | None,
     scale: float | None = None, speculative_sessions: int | None = None,
@@ -53,7 +39,9 @@ def make_backends(
     if device == "cpu":
         if devices not in (None, (0,)):
             raise ValueError("--devices names CUDA devices; the CPU backend serves from one")
-        return [(0, make_backend("cpu", shape, gates, max_sessions, scale, speculative_sessions))]
+        from gdn_server.backends.cpu import CpuBackend
+
+        return [(0, CpuBackend(shape, gates, max_sessions or DEFAULT_CPU_SESSIONS, scale, speculative_sessions))]
     count = torch.cuda.device_count()
     indices = tuple(range(count)) if devices is None else devices
     bad = [i for i in indices if not 0 <= i < count]
