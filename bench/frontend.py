@@ -56,13 +56,13 @@ class HostOnlyBackend(CpuBackend):
         return _Waiting(torch.zeros(batch.rows, batch.tokens, s.num_v_heads, s.head_dim_v, dtype=torch.bfloat16))
 
 
-def run_server(port: int, sessions: int) -> None:
+def run_server(port: int, sessions: int, frontends: int) -> None:
     shape = ModelShape(num_layers=4, num_q_heads=16, num_v_heads=32)
     gates = random_gate_params(shape, 0)
     backend = HostOnlyBackend(shape, gates, sessions, speculative_sessions=0)
     table = SessionTable(sessions, shape.num_layers)
     placement = Placement([Shard(0, backend, table, Scheduler(backend, table, SchedulerConfig()))])
-    settings = ServerSettings(shape=shape, gates=gates, port=port, device="cpu")
+    settings = ServerSettings(shape=shape, gates=gates, port=port, device="cpu", frontends=frontends)
     app = GdnApp(settings, placement, GdnDecodeServicer(shape, placement, backend.name))
     asyncio.run(serve(app))
 
@@ -73,11 +73,13 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--clients", default="1,32")
     p.add_argument("--duration", type=float, default=4.0)
+    p.add_argument("--frontends", type=int, default=0, help="gRPC worker processes in front of the engine")
     args = p.parse_args()
     if args.serve:
-        run_server(args.port, sessions=600)
+        run_server(args.port, sessions=600, frontends=args.frontends)
         return
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", "--port", "0"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", "--port", "0", "--frontends", str(args.frontends)],
+                            stdout=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:
             m = re.search(r"listening on (\S+):(\d+)", line)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|serve|scale|speculative   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|checks|serve|scale|speculative   (each part fits in one 10-minute call)
+# FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side.
 # Logs and results go to $OUT (or bench/results).
 set -uo pipefail
 out=${OUT:-bench/results}
@@ -17,18 +18,21 @@ case "${1:-}" in
     timeout 270 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py tests/gpu/test_multi_gpu.py \
       tests/gpu/test_kernel.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
     ;;
-  serve)
+  checks)
     timeout 60 python3 bench/backend_step.py --out "$out" 2>&1 | tee "$out/backend_step.log" | tail -6
     timeout 270 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py 2>&1 | tail -3
-    timeout 420 python3 bench/serve.py --device cuda --duration 3 --out "$out" 2>&1 | tee "$out/serve.log" | tail -30
+    ;;
+  serve)
+    timeout 540 python3 bench/serve.py --device cuda --duration 3 --frontends "${FRONTENDS:-0,4}" --out "$out" 2>&1 \
+      | tee "$out/serve.log" | tail -30
     ;;
   scale)
-    timeout 60 python3 bench/backend_step.py --out "$out" 2>&1 | tee "$out/backend_step.log" | tail -6
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py tests/gpu/test_multi_gpu.py 2>&1 | tail -3
-    timeout 420 python3 bench/scale.py --device cuda --duration 3 --out "$out" 2>&1 | tee "$out/scale.log" | tail -20
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_multi_gpu.py 2>&1 | tail -3
+    timeout 480 python3 bench/scale.py --device cuda --duration 3 --frontends "${FRONTENDS:-0,8}" --out "$out" 2>&1 \
+      | tee "$out/scale.log" | tail -20
     ;;
   speculative)
     timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8
     ;;
-  *) echo "usage: $0 tests|serve|scale|speculative" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|checks|serve|scale|speculative" >&2; exit 2 ;;
 esac

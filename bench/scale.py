@@ -6,7 +6,7 @@ several `gdn-loadtest` processes at once (one Python load process tops out long 
 does), and sums their throughput. The same load against the gRPC echo floor, with as many
 processes, says whether the bound is the GPU, the server's Python front end, or the loader.
 
-    python bench/scale.py --out bench/results            # on a host with two GPUs (~3 min)
+    python bench/scale.py --frontends 0,8 --out bench/results   # on a host with two GPUs (~5 min)
 """
 from __future__ import annotations
 
@@ -72,6 +72,7 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=8, help="load processes per point")
     p.add_argument("--duration", type=float, default=4.0)
     p.add_argument("--max-sessions", type=int, default=1300, help="per device, for the throughput runs (room for every point's clients at once)")
+    p.add_argument("--frontends", default="0", help="comma list of --frontends values per device set")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = p.parse_args()
     out = Path(args.out)
@@ -88,27 +89,32 @@ def main() -> None:
             stop(proc)
         run_args = argparse.Namespace(device=args.device, model=f"{args.model} --devices {devices}",
                                       max_sessions=args.max_sessions)
-        proc, target = start_server(run_args)
-        try:
-            for clients in (int(c) for c in args.clients.split(",")):
-                r = parallel_load(target, clients, args.procs, args.duration, echo=True)
-                r["devices"] = devices
-                results["throughput"].append(r)
-                print(json.dumps(r), flush=True)
-        finally:
-            stop(proc)
+        for i, frontends in enumerate(int(f) for f in args.frontends.split(",")):
+            proc, target = start_server(run_args, "--frontends", str(frontends))
+            try:
+                for clients in (int(c) for c in args.clients.split(",")):
+                    # the echo floor does not depend on the server: once per device set
+                    r = parallel_load(target, clients, args.procs, args.duration, echo=i == 0)
+                    r["devices"] = devices
+                    r["frontends"] = frontends
+                    results["throughput"].append(r)
+                    print(json.dumps(r), flush=True)
+            finally:
+                stop(proc)
 
     (out / "scale.json").write_text(json.dumps(results, indent=1))
     lines = ["| devices | sessions (default sizing) |", "|---|---|"]
     lines += [f"| {d} | {c['max_sessions']:,} |" for d, c in results["capacity"].items()]
-    lines += ["", "| devices | clients | load procs | steps/s | echo steps/s (same procs) | % of echo | p50 ms (median over procs) | rows/launch |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| devices | frontends | clients | load procs | steps/s | echo steps/s (same procs) | % of echo | "
+              "p50 ms (median over procs) | rows/launch |", "|---|---|---|---|---|---|---|---|---|"]
+    echo = {(r["devices"], r["clients"]): r["echo_steps_per_s"] for r in results["throughput"] if r["echo_steps_per_s"]}
     for r in results["throughput"]:
         p50 = sorted(r["p50_ms"])[len(r["p50_ms"]) // 2] if r["p50_ms"] else float("nan")
         rpl = sum(r["rows_per_launch"]) / len(r["rows_per_launch"]) if r["rows_per_launch"] else float("nan")
-        pct = 100 * r["gdn_steps_per_s"] / r["echo_steps_per_s"] if r["echo_steps_per_s"] else float("nan")
-        lines.append(f"| {r['devices']} | {r['clients']} | {r['procs']} | {r['gdn_steps_per_s']:,.0f} | "
-                     f"{r['echo_steps_per_s']:,.0f} | {pct:.0f}% | {p50:.2f} | {rpl:.1f} |")
+        floor = echo.get((r["devices"], r["clients"]))
+        pct = f"{100 * r['gdn_steps_per_s'] / floor:.0f}%" if floor else "-"
+        lines.append(f"| {r['devices']} | {r['frontends']} | {r['clients']} | {r['procs']} | {r['gdn_steps_per_s']:,.0f} | "
+                     f"{floor or float('nan'):,.0f} | {pct} | {p50:.2f} | {rpl:.1f} |")
     table = "\n".join(lines)
     (out / "scale.md").write_text(table + "\n")
     print(table)

@@ -6,11 +6,12 @@ Runs, on one host (the GPU host for the published figures):
   (b) the same with batching off (--max-batch-rows 1);
   (c) one client sending B=256 sessions per request, unary: time per request against the
       server's device time per launch and the echo of the same bytes.
-Each part is one `gdn-loadtest` run against a fresh server process; results go to one JSON file
-and a markdown table.
+Each part is one `gdn-loadtest` run against a fresh server process, once per `--frontends` value
+(0: gRPC in the engine process; N: N worker processes in front of it); results go to one JSON
+file and a markdown table.
 
-    python bench/serve.py --device cuda --out bench/results          # the full run (~2 min)
-    python bench/serve.py --device cpu --clients 1,8 --duration 2     # a smoke run anywhere
+    python bench/serve.py --device cuda --frontends 0,4 --out bench/results   # one process, then 4 workers
+    python bench/serve.py --device cpu --clients 1,8 --duration 2              # a smoke run anywhere
 """
 from __future__ import annotations
 
@@ -65,36 +66,34 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=4.0, help="seconds per load point")
     p.add_argument("--batch-sessions", type=int, default=256, help="B of part (c)")
     p.add_argument("--max-sessions", type=int, default=512)
+    p.add_argument("--frontends", default="0", help="comma list of --frontends values, each run side by side")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--skip", default="", help="comma list of parts to skip: a,b,c")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
-    results: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    results: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "parts": []}
     common = ["--mode", "stream", "--tokens", "1", "--duration", str(args.duration)]
+    big = ["--clients", "1", "--batch", str(args.batch_sessions), "--mode", "unary", "--tokens", "1",
+           "--duration", str(args.duration)]
 
-    if "a" not in skip:
-        proc, target = start_server(args)
-        try:
-            results["a_batched"] = loadtest(target, out / "serve_a.json", "--clients", args.clients, "--echo", *common)
-        finally:
-            stop(proc)
-    if "b" not in skip:
-        proc, target = start_server(args, "--max-batch-rows", "1")
-        try:
-            results["b_unbatched"] = loadtest(target, out / "serve_b.json", "--clients", args.clients, *common)
-        finally:
-            stop(proc)
-    if "c" not in skip:
-        proc, target = start_server(args)
-        try:
-            results["c_big_batch"] = loadtest(
-                target, out / "serve_c.json", "--clients", "1", "--batch", str(args.batch_sessions), "--mode", "unary",
-                "--tokens", "1", "--duration", str(args.duration), "--echo",
-            )
-        finally:
-            stop(proc)
+    for i, frontends in enumerate(int(f) for f in args.frontends.split(",")):
+        echo = ["--echo"] if i == 0 else []  # the floor does not depend on the server: measure it once
+        parts = [
+            ("a_batched", (), ["--clients", args.clients, *echo, *common]),
+            ("b_unbatched", ("--max-batch-rows", "1"), ["--clients", args.clients, *common]),
+            ("c_big_batch", (), [*big, *echo]),
+        ]
+        for name, server_flags, load_flags in parts:
+            if name[0] in skip:
+                continue
+            proc, target = start_server(args, *server_flags, "--frontends", str(frontends))
+            try:
+                run = loadtest(target, out / f"serve_{name[0]}_f{frontends}.json", *load_flags)
+            finally:
+                stop(proc)
+            results["parts"].append({"part": name, "frontends": frontends, **run})
 
     (out / "serve.json").write_text(json.dumps(results, indent=1))
     table = summarize(results)
@@ -103,12 +102,16 @@ def main() -> None:
 
 
 def summarize(results: dict) -> str:
-    lines = ["| part | clients | B | steps/s | p50 ms | p99 ms | rows/launch | device us/launch | echo steps/s | echo p50 ms | % of echo |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for part in ("a_batched", "b_unbatched", "c_big_batch"):
-        runs = results.get(part, {}).get("runs", [])
-        echo = {(r["clients"], r["batch"]): r for r in runs if r["kind"] == "echo"}
-        for r in runs:
+    lines = ["| part | frontends | clients | B | steps/s | p50 ms | p99 ms | rows/launch | device us/launch | "
+             "echo steps/s | echo p50 ms | % of echo |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    echo = {}
+    for part in results["parts"]:
+        for r in part["runs"]:
+            if r["kind"] == "echo":
+                echo[(r["clients"], r["batch"])] = r
+    for part in results["parts"]:
+        for r in part["runs"]:
             if r["kind"] != "gdn":
                 continue
             e = echo.get((r["clients"], r["batch"]))
@@ -116,8 +119,9 @@ def summarize(results: dict) -> str:
             launches = srv.get("launches") or 0
             dev_us = 1e6 * srv.get("device_seconds", 0.0) / launches if launches else float("nan")
             lines.append(
-                f"| {part} | {r['clients']} | {r['batch']} | {r['steps_per_s']:,.0f} | {r['latency_ms']['p50']:.3f} | "
-                f"{r['latency_ms']['p99']:.3f} | {srv.get('mean_rows_per_launch', float('nan')):.1f} | {dev_us:.0f} | "
+                f"| {part['part']} | {part['frontends']} | {r['clients']} | {r['batch']} | {r['steps_per_s']:,.0f} | "
+                f"{r['latency_ms']['p50']:.3f} | {r['latency_ms']['p99']:.3f} | "
+                f"{srv.get('mean_rows_per_launch', float('nan')):.1f} | {dev_us:.0f} | "
                 + (f"{e['steps_per_s']:,.0f} | {e['latency_ms']['p50']:.3f} | {100 * r['steps_per_s'] / e['steps_per_s']:.0f}% |"
                    if e else "- | - | - |")
             )

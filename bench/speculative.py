@@ -63,13 +63,15 @@ def main() -> None:
         i = [0]
 
         def step(spec: bool, tokens: int):
+            # a replay of the accepted prefix gets contiguous inputs, as the server stages them;
+            # made here, outside the timed launch (v1 copied them inside it: ~20 us of copy kernels)
+            inputs = [{n: x[n][:, :tokens].contiguous() for n in x} for *_, x in sets]
+
             def run():
-                slots, scratch, layers, x = sets[i[0] % SETS]
+                slots, scratch, layers, _ = sets[i[0] % SETS]
+                x = inputs[i[0] % SETS]
                 i[0] += 1
-                q, k, v, a, b, out = (x[n][:, :tokens] for n in ("q", "k", "v", "a", "b", "out"))
-                if tokens != T:  # a replay of the accepted prefix: contiguous inputs, as the server stages them
-                    q, k, v, a, b, out = (t.contiguous() for t in (q, k, v, a, b, out))
-                gdn_decode(pool, slots, layers, q, k, v, a, b, A_log, dt_bias, out,
+                gdn_decode(pool, slots, layers, x["q"], x["k"], x["v"], x["a"], x["b"], A_log, dt_bias, x["out"],
                            **({"out_slots": scratch} if spec else {}))
             return run
 

@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close sessions unused for this many seconds; they answer NOT_FOUND (default: never)")
     p.add_argument("--max-queue-rows", type=int, default=SchedulerConfig.max_queue_rows,
                    help="rows waiting for the device at most; requests beyond get UNAVAILABLE (clients retry)")
+    p.add_argument("--frontends", type=int, default=0,
+                   help="gRPC front-end worker processes: they parse, validate and answer requests, and hand "
+                        "decode steps to this process, which owns the GPUs (0: serve gRPC in this process; "
+                        "a GPU host serving many clients wants several, see the README)")
     ops = p.add_argument_group("operations")
     ops.add_argument("--metrics-port", type=int, default=None,
                      help="serve Prometheus /metrics on --host at this port; 0 takes a free one (default: off)")
@@ -104,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             devices = tuple(int(d) for d in args.devices.split(",") if d.strip())
         except ValueError:
             parser.error(f"--devices takes CUDA device numbers like 0,1; got {args.devices!r}")
+    if args.frontends < 0:
+        parser.error("--frontends must be >= 0")
     if args.max_queue_rows < 1:
         parser.error("--max-queue-rows must be >= 1")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
@@ -143,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_port=args.metrics_port,
         state_dir=args.state_dir,
         session_idle_timeout_s=args.session_idle_timeout_s,
+        frontends=args.frontends,
     )
     try:
         app = build_app(settings)
@@ -151,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         asyncio.run(serve(app))
-    except OSError as e:
+    except (OSError, RuntimeError) as e:
         log.error("cannot serve: %s", e)
         return 2
     except SnapshotError as e:

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 MAX_TOKENS_PER_STEP = 4
 MAX_SPECULATIVE_TOKENS = 8  # draft tokens of one speculative step
+# Every server process runs several Python threads (gRPC's poller, the event loop, schedulers):
+# a thread woken by I/O would otherwise wait up to 5 ms (Python's default) for a busy one to
+# yield the GIL. Set by `gdn-server` and by each --frontends worker.
+GIL_SWITCH_INTERVAL_S = 0.0002
 
 
 @dataclass(frozen=True)

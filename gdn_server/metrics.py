@@ -13,7 +13,10 @@ Families (all prefixed `gdn_`):
 
 Each server has its own `CollectorRegistry`, so tests can run several in one process. RPC counts
 come from a server interceptor (`MetricsInterceptor`, outermost, so UNAUTHENTICATED is counted);
-launch and queue figures from the scheduler's `on_launch` / `on_dispatch` hooks.
+launch and queue figures from the scheduler's `on_launch` / `on_dispatch` hooks. With
+--frontends the RPC families are counted in the worker processes, which write them to files in
+the engine's private directory (prometheus_client multiprocess mode); the engine's /metrics
+serves their sum next to its own families.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from gdn_server.rpc_wrap import final_code, wrap_handler
 
@@ -38,12 +42,12 @@ _WAIT_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-
 _RPC_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
-class Metrics:
-    """The metric families of one server process."""
+class RpcMetrics:
+    """The per-RPC families, counted where gRPC is served: in the server process, or with
+    --frontends in each worker (prometheus_client's multiprocess mode; the engine serves the sum)."""
 
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        r = registry
         self.rpcs = Counter("gdn_rpcs", "RPCs by method and final status code", ["method", "code"], registry=r)
         self.rpc_seconds = Histogram(
             "gdn_rpc_duration_seconds", "RPC wall time", ["method"], buckets=_RPC_BUCKETS, registry=r
@@ -52,6 +56,23 @@ class Metrics:
             "gdn_decode_requests", "Decode steps (one per DecodeRequest) by method and status code",
             ["method", "code"], registry=r,
         )
+
+    def count_decode(self, method: str, code: grpc.StatusCode) -> None:
+        self.decode_requests.labels(method, code.name).inc()
+
+
+class Metrics:
+    """The metric families of one server process."""
+
+    def __init__(self, worker_metrics_dir: str | None = None) -> None:
+        """`worker_metrics_dir`: with --frontends, where the workers write their RPC metrics."""
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.rpc: RpcMetrics | None = None
+        if worker_metrics_dir is None:
+            self.rpc = RpcMetrics(r)
+        else:
+            MultiProcessCollector(r, path=worker_metrics_dir)
         self.launch_rows = Histogram("gdn_launch_rows", "Rows per backend launch", buckets=_ROW_BUCKETS, registry=r)
         self.queue_wait = Histogram(
             "gdn_queue_wait_seconds", "Per request: time from submit to its backend launch",
@@ -83,9 +104,6 @@ class Metrics:
         self.launch_rows.observe(rows)
         self.device_seconds.observe(device_s)
 
-    def count_decode(self, method: str, code: grpc.StatusCode) -> None:
-        self.decode_requests.labels(method, code.name).inc()
-
     def serve(self, host: str, port: int) -> int:
         """Starts the /metrics HTTP endpoint; returns the port bound."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
@@ -103,7 +121,7 @@ class Metrics:
 class MetricsInterceptor(grpc.aio.ServerInterceptor):
     """Counts and times every gdn.v1.GdnDecode RPC by its final status code."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: RpcMetrics) -> None:
         self.metrics = metrics
 
     async def intercept_service(self, continuation, handler_call_details):

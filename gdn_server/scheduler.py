@@ -40,10 +40,12 @@ Done = Callable[[Any], None]  # called once, on the scheduler thread, with a res
 
 @dataclass
 class _DecodeItem:
-    work: DecodeWork
+    work: DecodeWork | None  # None until `make_work` has run, on the scheduler thread
     done: Done
+    rows: int
     cancelled: Callable[[], bool] | None = None
     enqueued: float = field(default_factory=time.monotonic)
+    make_work: Callable[[], DecodeWork] | None = None
 
 
 @dataclass
@@ -95,6 +97,8 @@ class Scheduler:
         # metrics hooks, called on the scheduler thread
         self.on_launch: Callable[[int, float, float], None] | None = None  # (rows, longest queue wait s, device s)
         self.on_dispatch: Callable[[float], None] | None = None  # (queue wait s) per request sent to the device
+        # called after each round of answers (e.g. to write buffered replies with one system call)
+        self.after_answers: list[Callable[[], None]] = []
         self._pending: deque[_DecodeItem | _ControlItem] = deque()
         self._pending_rows = 0
         self._cv = threading.Condition()
@@ -107,7 +111,14 @@ class Scheduler:
         self._thread.start()
 
     def submit_decode(self, work: DecodeWork, done: Done, cancelled: Callable[[], bool] | None = None) -> None:
-        self._enqueue(_DecodeItem(work, done, cancelled), work.rows)
+        self._enqueue(_DecodeItem(work, done, work.rows, cancelled), work.rows)
+
+    def submit_decode_later(
+        self, make_work: Callable[[], DecodeWork], rows: int, done: Done, cancelled: Callable[[], bool] | None = None
+    ) -> None:
+        """`submit_decode` of the work `make_work()` builds; it runs on the scheduler thread, so the
+        caller (the front-end link's reader) spends next to no GIL time per request."""
+        self._enqueue(_DecodeItem(None, done, rows, cancelled, make_work=make_work), rows)
 
     def submit_control(self, fn: Callable[[], Any], done: Done) -> None:
         """Runs `fn()` on the scheduler thread once every earlier request has finished."""
@@ -168,10 +179,12 @@ class Scheduler:
                 self._finish(previous)
                 previous = []
                 self._run_control(control)
+            for hook in self.after_answers:
+                hook()
             if deferred:
                 with self._cv:
                     self._pending.extendleft(reversed(deferred))
-                    self._pending_rows += sum(i.work.rows for i in deferred if isinstance(i, _DecodeItem))
+                    self._pending_rows += sum(i.rows for i in deferred if isinstance(i, _DecodeItem))
 
     def _wait_for_more(self) -> None:
         delay = self.config.max_queue_delay_us / 1e6
@@ -205,6 +218,13 @@ class Scheduler:
                 control = item  # a barrier: later requests wait until it has run
                 deferred.extend(items[idx + 1 :])
                 break
+            if item.work is None:
+                try:
+                    item.work = item.make_work()
+                except Exception as e:  # a frame that does not decode: fail this request only
+                    log.exception("could not build a queued request")
+                    item.done(e if isinstance(e, GdnError) else GdnError(f"malformed request: {e}"))
+                    continue
             work = item.work
             if busy.intersection(work.session_ids) or (rows and rows + work.rows > self.config.max_batch_rows):
                 busy.update(work.session_ids)

@@ -29,6 +29,8 @@ from gdn_server.errors import GdnError, InvalidArgument
 from gdn_server.rpc_wrap import wrap_handler
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+# the identity a front-end worker authenticated, on calls it passes to the engine (--frontends)
+IDENTITY_METADATA = "x-gdn-identity-bin"
 
 _identity: contextvars.ContextVar[str | None] = contextvars.ContextVar("gdn_identity", default=None)
 
@@ -140,6 +142,31 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             if who is None and mutual_tls:
                 who = peer_subject(context)
             _identity.set(who)  # each RPC runs in its own task: no reset needed
+            yield
+
+        return wrap_handler(handler, bind)
+
+
+class ForwardedIdentity(grpc.aio.ServerInterceptor):
+    """On the engine's private socket (--frontends): binds the identity its workers authenticated.
+
+    Only the server's own workers can reach that socket (a Unix socket in a directory of the
+    server's user), so the identity they forward is trusted as is."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        identity = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == IDENTITY_METADATA:
+                identity = value.decode() if isinstance(value, bytes) else value
+        if identity is None:
+            return handler
+
+        @contextlib.asynccontextmanager
+        async def bind(context):
+            _identity.set(identity)
             yield
 
         return wrap_handler(handler, bind)

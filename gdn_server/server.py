@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import os
+import shutil
 import signal
+import socket
 import sys
 from dataclasses import dataclass, field
 
@@ -16,12 +20,17 @@ from grpc_reflection.v1alpha import reflection
 
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server.backends import make_backends
-from gdn_server.config import ModelShape, SchedulerConfig
+from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape, SchedulerConfig
+from gdn_server.engine_link import EngineLink
+from gdn_server.frontend import FrontendSettings
+from gdn_server.frontend_pool import FrontendPool, private_socket_dir, reserve_port
 from gdn_server.lifecycle import evict_idle, idle_sessions
 from gdn_server.metrics import Metrics, MetricsInterceptor
 from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
-from gdn_server.security import AuthInterceptor, RejectMalformed, SecurityConfig, load_tokens, server_credentials
+from gdn_server.security import (
+    AuthInterceptor, ForwardedIdentity, RejectMalformed, SecurityConfig, load_tokens, server_credentials,
+)
 from gdn_server.servicer import GdnDecodeServicer
 from gdn_server.sessions import OwnerQuota, SessionTable
 from gdn_server.snapshot import load_snapshot, save_snapshot
@@ -50,6 +59,7 @@ class ServerSettings:
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: a free port
     state_dir: str | None = None  # sessions are saved here on shutdown and restored on start
     session_idle_timeout_s: float | None = None  # evict sessions unused this long (None: never)
+    frontends: int = 0  # gRPC front-end worker processes in front of this one (0: serve gRPC here)
 
 
 @dataclass
@@ -64,6 +74,11 @@ class GdnApp:
     auth: AuthInterceptor | None = None  # tokens and/or mutual TLS identities
     credentials: grpc.ServerCredentials | None = None  # TLS, else a plaintext port
     health: HealthServicer | None = None  # set by start_server
+    # with --frontends: the workers, the decode link they use and the engine's private sockets
+    frontends: FrontendPool | None = None
+    link: EngineLink | None = None
+    socket_dir: str | None = None
+    reserved_port: socket.socket | None = None
 
 
 def build_app(settings: ServerSettings) -> GdnApp:
@@ -87,11 +102,19 @@ def build_app(settings: ServerSettings) -> GdnApp:
         tokens = load_tokens(sec.auth_token_file) if sec.auth_token_file else None
         app.auth = AuthInterceptor(tokens, sec.mutual_tls)
     app.credentials = server_credentials(sec)
+    if settings.frontends:
+        app.socket_dir = private_socket_dir()  # the engine's sockets, and its workers' metrics files
     if settings.metrics_port is not None:
-        app.metrics = Metrics()
+        app.metrics = Metrics(worker_metrics_dir=_worker_metrics_dir(app) if settings.frontends else None)
         app.metrics.attach(app)
-        servicer.metrics = app.metrics
+        servicer.metrics = app.metrics.rpc
     return app
+
+
+def _worker_metrics_dir(app: GdnApp) -> str:
+    path = f"{app.socket_dir}/metrics"
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def max_message_bytes(shape: ModelShape, max_batch_rows: int) -> int:
@@ -102,10 +125,18 @@ def max_message_bytes(shape: ModelShape, max_batch_rows: int) -> int:
 
 
 async def start_server(app: GdnApp) -> tuple[grpc.aio.Server, int]:
-    """Starts serving; returns the server and the port it bound (useful with port 0)."""
-    limit = max_message_bytes(app.settings.shape, app.settings.scheduler.max_batch_rows)
-    interceptors = [MetricsInterceptor(app.metrics)] if app.metrics is not None else []  # outermost: counts auth failures
-    if app.auth is not None:
+    """Starts serving; returns the server and the port it bound (useful with port 0).
+
+    With `frontends` > 0 this process is the engine: its gRPC server listens on a private Unix
+    socket, and the worker processes it starts serve the public port (gdn_server.frontend)."""
+    settings = app.settings
+    limit = max_message_bytes(settings.shape, settings.scheduler.max_batch_rows)
+    interceptors = []
+    if app.metrics is not None and app.metrics.rpc is not None:  # outermost: counts auth failures
+        interceptors.append(MetricsInterceptor(app.metrics.rpc))
+    if settings.frontends:
+        interceptors.append(ForwardedIdentity())  # the workers authenticated the caller
+    elif app.auth is not None:
         interceptors.append(app.auth)
     interceptors.append(RejectMalformed())  # innermost: only authenticated calls get parsed
     server = grpc.aio.server(
@@ -124,25 +155,53 @@ async def start_server(app: GdnApp) -> tuple[grpc.aio.Server, int]:
     reflection.enable_server_reflection(
         (GDN_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    address = f"{app.settings.host}:{app.settings.port}"
-    if app.credentials is not None:
-        port = server.add_secure_port(address, app.credentials)
+    if settings.frontends:
+        app.reserved_port, port = reserve_port(settings.host, settings.port)
+        if app.socket_dir is None:
+            app.socket_dir = private_socket_dir()
+        engine_address = f"unix:{app.socket_dir}/engine.sock"
+        if server.add_insecure_port(engine_address) == 0:
+            raise OSError(f"could not bind {engine_address}")
     else:
-        port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"could not bind {app.settings.host}:{app.settings.port}")
-    if app.settings.state_dir:  # before the first request: clients continue where they were
-        load_snapshot(app.settings.state_dir, app.placement.shards, app.settings.gates)
+        address = f"{settings.host}:{settings.port}"
+        if app.credentials is not None:
+            port = server.add_secure_port(address, app.credentials)
+        else:
+            port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"could not bind {settings.host}:{settings.port}")
+    if settings.state_dir:  # before the first request: clients continue where they were
+        load_snapshot(settings.state_dir, app.placement.shards, settings.gates)
     for shard in app.placement:
         shard.scheduler.start()
-        if app.settings.session_idle_timeout_s:
-            app.background.append(asyncio.create_task(_evict_idle_sessions(shard, app.settings.session_idle_timeout_s)))
+        if settings.session_idle_timeout_s:
+            app.background.append(asyncio.create_task(_evict_idle_sessions(shard, settings.session_idle_timeout_s)))
     await server.start()
+    if settings.frontends:
+        await _start_frontends(app, engine_address, port, limit)
     if app.metrics is not None:
-        app.metrics.serve(app.settings.host, app.settings.metrics_port or 0)
+        app.metrics.serve(settings.host, settings.metrics_port or 0)
     for service in ("", GDN_SERVICE):
         await app.health.set(service, health_pb2.HealthCheckResponse.SERVING)
     return server, port
+
+
+async def _start_frontends(app: GdnApp, engine_address: str, port: int, limit: int) -> None:
+    settings = app.settings
+    app.link = EngineLink(f"{app.socket_dir}/link.sock", settings.shape, app.placement)
+    app.link.start()
+    sec = settings.security
+
+    def settings_for(index: int) -> FrontendSettings:
+        return FrontendSettings(
+            index=index, host=settings.host, port=port, engine_address=engine_address, link_path=app.link.path,
+            shape=dataclasses.asdict(settings.shape), security=dataclasses.asdict(sec), max_message_bytes=limit,
+            grace_s=settings.grace_s, log_level=logging.getLevelName(logging.getLogger("gdn_server").getEffectiveLevel()),
+            metrics_dir=_worker_metrics_dir(app) if app.metrics is not None else None,
+        )
+
+    app.frontends = FrontendPool(settings.frontends, settings_for)
+    await app.frontends.start()
 
 
 async def _evict_idle_sessions(shard: Shard, timeout_s: float) -> None:
@@ -166,6 +225,8 @@ async def stop_server(app: GdnApp, server: grpc.aio.Server) -> None:
     if app.health is not None:
         await app.health.enter_graceful_shutdown()  # NOT_SERVING from now on
     shards = app.placement.shards
+    if app.frontends is not None:  # first the workers: what they have in flight still runs here
+        await app.frontends.stop(app.settings.grace_s)
     for shard in shards:
         shard.scheduler.stop_accepting()
     for task in app.background:
@@ -183,17 +244,29 @@ async def stop_server(app: GdnApp, server: grpc.aio.Server) -> None:
             shard.backend.close()
         if app.metrics is not None:
             app.metrics.close()
+        _release_engine_sockets(app)
 
 
-GIL_SWITCH_INTERVAL_S = 0.0002
+def _release_engine_sockets(app: GdnApp) -> None:
+    """Closes what --frontends opened in this process: the decode link, the port, the socket dir."""
+    if app.link is not None:
+        app.link.close()
+    if app.reserved_port is not None:
+        app.reserved_port.close()
+    if app.socket_dir is not None:
+        shutil.rmtree(app.socket_dir, ignore_errors=True)
 
 
 async def serve(app: GdnApp) -> None:
     """Runs until SIGTERM or SIGINT, then stops gracefully."""
-    # The gRPC event loop and the scheduler threads share the GIL. A thread waking from a GPU
-    # wait would otherwise wait up to 5 ms (Python's default) for a busy event loop to yield.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    server, port = await start_server(app)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # see config.py
+    try:
+        server, port = await start_server(app)
+    except BaseException:
+        if app.frontends is not None:
+            await app.frontends.stop(0)
+        _release_engine_sockets(app)
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -201,6 +274,8 @@ async def serve(app: GdnApp) -> None:
     host = app.settings.host
     if app.metrics is not None and app.metrics.port is not None:
         print(f"metrics on http://{host}:{app.metrics.port}/metrics", flush=True)
+    if app.frontends is not None:
+        log.info("%d front-end worker processes serve gRPC (pids %s)", app.frontends.count, app.frontends.pids)
     print(f"listening on {host}:{port}", flush=True)
     for shard in app.placement:
         log.info(

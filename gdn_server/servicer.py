@@ -21,11 +21,12 @@ from gdn_server.placement import Placement, Shard
 from gdn_server.security import current_identity
 from gdn_server.state_transfer import StateAssembler, encode_state
 from gdn_server.validation import decode_work_from_request
-from gdn_server.work import DecodeResult
+from gdn_server.work import DecodeResult, DecodeWork
 
 log = logging.getLogger(__name__)
 
 MAX_STREAM_IN_FLIGHT = 64  # requests of one DecodeStream read ahead of their replies
+MAX_CHUNKS_READ_AFTER_ERROR = 16  # ImportState: chunks drained after a bad one, before the error reply
 
 
 def settle_on(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Future, Callable[[Any], None]]:
@@ -60,34 +61,26 @@ def error_response(request_id: str, error: GdnError) -> gdn_pb2.DecodeResponse:
     )
 
 
-class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
-    def __init__(self, shape: ModelShape, placement: Placement, backend_name: str) -> None:
-        self.shape = shape
-        self.placement = placement
-        self.backend_name = backend_name
-        self.metrics = None  # gdn_server.metrics.Metrics, when --metrics-port is on
+class DecodeRpcs:
+    """Decode and DecodeStream over any way of running a validated request (`_start_decode`):
+    in this process (GdnDecodeServicer) or in the engine process (gdn_server.frontend)."""
 
-    # -- helpers ----------------------------------------------------------------------------
-    async def _control(self, shard: Shard, fn: Callable[[], Any]) -> Any:
-        """Runs `fn` on `shard`'s scheduler thread between batches; returns its result."""
-        fut, done = settle_on(asyncio.get_running_loop())
-        shard.scheduler.submit_control(fn, done)
-        return await fut
+    shape: ModelShape
+    metrics = None  # gdn_server.metrics.Metrics, when counted in this process
 
     def _start_decode(self, request: gdn_pb2.DecodeRequest) -> asyncio.Future:
         """Validates one decode request and queues it; returns the future of its DecodeResult.
 
         Raises GdnError for what validation finds; the future raises it for what the scheduler
-        finds. A cancelled future (client gone, deadline passed) is dropped before the device.
-        """
+        finds."""
+        raise NotImplementedError
+
+    def _validated(self, request: gdn_pb2.DecodeRequest) -> DecodeWork:
         work = decode_work_from_request(request, self.shape)
         identity = current_identity()
         if identity is not None:  # every session must be this caller's
             work = dataclasses.replace(work, owner=identity)
-        shard = self.placement.shard_for(work.session_ids)
-        fut, done = settle_on(asyncio.get_running_loop())
-        shard.scheduler.submit_decode(work, done, cancelled=fut.cancelled)
-        return fut
+        return work
 
     def _count(self, method: str, code: grpc.StatusCode) -> None:
         if self.metrics is not None:
@@ -105,56 +98,6 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
             raise
         finally:
             self._count("Decode", code)
-
-    # -- RPCs -------------------------------------------------------------------------------
-    async def GetModelInfo(self, request, context):
-        s = self.shape
-        return gdn_pb2.ModelInfo(
-            num_layers=s.num_layers,
-            num_q_heads=s.num_q_heads,
-            num_v_heads=s.num_v_heads,
-            head_dim_k=s.head_dim_k,
-            head_dim_v=s.head_dim_v,
-            max_tokens_per_step=s.max_tokens_per_step,
-            max_speculative_tokens=s.max_speculative_tokens,
-            max_sessions=self.placement.capacity,
-            sessions_in_use=self.placement.in_use,
-            backend=self.backend_name,
-            state_dtype="bfloat16",
-            scale=self.placement.shards[0].backend.scale,
-            devices=[
-                gdn_pb2.DeviceInfo(
-                    index=shard.index, name=shard.backend.device_name, max_sessions=shard.sessions.capacity,
-                    sessions_in_use=len(shard.sessions),
-                )
-                for shard in self.placement
-            ],
-        )
-
-    async def CreateSession(self, request, context):
-        try:
-            shard = self.placement.place(request.colocate_with or None)
-            session = shard.sessions.create(owner=current_identity())
-        except GdnError as e:
-            await context.abort(e.code, e.message)
-        return gdn_pb2.CreateSessionResponse(session_id=session.id)
-
-    async def CloseSession(self, request, context):
-        sid = request.session_id
-        identity = current_identity()
-
-        def close(shard: Shard) -> None:  # runs after every earlier step of this session
-            shard.sessions.get(sid).check_owner(identity)
-            session = shard.sessions.remove(sid)
-            shard.backend.reset_session(session.slot)  # a free slot always holds a zero state
-            shard.sessions.free_slot(session.slot)
-
-        try:
-            shard = self.placement.shard_of(sid)
-            await self._control(shard, lambda: close(shard))
-        except GdnError as e:
-            await context.abort(e.code, e.message)
-        return gdn_pb2.CloseSessionResponse()
 
     async def Decode(self, request, context):
         try:
@@ -210,6 +153,79 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
                 if isinstance(pending, tuple) and isinstance(pending[1], asyncio.Future):
                     pending[1].cancel()
 
+
+class GdnDecodeServicer(DecodeRpcs, gdn_pb2_grpc.GdnDecodeServicer):
+    def __init__(self, shape: ModelShape, placement: Placement, backend_name: str) -> None:
+        self.shape = shape
+        self.placement = placement
+        self.backend_name = backend_name
+        self.metrics = None  # gdn_server.metrics.Metrics, when --metrics-port is on
+
+    # -- helpers ----------------------------------------------------------------------------
+    async def _control(self, shard: Shard, fn: Callable[[], Any]) -> Any:
+        """Runs `fn` on `shard`'s scheduler thread between batches; returns its result."""
+        fut, done = settle_on(asyncio.get_running_loop())
+        shard.scheduler.submit_control(fn, done)
+        return await fut
+
+    def _start_decode(self, request: gdn_pb2.DecodeRequest) -> asyncio.Future:
+        # A cancelled future (client gone, deadline passed) is dropped before the device.
+        work = self._validated(request)
+        shard = self.placement.shard_for(work.session_ids)
+        fut, done = settle_on(asyncio.get_running_loop())
+        shard.scheduler.submit_decode(work, done, cancelled=fut.cancelled)
+        return fut
+
+    # -- RPCs -------------------------------------------------------------------------------
+    async def GetModelInfo(self, request, context):
+        s = self.shape
+        return gdn_pb2.ModelInfo(
+            num_layers=s.num_layers,
+            num_q_heads=s.num_q_heads,
+            num_v_heads=s.num_v_heads,
+            head_dim_k=s.head_dim_k,
+            head_dim_v=s.head_dim_v,
+            max_tokens_per_step=s.max_tokens_per_step,
+            max_speculative_tokens=s.max_speculative_tokens,
+            max_sessions=self.placement.capacity,
+            sessions_in_use=self.placement.in_use,
+            backend=self.backend_name,
+            state_dtype="bfloat16",
+            scale=self.placement.shards[0].backend.scale,
+            devices=[
+                gdn_pb2.DeviceInfo(
+                    index=shard.index, name=shard.backend.device_name, max_sessions=shard.sessions.capacity,
+                    sessions_in_use=len(shard.sessions),
+                )
+                for shard in self.placement
+            ],
+        )
+
+    async def CreateSession(self, request, context):
+        try:
+            shard = self.placement.place(request.colocate_with or None)
+            session = shard.sessions.create(owner=current_identity())
+        except GdnError as e:
+            await context.abort(e.code, e.message)
+        return gdn_pb2.CreateSessionResponse(session_id=session.id)
+
+    async def CloseSession(self, request, context):
+        sid = request.session_id
+        identity = current_identity()
+
+        def close(shard: Shard) -> None:  # runs after every earlier step of this session
+            shard.sessions.get(sid).check_owner(identity)
+            session = shard.sessions.remove(sid)
+            shard.backend.reset_session(session.slot)  # a free slot always holds a zero state
+            shard.sessions.free_slot(session.slot)
+
+        try:
+            shard = self.placement.shard_of(sid)
+            await self._control(shard, lambda: close(shard))
+        except GdnError as e:
+            await context.abort(e.code, e.message)
+        return gdn_pb2.CloseSessionResponse()
+
     async def Commit(self, request, context):
         identity = current_identity()
         try:  # after the session's earlier steps (the speculative one included) have run
@@ -253,8 +269,23 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         assembler = StateAssembler(self.shape)
         identity = current_identity()
         try:
+            refused: GdnError | None = None
+            unread = MAX_CHUNKS_READ_AFTER_ERROR
             async for chunk in request_iterator:
-                assembler.add(chunk)
+                if refused is None:
+                    try:
+                        assembler.add(chunk)
+                    except GdnError as e:
+                        refused = e
+                    continue
+                # Read on a little before answering: ending a client stream while the caller is still
+                # writing makes some gRPC clients (grpc.aio, e.g. a --frontends worker) report
+                # INTERNAL instead of our status.
+                unread -= 1
+                if unread == 0:
+                    break
+            if refused is not None:
+                raise refused
             state = assembler.finish()  # the whole stream checks out before anything is created
             shard = self.placement.place()
             session = await self._control(

@@ -10,6 +10,8 @@ Budgets are fixed (`max_examples`, no deadline); the module takes about a minute
 """
 from __future__ import annotations
 
+import re
+
 import hashlib
 import threading
 import time
@@ -20,7 +22,7 @@ import torch
 
 from servers import SMALL_MODEL, start_server
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
-from gdn_client.wire import tensor_from_proto
+from gdn_client.wire import WireFormatError, tensor_from_proto
 from reference import ReferenceModel, rel_err
 from util import decode_request, random_inputs, write_gates
 
@@ -85,7 +87,13 @@ def env(tmp_path_factory):
         e.check_control()
         e.channel.close()
         assert server.proc.poll() is None
-        assert not any("Traceback" in line for line in server.log), "".join(server.log)[-4000:]
+        # grpc.aio itself logs ExecuteBatchError (with a traceback) when a reply is sent just
+        # after the client's deadline ended the call: test_expired_deadlines provokes exactly
+        # that race on purpose. Any other traceback is a server bug.
+        log = "".join(server.log)
+        records = re.split(r"\n(?=\d{4}-\d\d-\d\d )", log)  # a log record starts with its date
+        errors = [r for r in records if "Traceback" in r and "ExecuteBatchError" not in r]
+        assert not errors, log[-4000:]
 
 
 def _code(fn) -> grpc.StatusCode:
@@ -150,7 +158,10 @@ def hostile_decode(draw, env: Env) -> tuple[gdn_pb2.DecodeRequest, bool]:
             else:
                 t.data = b""
         elif kind == "nonfinite":
-            x = tensor_from_proto(t).clone() if t.dtype in DTYPES else None
+            try:  # an earlier mutation may have left the tensor undecodable: then nothing to poison
+                x = tensor_from_proto(t).clone() if t.dtype in DTYPES else None
+            except WireFormatError:
+                x = None
             if x is not None and x.numel():
                 x.view(-1)[draw(st.integers(0, x.numel() - 1))] = draw(st.sampled_from(
                     [float("nan"), float("inf"), float("-inf")]))

@@ -38,9 +38,13 @@ def _probe(*args: str) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
-@pytest.fixture(scope="module")
-def server():
-    with start_server(*SMALL_MODEL, "--metrics-port", "0") as s:
+# every test here runs against the one-process server and against one with front-end workers
+MODES = [pytest.param((), id="one-process"), pytest.param(("--frontends", "2"), id="frontends")]
+
+
+@pytest.fixture(scope="module", params=MODES)
+def server(request):
+    with start_server(*SMALL_MODEL, "--metrics-port", "0", *request.param) as s:
         yield s
 
 
@@ -129,9 +133,10 @@ def test_metrics_off_by_default():
         assert not any("metrics on" in line for line in s.log)
 
 
-def test_sigterm_reports_not_serving_then_drains():
+@pytest.mark.parametrize("mode", MODES)
+def test_sigterm_reports_not_serving_then_drains(mode):
     """--shutdown-delay-s: NOT_SERVING at once, requests still served during the delay, exit 0."""
-    with start_server(*SMALL_MODEL, "--shutdown-delay-s", "3") as s:
+    with start_server(*SMALL_MODEL, "--shutdown-delay-s", "3", *mode) as s:
         with grpc.insecure_channel(s.address) as ch:
             stub = gdn_pb2_grpc.GdnDecodeStub(ch)
             sid = stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10).session_id
@@ -149,9 +154,10 @@ def test_sigterm_reports_not_serving_then_drains():
         assert time.monotonic() - t0 >= 2.5
 
 
-def test_sigterm_lets_in_flight_requests_finish():
+@pytest.mark.parametrize("mode", MODES)
+def test_sigterm_lets_in_flight_requests_finish(mode):
     # --max-queue-delay-us keeps a request pending for 1.5 s: it is surely in flight at SIGTERM
-    with start_server(*SMALL_MODEL, "--max-queue-delay-us", "1500000") as s:
+    with start_server(*SMALL_MODEL, "--max-queue-delay-us", "1500000", *mode) as s:
         with grpc.insecure_channel(s.address) as ch:
             stub = gdn_pb2_grpc.GdnDecodeStub(ch)
             sid = stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10).session_id

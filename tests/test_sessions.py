@@ -434,10 +434,11 @@ class LoadClient(threading.Thread):
                 conn.close()
 
 
-def test_sigterm_under_load_then_restore(tmp_path, weights, gates):
+@pytest.mark.parametrize("mode", [pytest.param((), id="one-process"), pytest.param(("--frontends", "2"), id="frontends")])
+def test_sigterm_under_load_then_restore(tmp_path, weights, gates, mode):
     state_dir = str(tmp_path / "state")
     clients_n, steps = 16, 12
-    flags = (*MODEL, "--weights", weights, "--state-dir", state_dir, "--max-sessions", "32")
+    flags = (*MODEL, "--weights", weights, "--state-dir", state_dir, "--max-sessions", "32", *mode)
     deadline = time.monotonic() + 120
     with start_server(*flags) as first:
         conn = Conn(first.address)

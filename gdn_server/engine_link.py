@@ -1,0 +1,204 @@
+"""The engine's end of the front-end link (`--frontends N`): decode requests in, replies out.
+
+Each front-end worker connects once to a Unix socket. The engine's Python threads share one GIL,
+so the link is built to take as little of it as possible from the scheduler threads:
+
+- one reader thread for every connection (a selector): it reads whatever frames are there with
+  one system call, looks only at their session ids (to pick the device) and queues them; the
+  tensors are built later, on the scheduler thread (`Scheduler.submit_decode_later`);
+- replies are buffered per connection and written once per scheduler round, one `sendmsg` for
+  all of a round's replies to a worker, instead of a system call (and a GIL hand-off) each.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import socket
+import threading
+from functools import partial
+
+from gdn_server.config import ModelShape
+from gdn_server.errors import GdnError
+from gdn_server.link import (
+    KIND_CANCEL, FrameBuffer, decode_cancel, decode_request, encode_reply, frame_kind, peek_request,
+)
+from gdn_server.placement import Placement
+from gdn_server.work import DecodeResult, DecodeWork
+
+log = logging.getLogger(__name__)
+
+SOCKET_BUFFER_BYTES = 4 << 20  # a burst of replies fits without blocking the scheduler thread
+
+
+class _Connection:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.frames = FrameBuffer()
+        self.open = True
+        # tag -> cancelled, for every request queued and not yet answered; plain dict operations
+        # (atomic under the GIL) from the reader thread and the scheduler threads
+        self.outstanding: dict[int, bool] = {}
+        self.outbox: list[bytes] = []  # reply frames not yet written
+        self.out_lock = threading.Lock()  # replies come from every device's scheduler thread
+
+    def cancel(self, tag: int) -> None:
+        if tag in self.outstanding:
+            self.outstanding[tag] = True
+
+    def dropped_if_cancelled(self, tag: int) -> bool:
+        """The scheduler's `cancelled` check: True (once, forgetting the tag) when the caller gave up."""
+        if self.outstanding.get(tag):
+            self.outstanding.pop(tag, None)
+            return True
+        return False
+
+    def flush(self) -> None:
+        with self.out_lock:
+            parts, self.outbox = self.outbox, []
+            if not parts or not self.open:
+                return
+            try:
+                _send_all(self.sock, parts)
+            except OSError as e:  # the worker went away; the reader thread cleans up
+                self.open = False
+                log.debug("replies to a closed front-end link dropped: %s", e)
+
+
+class EngineLink:
+    """Serves the decode requests of front-end workers from this process's schedulers."""
+
+    def __init__(self, path: str, shape: ModelShape, placement: Placement) -> None:
+        self.path = path
+        self.shape = shape
+        self.placement = placement
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._selector = selectors.DefaultSelector()
+        self._connections: set[_Connection] = set()
+        self._dirty: set[_Connection] = set()  # connections with replies waiting in their outbox
+        self._closed = False
+        for shard in placement:
+            shard.scheduler.after_answers.append(self.flush)
+
+    def start(self) -> None:
+        self._listener.bind(self.path)
+        os.chmod(self.path, 0o600)  # the workers run as this user; nobody else may hand us work
+        self._listener.listen(64)
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        threading.Thread(target=self._read, name="gdn-link", daemon=True).start()
+
+    @property
+    def connections(self) -> int:
+        return sum(c.open for c in list(self._connections))
+
+    def close(self) -> None:
+        """Stops reading and closes every connection (workers see the engine gone)."""
+        self._closed = True
+        for conn in list(self._connections):
+            _shutdown(conn.sock)
+        _shutdown(self._listener)
+        self._listener.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def flush(self) -> None:
+        """Writes every buffered reply (a scheduler thread calls this after each round)."""
+        while self._dirty:
+            try:
+                conn = self._dirty.pop()  # atomic: a reply added meanwhile re-marks its connection
+            except KeyError:
+                return
+            conn.flush()
+
+    # -- the reader thread --------------------------------------------------------------------
+    def _read(self) -> None:
+        while not self._closed:
+            try:
+                events = self._selector.select()
+            except (OSError, ValueError):  # closed under us
+                return
+            for key, _ in events:
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._read_from(key.data)
+            self.flush()  # requests answered right away (unknown session, queue full)
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except OSError:
+            return
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        conn = _Connection(sock)
+        self._connections.add(conn)
+        self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _read_from(self, conn: _Connection) -> None:
+        try:
+            alive = conn.frames.fill(conn.sock)  # readable: does not block
+            for frame in conn.frames.frames():
+                self._submit(conn, frame)
+        except OSError as e:
+            alive = False
+            if conn.open:
+                log.warning("front-end link closed: %s", e)
+        except Exception:  # a frame we cannot read: the worker is broken; drop its connection
+            log.exception("bad frame from a front-end worker; closing its link")
+            alive = False
+        if not alive:
+            conn.open = False
+            self._selector.unregister(conn.sock)
+            self._connections.discard(conn)
+            _shutdown(conn.sock)
+            conn.sock.close()
+
+    def _submit(self, conn: _Connection, frame: bytes | bytearray) -> None:
+        if frame_kind(frame) == KIND_CANCEL:
+            conn.cancel(decode_cancel(frame))
+            return
+        tag, session_ids = peek_request(frame)
+        done = partial(self._answer, conn, tag)
+        try:
+            shard = self.placement.shard_for(session_ids)
+        except GdnError as e:
+            done(e)
+            return
+        conn.outstanding[tag] = False
+        shard.scheduler.submit_decode_later(
+            partial(self._work_of, frame), len(session_ids), done, cancelled=partial(conn.dropped_if_cancelled, tag)
+        )
+
+    def _work_of(self, frame: bytes | bytearray) -> DecodeWork:
+        return decode_request(frame, self.shape)[1]
+
+    def _answer(self, conn: _Connection, tag: int, result: DecodeResult | BaseException) -> None:
+        """Buffers the reply to `tag`; `flush` writes it. On a scheduler thread, or the reader's."""
+        conn.outstanding.pop(tag, None)
+        if not conn.open:
+            return
+        parts = encode_reply(tag, result)
+        with conn.out_lock:
+            conn.outbox.extend(parts)
+        self._dirty.add(conn)
+
+
+def _send_all(sock: socket.socket, parts: list[bytes]) -> None:
+    """Writes buffers back to back on a blocking socket (scatter-gather; IOV_MAX buffers a call)."""
+    while parts:
+        batch = parts[:512]
+        total = sum(len(p) for p in batch)
+        sent = sock.sendmsg(batch)
+        if sent < total:  # a partial write: finish the rest of this batch plainly
+            sock.sendall(b"".join(bytes(p) for p in batch)[sent:])
+        parts = parts[512:]
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

@@ -1,0 +1,309 @@
+"""A front-end worker process (`gdn-server --frontends N` starts N of them).
+
+One Python process cannot both serve gRPC at the rate of many clients and feed the GPUs: the
+event loop and the scheduler threads share one GIL (bench/NOTES.md). With `--frontends N` the
+server process becomes the engine (state pools, sessions, schedulers) and N workers share the
+public port (SO_REUSEPORT: the kernel spreads connections over them). A worker terminates TLS,
+checks tokens, parses and validates decode requests, and hands them to the engine as frames on
+a Unix socket (gdn_server.link); every other RPC (sessions, commit, export/import, health,
+reflection) goes through to the engine's own gRPC server on another Unix socket, untouched.
+
+The engine starts workers with `python -m gdn_server.frontend`, their settings as JSON on
+stdin; a worker prints `ready` once it serves, and exits when told (SIGTERM: finish in-flight
+calls first) or when the engine goes away.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
+
+from gdn_client.proto.gdn.v1 import gdn_pb2
+from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape
+from gdn_server.errors import GdnError, Unavailable
+from gdn_server.metrics import MetricsInterceptor, RpcMetrics
+from gdn_server.link import LENGTH, decode_reply, encode_cancel, encode_request
+from gdn_server.security import (
+    IDENTITY_METADATA, AuthInterceptor, RejectMalformed, SecurityConfig, current_identity, load_tokens,
+    server_credentials,
+)
+from gdn_server.servicer import DecodeRpcs
+from gdn_server.work import DecodeResult, DecodeWork
+
+log = logging.getLogger("gdn_server.frontend")
+
+GDN_SERVICE = gdn_pb2.DESCRIPTOR.services_by_name["GdnDecode"]
+LOCAL_METHODS = ("Decode", "DecodeStream")  # served here; everything else goes to the engine
+
+
+@dataclass(frozen=True)
+class FrontendSettings:
+    """What a worker needs, sent as JSON: where to listen, where the engine is, the model shape."""
+
+    index: int
+    host: str
+    port: int
+    engine_address: str  # "unix:/path": the engine's gRPC server
+    link_path: str  # the engine's decode link socket
+    shape: dict  # ModelShape fields
+    security: dict  # SecurityConfig fields
+    max_message_bytes: int
+    grace_s: float = 30.0
+    log_level: str = "INFO"
+    # where RPC metrics go (prometheus_client multiprocess mode; the engine sets
+    # PROMETHEUS_MULTIPROC_DIR to it for us); None: metrics are off
+    metrics_dir: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "FrontendSettings":
+        return cls(**json.loads(text))
+
+
+class EngineLinkClient:
+    """The worker's end of the link: sends request frames, settles futures from reply frames."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, shape: ModelShape) -> None:
+        self._reader, self._writer, self._shape = reader, writer, shape
+        self._pending: dict[int, tuple[asyncio.Future, str]] = {}
+        self._next_tag = 0
+        self.closed = asyncio.Event()
+        self._task = asyncio.ensure_future(self._read_replies())
+
+    @classmethod
+    async def connect(cls, path: str, shape: ModelShape) -> "EngineLinkClient":
+        reader, writer = await asyncio.open_unix_connection(path, limit=1 << 20)
+        return cls(reader, writer, shape)
+
+    def submit(self, work: DecodeWork) -> asyncio.Future:
+        """Sends one validated request; the future gets its DecodeResult or GdnError."""
+        if self.closed.is_set():
+            raise Unavailable("this front end lost its engine process; retry (the server is restarting)")
+        tag = self._next_tag
+        self._next_tag += 1
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[tag] = (fut, work.request_id)
+        self._writer.writelines(encode_request(tag, work))
+        fut.add_done_callback(lambda f: f.cancelled() and self._cancel(tag))
+        return fut
+
+    def _cancel(self, tag: int) -> None:
+        """The caller gave up: the engine drops the request if it has not reached the device."""
+        if self._pending.pop(tag, None) is not None and not self.closed.is_set():
+            self._writer.write(encode_cancel(tag))
+
+    async def _read_replies(self) -> None:
+        try:
+            while True:
+                (size,) = LENGTH.unpack(await self._reader.readexactly(LENGTH.size))
+                tag, result = decode_reply(await self._reader.readexactly(size), self._shape)
+                fut, request_id = self._pending.pop(tag, (None, ""))
+                if fut is None or fut.done():  # the caller gave up meanwhile
+                    continue
+                if isinstance(result, GdnError):
+                    fut.set_exception(result)
+                else:
+                    fut.set_result(DecodeResult(result.out, result.shape, result.positions, request_id))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        finally:
+            self.closed.set()
+            pending, self._pending = self._pending, {}
+            for fut, _ in pending.values():
+                if not fut.done():
+                    fut.set_exception(Unavailable("the engine process went away before answering; retry"))
+
+    async def close(self) -> None:
+        self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except (ConnectionError, OSError):
+            pass
+        self._task.cancel()
+
+
+class FrontendDecodeRpcs(DecodeRpcs):
+    """Decode and DecodeStream, validated here and run by the engine."""
+
+    def __init__(self, shape: ModelShape, link: EngineLinkClient, metrics: RpcMetrics | None) -> None:
+        self.shape = shape
+        self.link = link
+        self.metrics = metrics
+
+    def _start_decode(self, request: gdn_pb2.DecodeRequest) -> asyncio.Future:
+        return self.link.submit(self._validated(request))
+
+
+def _methods_of(*services) -> dict[str, tuple[bool, bool]]:
+    """'/package.Service/Method' -> (client streaming, server streaming) for every method."""
+    return {
+        f"/{service.full_name}/{m.name}": (m.client_streaming, m.server_streaming)
+        for service in services
+        for m in service.methods
+    }
+
+
+class EngineProxy(grpc.GenericRpcHandler):
+    """Passes calls through to the engine's gRPC server as raw bytes, with the caller's identity."""
+
+    def __init__(self, channel: grpc.aio.Channel, methods: dict[str, tuple[bool, bool]]) -> None:
+        self._handlers = {path: self._handler(channel, path, *kind) for path, kind in methods.items()}
+
+    def service(self, handler_call_details):
+        return self._handlers.get(handler_call_details.method)
+
+    @staticmethod
+    def _handler(channel: grpc.aio.Channel, path: str, client_streaming: bool, server_streaming: bool):
+        def call_options(context) -> dict[str, Any]:
+            identity = current_identity()
+            metadata = ((IDENTITY_METADATA, identity.encode()),) if identity is not None else ()
+            return {"metadata": metadata, "timeout": context.time_remaining()}
+
+        if client_streaming:
+            # The requests are written one by one (not handed over as an iterator): when the
+            # engine ends the call early (a bad first chunk), the writes stop cleanly and the
+            # engine's status is what our caller gets.
+            stub = (channel.stream_stream if server_streaming else channel.stream_unary)(path)
+
+            def start(requests, context):
+                call = stub(**call_options(context))
+                return call, asyncio.ensure_future(_pump(requests, call))
+        else:
+            stub = (channel.unary_stream if server_streaming else channel.unary_unary)(path)
+
+            def start(request, context):
+                return stub(request, **call_options(context)), None
+
+        if server_streaming:
+
+            async def stream_out(request_or_iterator, context):
+                call, pump = start(request_or_iterator, context)
+                try:
+                    async for response in call:
+                        yield response
+                except grpc.aio.AioRpcError as e:
+                    await context.abort(e.code(), e.details())
+                finally:
+                    call.cancel()  # a no-op once it ended; stops the engine side if our client left
+                    if pump is not None:
+                        pump.cancel()
+
+            factory = grpc.stream_stream_rpc_method_handler if client_streaming else grpc.unary_stream_rpc_method_handler
+            return factory(stream_out)
+
+        async def unary_out(request_or_iterator, context):
+            call, pump = start(request_or_iterator, context)
+            try:
+                if pump is not None:
+                    await pump
+                return await call
+            except grpc.aio.AioRpcError as e:
+                await context.abort(e.code(), e.details())
+            finally:
+                call.cancel()
+                if pump is not None:
+                    pump.cancel()
+
+        factory = grpc.stream_unary_rpc_method_handler if client_streaming else grpc.unary_unary_rpc_method_handler
+        return factory(unary_out)
+
+
+async def _pump(requests, call) -> None:
+    """Writes our caller's request stream to the engine's call, until either side ends."""
+    try:
+        async for request in requests:
+            await call.write(request)
+        await call.done_writing()
+    except (grpc.RpcError, asyncio.InvalidStateError):  # the engine finished the call first
+        pass
+
+
+async def serve_frontend(settings: FrontendSettings) -> None:
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # gRPC's poller thread and the event loop share the GIL
+    shape = ModelShape(**settings.shape)
+    security = SecurityConfig(**settings.security)
+    limits = [("grpc.max_receive_message_length", settings.max_message_bytes),
+              ("grpc.max_send_message_length", settings.max_message_bytes)]
+    link = await EngineLinkClient.connect(settings.link_path, shape)
+    channel = grpc.aio.insecure_channel(settings.engine_address, options=limits)
+    interceptors: list = []
+    metrics = RpcMetrics(registry=None) if settings.metrics_dir else None  # written to the engine's files
+    if metrics is not None:  # outermost: counts auth failures
+        interceptors.append(MetricsInterceptor(metrics))
+    if security.auth_token_file or security.mutual_tls:
+        tokens = load_tokens(security.auth_token_file) if security.auth_token_file else None
+        interceptors.append(AuthInterceptor(tokens, security.mutual_tls))
+    interceptors.append(RejectMalformed())
+    # SO_REUSEPORT: every worker binds the same port; the engine holds it reserved meanwhile
+    server = grpc.aio.server(interceptors=interceptors, options=[*limits, ("grpc.so_reuseport", 1)])
+    rpcs = FrontendDecodeRpcs(shape, link, metrics)
+    decode_handlers = {
+        "Decode": grpc.unary_unary_rpc_method_handler(
+            rpcs.Decode, request_deserializer=gdn_pb2.DecodeRequest.FromString,
+            response_serializer=gdn_pb2.DecodeResponse.SerializeToString,
+        ),
+        "DecodeStream": grpc.stream_stream_rpc_method_handler(
+            rpcs.DecodeStream, request_deserializer=gdn_pb2.DecodeRequest.FromString,
+            response_serializer=gdn_pb2.DecodeResponse.SerializeToString,
+        ),
+    }
+    proxied = _methods_of(
+        GDN_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"],
+        reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
+    )
+    for name in LOCAL_METHODS:
+        del proxied[f"/{GDN_SERVICE.full_name}/{name}"]
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler(GDN_SERVICE.full_name, decode_handlers), EngineProxy(channel, proxied)]
+    )
+    address = f"{settings.host}:{settings.port}"
+    credentials = server_credentials(security)
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if bound != settings.port:
+        raise OSError(f"front end {settings.index} could not bind {address}")
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    print("ready", flush=True)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the engine reads one line; later output is logs
+    engine_gone = asyncio.ensure_future(link.closed.wait())
+    told = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([engine_gone, told], return_when=asyncio.FIRST_COMPLETED)
+    if link.closed.is_set() and not stop.is_set():
+        log.error("front end %d: the engine process went away; exiting", settings.index)
+        await server.stop(0)
+    else:  # the engine drains us first: in-flight calls finish while it still serves them
+        await server.stop(settings.grace_s)
+    engine_gone.cancel()
+    told.cancel()
+    await link.close()
+    await channel.close()
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the engine decides
+    settings = FrontendSettings.from_json(sys.stdin.read())
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s frontend[{settings.index}] %(name)s: %(message)s")
+    try:
+        asyncio.run(serve_frontend(settings))
+    except OSError as e:
+        log.error("front end %d cannot serve: %s", settings.index, e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

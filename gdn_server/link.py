@@ -1,0 +1,254 @@
+"""The frame format between front-end worker processes and the engine process (`--frontends N`).
+
+A front-end worker serves gRPC, parses and validates each DecodeRequest, and hands it to the
+engine (the process that owns the state pools) as one request frame on a Unix socket; the engine
+answers with one reply frame. Both sides are processes of one server, started by it, on a socket
+in a directory only its user can open: the link is trusted, so frames carry already validated
+requests and the caller's authenticated identity.
+
+Every frame is a little-endian u32 byte count, then the frame:
+
+request  KIND_DECODE u8 | tag u64 | flags u8 | layer u32 | B u32 | T u8 | len(request_id) u16
+         | len(identity) u16 | B x len(session_id) u16 | B x position u64 (when FLAG_POSITIONS)
+         | session ids utf-8 | request_id utf-8 | identity utf-8
+         | q | k | v | a | b (row-major, bf16, or f32 with FLAG_F32)
+cancel   KIND_CANCEL u8 | tag u64: the caller of request `tag` gave up (deadline, disconnect); if
+         it has not reached the device yet it never will, and it gets no reply
+reply    tag u64 | status u8 (0 OK, else a grpc status code) | B u32 | T u8 | len(message) u32
+         | B x position u64 | message utf-8 | o (bf16 [B, T, HV, V]; only when OK)
+
+The tag is the worker's: the engine echoes it, and replies may come in any order.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Iterator
+
+import grpc
+import torch
+
+from gdn_server.config import ModelShape
+from gdn_server.errors import GdnError
+from gdn_server.work import DecodeResult, DecodeWork
+
+LENGTH = struct.Struct("<I")
+REQUEST = struct.Struct("<BQBIIBHH")
+CANCEL = struct.Struct("<BQ")
+REPLY = struct.Struct("<QBIBI")
+KIND_DECODE = 1
+KIND_CANCEL = 2
+
+FLAG_SPECULATIVE = 1
+FLAG_POSITIONS = 2
+FLAG_F32 = 4  # inputs as float32 (requests that did not come all-bf16); else bfloat16
+
+_CODE_OF_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+_INPUTS = ("q", "k", "v", "a", "b")
+
+
+def input_sizes(shape: ModelShape, rows: int, tokens: int) -> tuple[int, int, int, int, int]:
+    """Elements of q, k, v, a, b in a request of `rows` sessions and `tokens` tokens."""
+    H, HV, K, V = shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v
+    n = rows * tokens
+    return n * H * K, n * H * K, n * HV * V, n * HV, n * HV
+
+
+def input_shapes(shape: ModelShape, rows: int, tokens: int) -> tuple[tuple[int, ...], ...]:
+    H, HV, K, V = shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v
+    return (rows, tokens, H, K), (rows, tokens, H, K), (rows, tokens, HV, V), (rows, tokens, HV), (rows, tokens, HV)
+
+
+def encode_request(tag: int, work: DecodeWork) -> list[bytes]:
+    """The request frame of a validated DecodeWork, as buffers to write back to back (no join).
+
+    `work.owner` is the caller's identity. Inputs go as the request's own bf16 bytes when it
+    sent all five as bf16, else as float32 (exact for bf16/f16/f32 inputs)."""
+    B, T = work.rows, work.tokens
+    ids = [sid.encode() for sid in work.session_ids]
+    request_id = work.request_id.encode()
+    identity = (work.owner or "").encode()
+    flags = FLAG_SPECULATIVE if work.speculative else 0
+    if work.positions is not None:
+        flags |= FLAG_POSITIONS
+    if work.bf16_bytes is not None:
+        tensors: list = list(work.bf16_bytes)
+    else:
+        flags |= FLAG_F32
+        tensors = [t.to(torch.float32).contiguous().numpy().tobytes() for t in (work.q, work.k, work.v, work.a, work.b)]
+    head = [REQUEST.pack(KIND_DECODE, tag, flags, work.layer, B, T, len(request_id), len(identity)),
+            struct.pack(f"<{B}H", *(len(i) for i in ids))]
+    if work.positions is not None:
+        head.append(struct.pack(f"<{B}Q", *work.positions))
+    head.extend(ids)
+    head.append(request_id)
+    head.append(identity)
+    head_bytes = b"".join(head)
+    size = len(head_bytes) + sum(len(t) for t in tensors)
+    return [LENGTH.pack(size) + head_bytes, *tensors]
+
+
+def encode_cancel(tag: int) -> bytes:
+    return LENGTH.pack(CANCEL.size) + CANCEL.pack(KIND_CANCEL, tag)
+
+
+def frame_kind(frame: bytes | bytearray) -> int:
+    return frame[0]
+
+
+def decode_cancel(frame: bytes | bytearray) -> int:
+    """A cancel frame -> the tag of the request it cancels."""
+    return CANCEL.unpack_from(frame, 0)[1]
+
+
+def peek_request(frame: bytes | bytearray) -> tuple[int, tuple[str, ...]]:
+    """(tag, session ids) of a request frame, without building its tensors (cheap)."""
+    _, tag, flags, _, B, _, _, _ = REQUEST.unpack_from(frame, 0)
+    offset = REQUEST.size
+    id_lens = struct.unpack_from(f"<{B}H", frame, offset)
+    offset += 2 * B + (8 * B if flags & FLAG_POSITIONS else 0)
+    session_ids = []
+    for n in id_lens:
+        session_ids.append(str(frame[offset : offset + n], "utf-8"))
+        offset += n
+    return tag, tuple(session_ids)
+
+
+def decode_request(frame: bytes | bytearray, shape: ModelShape) -> tuple[int, DecodeWork]:
+    """A request frame (without its length prefix) -> (tag, the DecodeWork it carries).
+
+    The tensors are read-only views of `frame`; nothing is validated again (the worker did)."""
+    _, tag, flags, layer, B, T, rid_len, ident_len = REQUEST.unpack_from(frame, 0)
+    offset = REQUEST.size
+    id_lens = struct.unpack_from(f"<{B}H", frame, offset)
+    offset += 2 * B
+    positions = None
+    if flags & FLAG_POSITIONS:
+        positions = struct.unpack_from(f"<{B}Q", frame, offset)
+        offset += 8 * B
+    view = memoryview(frame)
+    session_ids = []
+    for n in id_lens:
+        session_ids.append(str(view[offset : offset + n], "utf-8"))
+        offset += n
+    request_id = str(view[offset : offset + rid_len], "utf-8")
+    offset += rid_len
+    identity = str(view[offset : offset + ident_len], "utf-8") if ident_len else None
+    offset += ident_len
+    f32 = bool(flags & FLAG_F32)
+    dtype, itemsize = (torch.float32, 4) if f32 else (torch.bfloat16, 2)
+    raw = []
+    tensors = {}
+    for name, numel, dims in zip(_INPUTS, input_sizes(shape, B, T), input_shapes(shape, B, T)):
+        nbytes = numel * itemsize
+        data = view[offset : offset + nbytes]
+        if len(data) != nbytes:
+            raise ValueError(f"link frame too short for {name}: {len(data)} of {nbytes} bytes")
+        raw.append(data)
+        tensors[name] = torch.frombuffer(data, dtype=dtype).view(dims)
+        offset += nbytes
+    if offset != len(frame):
+        raise ValueError(f"link frame has {len(frame) - offset} bytes past its tensors")
+    work = DecodeWork(
+        layer=layer, session_ids=tuple(session_ids), positions=positions, request_id=request_id,
+        owner=identity, speculative=bool(flags & FLAG_SPECULATIVE), bf16_bytes=None if f32 else tuple(raw),
+        **tensors,
+    )
+    return tag, work
+
+
+def encode_reply(tag: int, result: DecodeResult | BaseException) -> list[bytes]:
+    """The reply frame to request `tag`: a DecodeResult, or the error that ended it."""
+    if isinstance(result, DecodeResult):
+        B, T = result.shape[0], result.shape[1]
+        head = REPLY.pack(tag, 0, B, T, 0) + struct.pack(f"<{B}Q", *result.positions)
+        return [LENGTH.pack(len(head) + len(result.out)) + head, result.out]
+    code = result.code if isinstance(result, GdnError) else grpc.StatusCode.INTERNAL
+    message = (str(result) or type(result).__name__).encode()
+    head = REPLY.pack(tag, code.value[0], 0, 0, len(message))
+    return [LENGTH.pack(len(head) + len(message)) + head + message]
+
+
+def decode_reply(frame: bytes, shape: ModelShape) -> tuple[int, DecodeResult | GdnError]:
+    """A reply frame (without its length prefix) -> (tag, result or error)."""
+    tag, status, B, T, msg_len = REPLY.unpack_from(frame, 0)
+    offset = REPLY.size
+    positions = struct.unpack_from(f"<{B}Q", frame, offset)
+    offset += 8 * B
+    if status:
+        message = frame[offset : offset + msg_len].decode("utf-8", "replace")
+        return tag, GdnError(message, _CODE_OF_VALUE.get(status, grpc.StatusCode.INTERNAL))
+    out_shape = (B, T, shape.num_v_heads, shape.head_dim_v)
+    return tag, DecodeResult(frame[offset:], out_shape, positions)
+
+
+def send_frame(sock: socket.socket, parts: list[bytes]) -> None:
+    """Writes one frame's buffers on a blocking socket (scatter-gather, no join)."""
+    total = sum(len(p) for p in parts)
+    sent = sock.sendmsg(parts)
+    if sent < total:  # rare: a signal or a full buffer mid-write; finish it plainly
+        sock.sendall(b"".join(parts)[sent:])
+
+
+class FrameBuffer:
+    """Incremental framing for a socket read in pieces: `fill()` reads once, `frames()` yields the
+    frames completed so far (each the caller's to keep). A burst of small frames costs one read;
+    a frame larger than the buffer is read into its own bytearray."""
+
+    def __init__(self, buffer_bytes: int = 1 << 20) -> None:
+        self._buf = bytearray(buffer_bytes)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0  # unread bytes are _buf[_start:_end]
+        self._big: bytearray | None = None  # a large frame being filled, and how much of it is there
+        self._big_have = 0
+
+    def fill(self, sock: socket.socket) -> bool:
+        """One read from `sock` (blocking if nothing is there); False once it has closed."""
+        if self._big is not None:
+            n = sock.recv_into(memoryview(self._big)[self._big_have :])
+            self._big_have += n
+            return n > 0
+        need = LENGTH.size
+        if self._end - self._start >= LENGTH.size:
+            need += LENGTH.unpack_from(self._buf, self._start)[0]
+        if self._start + need > len(self._buf):  # the frame would run past the end: unread bytes to the front
+            self._view[: self._end - self._start] = self._view[self._start : self._end]
+            self._end -= self._start
+            self._start = 0
+        n = sock.recv_into(self._view[self._end :])
+        self._end += n
+        return n > 0
+
+    def frames(self) -> Iterator[bytes | bytearray]:
+        while True:
+            if self._big is not None:
+                if self._big_have < len(self._big):
+                    return
+                big, self._big = self._big, None
+                yield big
+                continue
+            if self._end - self._start < LENGTH.size:
+                return
+            (size,) = LENGTH.unpack_from(self._buf, self._start)
+            total = LENGTH.size + size
+            if self._end - self._start >= total:
+                yield bytes(self._view[self._start + LENGTH.size : self._start + total])
+                self._start += total
+                if self._start == self._end:
+                    self._start = self._end = 0
+                continue
+            if total > len(self._buf):  # move what we have of it into its own buffer
+                self._big = bytearray(size)
+                have = self._end - self._start - LENGTH.size
+                self._big[:have] = self._view[self._start + LENGTH.size : self._end]
+                self._big_have = have
+                self._start = self._end = 0
+                continue
+            return
+
+
+def read_frames(sock: socket.socket, buffer_bytes: int = 1 << 20) -> Iterator[bytes | bytearray]:
+    """Frames (without length prefixes) read from a blocking socket until it closes."""
+    buffer = FrameBuffer(buffer_bytes)
+    while buffer.fill(sock):
+        yield from buffer.frames()

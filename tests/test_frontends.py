@@ -1,0 +1,186 @@
+"""`--frontends N`: gRPC served by worker processes in front of the engine process.
+
+Real processes on loopback: the same script of requests gets bit-identical replies from a server
+with workers and one without; identities, ownership and quotas hold through the workers; a worker
+that dies is replaced without losing a session; workers leave with their engine; the port is
+refused when taken. (The whole suite also runs in this mode with
+`GDN_TEST_SERVER_FLAGS="--frontends 2" make test`.)
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+import torch
+
+from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
+from servers import SMALL_MODEL, start_server
+from util import decode_request, random_inputs
+
+H, HV = 2, 4
+FRONTENDS = ("--frontends", "2")
+_PIDS = re.compile(r"front-end worker processes serve gRPC \(pids (\[[\d, ]*\])\)")
+
+
+def _worker_pids(server) -> list[int]:
+    for line in server.log:
+        m = _PIDS.search(line)
+        if m:
+            return ast.literal_eval(m.group(1))
+    raise AssertionError("no worker pids in the log:\n" + "".join(server.log))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by its parent) counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _script(stub) -> list[bytes]:
+    """A bit of everything a decode client does; returns every reply's bytes in order."""
+    out: list[bytes] = []
+    a = stub.CreateSession(gdn_pb2.CreateSessionRequest()).session_id
+    b = stub.CreateSession(gdn_pb2.CreateSessionRequest(colocate_with=a)).session_id
+    gen = torch.Generator().manual_seed(11)
+    for layer in range(3):  # both sessions in one request, bf16 inputs, positions
+        x = random_inputs(2, 1, H, HV, gen=gen, dtype=torch.bfloat16)
+        out.append(stub.Decode(decode_request(layer, [a, b], x, positions=[0, 0]), timeout=30).SerializeToString())
+    x = random_inputs(1, 2, H, HV, gen=gen)  # float32 inputs, T = 2
+    out.append(stub.Decode(decode_request(0, [a], x), timeout=30).SerializeToString())
+    stream = [decode_request(layer, [b], random_inputs(1, 1, H, HV, gen=gen), request_id=f"r{layer}")
+              for layer in (1, 2, 0, 1)]
+    out += [r.SerializeToString() for r in stub.DecodeStream(iter(stream), timeout=30)]
+    spec = decode_request(1, [a], random_inputs(1, 3, H, HV, gen=gen))  # speculative, then accept 1 of 3
+    spec.speculative = True
+    out.append(stub.Decode(spec, timeout=30).SerializeToString())
+    out.append(stub.Commit(gdn_pb2.CommitRequest(session_id=a, accepted=1), timeout=30).SerializeToString())
+    child = stub.ForkSession(gdn_pb2.ForkSessionRequest(session_id=a), timeout=30).session_id
+    chunks = list(stub.ExportState(gdn_pb2.ExportStateRequest(session_id=child), timeout=30))
+    copy = stub.ImportState(iter(chunks), timeout=30).session_id
+    for sid in (a, child, copy):
+        x = random_inputs(1, 1, H, HV, gen=torch.Generator().manual_seed(5))
+        out.append(stub.Decode(decode_request(1, [sid], x), timeout=30).SerializeToString())
+    with pytest.raises(grpc.RpcError) as e:  # errors come back with their codes and messages
+        stub.Decode(decode_request(0, [a], random_inputs(1, 1, H, HV), positions=[99]), timeout=30)
+    out.append(f"{e.value.code()} {e.value.details().replace(a, '<a>')}".encode())
+    bad = decode_request(0, [a], random_inputs(1, 1, H, HV))
+    bad.q.data = bad.q.data[:-2]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Decode(bad, timeout=30)
+    out.append(f"{e.value.code()} {e.value.details()}".encode())
+    info = stub.GetModelInfo(gdn_pb2.GetModelInfoRequest(), timeout=30)
+    out.append(f"{info.sessions_in_use} {info.max_sessions}".encode())
+    return out
+
+
+def test_workers_answer_exactly_as_one_process():
+    flags = (*SMALL_MODEL, "--seed", "3", "--max-sessions", "16")
+    with start_server(*flags) as plain, start_server(*flags, *FRONTENDS, "--metrics-port", "0") as fronted:
+        with grpc.insecure_channel(plain.address) as ch:
+            expected = _script(gdn_pb2_grpc.GdnDecodeStub(ch))
+        with grpc.insecure_channel(fronted.address) as ch:
+            got = _script(gdn_pb2_grpc.GdnDecodeStub(ch))
+        assert got == expected
+        # the workers' RPC counts reach the engine's /metrics, summed
+        url = next(m.group(1) for line in fronted.log if (m := re.search(r"metrics on (\S+)", line)))
+        import urllib.request
+
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        ok_decodes = sum(float(v) for v in re.findall(r'gdn_decode_requests_total\{code="OK",method="Decode"\} (\S+)', text))
+        assert ok_decodes == 8  # 3 layers, f32, speculative, 3 after fork/import
+        assert re.search(r'gdn_rpcs_total\{code="OK",method="CreateSession"\} 2\.0', text), text
+        assert re.search(r'gdn_decode_requests_total\{code="OK",method="DecodeStream"\} 4\.0', text)
+
+
+def test_identity_ownership_and_quota_through_workers(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice:tok-alice-0123456789\nbob:tok-bob-0123456789\n")
+    alice, bob = (("authorization", "Bearer tok-alice-0123456789"),), (("authorization", "Bearer tok-bob-0123456789"),)
+    with start_server(*SMALL_MODEL, *FRONTENDS, "--auth-token-file", str(tokens), "--max-sessions-per-client", "2") as s, \
+            grpc.insecure_channel(s.address) as ch:
+        stub = gdn_pb2_grpc.GdnDecodeStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        sid = stub.CreateSession(gdn_pb2.CreateSessionRequest(), metadata=alice, timeout=10).session_id
+        x = random_inputs(1, 1, H, HV)
+        assert list(stub.Decode(decode_request(0, [sid], x), metadata=alice, timeout=10).positions) == [1]
+        for call in (lambda: stub.Decode(decode_request(0, [sid], x), metadata=bob, timeout=10),
+                     lambda: stub.ForkSession(gdn_pb2.ForkSessionRequest(session_id=sid), metadata=bob, timeout=10)):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        replies = list(stub.DecodeStream(iter([decode_request(0, [sid], x)]), metadata=bob, timeout=10))
+        assert replies[0].error_code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+        stub.CreateSession(gdn_pb2.CreateSessionRequest(), metadata=alice, timeout=10)
+        with pytest.raises(grpc.RpcError) as e:  # the per-identity quota counts across workers
+            stub.CreateSession(gdn_pb2.CreateSessionRequest(), metadata=alice, timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def _decode_retrying(address: str, sid: str, layer: int, position: int, deadline: float) -> list[int]:
+    """One positioned step, retried (new channel each time) while connections fail over."""
+    x = random_inputs(1, 1, H, HV, gen=torch.Generator().manual_seed(position))
+    while True:
+        try:
+            with grpc.insecure_channel(address) as ch:
+                reply = gdn_pb2_grpc.GdnDecodeStub(ch).Decode(decode_request(layer, [sid], x, positions=[position]),
+                                                               timeout=10)
+                return list(reply.positions)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_a_dead_worker_is_replaced_and_sessions_survive():
+    with start_server(*SMALL_MODEL, *FRONTENDS) as s:
+        with grpc.insecure_channel(s.address) as ch:
+            sid = gdn_pb2_grpc.GdnDecodeStub(ch).CreateSession(gdn_pb2.CreateSessionRequest()).session_id
+        deadline = time.monotonic() + 60
+        assert _decode_retrying(s.address, sid, 0, 0, deadline) == [1]
+        first, second = _worker_pids(s)
+        os.kill(first, signal.SIGKILL)
+        while not any("restarting it" in line for line in s.log):
+            assert time.monotonic() < deadline, "".join(s.log)
+            time.sleep(0.05)
+        for position in range(1, 6):  # served all along (by the survivor, then by both)
+            assert _decode_retrying(s.address, sid, 0, position, deadline) == [position + 1]
+        assert _alive(second) and s.proc.poll() is None
+
+
+def test_workers_leave_with_their_engine():
+    with start_server(*SMALL_MODEL, *FRONTENDS) as s:
+        pids = _worker_pids(s)
+        s.proc.kill()  # no clean shutdown: the workers see the link close
+        s.proc.wait(10)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in pids):
+            assert time.monotonic() < deadline, f"workers {pids} outlived the engine"
+            time.sleep(0.05)
+
+
+def test_a_taken_port_is_refused():
+    with start_server(*SMALL_MODEL) as plain, start_server(*SMALL_MODEL, *FRONTENDS) as fronted:
+        for taken in (plain.port, fronted.port):  # by a plain server, and by another with workers
+            r = subprocess.run([sys.executable, "-m", "gdn_server", *SMALL_MODEL, "--device", "cpu", *FRONTENDS,
+                                "--host", "127.0.0.1", "--port", str(taken)], capture_output=True, text=True,
+                               timeout=120)
+            assert r.returncode == 2 and "cannot serve" in r.stderr, r.stderr
+    with socket.socket() as probe:  # and nothing was left listening
+        probe.bind(("127.0.0.1", fronted.port))

@@ -1,0 +1,108 @@
+"""The front-end link's frames (gdn_server.link): round trips and framing over a real socket pair."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import grpc
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gdn_server.config import ModelShape
+from gdn_server.errors import FailedPrecondition, GdnError
+from gdn_server.link import (
+    KIND_CANCEL, KIND_DECODE, LENGTH, decode_cancel, decode_reply, decode_request, encode_cancel, encode_reply,
+    encode_request, frame_kind, read_frames, send_frame,
+)
+from gdn_server.work import DecodeResult, DecodeWork
+
+SHAPE = ModelShape(num_layers=5, num_q_heads=2, num_v_heads=4, head_dim_k=16, head_dim_v=16)
+
+
+def _work(B: int, T: int, dtype: torch.dtype, positions, speculative: bool, owner, seed: int = 0) -> DecodeWork:
+    g = torch.Generator().manual_seed(seed)
+    H, HV, K, V = SHAPE.num_q_heads, SHAPE.num_v_heads, SHAPE.head_dim_k, SHAPE.head_dim_v
+    shapes = {"q": (B, T, H, K), "k": (B, T, H, K), "v": (B, T, HV, V), "a": (B, T, HV), "b": (B, T, HV)}
+    tensors = {n: torch.randn(*s, generator=g).to(dtype) for n, s in shapes.items()}
+    raw = None
+    if dtype == torch.bfloat16:
+        raw = tuple(tensors[n].view(torch.int16).numpy().tobytes() for n in shapes)
+    return DecodeWork(layer=3, session_ids=tuple(f"s{i}-é" for i in range(B)), positions=positions,
+                      request_id="req-1", owner=owner, speculative=speculative, bf16_bytes=raw, **tensors)
+
+
+def _frame(parts: list[bytes]) -> bytes:
+    data = b"".join(bytes(p) for p in parts)
+    (size,) = LENGTH.unpack_from(data, 0)
+    assert size == len(data) - LENGTH.size
+    return data[LENGTH.size:]
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 5), T=st.integers(1, 8), dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       with_positions=st.booleans(), speculative=st.booleans(), owner=st.sampled_from([None, "alice", "ünï"]),
+       tag=st.integers(0, 2**64 - 1))
+def test_request_round_trip(B, T, dtype, with_positions, speculative, owner, tag):
+    positions = tuple(range(2**64 - B, 2**64)) if with_positions else None  # the largest uint64 positions
+    work = _work(B, T, dtype, positions, speculative, owner)
+    frame = _frame(encode_request(tag, work))
+    assert frame_kind(frame) == KIND_DECODE
+    got_tag, got = decode_request(frame, SHAPE)
+    assert got_tag == tag
+    assert (got.layer, got.session_ids, got.positions, got.request_id, got.owner, got.speculative) == (
+        work.layer, work.session_ids, work.positions, work.request_id, work.owner, work.speculative)
+    for name in ("q", "k", "v", "a", "b"):
+        sent, received = getattr(work, name), getattr(got, name)
+        assert received.shape == sent.shape
+        # bf16 goes as is; f16/f32 as float32, which holds them exactly
+        assert torch.equal(received.float(), sent.float())
+    assert (got.bf16_bytes is not None) == (dtype == torch.bfloat16)
+
+
+def test_reply_round_trip_ok_and_error():
+    out = torch.randn(2, 3, SHAPE.num_v_heads, SHAPE.head_dim_v).to(torch.bfloat16)
+    result = DecodeResult(out.view(torch.int16).numpy().tobytes(), tuple(out.shape), (7, 2**64 - 1))
+    tag, got = decode_reply(_frame(encode_reply(42, result)), SHAPE)
+    assert tag == 42 and got.out == result.out and got.shape == result.shape and got.positions == result.positions
+
+    tag, err = decode_reply(_frame(encode_reply(9, FailedPrecondition("position 3 ≠ 4"))), SHAPE)
+    assert tag == 9 and isinstance(err, GdnError)
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and err.message == "position 3 ≠ 4"
+    _, err = decode_reply(_frame(encode_reply(1, RuntimeError("boom"))), SHAPE)  # not a GdnError: INTERNAL
+    assert err.code == grpc.StatusCode.INTERNAL and "boom" in err.message
+
+
+def test_cancel_frame():
+    frame = _frame([encode_cancel(2**63 + 5)])
+    assert frame_kind(frame) == KIND_CANCEL and decode_cancel(frame) == 2**63 + 5
+
+
+def test_bad_frames_are_refused():
+    frame = _frame(encode_request(1, _work(2, 1, torch.bfloat16, None, False, None)))
+    with pytest.raises(ValueError, match="too short"):
+        decode_request(frame[:-1], SHAPE)
+    with pytest.raises(ValueError, match="past its tensors"):
+        decode_request(frame + b"\0", SHAPE)
+
+
+@pytest.mark.timeout(60)
+def test_read_frames_over_a_socket_pair():
+    """Bursts of small frames, frames split across reads, and frames larger than the read buffer
+    all come out whole and in order."""
+    left, right = socket.socketpair()
+    sizes = [1, 7, 100, 5000, 70000, 3, 300000, 64, 65536 + 4, 1]
+    frames = [bytes([i % 251]) * n for i, n in enumerate(sizes)] * 3
+
+    def writer():
+        for f in frames:
+            send_frame(left, [LENGTH.pack(len(f)), f])
+        left.close()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    got = [bytes(f) for f in read_frames(right, buffer_bytes=1 << 17)]  # smaller than the largest frame
+    t.join(30)
+    right.close()
+    assert got == frames
