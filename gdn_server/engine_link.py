@@ -21,7 +21,7 @@ from functools import partial
 from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError
 from gdn_server.link import (
-    KIND_CANCEL, FrameBuffer, decode_cancel, decode_request, encode_reply, frame_kind, peek_request,
+    KIND_CANCEL, FrameBuffer, decode_cancel, decode_request, encode_reply, frame_kind, peek_request, send_frames,
 )
 from gdn_server.placement import Placement
 from gdn_server.work import DecodeResult, DecodeWork
@@ -59,7 +59,7 @@ class _Connection:
             if not parts or not self.open:
                 return
             try:
-                _send_all(self.sock, parts)
+                send_frames(self.sock, parts)
             except OSError as e:  # the worker went away; the reader thread cleans up
                 self.open = False
                 log.debug("replies to a closed front-end link dropped: %s", e)
@@ -86,10 +86,6 @@ class EngineLink:
         self._listener.listen(64)
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         threading.Thread(target=self._read, name="gdn-link", daemon=True).start()
-
-    @property
-    def connections(self) -> int:
-        return sum(c.open for c in list(self._connections))
 
     def close(self) -> None:
         """Stops reading and closes every connection (workers see the engine gone)."""
@@ -184,17 +180,6 @@ class EngineLink:
         with conn.out_lock:
             conn.outbox.extend(parts)
         self._dirty.add(conn)
-
-
-def _send_all(sock: socket.socket, parts: list[bytes]) -> None:
-    """Writes buffers back to back on a blocking socket (scatter-gather; IOV_MAX buffers a call)."""
-    while parts:
-        batch = parts[:512]
-        total = sum(len(p) for p in batch)
-        sent = sock.sendmsg(batch)
-        if sent < total:  # a partial write: finish the rest of this batch plainly
-            sock.sendall(b"".join(bytes(p) for p in batch)[sent:])
-        parts = parts[512:]
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -129,8 +130,6 @@ class FrontendPool:
 
 def private_socket_dir() -> str:
     """A fresh directory only this user can enter, for the engine's Unix sockets."""
-    import tempfile
-
     path = tempfile.mkdtemp(prefix="gdn-engine-")
     os.chmod(path, 0o700)
     return path

@@ -182,17 +182,20 @@ def decode_reply(frame: bytes, shape: ModelShape) -> tuple[int, DecodeResult | G
     return tag, DecodeResult(frame[offset:], out_shape, positions)
 
 
-def send_frame(sock: socket.socket, parts: list[bytes]) -> None:
-    """Writes one frame's buffers on a blocking socket (scatter-gather, no join)."""
-    total = sum(len(p) for p in parts)
-    sent = sock.sendmsg(parts)
-    if sent < total:  # rare: a signal or a full buffer mid-write; finish it plainly
-        sock.sendall(b"".join(parts)[sent:])
+def send_frames(sock: socket.socket, parts: list[bytes]) -> None:
+    """Writes frames' buffers back to back on a blocking socket: scatter-gather, no join (at most
+    512 buffers a system call, under the usual IOV_MAX of 1024)."""
+    while parts:
+        batch, parts = parts[:512], parts[512:]
+        total = sum(len(p) for p in batch)
+        sent = sock.sendmsg(batch)
+        if sent < total:  # rare: a signal or a full buffer mid-write; finish this batch plainly
+            sock.sendall(b"".join(batch)[sent:])
 
 
 class FrameBuffer:
-    """Incremental framing for a socket read in pieces: `fill()` reads once, `frames()` yields the
-    frames completed so far (each the caller's to keep). A burst of small frames costs one read;
+    """Frames (without length prefixes) from a socket read in pieces: `fill()` reads once,
+    `frames()` yields the frames completed so far (each the caller's to keep). A burst of small frames costs one read;
     a frame larger than the buffer is read into its own bytearray."""
 
     def __init__(self, buffer_bytes: int = 1 << 20) -> None:
@@ -245,10 +248,3 @@ class FrameBuffer:
                 self._start = self._end = 0
                 continue
             return
-
-
-def read_frames(sock: socket.socket, buffer_bytes: int = 1 << 20) -> Iterator[bytes | bytearray]:
-    """Frames (without length prefixes) read from a blocking socket until it closes."""
-    buffer = FrameBuffer(buffer_bytes)
-    while buffer.fill(sock):
-        yield from buffer.frames()

@@ -134,17 +134,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             identity = self.identity_for(handler_call_details.invocation_metadata)
             if identity is None:
                 return _unauthenticated(handler)
-        mutual_tls = self._mutual_tls
-
-        @contextlib.asynccontextmanager
-        async def bind(context):
-            who = identity
-            if who is None and mutual_tls:
-                who = peer_subject(context)
-            _identity.set(who)  # each RPC runs in its own task: no reset needed
-            yield
-
-        return wrap_handler(handler, bind)
+        if identity is None and self._mutual_tls:
+            return _with_identity(handler, peer_subject)
+        return _with_identity(handler, lambda context: identity)
 
 
 class ForwardedIdentity(grpc.aio.ServerInterceptor):
@@ -163,13 +155,18 @@ class ForwardedIdentity(grpc.aio.ServerInterceptor):
                 identity = value.decode() if isinstance(value, bytes) else value
         if identity is None:
             return handler
+        return _with_identity(handler, lambda context: identity)
 
-        @contextlib.asynccontextmanager
-        async def bind(context):
-            _identity.set(identity)
-            yield
 
-        return wrap_handler(handler, bind)
+def _with_identity(handler: grpc.RpcMethodHandler, identity_of) -> grpc.RpcMethodHandler:
+    """`handler` with `identity_of(context)` bound as the caller's identity for each call."""
+
+    @contextlib.asynccontextmanager
+    async def bind(context):
+        _identity.set(identity_of(context))  # each RPC runs in its own task: no reset needed
+        yield
+
+    return wrap_handler(handler, bind)
 
 
 def peer_subject(context) -> str | None:

@@ -66,7 +66,7 @@ class DecodeRpcs:
     in this process (GdnDecodeServicer) or in the engine process (gdn_server.frontend)."""
 
     shape: ModelShape
-    metrics = None  # gdn_server.metrics.Metrics, when counted in this process
+    metrics = None  # gdn_server.metrics.RpcMetrics, when counted in this process
 
     def _start_decode(self, request: gdn_pb2.DecodeRequest) -> asyncio.Future:
         """Validates one decode request and queues it; returns the future of its DecodeResult.
@@ -159,7 +159,7 @@ class GdnDecodeServicer(DecodeRpcs, gdn_pb2_grpc.GdnDecodeServicer):
         self.shape = shape
         self.placement = placement
         self.backend_name = backend_name
-        self.metrics = None  # gdn_server.metrics.Metrics, when --metrics-port is on
+        self.metrics = None  # gdn_server.metrics.RpcMetrics, when --metrics-port is on
 
     # -- helpers ----------------------------------------------------------------------------
     async def _control(self, shard: Shard, fn: Callable[[], Any]) -> Any:

@@ -14,7 +14,7 @@ from gdn_server.config import ModelShape
 from gdn_server.errors import FailedPrecondition, GdnError
 from gdn_server.link import (
     KIND_CANCEL, KIND_DECODE, LENGTH, decode_cancel, decode_reply, decode_request, encode_cancel, encode_reply,
-    encode_request, frame_kind, read_frames, send_frame,
+    FrameBuffer, encode_request, frame_kind, send_frames,
 )
 from gdn_server.work import DecodeResult, DecodeWork
 
@@ -88,7 +88,7 @@ def test_bad_frames_are_refused():
 
 
 @pytest.mark.timeout(60)
-def test_read_frames_over_a_socket_pair():
+def test_frames_over_a_socket_pair():
     """Bursts of small frames, frames split across reads, and frames larger than the read buffer
     all come out whole and in order."""
     left, right = socket.socketpair()
@@ -97,12 +97,15 @@ def test_read_frames_over_a_socket_pair():
 
     def writer():
         for f in frames:
-            send_frame(left, [LENGTH.pack(len(f)), f])
+            send_frames(left, [LENGTH.pack(len(f)), f])
         left.close()
 
     t = threading.Thread(target=writer)
     t.start()
-    got = [bytes(f) for f in read_frames(right, buffer_bytes=1 << 17)]  # smaller than the largest frame
+    buffer = FrameBuffer(buffer_bytes=1 << 17)  # smaller than the largest frame
+    got = []
+    while buffer.fill(right):
+        got += [bytes(f) for f in buffer.frames()]
     t.join(30)
     right.close()
     assert got == frames
