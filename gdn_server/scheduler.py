@@ -167,24 +167,43 @@ class Scheduler:
                     if not self._pending and self._stopping:
                         return
                 self._wait_for_more()
-                items = list(self._pending)
-                self._pending.clear()
-                self._pending_rows = 0
-            current: list = []
-            deferred, control = self._launch(items, current, quiet=not previous)
-            # batch n is queued on the device: answer batch n-1 while it runs
+                items = self._take_pending()
+            previous = self._round(items, previous)
+
+    def run_round(self, previous: list) -> list:
+        """One iteration of the scheduler loop over whatever is queued, on the caller's thread
+        (bench/engine_path.py; the scheduler's own thread must not be running). `previous` is
+        what the last call returned (batches still to answer), [] at first."""
+        with self._cv:
+            items = self._take_pending()
+        return self._round(items, previous)
+
+    def _take_pending(self) -> list[_DecodeItem | _ControlItem]:
+        """Everything queued (with `_cv` held)."""
+        items = list(self._pending)
+        self._pending.clear()
+        self._pending_rows = 0
+        return items
+
+    def _round(self, items: list[_DecodeItem | _ControlItem], previous: list) -> list:
+        """Admits and submits `items`, then answers `previous` while they run; returns what is
+        now in flight."""
+        current: list = []
+        deferred, control = self._launch(items, current, quiet=not previous)
+        # batch n is queued on the device: answer batch n-1 while it runs
+        self._finish(previous)
+        previous = current
+        if control is not None:
             self._finish(previous)
-            previous = current
-            if control is not None:
-                self._finish(previous)
-                previous = []
-                self._run_control(control)
-            for hook in self.after_answers:
-                hook()
-            if deferred:
-                with self._cv:
-                    self._pending.extendleft(reversed(deferred))
-                    self._pending_rows += sum(i.rows for i in deferred if isinstance(i, _DecodeItem))
+            previous = []
+            self._run_control(control)
+        for hook in self.after_answers:
+            hook()
+        if deferred:
+            with self._cv:
+                self._pending.extendleft(reversed(deferred))
+                self._pending_rows += sum(i.rows for i in deferred if isinstance(i, _DecodeItem))
+        return previous
 
     def _wait_for_more(self) -> None:
         delay = self.config.max_queue_delay_us / 1e6

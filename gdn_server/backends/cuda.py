@@ -15,13 +15,12 @@ torch math on the GPU instead.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from gdn_server.backends.base import Backend, PendingStep
+from gdn_server.backends.staging import Plan as _Plan, carve as _carve, fill as _fill_staging, make_plan
 from gdn_server.backends.torch_math import gdn_step_fp32
 from gdn_server.config import ModelShape
 from gdn_server.weights import GateParams
@@ -32,11 +31,6 @@ log = logging.getLogger(__name__)
 MAX_DEFAULT_SESSIONS = 4096
 POOL_MEMORY_FRACTION = 0.8  # of the free device memory, for the default --max-sessions
 RING = 8  # staging sets; more than the batches the scheduler keeps in flight
-_ALIGN = 128  # bytes; keeps every carved view 16-byte aligned for the kernel's vector loads
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 class _Staging:
@@ -73,17 +67,6 @@ class _Staging:
         return self.host.numel()
 
 
-_INPUTS = ("q", "k", "v", "a", "b")
-
-
-@dataclass(frozen=True)
-class _Plan:
-    entries: dict  # name -> (byte offset, shape, dtype, bytes)
-    total: int  # bytes of inputs
-    out_shape: tuple[int, ...]
-    out_bytes: int
-
-
 @dataclass(frozen=True)
 class _Views:
     """Tensor views of one staging set for one (R, T): made once, reused by every launch."""
@@ -94,11 +77,6 @@ class _Views:
     dev_all: torch.Tensor
     out_dev: torch.Tensor
     out_host: torch.Tensor
-
-
-def _carve(buf: torch.Tensor, entry: tuple) -> torch.Tensor:
-    offset, shape, dtype, nbytes = entry
-    return buf[offset : offset + nbytes].view(dtype).view(shape)
 
 
 class _CudaStep(PendingStep):
@@ -162,25 +140,7 @@ class CudaBackend(Backend):
         plan = self._plans.get((rows, tokens))
         if plan is not None:
             return plan
-        s = self.shape
-        H, HV, K, V = s.num_q_heads, s.num_v_heads, s.head_dim_k, s.head_dim_v
-        shapes = {
-            "q": ((rows, tokens, H, K), torch.bfloat16, 2),
-            "k": ((rows, tokens, H, K), torch.bfloat16, 2),
-            "v": ((rows, tokens, HV, V), torch.bfloat16, 2),
-            "a": ((rows, tokens, HV), torch.bfloat16, 2),
-            "b": ((rows, tokens, HV), torch.bfloat16, 2),
-            "slots": ((rows,), torch.int32, 4),
-            "out_slots": ((rows,), torch.int32, 4),
-            "layers": ((rows,), torch.int32, 4),
-        }
-        entries, offset = {}, 0
-        for name, (shp, dtype, size) in shapes.items():
-            nbytes = math.prod(shp) * size
-            entries[name] = (offset, shp, dtype, nbytes)
-            offset += _align(nbytes)
-        out_shape = (rows, tokens, HV, V)
-        plan = _Plan(entries, offset, out_shape, math.prod(out_shape) * 2)
+        plan = make_plan(self.shape, rows, tokens)
         self._plans[(rows, tokens)] = plan
         return plan
 
@@ -205,25 +165,8 @@ class CudaBackend(Backend):
 
         # 1. requests -> pinned staging: a memcpy per request and input for bf16 requests, a
         #    casting copy for f16/f32 ones; no per-row work
-        host_mem, host_bytes, entries = staging.host_mem, staging.host_bytes, plan.entries
-        row = 0
-        for r, raw in enumerate(batch.bf16_bytes):
-            n = batch.q[r].shape[0]
-            if raw is not None:
-                for name, data in zip(_INPUTS, raw):
-                    offset, _, _, nbytes = entries[name]
-                    start = offset + row * (nbytes // R)
-                    host_mem[start : start + len(data)] = data
-            else:
-                for name, parts in zip(_INPUTS, (batch.q, batch.k, batch.v, batch.a, batch.b)):
-                    views.host[name][row : row + n].copy_(parts[r])
-            row += n
+        _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
         in_place = batch.in_place
-        for name, values in (("slots", batch.slots), ("layers", batch.layers)) + (
-            () if in_place else (("out_slots", batch.out_slots),)
-        ):
-            offset, _, _, nbytes = entries[name]
-            host_bytes[offset : offset + nbytes].view(np.int32)[:] = values
 
         dev = views.dev
         with torch.cuda.stream(self.stream):

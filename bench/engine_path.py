@@ -1,0 +1,325 @@
+"""The engine's host cost per decode request under `--frontends N`, on any machine (CPU only).
+
+    python bench/engine_path.py                          # table: us of CPU per request at 1, 8, 64 per round
+    python bench/engine_path.py --json bench/results/engine_path.json
+    python bench/engine_path.py --profile --per-round 64  # cProfile of the engine path, top functions
+
+What runs is the engine's real code, without gRPC and without its threads' waiting:
+
+  request frames (link.encode_request of DecodeWork made as validation.py makes them: bf16,
+  qwen3-next heads, T=1, B=1, positions sent; sessions and layers cycled like many clients)
+  -> a real socket pair -> EngineLink's reader code (FrameBuffer read, peek, placement, queue)
+  -> Scheduler.run_round (admission, positions, batching, backend submit, answers)
+  -> a fake device backend doing CudaBackend's host work: the same staging code
+     (gdn_server/backends/staging.py: memcpy of each request's bytes into a preallocated buffer,
+     int32 index writes, a ring of 8 staging sets); its "device" returns each row's v as the output,
+     one copy per launch, standing in for the D2H copy
+  -> reply frames (link.encode_reply), written with one sendmsg per round as the engine does.
+
+A round is what the scheduler thread does per iteration: read and queue the round's frames, admit
+and submit them, answer the previous round's batch (pipelined as on a GPU), write the replies. CPU
+time is `time.thread_time()` of the thread running all that; building the request frames (the
+workers' job) and reading the replies (the workers' job) are outside it. Not measured: the GIL
+hand-offs between the engine's reader and scheduler threads and the selector's wake-ups.
+
+Every reply is checked (tag, position, and output = the request's own v bytes), and a sha256 of all
+replies is printed, so two versions of the engine can be compared bit for bit.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import hashlib
+import io
+import json
+import os
+import platform
+import pstats
+import socket
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+from gdn_server.backends.base import Backend, PendingStep
+from gdn_server.backends.staging import Plan, carve, fill, make_plan
+from gdn_server.config import PRESETS, ModelShape, SchedulerConfig
+from gdn_server.engine_link import SOCKET_BUFFER_BYTES, EngineLink, _Connection
+from gdn_server.link import LENGTH, FrameBuffer, decode_reply, encode_request, send_frames
+from gdn_server.placement import Placement, Shard
+from gdn_server.scheduler import Scheduler
+from gdn_server.sessions import SessionTable
+from gdn_server.weights import random_gate_params
+from gdn_server.work import DecodeResult, DecodeWork, StepBatch
+
+RING = 8  # staging sets, as CudaBackend
+PAYLOADS = 64  # distinct random inputs, reused round robin (building them is not what is measured)
+
+
+class _HostStaging:
+    """One staging set of CudaBackend without its device twin: an ordinary (not pinned) buffer."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.host = torch.empty(plan.total, dtype=torch.uint8)
+        self.host_bytes = self.host.numpy()
+        self.host_mem = memoryview(self.host_bytes)
+        self.out_host = torch.empty(plan.out_bytes, dtype=torch.uint8)
+        self.views: dict[tuple[int, int], tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
+
+    def views_for(self, plan: Plan, key: tuple[int, int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        views = self.views.get(key)
+        if views is None:  # made once per (R, T), as CudaBackend's _Views
+            host = {name: carve(self.host, e) for name, e in plan.entries.items()}
+            out = self.out_host[: plan.out_bytes].view(torch.bfloat16).view(plan.out_shape)
+            views = self.views[key] = (host, out)
+        return views
+
+
+class _EchoStep(PendingStep):
+    """The "device" result: each row's staged v, which has the output's shape [R, T, HV, V]."""
+
+    def __init__(self, v: torch.Tensor, out: torch.Tensor) -> None:
+        self._v, self._out = v, out
+
+    def result(self) -> torch.Tensor:
+        self._out.copy_(self._v)  # stands in for the D2H copy the host waits for
+        return self._out
+
+
+class HostStagingBackend(Backend):
+    """CudaBackend's host work per launch (staging plan, ring, fill) with no device behind it."""
+
+    name = "host-staging"
+
+    def __init__(self, shape: ModelShape, max_sessions: int, max_rows: int) -> None:
+        super().__init__(shape, random_gate_params(shape, 0), max_sessions, None, speculative_sessions=0)
+        self._plans: dict[tuple[int, int], Plan] = {}
+        biggest = make_plan(shape, max_rows, shape.max_tokens_per_step)
+        self._ring = [_HostStaging(biggest) for _ in range(RING)]
+        self._next = 0
+
+    def submit(self, batch: StepBatch) -> PendingStep:
+        R, T = batch.rows, batch.tokens
+        plan = self._plans.get((R, T))
+        if plan is None:
+            plan = self._plans[(R, T)] = make_plan(self.shape, R, T)
+        staging = self._ring[self._next]
+        self._next = (self._next + 1) % RING
+        host, out = staging.views_for(plan, (R, T))
+        fill(batch, plan, staging.host_mem, staging.host_bytes, host)
+        return _EchoStep(host["v"], out)
+
+    # session operations: the bench never calls them
+    def reset_session(self, session_slot: int) -> None:
+        pass
+
+    def copy_session(self, src_slot: int, dst_slot: int) -> None:
+        raise NotImplementedError
+
+    def read_session(self, session_slot: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def write_session(self, session_slot: int, state: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def copy_rows(self, src_rows: list[int], dst_rows: list[int]) -> None:
+        raise NotImplementedError
+
+
+class Workers:
+    """The front-end workers' side: request frames in, reply frames checked."""
+
+    def __init__(self, shape: ModelShape, session_ids: list[str], sock: socket.socket, seed: int = 0) -> None:
+        self.shape = shape
+        self.ids = session_ids
+        self.sock = sock
+        self.next = 0  # request number = tag
+        H, HV, K, V = shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v
+        g = torch.Generator().manual_seed(seed)
+        dims = {"q": (1, 1, H, K), "k": (1, 1, H, K), "v": (1, 1, HV, V), "a": (1, 1, HV), "b": (1, 1, HV)}
+        self.payloads = []
+        for _ in range(PAYLOADS):
+            # as validation.py: tensors of the wire bytes, and the raw bytes of all-bf16 requests
+            raw = {n: torch.randn(*d, generator=g).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+                   for n, d in dims.items()}
+            tensors = {n: torch.frombuffer(raw[n], dtype=torch.bfloat16).view(dims[n]) for n in dims}
+            self.payloads.append((tensors, tuple(raw[n] for n in dims)))
+        self.expected: dict[int, tuple[int, bytes]] = {}  # tag -> (position after, output bytes)
+        self.replies = FrameBuffer(buffer_bytes=4 << 20)
+        self.answered = 0
+        self.digest = hashlib.sha256()
+
+    def send(self, n: int) -> None:
+        """n requests: session i % S at its next layer (every session walks the layers in order)."""
+        S, L = len(self.ids), self.shape.num_layers
+        parts: list[bytes] = []
+        for _ in range(n):
+            i = self.next
+            self.next += 1
+            step = i // S
+            layer, position = step % L, step // L
+            tensors, raw = self.payloads[i % PAYLOADS]
+            work = DecodeWork(layer=layer, session_ids=(self.ids[i % S],), positions=(position,), request_id=f"r{i}",
+                              speculative=False, bf16_bytes=raw, **tensors)
+            parts += encode_request(i, work)
+            self.expected[i] = (position + 1, raw[2])  # the echo device answers with v
+        send_frames(self.sock, parts)
+
+    def receive(self) -> None:
+        """Reads and checks every reply there is (without blocking)."""
+        while True:
+            try:
+                if not self.replies.fill(self.sock):
+                    raise RuntimeError("the engine closed the link")
+            except BlockingIOError:
+                return
+            for frame in self.replies.frames():
+                tag, result = decode_reply(bytes(frame), self.shape)
+                if not isinstance(result, DecodeResult):
+                    raise RuntimeError(f"request {tag} failed: {result}")
+                position, out = self.expected.pop(tag)
+                if result.positions != (position,) or result.out != out:
+                    raise RuntimeError(f"request {tag}: wrong reply (positions {result.positions}, want {position})")
+                self.digest.update(LENGTH.pack(len(frame)) + frame)
+                self.answered += 1
+
+
+class Engine:
+    """The engine's objects, driven from one thread."""
+
+    def __init__(self, shape: ModelShape, sessions: int, max_rows: int) -> None:
+        self.backend = HostStagingBackend(shape, sessions, max_rows)
+        self.table = SessionTable(sessions, shape.num_layers)
+        self.scheduler = Scheduler(self.backend, self.table, SchedulerConfig(max_batch_rows=max(1024, max_rows)))
+        self.placement = Placement([Shard(0, self.backend, self.table, self.scheduler)])
+        self.link = EngineLink(f"/tmp/engine-path-{os.getpid()}.sock", shape, self.placement)  # never bound
+        engine_sock, worker_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for s in (engine_sock, worker_sock):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        worker_sock.setblocking(False)
+        self.conn = _Connection(engine_sock)
+        self.link._connections.add(self.conn)
+        ids = [self.table.create().id for _ in range(sessions)]
+        self.workers = Workers(shape, ids, worker_sock)
+        self.previous: list = []
+
+    def round(self, n: int) -> None:
+        """The engine's work for n queued requests: what the reader thread does on a readable
+        socket (until all n are queued), then one scheduler iteration and its reply write."""
+        queued = self.scheduler.queue_depth
+        while queued() < n:
+            self.link._read_from(self.conn)
+            self.link.flush()  # as the reader does after each wake-up (nothing to write here)
+        self.previous = self.scheduler.run_round(self.previous)
+
+    def close(self) -> None:
+        self.link.close()
+        self.workers.sock.close()
+
+
+def measure(engine: Engine, per_round: int, requests: int, profiler: cProfile.Profile | None) -> dict:
+    rounds = max(1, requests // per_round)
+    stats = engine.scheduler.stats
+    launches0, rows0 = stats.launches, stats.rows_launched
+    answered0 = engine.workers.answered
+    cpu = 0.0
+    wall0 = time.perf_counter()
+    for _ in range(rounds):
+        engine.workers.send(per_round)  # the workers' job: not timed
+        if profiler is not None:
+            profiler.enable()
+        t0 = time.thread_time()
+        engine.round(per_round)
+        cpu += time.thread_time() - t0
+        if profiler is not None:
+            profiler.disable()
+        engine.workers.receive()
+    t0 = time.thread_time()
+    engine.round(0)  # answers the last batch
+    cpu += time.thread_time() - t0
+    wall = time.perf_counter() - wall0
+    engine.workers.receive()
+    done = engine.workers.answered - answered0
+    if done != rounds * per_round or engine.workers.expected:
+        raise RuntimeError(f"{done} replies for {rounds * per_round} requests")
+    return {
+        "requests_per_round": per_round,
+        "requests": done,
+        "us_per_request": 1e6 * cpu / done,
+        "rows_per_launch": (stats.rows_launched - rows0) / max(1, stats.launches - launches0),
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--per-round", default="1,8,64", help="requests per scheduler round (comma separated)")
+    p.add_argument("--requests", type=int, default=6000, help="requests per measurement")
+    p.add_argument("--repeat", type=int, default=5, help="measurements per setting; the median is reported")
+    p.add_argument("--sessions", type=int, default=256)
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--label", default="", help="a name for this version of the engine, kept in the JSON")
+    p.add_argument("--profile", action="store_true", help="cProfile the engine path (times are inflated)")
+    p.add_argument("--top", type=int, default=30, help="functions to list with --profile")
+    args = p.parse_args()
+    per_round = [int(x) for x in args.per_round.split(",")]
+    if max(per_round) > args.sessions:
+        p.error("--sessions must be at least the largest --per-round (a round's sessions are distinct)")
+
+    # the request bytes are read-only, as in the server (torch warns once about that)
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    torch.set_num_threads(1)  # every copy on the timed thread (thread_time would miss a pool's work)
+    shape = PRESETS["qwen3-next"]
+    engine = Engine(shape, args.sessions, max(per_round))
+    profiler = cProfile.Profile() if args.profile else None
+    results = []
+    try:
+        for n in per_round:
+            measure(engine, n, min(args.requests, 50 * n), None)  # warm-up: plans, views, caches
+            runs = [measure(engine, n, args.requests, profiler) for _ in range(args.repeat)]
+            us = [r["us_per_request"] for r in runs]
+            row = dict(runs[0], us_per_request=statistics.median(us), us_min=min(us), us_max=max(us), repeats=len(us))
+            row["requests_per_s_one_core"] = 1e6 / row["us_per_request"]
+            results.append(row)
+            print(f"{n:>4} per round: {row['us_per_request']:7.1f} us CPU/request (min {min(us):.1f}, "
+                  f"max {max(us):.1f}; {row['rows_per_launch']:.1f} rows/launch)", file=sys.stderr)
+    finally:
+        engine.close()
+
+    print()
+    print("| requests per round | us CPU per request (median) | min - max | requests/s on one core |")
+    print("|---|---|---|---|")
+    for r in results:
+        print(f"| {r['requests_per_round']} | {r['us_per_request']:.1f} | {r['us_min']:.1f} - {r['us_max']:.1f} "
+              f"| {r['requests_per_s_one_core']:,.0f} |")
+    digest = engine.workers.digest.hexdigest()
+    print(f"\nreplies sha256 {digest} ({engine.workers.answered} replies, every one checked)")
+    if profiler is not None:
+        out = io.StringIO()
+        st = pstats.Stats(profiler, stream=out).strip_dirs()
+        st.sort_stats("tottime").print_stats(args.top)
+        st.sort_stats("cumulative").print_stats(args.top)
+        print(out.getvalue())
+    if args.json:
+        doc = {
+            "label": args.label,
+            "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                        "torch": torch.__version__, "cpus": os.cpu_count()},
+            "shape": {"layers": shape.num_layers, "H": shape.num_q_heads, "HV": shape.num_v_heads,
+                      "K": shape.head_dim_k, "V": shape.head_dim_v, "T": 1, "B": 1},
+            "sessions": args.sessions,
+            "requests": args.requests,
+            "profiled": args.profile,
+            "results": results,
+            "replies_sha256": digest,
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()

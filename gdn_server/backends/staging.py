@@ -1,0 +1,92 @@
+"""Host staging of one launch: where a batch's inputs and indices sit in one flat buffer, and the
+host work that fills it.
+
+The CUDA backend fills a pinned buffer with this and copies it to the device in one transfer;
+bench/engine_path.py fills an ordinary buffer with the same code, so the engine's host cost can be
+measured on any machine without skipping the copies the real path makes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gdn_server.config import ModelShape
+from gdn_server.work import StepBatch
+
+ALIGN = 128  # bytes; keeps every carved view 16-byte aligned for the kernel's vector loads
+INPUTS = ("q", "k", "v", "a", "b")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The byte layout of a launch's inputs in a staging buffer, for one (rows, T)."""
+
+    entries: dict  # name -> (byte offset, shape, dtype, bytes)
+    total: int  # bytes of inputs
+    out_shape: tuple[int, ...]
+    out_bytes: int
+
+
+def make_plan(shape: ModelShape, rows: int, tokens: int) -> Plan:
+    H, HV, K, V = shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v
+    shapes = {
+        "q": ((rows, tokens, H, K), torch.bfloat16, 2),
+        "k": ((rows, tokens, H, K), torch.bfloat16, 2),
+        "v": ((rows, tokens, HV, V), torch.bfloat16, 2),
+        "a": ((rows, tokens, HV), torch.bfloat16, 2),
+        "b": ((rows, tokens, HV), torch.bfloat16, 2),
+        "slots": ((rows,), torch.int32, 4),
+        "out_slots": ((rows,), torch.int32, 4),
+        "layers": ((rows,), torch.int32, 4),
+    }
+    entries, offset = {}, 0
+    for name, (shp, dtype, size) in shapes.items():
+        nbytes = math.prod(shp) * size
+        entries[name] = (offset, shp, dtype, nbytes)
+        offset += _align(nbytes)
+    out_shape = (rows, tokens, HV, V)
+    return Plan(entries, offset, out_shape, math.prod(out_shape) * 2)
+
+
+def carve(buf: torch.Tensor, entry: tuple) -> torch.Tensor:
+    """The tensor view of one entry of a plan in a flat uint8 buffer."""
+    offset, shape, dtype, nbytes = entry
+    return buf[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def fill(
+    batch: StepBatch, plan: Plan, host_mem: memoryview, host_bytes: np.ndarray, host_views: dict[str, torch.Tensor]
+) -> None:
+    """Copies `batch` into a staging buffer laid out by `plan`: a memcpy per request and input for
+    bf16 requests (their raw bytes), a casting copy for the others, then the int32 index arrays.
+
+    `host_mem` and `host_bytes` are the buffer as a memoryview and a uint8 numpy array (slice
+    assignment into a memoryview is the cheapest copy Python has); `host_views` the plan's tensor
+    views of it, used only by requests that did not come as bf16.
+    """
+    R = batch.rows
+    entries = plan.entries
+    row = 0
+    for r, raw in enumerate(batch.bf16_bytes):
+        n = batch.q[r].shape[0]
+        if raw is not None:
+            for name, data in zip(INPUTS, raw):
+                offset, _, _, nbytes = entries[name]
+                start = offset + row * (nbytes // R)
+                host_mem[start : start + len(data)] = data
+        else:
+            for name, parts in zip(INPUTS, (batch.q, batch.k, batch.v, batch.a, batch.b)):
+                host_views[name][row : row + n].copy_(parts[r])
+        row += n
+    for name, values in (("slots", batch.slots), ("layers", batch.layers)) + (
+        () if batch.in_place else (("out_slots", batch.out_slots),)
+    ):
+        offset, _, _, nbytes = entries[name]
+        host_bytes[offset : offset + nbytes].view(np.int32)[:] = values
