@@ -5,7 +5,8 @@ so the link is built to take as little of it as possible from the scheduler thre
 
 - one reader thread for every connection (a selector): it reads whatever frames are there with
   one system call, looks only at their session ids (to pick the device) and queues them; the
-  tensors are built later, on the scheduler thread (`Scheduler.submit_decode_later`);
+  rest of the frame is read later, on the scheduler thread (`Scheduler.submit_decode_later`),
+  and bf16 inputs stay bytes all the way into the backend's staging buffer (no tensors);
 - replies are buffered per connection and written once per scheduler round, one `sendmsg` for
   all of a round's replies to a worker, instead of a system call (and a GIL hand-off) each.
 """

@@ -114,17 +114,49 @@ def peek_request(frame: bytes | bytearray) -> tuple[int, tuple[str, ...]]:
     return tag, tuple(session_ids)
 
 
+def _counts(kind: str, n: int) -> struct.Struct:
+    """The Struct of n little-endian `kind` values (cached: building formats per frame costs)."""
+    key = (kind, n)
+    st = _COUNTS.get(key)
+    if st is None:
+        st = _COUNTS[key] = struct.Struct(f"<{n}{kind}")
+    return st
+
+
+_COUNTS: dict[tuple[str, int], struct.Struct] = {}
+
+
+def _layout(shape: ModelShape, rows: int, tokens: int, itemsize: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """(bytes of q, k, v, a, b; their shapes) in a request frame of `rows` x `tokens` (cached)."""
+    # keyed by id: hashing the dataclass costs more than the lookup; the entry keeps `shape` alive,
+    # so its id cannot be reused by another object while cached
+    key = (id(shape), rows, tokens, itemsize)
+    entry = _LAYOUTS.get(key)
+    if entry is None:
+        if len(_LAYOUTS) > 4096:  # (B, T) are bounded in practice; keep it so if they are not
+            _LAYOUTS.clear()
+        sizes = tuple(n * itemsize for n in input_sizes(shape, rows, tokens))
+        entry = _LAYOUTS[key] = (shape, sizes, input_shapes(shape, rows, tokens))
+    return entry[1], entry[2]
+
+
+_LAYOUTS: dict[tuple[int, int, int, int], tuple[ModelShape, tuple[int, ...], tuple[tuple[int, ...], ...]]] = {}
+
+
 def decode_request(frame: bytes | bytearray, shape: ModelShape) -> tuple[int, DecodeWork]:
     """A request frame (without its length prefix) -> (tag, the DecodeWork it carries).
 
-    The tensors are read-only views of `frame`; nothing is validated again (the worker did)."""
+    bf16 inputs stay bytes: `bf16_bytes` are read-only slices of `frame`, and the tensors are built
+    from them only if something reads `work.q` etc. (a GPU backend copies the bytes and never
+    does). float32 inputs become tensors (views of `frame`) at once. Nothing is validated again
+    (the worker did)."""
     _, tag, flags, layer, B, T, rid_len, ident_len = REQUEST.unpack_from(frame, 0)
     offset = REQUEST.size
-    id_lens = struct.unpack_from(f"<{B}H", frame, offset)
+    id_lens = _counts("H", B).unpack_from(frame, offset)
     offset += 2 * B
     positions = None
     if flags & FLAG_POSITIONS:
-        positions = struct.unpack_from(f"<{B}Q", frame, offset)
+        positions = _counts("Q", B).unpack_from(frame, offset)
         offset += 8 * B
     view = memoryview(frame)
     session_ids = []
@@ -135,38 +167,54 @@ def decode_request(frame: bytes | bytearray, shape: ModelShape) -> tuple[int, De
     offset += rid_len
     identity = str(view[offset : offset + ident_len], "utf-8") if ident_len else None
     offset += ident_len
-    f32 = bool(flags & FLAG_F32)
-    dtype, itemsize = (torch.float32, 4) if f32 else (torch.bfloat16, 2)
+    f32 = flags & FLAG_F32
+    sizes, dims = _layout(shape, B, T, 4 if f32 else 2)
     raw = []
-    tensors = {}
-    for name, numel, dims in zip(_INPUTS, input_sizes(shape, B, T), input_shapes(shape, B, T)):
-        nbytes = numel * itemsize
-        data = view[offset : offset + nbytes]
-        if len(data) != nbytes:
-            raise ValueError(f"link frame too short for {name}: {len(data)} of {nbytes} bytes")
-        raw.append(data)
-        tensors[name] = torch.frombuffer(data, dtype=dtype).view(dims)
+    for nbytes in sizes:
+        raw.append(view[offset : offset + nbytes])
         offset += nbytes
     if offset != len(frame):
-        raise ValueError(f"link frame has {len(frame) - offset} bytes past its tensors")
-    work = DecodeWork(
-        layer=layer, session_ids=tuple(session_ids), positions=positions, request_id=request_id,
-        owner=identity, speculative=bool(flags & FLAG_SPECULATIVE), bf16_bytes=None if f32 else tuple(raw),
-        **tensors,
-    )
-    return tag, work
+        _check_length(frame, offset - sum(sizes), sizes)
+    common = dict(layer=layer, session_ids=tuple(session_ids), positions=positions, request_id=request_id,
+                  owner=identity, speculative=bool(flags & FLAG_SPECULATIVE))
+    if not f32:
+        return tag, DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=dims)
+    tensors = {name: torch.frombuffer(data, dtype=torch.float32).view(d) for name, data, d in zip(_INPUTS, raw, dims)}
+    return tag, DecodeWork(**common, **tensors)
+
+
+def _check_length(frame: bytes | bytearray, offset: int, sizes: tuple[int, ...]) -> None:
+    """Raises ValueError saying what is wrong with a frame whose inputs do not end at its end."""
+    for name, nbytes in zip(_INPUTS, sizes):
+        have = max(0, min(nbytes, len(frame) - offset))
+        if have != nbytes:
+            raise ValueError(f"link frame too short for {name}: {have} of {nbytes} bytes")
+        offset += nbytes
+    raise ValueError(f"link frame has {len(frame) - offset} bytes past its tensors")
 
 
 def encode_reply(tag: int, result: DecodeResult | BaseException) -> list[bytes]:
     """The reply frame to request `tag`: a DecodeResult, or the error that ended it."""
     if isinstance(result, DecodeResult):
         B, T = result.shape[0], result.shape[1]
-        head = REPLY.pack(tag, 0, B, T, 0) + struct.pack(f"<{B}Q", *result.positions)
-        return [LENGTH.pack(len(head) + len(result.out)) + head, result.out]
+        out = result.out
+        # length prefix, REPLY and the positions in one pack
+        head = _reply_head(B).pack(REPLY.size + 8 * B + len(out), tag, 0, B, T, 0, *result.positions)
+        return [head, out]
     code = result.code if isinstance(result, GdnError) else grpc.StatusCode.INTERNAL
     message = (str(result) or type(result).__name__).encode()
     head = REPLY.pack(tag, code.value[0], 0, 0, len(message))
     return [LENGTH.pack(len(head) + len(message)) + head + message]
+
+
+def _reply_head(rows: int) -> struct.Struct:
+    st = _REPLY_HEADS.get(rows)
+    if st is None:
+        st = _REPLY_HEADS[rows] = struct.Struct(f"<I{REPLY.format[1:]}{rows}Q")
+    return st
+
+
+_REPLY_HEADS: dict[int, struct.Struct] = {}
 
 
 def decode_reply(frame: bytes, shape: ModelShape) -> tuple[int, DecodeResult | GdnError]:

@@ -403,10 +403,15 @@ class Scheduler:
             self.stats.device_s += device_s
             if self.on_launch is not None:
                 self.on_launch(batch.rows, max(started - m.item.enqueued for m in members), device_s)
-            out16 = out.view(torch.int16)
+            # one copy of the whole output, sliced per request (a numpy round trip each costs more)
+            whole = out.view(torch.int16).numpy().tobytes()
+            row_bytes = len(whole) // batch.rows
             for m in members:
                 work = m.item.work
-                data = out16[m.first_row : m.first_row + work.rows].numpy().tobytes()
+                if len(members) == 1:
+                    data = whole
+                else:
+                    data = whole[m.first_row * row_bytes : (m.first_row + work.rows) * row_bytes]
                 for s in m.sessions:
                     s.last_steps[work.layer].out = data
                 positions = tuple(s.positions[work.layer] for s in m.sessions)

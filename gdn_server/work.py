@@ -6,24 +6,67 @@ from dataclasses import dataclass, field
 import torch
 
 
+INPUT_NAMES = ("q", "k", "v", "a", "b")
+
+
+class _Input:
+    """A DecodeWork input (q, k, v, a or b), built from the request's raw bf16 bytes on first use.
+
+    validation.py passes the tensors it made; the engine's front-end link passes only the bytes
+    (`bf16_bytes` and `input_dims`), since on a GPU the bytes are all a step needs: the tensors
+    cost ~7 us a request to build and are wanted only by the CPU backend, speculative steps and
+    requests that did not come as bf16. A non-data descriptor: once built (or given), the tensor
+    sits in the instance's __dict__ and is read like any attribute.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+        self._index = INPUT_NAMES.index(name)
+
+    def __get__(self, work: "DecodeWork | None", owner: type | None = None) -> torch.Tensor | None:
+        if work is None:
+            return None  # the dataclass field's default
+        raw, dims = work.bf16_bytes, work.input_dims
+        if raw is None or dims is None:
+            raise AttributeError(f"DecodeWork has neither {self._name} nor bf16 bytes with input_dims to build it from")
+        tensor = torch.frombuffer(raw[self._index], dtype=torch.bfloat16).view(dims[self._index])
+        work.__dict__[self._name] = tensor  # frozen: set the cache directly, as functools.cached_property does
+        return tensor
+
+
 @dataclass(frozen=True)
 class DecodeWork:
     """One validated DecodeRequest: B distinct sessions, one layer, T tokens each."""
 
     layer: int
     session_ids: tuple[str, ...]
-    q: torch.Tensor  # [B, T, H, K]   wire dtype, CPU, read-only view of the request bytes
-    k: torch.Tensor  # [B, T, H, K]
-    v: torch.Tensor  # [B, T, HV, V]
-    a: torch.Tensor  # [B, T, HV]
-    b: torch.Tensor  # [B, T, HV]
-    positions: tuple[int, ...] | None  # tokens each session has taken at `layer`, when given
+    # [B, T, ...] in the wire dtype, CPU, read-only views of the request bytes; given (validation.py),
+    # or None with `bf16_bytes` and `input_dims`, and then built from the bytes when first read
+    q: torch.Tensor = _Input()  # [B, T, H, K]
+    k: torch.Tensor = _Input()  # [B, T, H, K]
+    v: torch.Tensor = _Input()  # [B, T, HV, V]
+    a: torch.Tensor = _Input()  # [B, T, HV]
+    b: torch.Tensor = _Input()  # [B, T, HV]
+    positions: tuple[int, ...] | None = None  # tokens each session has taken at `layer`, when given
     request_id: str = ""
     owner: str | None = None  # the caller's identity where auth is on; must own every session
     speculative: bool = False  # a draft step: provisional until Commit or the next step at the layer
     # q, k, v, a, b as the request's raw bf16 bytes, when all five came as BF16: a GPU backend
     # copies them into its pinned staging buffer with plain memcpys
     bf16_bytes: tuple[bytes, bytes, bytes, bytes, bytes] | None = None
+    # shapes of q, k, v, a, b; needed only when the tensors are not given (built from bf16_bytes)
+    input_dims: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        d = self.__dict__
+        if d["q"] is None:  # not given: the descriptor builds each from the bytes when first read
+            if self.bf16_bytes is None or self.input_dims is None:
+                raise TypeError("DecodeWork needs q, k, v, a, b, or bf16_bytes and input_dims")
+            for name in INPUT_NAMES:
+                del d[name]
+            d["_tokens"] = self.input_dims[0][1]
+        else:
+            d["_tokens"] = int(d["q"].shape[1])
 
     @property
     def rows(self) -> int:
@@ -31,7 +74,7 @@ class DecodeWork:
 
     @property
     def tokens(self) -> int:
-        return int(self.q.shape[1])
+        return self._tokens
 
 
 @dataclass(frozen=True)
@@ -48,19 +91,16 @@ class DecodeResult:
 class StepBatch:
     """Rows of one backend call: all rows share T; each row is (pool slot, layer) and appears once.
 
-    Inputs are kept as the per-request tensors they arrived in; the backend copies each list into
-    its own staging buffer with one concatenation per input, so the scheduler does no per-row copy.
+    Inputs stay in the requests they arrived in (`works`); the backend copies them into its own
+    staging buffer (bf16 bytes with memcpys, or one concatenation per input), so the scheduler does
+    no per-row copy and builds no tensor.
     """
 
     tokens: int  # T
     slots: list[int] = field(default_factory=list)  # pool slot each row reads its state from
     out_slots: list[int] = field(default_factory=list)  # pool slot each row writes its new state to
     layers: list[int] = field(default_factory=list)  # layer per row
-    q: list[torch.Tensor] = field(default_factory=list)  # each [B_r, T, H, K]
-    k: list[torch.Tensor] = field(default_factory=list)
-    v: list[torch.Tensor] = field(default_factory=list)  # each [B_r, T, HV, V]
-    a: list[torch.Tensor] = field(default_factory=list)  # each [B_r, T, HV]
-    b: list[torch.Tensor] = field(default_factory=list)
+    works: list[DecodeWork] = field(default_factory=list)  # the requests, in row order
     bf16_bytes: list[tuple[bytes, ...] | None] = field(default_factory=list)  # per request, see DecodeWork
 
     @property
@@ -72,13 +112,30 @@ class StepBatch:
         """Every row writes back to the slot it read (no speculative rows)."""
         return self.slots == self.out_slots
 
+    # each request's tensors ([B_r, T, ...]), for backends that compute on the host
+    @property
+    def q(self) -> list[torch.Tensor]:
+        return [w.q for w in self.works]
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        return [w.k for w in self.works]
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return [w.v for w in self.works]
+
+    @property
+    def a(self) -> list[torch.Tensor]:
+        return [w.a for w in self.works]
+
+    @property
+    def b(self) -> list[torch.Tensor]:
+        return [w.b for w in self.works]
+
     def add(self, work: DecodeWork, slots: list[int], out_slots: list[int] | None = None) -> None:
         self.slots.extend(slots)
         self.out_slots.extend(slots if out_slots is None else out_slots)
         self.layers.extend([work.layer] * len(slots))
-        self.q.append(work.q)
-        self.k.append(work.k)
-        self.v.append(work.v)
-        self.a.append(work.a)
-        self.b.append(work.b)
+        self.works.append(work)
         self.bf16_bytes.append(work.bf16_bytes)

@@ -59,6 +59,24 @@ def test_request_round_trip(B, T, dtype, with_positions, speculative, owner, tag
         # bf16 goes as is; f16/f32 as float32, which holds them exactly
         assert torch.equal(received.float(), sent.float())
     assert (got.bf16_bytes is not None) == (dtype == torch.bfloat16)
+    assert got.tokens == T and got.rows == B
+
+
+def test_bf16_requests_stay_bytes_until_read():
+    """The engine builds no tensor for a bf16 request unless something reads one; what it builds
+    then is the tensor that was sent, and a StepBatch hands backends the same."""
+    from gdn_server.work import StepBatch
+
+    work = _work(3, 2, torch.bfloat16, (1, 2, 3), True, None)
+    _, got = decode_request(_frame(encode_request(5, work)), SHAPE)
+    assert not any(name in got.__dict__ for name in ("q", "k", "v", "a", "b"))
+    assert [bytes(r) for r in got.bf16_bytes] == list(work.bf16_bytes)
+    batch = StepBatch(2)
+    batch.add(got, [0, 1, 2])
+    assert "q" not in got.__dict__ and batch.bf16_bytes == [got.bf16_bytes]
+    assert torch.equal(batch.v[0], work.v) and got.v is batch.v[0]  # built once, then cached
+    for name in ("q", "k", "a", "b"):
+        assert torch.equal(getattr(got, name), getattr(work, name))
 
 
 def test_reply_round_trip_ok_and_error():

@@ -73,17 +73,18 @@ def fill(
     """
     R = batch.rows
     entries = plan.entries
+    # (byte offset, bytes per row) of each input: a request's bytes go at offset + first row * per row
+    places = [(entries[name][0], entries[name][3] // R) for name in INPUTS]
     row = 0
-    for r, raw in enumerate(batch.bf16_bytes):
-        n = batch.q[r].shape[0]
+    for work, raw in zip(batch.works, batch.bf16_bytes):
+        n = len(work.session_ids)
         if raw is not None:
-            for name, data in zip(INPUTS, raw):
-                offset, _, _, nbytes = entries[name]
-                start = offset + row * (nbytes // R)
+            for (offset, per_row), data in zip(places, raw):
+                start = offset + row * per_row
                 host_mem[start : start + len(data)] = data
         else:
-            for name, parts in zip(INPUTS, (batch.q, batch.k, batch.v, batch.a, batch.b)):
-                host_views[name][row : row + n].copy_(parts[r])
+            for name, part in zip(INPUTS, (work.q, work.k, work.v, work.a, work.b)):
+                host_views[name][row : row + n].copy_(part)
         row += n
     for name, values in (("slots", batch.slots), ("layers", batch.layers)) + (
         () if batch.in_place else (("out_slots", batch.out_slots),)
