@@ -7,6 +7,7 @@ tensor is a read-only view of the message bytes (copy it before writing into it)
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -31,6 +32,11 @@ ITEMSIZE_OF: dict[int, int] = {gdn_pb2.BF16: 2, gdn_pb2.F16: 2, gdn_pb2.F32: 4}
 # Bits that are all ones in the exponent of an Inf or NaN, per wire dtype, read as unsigned ints.
 _NONFINITE_EXPONENT = {gdn_pb2.BF16: (np.uint16, 0x7F80), gdn_pb2.F16: (np.uint16, 0x7C00), gdn_pb2.F32: (np.uint32, 0x7F800000)}
 _NUMPY_TO_TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32}
+# The NaN/Inf check masks the words chunk by chunk into a scratch buffer reused per thread: a
+# temporary the size of the tensor would be a fresh multi-MiB allocation per big request (page
+# faults on every one of its pages), and a chunk of 256-512 KiB stays in cache between the two passes.
+_CHECK_CHUNK = 1 << 17  # words
+_scratch = threading.local()
 
 
 class WireFormatError(ValueError):
@@ -91,10 +97,28 @@ def tensor_from_parts(wire_dtype: int, shape: tuple[int, ...], data: bytes, name
         raise WireFormatError(f"{name}: shape {list(shape)} of {dtype} needs {numel * itemsize} bytes, got {len(data)}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    if finite:
-        uint, mask = _NONFINITE_EXPONENT[wire_dtype]
-        # every masked value is <= mask, and equals it exactly where the exponent is all ones
-        if (np.frombuffer(data, dtype=uint) & mask).max() == mask:
-            raise WireFormatError(f"{name} has NaN or Inf values")
+    if finite and _has_nonfinite(data, wire_dtype):
+        raise WireFormatError(f"{name} has NaN or Inf values")
     return torch.frombuffer(data, dtype=dtype).view(shape)
+
+
+def _has_nonfinite(data: Any, wire_dtype: int) -> bool:
+    """True when some value of ``data`` (a non-empty buffer of ``wire_dtype`` values) is NaN or Inf.
+
+    It reads the exponent bits: every masked word is <= mask, and equals it exactly where the
+    exponent is all ones (Inf or NaN), so one max per chunk decides.
+    """
+    uint, mask = _NONFINITE_EXPONENT[wire_dtype]
+    words = np.frombuffer(data, dtype=uint)
+    scratch = getattr(_scratch, uint.__name__, None)
+    if scratch is None:
+        scratch = np.empty(_CHECK_CHUNK, dtype=uint)
+        setattr(_scratch, uint.__name__, scratch)
+    for start in range(0, words.size, _CHECK_CHUNK):
+        chunk = words[start:start + _CHECK_CHUNK]
+        masked = scratch[:chunk.size]
+        np.bitwise_and(chunk, mask, out=masked)
+        if masked.max() == mask:
+            return True
+    return False
 

@@ -48,11 +48,14 @@ def settle_on(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Future, Callable
 
 
 def decode_response(result: DecodeResult) -> gdn_pb2.DecodeResponse:
-    return gdn_pb2.DecodeResponse(
-        o=gdn_pb2.Tensor(dtype=gdn_pb2.BF16, shape=result.shape, data=result.out),
-        positions=result.positions,
-        request_id=result.request_id,
-    )
+    # o is filled in place: `o=gdn_pb2.Tensor(...)` would copy the output bytes twice (into the
+    # Tensor, then the Tensor into the reply), a fresh MiB-sized buffer each for big batches
+    reply = gdn_pb2.DecodeResponse(positions=result.positions, request_id=result.request_id)
+    o = reply.o
+    o.dtype = gdn_pb2.BF16
+    o.shape.extend(result.shape)
+    o.data = result.out
+    return reply
 
 
 def error_response(request_id: str, error: GdnError) -> gdn_pb2.DecodeResponse:

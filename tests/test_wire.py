@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
+from gdn_client import wire
 from gdn_client.wire import WireFormatError, tensor_from_proto, tensor_to_proto
 
 
@@ -31,6 +32,26 @@ def test_non_finite_values_are_found_anywhere(dtype, bad):
             tensor_from_proto(tensor_to_proto(x), finite=True)
     big = torch.full((60,), torch.finfo(dtype).max, dtype=dtype)  # the largest finite value passes
     tensor_from_proto(tensor_to_proto(big), finite=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_non_finite_values_are_found_in_every_chunk(dtype):
+    # the check runs chunk by chunk over big tensors: the first and last word of every chunk count
+    chunk = wire._CHECK_CHUNK
+    n = 2 * chunk + 5
+    clean = tensor_to_proto(torch.randn(n).to(dtype))
+    tensor_from_proto(clean, finite=True)
+    for index in (0, chunk - 1, chunk, 2 * chunk - 1, 2 * chunk, n - 1):
+        for bad in (float("nan"), float("-inf")):
+            x = torch.randn(n).to(dtype)
+            x[index] = bad
+            with pytest.raises(WireFormatError, match="NaN or Inf"):
+                tensor_from_proto(tensor_to_proto(x), finite=True)
+
+
+def test_finite_check_leaves_the_tensor_as_sent():
+    x = torch.randn(3, wire._CHECK_CHUNK + 1).bfloat16()
+    assert torch.equal(tensor_from_proto(tensor_to_proto(x), finite=True), x)
 
 
 def test_inconsistent_messages_are_refused():
