@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence, TypeVar
 
 import torch
+from google.protobuf.internal import api_implementation
 
 from gdn_client._errors import FailedPreconditionError, GdnError, NotFoundError
 from gdn_client.proto.gdn.v1 import gdn_pb2
@@ -28,6 +29,13 @@ from gdn_client.wire import WireFormatError, as_torch, tensor_from_proto, tensor
 __all__ = ["ModelInfo", "Stats", "SessionCursor", "PreparedStep", "prepare_step", "batch_inputs"]
 
 logger = logging.getLogger("gdn_client")
+
+# upb (the default protobuf runtime) hands out a new bytes object per access of a bytes field, so
+# the tensor decoded from a reply's `o.data` is the only holder of that memory and can be returned
+# without copying it (a 2 MiB copy per B=256 reply). bytes are immutable to Python code, but one
+# that nothing else references cannot be observed changing; torch keeps it alive as the storage.
+# The pure-Python runtime returns the bytes the message keeps: there the output is copied.
+_FRESH_BYTES = api_implementation.Type() == "upb"
 
 TensorLike = Any  # torch.Tensor or numpy.ndarray (float16/float32; torch also bfloat16)
 
@@ -243,7 +251,8 @@ class PreparedStep:
                     cur.session_id, self.layer, got, expect,
                 )
             cur._settle(self.layer, got, self)
-        o = o.clone()  # the decoded view aliases the (immutable) message bytes
+        if not _FRESH_BYTES:
+            o = o.clone()  # the view aliases bytes the message still holds
         return o[0] if self.single else o
 
     def fail(self, error: GdnError, *, in_doubt: bool = False) -> None:

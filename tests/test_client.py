@@ -177,6 +177,21 @@ def test_decode_batch(client, gates):
             s.close()
 
 
+def test_outputs_are_the_callers_own_memory():
+    # replies are decoded without a copy: each output must still be independent and writable
+    from gdn_client._codec import SessionCursor, prepare_step
+
+    x = [torch.zeros(1, 1, H, K), torch.zeros(1, 1, H, K), torch.zeros(1, 1, HV, K), torch.zeros(1, 1, HV),
+         torch.zeros(1, 1, HV)]
+    want = torch.randn(1, 1, HV, K).bfloat16()
+    reply = gdn_pb2.DecodeResponse(o=tensor_to_proto(want), positions=[1])
+    first = prepare_step(0, [SessionCursor("a")], *x, single=False).complete(reply)
+    second = prepare_step(0, [SessionCursor("b")], *x, single=False).complete(reply)
+    first += 1
+    assert torch.equal(second, want) and torch.equal(first, want + 1)
+    assert reply.o.data == tensor_to_proto(want).data  # the reply message is untouched
+
+
 def test_decode_batch_is_atomic(client):
     with client.session() as good, client.session() as gone:
         gone.close()
