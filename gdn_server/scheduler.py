@@ -226,6 +226,7 @@ class Scheduler:
         rows = 0
         deferred: list[_DecodeItem | _ControlItem] = []
         control: _ControlItem | None = None
+        max_rows = self.config.max_batch_rows
         for idx, item in enumerate(items):
             if isinstance(item, _ControlItem):
                 if deferred:  # an earlier request is held back: the barrier stays behind it
@@ -245,8 +246,10 @@ class Scheduler:
                     item.done(e if isinstance(e, GdnError) else GdnError(f"malformed request: {e}"))
                     continue
             work = item.work
-            if busy.intersection(work.session_ids) or (rows and rows + work.rows > self.config.max_batch_rows):
-                busy.update(work.session_ids)
+            ids = work.session_ids
+            n = len(ids)
+            if busy.intersection(ids) or (rows and rows + n > max_rows):
+                busy.update(ids)
                 deferred.append(item)
                 continue
             if item.cancelled is not None and item.cancelled():
@@ -254,7 +257,7 @@ class Scheduler:
             try:
                 admitted = self._admit(item)
             except _NotReady:  # a retry of a step still on the device: answer it next iteration
-                busy.update(work.session_ids)
+                busy.update(ids)
                 deferred.append(item)
                 continue
             if admitted is None:
@@ -264,12 +267,16 @@ class Scheduler:
             except GdnError as e:
                 item.done(e)
                 continue
-            batch, members = batches.setdefault(work.tokens, (StepBatch(work.tokens), []))
+            T = work.tokens
+            entry = batches.get(T)
+            if entry is None:  # not setdefault: that would build a StepBatch per request
+                entry = batches[T] = (StepBatch(T), [])
+            batch, members = entry
             member.first_row = batch.rows
             members.append(member)
             batch.add(work, member.read_rows, member.write_rows)
-            busy.update(work.session_ids)
-            rows += work.rows
+            busy.update(ids)
+            rows += n
         for batch, members in batches.values():
             self._submit(batch, members, in_flight)
         return deferred, control
@@ -366,15 +373,18 @@ class Scheduler:
                 m.item.done(GdnError(f"backend failure: {e}"))
             return
         now = time.monotonic()
+        stats, on_dispatch = self.stats, self.on_dispatch
         for m in members:  # the step is queued on the device: later requests see the new positions
-            work = m.item.work
-            self.stats.queue_wait_s += now - m.item.enqueued
-            if self.on_dispatch is not None:
-                self.on_dispatch(started - m.item.enqueued)
+            item = m.item
+            work = item.work
+            stats.queue_wait_s += now - item.enqueued
+            if on_dispatch is not None:
+                on_dispatch(started - item.enqueued)
+            layer, tokens, rows = work.layer, work.tokens, len(m.sessions)
             for row, s in enumerate(m.sessions):
-                before = s.positions[work.layer]
-                s.positions[work.layer] = before + work.tokens
-                s.last_steps[work.layer] = LastStep(before, work.tokens, None, row, work.rows)
+                before = s.positions[layer]
+                s.positions[layer] = before + tokens
+                s.last_steps[layer] = LastStep(before, tokens, None, row, rows)
                 s.last_used = now
                 if work.speculative:
                     s.provisional[work.layer] = Provisional(
@@ -406,17 +416,19 @@ class Scheduler:
             # one copy of the whole output, sliced per request (a numpy round trip each costs more)
             whole = out.view(torch.int16).numpy().tobytes()
             row_bytes = len(whole) // batch.rows
+            single = len(members) == 1
+            self.stats.requests += len(members)  # counted before the answers, as GetStats may follow one
+            shp = self.backend.shape
+            tail = (shp.num_v_heads, shp.head_dim_v)
             for m in members:
                 work = m.item.work
-                if len(members) == 1:
-                    data = whole
-                else:
-                    data = whole[m.first_row * row_bytes : (m.first_row + work.rows) * row_bytes]
+                layer, rows = work.layer, len(m.sessions)
+                data = whole if single else whole[m.first_row * row_bytes : (m.first_row + rows) * row_bytes]
+                positions = []
                 for s in m.sessions:
-                    s.last_steps[work.layer].out = data
-                positions = tuple(s.positions[work.layer] for s in m.sessions)
-                self.stats.requests += 1
-                m.item.done(DecodeResult(data, self._out_shape(work.rows, work.tokens), positions, work.request_id))
+                    s.last_steps[layer].out = data
+                    positions.append(s.positions[layer])
+                m.item.done(DecodeResult(data, (rows, batch.tokens, *tail), tuple(positions), work.request_id))
 
     def _roll_back(self, member: _Admitted) -> None:
         """Undoes the position advance of a step whose backend call failed after dispatch."""
