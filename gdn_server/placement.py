@@ -22,7 +22,7 @@ from gdn_server.sessions import Session, SessionTable
 
 @dataclass
 class Shard:
-    index: int  # position in Placement.shards (the CUDA device ordinal on a GPU host)
+    index: int  # the CUDA device ordinal (or the CPU shard's number); an engine process may hold only device 1
     backend: Backend
     sessions: SessionTable
     scheduler: Scheduler
@@ -75,10 +75,10 @@ class Placement:
 
     def shard_for(self, session_ids: Iterable[str]) -> Shard:
         """The one shard every session of a request lives on."""
-        shards = {self.shard_of(sid).index for sid in session_ids}
+        shards = {shard.index: shard for shard in map(self.shard_of, session_ids)}
         if len(shards) > 1:
             raise FailedPrecondition(
                 f"the sessions of one request live on different devices {sorted(shards)}: send them in separate "
                 "requests, or create them together (CreateSessionRequest.colocate_with)"
             )
-        return self.shards[shards.pop()]
+        return shards.popitem()[1]

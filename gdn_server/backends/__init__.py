@@ -37,11 +37,17 @@ def make_backends(
     """
     device = resolve_device(device)
     if device == "cpu":
-        if devices not in (None, (0,)):
-            raise ValueError("--devices names CUDA devices; the CPU backend serves from one")
+        # `--devices 0,1` on the CPU: that many independent CPU shards (pool, table, scheduler each),
+        # so multi-device placement and one engine process per device run without a GPU (tests, CI)
+        indices = (0,) if devices is None else devices
+        if not indices or len(set(indices)) != len(indices) or min(indices) < 0:
+            raise ValueError(f"--devices {list(indices)}: device numbers must be >= 0, each named once")
         from gdn_server.backends.cpu import CpuBackend
 
-        return [(0, CpuBackend(shape, gates, max_sessions or DEFAULT_CPU_SESSIONS, scale, speculative_sessions))]
+        return [
+            (i, CpuBackend(shape, gates, max_sessions or DEFAULT_CPU_SESSIONS, scale, speculative_sessions))
+            for i in indices
+        ]
     count = torch.cuda.device_count()
     indices = tuple(range(count)) if devices is None else devices
     bad = [i for i in indices if not 0 <= i < count]
