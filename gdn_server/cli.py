@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=None, help="query scale (default 1/sqrt(K))")
     p.add_argument("--devices", default=None,
                    help="CUDA devices to serve from, e.g. 0,1 (default: every visible GPU; one state pool and "
-                        "scheduler each, sessions placed on the one with the most free slots)")
+                        "scheduler each, sessions placed on the one with the most free slots). With --device cpu: "
+                        "that many CPU shards (for testing multi-device serving without a GPU)")
     p.add_argument("--max-sessions", type=int, default=None,
                    help="session capacity per device (default: 64 on the CPU; on a GPU, what fits in 80%% of its "
                         "free memory, at most 4096)")
@@ -51,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows waiting for the device at most; requests beyond get UNAVAILABLE (clients retry)")
     p.add_argument("--frontends", type=int, default=0,
                    help="gRPC front-end worker processes: they parse, validate and answer requests, and hand "
-                        "decode steps to this process, which owns the GPUs (0: serve gRPC in this process; "
-                        "a GPU host serving many clients wants several, see the README)")
+                        "decode steps to one engine process per device, which owns its state pool (0: serve "
+                        "everything in this process; a GPU host serving many clients wants several, see the README)")
     ops = p.add_argument_group("operations")
     ops.add_argument("--metrics-port", type=int, default=None,
                      help="serve Prometheus /metrics on --host at this port; 0 takes a free one (default: off)")
@@ -151,6 +152,14 @@ def main(argv: list[str] | None = None) -> int:
         session_idle_timeout_s=args.session_idle_timeout_s,
         frontends=args.frontends,
     )
+    if settings.frontends:  # workers, a router, and one engine process per device
+        from gdn_server.router import serve_router
+
+        try:
+            return asyncio.run(serve_router(settings))
+        except (ValueError, RuntimeError, OSError) as e:
+            log.error("cannot serve: %s", e)
+            return 2
     try:
         app = build_app(settings)
     except (ValueError, RuntimeError, OSError) as e:

@@ -1,16 +1,18 @@
 """A front-end worker process (`gdn-server --frontends N` starts N of them).
 
 One Python process cannot both serve gRPC at the rate of many clients and feed the GPUs: the
-event loop and the scheduler threads share one GIL (bench/NOTES.md). With `--frontends N` the
-server process becomes the engine (state pools, sessions, schedulers) and N workers share the
-public port (SO_REUSEPORT: the kernel spreads connections over them). A worker terminates TLS,
-checks tokens, parses and validates decode requests, and hands them to the engine as frames on
-a Unix socket (gdn_server.link); every other RPC (sessions, commit, export/import, health,
-reflection) goes through to the engine's own gRPC server on another Unix socket, untouched.
+event loop and the scheduler threads share one GIL (bench/NOTES.md). With `--frontends N`, N
+workers share the public port (SO_REUSEPORT: the kernel spreads connections over them) in front
+of one engine process per device (gdn_server.router has the picture). A worker terminates TLS,
+checks tokens, parses and validates decode requests, and hands each to the engine of its
+sessions as a frame on that engine's decode link (gdn_server.link); every other RPC (sessions,
+commit, export/import, health, reflection) goes through to the router's gRPC server, untouched.
+Where a session lives comes from the router once (`Locate`) and is cached: sessions never move
+between engines.
 
-The engine starts workers with `python -m gdn_server.frontend`, their settings as JSON on
+The router starts workers with `python -m gdn_server.frontend`, their settings as JSON on
 stdin; a worker prints `ready` once it serves, and exits when told (SIGTERM: finish in-flight
-calls first) or when the engine goes away.
+calls first) or when an engine goes away.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape
-from gdn_server.errors import GdnError, Unavailable
+from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
 from gdn_server.metrics import MetricsInterceptor, RpcMetrics
 from gdn_server.link import LENGTH, decode_reply, encode_cancel, encode_request
 from gdn_server.security import (
@@ -42,24 +44,27 @@ from gdn_server.work import DecodeResult, DecodeWork
 log = logging.getLogger("gdn_server.frontend")
 
 GDN_SERVICE = gdn_pb2.DESCRIPTOR.services_by_name["GdnDecode"]
-LOCAL_METHODS = ("Decode", "DecodeStream")  # served here; everything else goes to the engine
+LOCAL_METHODS = ("Decode", "DecodeStream")  # served here; everything else goes to the router
+LOCATE = "/gdn.internal.Router/Locate"  # JSON [session id, ...] -> JSON [engine or null, ...]
+MAX_CACHED_ROUTES = 1 << 17  # session ids remembered; past this the cache starts over
 
 
 @dataclass(frozen=True)
 class FrontendSettings:
-    """What a worker needs, sent as JSON: where to listen, where the engine is, the model shape."""
+    """What a worker needs, sent as JSON: where to listen, where the router and engines are, the
+    model shape."""
 
     index: int
     host: str
     port: int
-    engine_address: str  # "unix:/path": the engine's gRPC server
-    link_path: str  # the engine's decode link socket
+    engine_address: str  # "unix:/path": the router's gRPC server (every RPC but decode steps)
+    link_paths: list[str]  # each engine's decode link socket, in the router's engine order
     shape: dict  # ModelShape fields
     security: dict  # SecurityConfig fields
     max_message_bytes: int
     grace_s: float = 30.0
     log_level: str = "INFO"
-    # where RPC metrics go (prometheus_client multiprocess mode; the engine sets
+    # where RPC metrics go (prometheus_client multiprocess mode; the router sets
     # PROMETHEUS_MULTIPROC_DIR to it for us); None: metrics are off
     metrics_dir: str | None = None
 
@@ -133,16 +138,73 @@ class EngineLinkClient:
         self._task.cancel()
 
 
-class FrontendDecodeRpcs(DecodeRpcs):
-    """Decode and DecodeStream, validated here and run by the engine."""
+class SessionRoutes:
+    """Which engine each session lives on: asked of the router once per session, then cached
+    (an id never moves between engines; a closed one just answers NOT_FOUND from its engine)."""
 
-    def __init__(self, shape: ModelShape, link: EngineLinkClient, metrics: RpcMetrics | None) -> None:
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._locate = channel.unary_unary(LOCATE)
+        self._engine_of: dict[str, int] = {}
+
+    def engine_now(self, session_ids: tuple[str, ...]) -> int | None:
+        """The engine of a request whose sessions are all cached, else None (ask `engine_for`)."""
+        engines = set()
+        for sid in session_ids:
+            engine = self._engine_of.get(sid)
+            if engine is None:
+                return None
+            engines.add(engine)
+        return _one_engine(engines)
+
+    async def engine_for(self, session_ids: tuple[str, ...]) -> int:
+        found = {sid: self._engine_of[sid] for sid in session_ids if sid in self._engine_of}
+        unknown = [sid for sid in session_ids if sid not in found]
+        if unknown:
+            try:
+                answer = json.loads(await self._locate(json.dumps(unknown).encode()))
+            except grpc.aio.AioRpcError as e:
+                raise Unavailable(f"this front end cannot reach the router: {e.details()}") from None
+            if len(self._engine_of) + len(unknown) > MAX_CACHED_ROUTES:
+                self._engine_of.clear()  # mostly closed sessions by now; the live ones are asked again
+            for sid, engine in zip(unknown, answer):
+                if engine is not None:
+                    found[sid] = self._engine_of[sid] = engine
+        # sessions nobody holds: any engine answers NOT_FOUND for them, in the engines' words
+        return _one_engine(set(found.values())) if found else 0
+
+
+def _one_engine(engines: set[int]) -> int:
+    if len(engines) > 1:
+        raise FailedPrecondition(
+            "the sessions of one request live on different devices: send them in separate requests, or create "
+            "them together (CreateSessionRequest.colocate_with)"
+        )
+    return next(iter(engines))
+
+
+class FrontendDecodeRpcs(DecodeRpcs):
+    """Decode and DecodeStream, validated here and run by the engine of their sessions."""
+
+    def __init__(
+        self, shape: ModelShape, links: list[EngineLinkClient], routes: SessionRoutes, metrics: RpcMetrics | None
+    ) -> None:
         self.shape = shape
-        self.link = link
+        self.links = links
+        self.routes = routes
         self.metrics = metrics
 
     def _start_decode(self, request: gdn_pb2.DecodeRequest) -> asyncio.Future:
-        return self.link.submit(self._validated(request))
+        work = self._validated(request)
+        if len(self.links) == 1:
+            return self.links[0].submit(work)
+        engine = self.routes.engine_now(work.session_ids)
+        if engine is not None:
+            return self.links[engine].submit(work)
+        return asyncio.ensure_future(self._located(work))  # cancelling it cancels the submit inside
+
+    async def _located(self, work: DecodeWork) -> DecodeResult:
+        engine = await self.routes.engine_for(work.session_ids)
+        return await self.links[engine].submit(work)
 
 
 def _methods_of(*services) -> dict[str, tuple[bool, bool]]:
@@ -155,7 +217,7 @@ def _methods_of(*services) -> dict[str, tuple[bool, bool]]:
 
 
 class EngineProxy(grpc.GenericRpcHandler):
-    """Passes calls through to the engine's gRPC server as raw bytes, with the caller's identity."""
+    """Passes calls through to the router's gRPC server as raw bytes, with the caller's identity."""
 
     def __init__(self, channel: grpc.aio.Channel, methods: dict[str, tuple[bool, bool]]) -> None:
         self._handlers = {path: self._handler(channel, path, *kind) for path, kind in methods.items()}
@@ -178,7 +240,7 @@ class EngineProxy(grpc.GenericRpcHandler):
 
             def start(requests, context):
                 call = stub(**call_options(context))
-                return call, asyncio.ensure_future(_pump(requests, call))
+                return call, asyncio.ensure_future(pump_requests(requests, call))
         else:
             stub = (channel.unary_stream if server_streaming else channel.unary_unary)(path)
 
@@ -219,8 +281,8 @@ class EngineProxy(grpc.GenericRpcHandler):
         return factory(unary_out)
 
 
-async def _pump(requests, call) -> None:
-    """Writes our caller's request stream to the engine's call, until either side ends."""
+async def pump_requests(requests, call) -> None:
+    """Writes our caller's request stream to the call we pass it on to, until either side ends."""
     try:
         async for request in requests:
             await call.write(request)
@@ -229,25 +291,28 @@ async def _pump(requests, call) -> None:
         pass
 
 
-async def serve_frontend(settings: FrontendSettings) -> None:
+ENGINE_LOST_EXIT = 3  # the router restarts a worker that exits; this code says why in its log
+
+
+async def serve_frontend(settings: FrontendSettings) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # gRPC's poller thread and the event loop share the GIL
     shape = ModelShape(**settings.shape)
     security = SecurityConfig(**settings.security)
     limits = [("grpc.max_receive_message_length", settings.max_message_bytes),
               ("grpc.max_send_message_length", settings.max_message_bytes)]
-    link = await EngineLinkClient.connect(settings.link_path, shape)
+    links = [await EngineLinkClient.connect(path, shape) for path in settings.link_paths]
     channel = grpc.aio.insecure_channel(settings.engine_address, options=limits)
     interceptors: list = []
-    metrics = RpcMetrics(registry=None) if settings.metrics_dir else None  # written to the engine's files
+    metrics = RpcMetrics(registry=None) if settings.metrics_dir else None  # written to the router's files
     if metrics is not None:  # outermost: counts auth failures
         interceptors.append(MetricsInterceptor(metrics))
     if security.auth_token_file or security.mutual_tls:
         tokens = load_tokens(security.auth_token_file) if security.auth_token_file else None
         interceptors.append(AuthInterceptor(tokens, security.mutual_tls))
     interceptors.append(RejectMalformed())
-    # SO_REUSEPORT: every worker binds the same port; the engine holds it reserved meanwhile
+    # SO_REUSEPORT: every worker binds the same port; the router holds it reserved meanwhile
     server = grpc.aio.server(interceptors=interceptors, options=[*limits, ("grpc.so_reuseport", 1)])
-    rpcs = FrontendDecodeRpcs(shape, link, metrics)
+    rpcs = FrontendDecodeRpcs(shape, links, SessionRoutes(channel), metrics)
     decode_handlers = {
         "Decode": grpc.unary_unary_rpc_method_handler(
             rpcs.Decode, request_deserializer=gdn_pb2.DecodeRequest.FromString,
@@ -277,32 +342,34 @@ async def serve_frontend(settings: FrontendSettings) -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     print("ready", flush=True)
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the engine reads one line; later output is logs
-    engine_gone = asyncio.ensure_future(link.closed.wait())
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the router reads one line; later output is logs
+    engine_gone = [asyncio.ensure_future(link.closed.wait()) for link in links]
     told = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([engine_gone, told], return_when=asyncio.FIRST_COMPLETED)
-    if link.closed.is_set() and not stop.is_set():
-        log.error("front end %d: the engine process went away; exiting", settings.index)
+    await asyncio.wait([*engine_gone, told], return_when=asyncio.FIRST_COMPLETED)
+    engine_lost = not stop.is_set()
+    if engine_lost:
+        log.error("front end %d: an engine process went away; exiting", settings.index)
         await server.stop(0)
-    else:  # the engine drains us first: in-flight calls finish while it still serves them
+    else:  # the router drains us first: in-flight calls finish while the engines still serve them
         await server.stop(settings.grace_s)
-    engine_gone.cancel()
-    told.cancel()
-    await link.close()
+    for waiter in (*engine_gone, told):
+        waiter.cancel()
+    for link in links:
+        await link.close()
     await channel.close()
+    return ENGINE_LOST_EXIT if engine_lost else 0
 
 
 def main() -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the engine decides
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the router decides
     settings = FrontendSettings.from_json(sys.stdin.read())
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s frontend[{settings.index}] %(name)s: %(message)s")
     try:
-        asyncio.run(serve_frontend(settings))
+        return asyncio.run(serve_frontend(settings))
     except OSError as e:
         log.error("front end %d cannot serve: %s", settings.index, e)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The engine's side of `--frontends N`: reserve the public port, start the workers, restart one
-that dies, and stop them first on shutdown (their in-flight calls still reach the engine)."""
+"""The router's side of `--frontends N` workers: reserve the public port, start the workers,
+restart one that dies, and stop them first on shutdown (their in-flight calls still reach the
+engines). `spawn_ready` starts engine processes too."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,7 @@ from gdn_server.frontend import FrontendSettings
 
 log = logging.getLogger(__name__)
 
-READY_TIMEOUT_S = 120.0  # a cold start imports torch and grpc
+READY_TIMEOUT_S = 300.0  # a cold start imports torch and grpc; an engine also compiles its kernels
 MIN_UPTIME_S = 10.0  # a worker that dies sooner than this twice in a row is not restarted again
 
 
@@ -71,26 +72,10 @@ class FrontendPool:
         env = dict(os.environ)
         if settings.metrics_dir:  # read by prometheus_client when the worker imports it
             env["PROMETHEUS_MULTIPROC_DIR"] = settings.metrics_dir
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gdn_server.frontend", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, env=env,
-        )
-        proc.stdin.write(settings.to_json().encode())
-        await proc.stdin.drain()
-        proc.stdin.close()
-        try:
-            line = await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            line = b""
-        if line.strip() != b"ready":
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            code = await proc.wait()
-            raise RuntimeError(f"front end {index} did not start (exit code {code}; its log is above)")
-        return proc
+        return await spawn_ready("gdn_server.frontend", settings.to_json(), f"front end {index}", env)
 
     async def _watch(self, index: int) -> None:
-        """Restarts worker `index` when it dies (the engine and every session are unaffected)."""
+        """Restarts worker `index` when it dies (the engines and every session are unaffected)."""
         quick_deaths = 0
         while True:
             proc = self._procs[index]
@@ -128,8 +113,33 @@ class FrontendPool:
                 await proc.wait()
 
 
+async def spawn_ready(module: str, settings_json: str, name: str, env: dict[str, str]) -> asyncio.subprocess.Process:
+    """Starts `python -m module` with its settings on stdin; returns once it prints `ready`.
+    RuntimeError (and the process killed) if it exits or stays silent instead."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", module, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+    )
+    try:
+        proc.stdin.write(settings_json.encode())
+        await proc.stdin.drain()
+        proc.stdin.close()
+        line = await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        line = b""
+    except BaseException:  # cancelled (the server is stopping) or the pipe broke: leave no orphan
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        raise
+    if line.strip() != b"ready":
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        code = await proc.wait()
+        raise RuntimeError(f"{name} did not start (exit code {code}; its log is above)")
+    return proc
+
+
 def private_socket_dir() -> str:
-    """A fresh directory only this user can enter, for the engine's Unix sockets."""
+    """A fresh directory only this user can enter, for the server's Unix sockets."""
     path = tempfile.mkdtemp(prefix="gdn-engine-")
     os.chmod(path, 0o700)
     return path

@@ -14,9 +14,10 @@ Families (all prefixed `gdn_`):
 Each server has its own `CollectorRegistry`, so tests can run several in one process. RPC counts
 come from a server interceptor (`MetricsInterceptor`, outermost, so UNAUTHENTICATED is counted);
 launch and queue figures from the scheduler's `on_launch` / `on_dispatch` hooks. With
---frontends the RPC families are counted in the worker processes, which write them to files in
-the engine's private directory (prometheus_client multiprocess mode); the engine's /metrics
-serves their sum next to its own families.
+--frontends the RPC families are counted in the worker processes and the others in the engine
+processes (one per device); all of them write to files in the server's private directory
+(prometheus_client multiprocess mode; gauges refreshed every `GAUGE_REFRESH_S`), and the main
+process's /metrics serves their sums.
 """
 from __future__ import annotations
 
@@ -32,13 +33,14 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from gdn_server.rpc_wrap import final_code, wrap_handler
 
 if TYPE_CHECKING:
-    from gdn_server.server import GdnApp
+    from gdn_server.placement import Placement
 
 log = logging.getLogger(__name__)
 
 SERVICE_PREFIX = "/gdn.v1.GdnDecode/"
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _WAIT_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5)
+GAUGE_REFRESH_S = 0.5  # how often an engine process writes its gauges (--frontends)
 _RPC_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -61,18 +63,16 @@ class RpcMetrics:
         self.decode_requests.labels(method, code.name).inc()
 
 
-class Metrics:
-    """The metric families of one server process."""
+class EngineMetrics:
+    """The launch, queue and session families, counted where the state pools are: in the server
+    process, or with --frontends in each engine process (multiprocess files, summed by /metrics)."""
 
-    def __init__(self, worker_metrics_dir: str | None = None) -> None:
-        """`worker_metrics_dir`: with --frontends, where the workers write their RPC metrics."""
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.rpc: RpcMetrics | None = None
-        if worker_metrics_dir is None:
-            self.rpc = RpcMetrics(r)
-        else:
-            MultiProcessCollector(r, path=worker_metrics_dir)
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        """`registry` None: multiprocess mode (PROMETHEUS_MULTIPROC_DIR set before the import)."""
+        r = registry
+        self.multiprocess = registry is None
+        # gauges of several engines add up; a dead engine's values drop out
+        live = {"multiprocess_mode": "livesum"} if self.multiprocess else {}
         self.launch_rows = Histogram("gdn_launch_rows", "Rows per backend launch", buckets=_ROW_BUCKETS, registry=r)
         self.queue_wait = Histogram(
             "gdn_queue_wait_seconds", "Per request: time from submit to its backend launch",
@@ -82,27 +82,61 @@ class Metrics:
             "gdn_device_seconds", "Per launch: time from submit to output on the host", buckets=_WAIT_BUCKETS,
             registry=r,
         )
-        self.sessions_in_use = Gauge("gdn_sessions_in_use", "Open sessions", registry=r)
-        self.sessions_capacity = Gauge("gdn_sessions_capacity", "Session capacity of the state pool", registry=r)
-        self.pool_bytes = Gauge("gdn_state_pool_bytes", "Bytes of the bf16 state pool", registry=r)
-        self.queue_depth = Gauge("gdn_queue_depth", "Items waiting in the scheduler queue", registry=r)
-        self._http: Any = None
-        self.port: int | None = None  # of the /metrics endpoint, once serving
+        self.sessions_in_use = Gauge("gdn_sessions_in_use", "Open sessions", registry=r, **live)
+        self.sessions_capacity = Gauge("gdn_sessions_capacity", "Session capacity of the state pool", registry=r, **live)
+        self.pool_bytes = Gauge("gdn_state_pool_bytes", "Bytes of the bf16 state pool", registry=r, **live)
+        self.queue_depth = Gauge("gdn_queue_depth", "Items waiting in the scheduler queue", registry=r, **live)
+        self._placement: Placement | None = None
 
-    def attach(self, app: GdnApp) -> None:
-        """Reads gauges from the app at scrape time and takes the scheduler's hooks."""
-        shards = app.placement.shards  # summed over devices
-        self.sessions_in_use.set_function(lambda: app.placement.in_use)
-        self.sessions_capacity.set_function(lambda: app.placement.capacity)
-        self.pool_bytes.set_function(lambda: sum(s.backend.pool_bytes for s in shards))
-        self.queue_depth.set_function(lambda: sum(s.scheduler.queue_depth() for s in shards))
+    def attach(self, placement: Placement) -> None:
+        """Takes the schedulers' hooks and reads the gauges from `placement` (summed over devices):
+        at scrape time in one process; in multiprocess mode whenever `refresh` runs."""
+        self._placement = placement
+        shards = placement.shards
         for shard in shards:
             shard.scheduler.on_launch = self.observe_launch
             shard.scheduler.on_dispatch = self.queue_wait.observe
+        if self.multiprocess:  # files hold values, not functions: `refresh` writes them
+            self.refresh()
+            return
+        self.sessions_in_use.set_function(lambda: placement.in_use)
+        self.sessions_capacity.set_function(lambda: placement.capacity)
+        self.pool_bytes.set_function(lambda: sum(s.backend.pool_bytes for s in shards))
+        self.queue_depth.set_function(lambda: sum(s.scheduler.queue_depth() for s in shards))
+
+    def refresh(self) -> None:
+        """Writes the gauges' current values (multiprocess mode; an engine calls this every so often)."""
+        placement = self._placement
+        if placement is None:
+            return
+        self.sessions_in_use.set(placement.in_use)
+        self.sessions_capacity.set(placement.capacity)
+        self.pool_bytes.set(sum(s.backend.pool_bytes for s in placement.shards))
+        self.queue_depth.set(sum(s.scheduler.queue_depth() for s in placement.shards))
 
     def observe_launch(self, rows: int, queue_wait_s: float, device_s: float) -> None:
         self.launch_rows.observe(rows)
         self.device_seconds.observe(device_s)
+
+
+class Metrics:
+    """The /metrics endpoint of the process clients reach.
+
+    One process (`Metrics()`): every family lives here. With --frontends (`Metrics(files_dir)`):
+    workers and engine processes write their families to files in `files_dir`, and this
+    endpoint serves their sums."""
+
+    def __init__(self, files_dir: str | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.rpc: RpcMetrics | None = None
+        self.engine: EngineMetrics | None = None
+        if files_dir is None:
+            self.rpc = RpcMetrics(self.registry)
+            self.engine = EngineMetrics(self.registry)
+        else:
+            MultiProcessCollector(self.registry, path=files_dir)
+        self._http: Any = None
+        self.port: int | None = None  # of the /metrics endpoint, once serving
 
     def serve(self, host: str, port: int) -> int:
         """Starts the /metrics HTTP endpoint; returns the port bound."""

@@ -1,15 +1,16 @@
 """Server wiring: settings -> one shard (backend, session table, scheduler) per device -> servicer
--> a grpc.aio server."""
+-> a grpc.aio server.
+
+This is the whole server without --frontends. With --frontends N the same pieces make each
+device's engine process (gdn_server.engine), and gdn_server.router wires the processes together.
+"""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
-import shutil
 import signal
-import socket
 import sys
 from dataclasses import dataclass, field
 
@@ -21,19 +22,14 @@ from grpc_reflection.v1alpha import reflection
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server.backends import make_backends
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape, SchedulerConfig
-from gdn_server.engine_link import EngineLink
-from gdn_server.frontend import FrontendSettings
-from gdn_server.frontend_pool import FrontendPool, private_socket_dir, reserve_port
 from gdn_server.lifecycle import evict_idle, idle_sessions
-from gdn_server.metrics import Metrics, MetricsInterceptor
+from gdn_server.metrics import EngineMetrics, Metrics, MetricsInterceptor
 from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
-from gdn_server.security import (
-    AuthInterceptor, ForwardedIdentity, RejectMalformed, SecurityConfig, load_tokens, server_credentials,
-)
+from gdn_server.security import AuthInterceptor, RejectMalformed, SecurityConfig, load_tokens, server_credentials
 from gdn_server.servicer import GdnDecodeServicer
 from gdn_server.sessions import OwnerQuota, SessionTable
-from gdn_server.snapshot import load_snapshot, save_snapshot
+from gdn_server.snapshot import device_snapshot_dirs, load_snapshots, save_snapshot
 from gdn_server.weights import GateParams
 
 log = logging.getLogger(__name__)
@@ -59,7 +55,7 @@ class ServerSettings:
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: a free port
     state_dir: str | None = None  # sessions are saved here on shutdown and restored on start
     session_idle_timeout_s: float | None = None  # evict sessions unused this long (None: never)
-    frontends: int = 0  # gRPC front-end worker processes in front of this one (0: serve gRPC here)
+    frontends: int = 0  # gRPC worker processes in front of one engine process per device (gdn_server.router)
 
 
 @dataclass
@@ -70,15 +66,11 @@ class GdnApp:
     placement: Placement  # one shard (state pool, session table, scheduler) per device
     servicer: GdnDecodeServicer
     background: list[asyncio.Task] = field(default_factory=list)  # cancelled by stop_server
-    metrics: Metrics | None = None
+    metrics: Metrics | None = None  # the /metrics endpoint of a one-process server
+    engine_metrics: EngineMetrics | None = None  # launch/queue/session families (also in an engine process)
     auth: AuthInterceptor | None = None  # tokens and/or mutual TLS identities
     credentials: grpc.ServerCredentials | None = None  # TLS, else a plaintext port
     health: HealthServicer | None = None  # set by start_server
-    # with --frontends: the workers, the decode link they use and the engine's private sockets
-    frontends: FrontendPool | None = None
-    link: EngineLink | None = None
-    socket_dir: str | None = None
-    reserved_port: socket.socket | None = None
 
 
 def build_app(settings: ServerSettings) -> GdnApp:
@@ -102,19 +94,12 @@ def build_app(settings: ServerSettings) -> GdnApp:
         tokens = load_tokens(sec.auth_token_file) if sec.auth_token_file else None
         app.auth = AuthInterceptor(tokens, sec.mutual_tls)
     app.credentials = server_credentials(sec)
-    if settings.frontends:
-        app.socket_dir = private_socket_dir()  # the engine's sockets, and its workers' metrics files
     if settings.metrics_port is not None:
-        app.metrics = Metrics(worker_metrics_dir=_worker_metrics_dir(app) if settings.frontends else None)
-        app.metrics.attach(app)
+        app.metrics = Metrics()
+        app.engine_metrics = app.metrics.engine
+        app.engine_metrics.attach(placement)
         servicer.metrics = app.metrics.rpc
     return app
-
-
-def _worker_metrics_dir(app: GdnApp) -> str:
-    path = f"{app.socket_dir}/metrics"
-    os.makedirs(path, exist_ok=True)
-    return path
 
 
 def max_message_bytes(shape: ModelShape, max_batch_rows: int) -> int:
@@ -124,84 +109,75 @@ def max_message_bytes(shape: ModelShape, max_batch_rows: int) -> int:
     return min(per_token * shape.max_speculative_tokens * rows + (1 << 20), 2**31 - 1)
 
 
-async def start_server(app: GdnApp) -> tuple[grpc.aio.Server, int]:
-    """Starts serving; returns the server and the port it bound (useful with port 0).
-
-    With `frontends` > 0 this process is the engine: its gRPC server listens on a private Unix
-    socket, and the worker processes it starts serve the public port (gdn_server.frontend)."""
-    settings = app.settings
-    limit = max_message_bytes(settings.shape, settings.scheduler.max_batch_rows)
-    interceptors = []
-    if app.metrics is not None and app.metrics.rpc is not None:  # outermost: counts auth failures
-        interceptors.append(MetricsInterceptor(app.metrics.rpc))
-    if settings.frontends:
-        interceptors.append(ForwardedIdentity())  # the workers authenticated the caller
-    elif app.auth is not None:
-        interceptors.append(app.auth)
-    interceptors.append(RejectMalformed())  # innermost: only authenticated calls get parsed
+def grpc_server(app: GdnApp, interceptors: list, extra_options: tuple = ()) -> grpc.aio.Server:
+    """A grpc.aio server with the GdnDecode servicer, health (NOT_SERVING until `set_serving`)
+    and reflection; no port yet."""
+    limit = max_message_bytes(app.settings.shape, app.settings.scheduler.max_batch_rows)
     server = grpc.aio.server(
         interceptors=interceptors,
-        options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-            ("grpc.so_reuseport", 0),
-        ]
+        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit), *extra_options],
     )
     gdn_pb2_grpc.add_GdnDecodeServicer_to_server(app.servicer, server)
-    app.health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(app.health, server)
-    for service in ("", GDN_SERVICE):
-        await app.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    app.health = add_health_and_reflection(server)
+    return server
+
+
+def add_health_and_reflection(server: grpc.aio.Server) -> HealthServicer:
+    """grpc.health.v1 (NOT_SERVING until `set_serving`) and reflection for GdnDecode and Health."""
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (GDN_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    if settings.frontends:
-        app.reserved_port, port = reserve_port(settings.host, settings.port)
-        if app.socket_dir is None:
-            app.socket_dir = private_socket_dir()
-        engine_address = f"unix:{app.socket_dir}/engine.sock"
-        if server.add_insecure_port(engine_address) == 0:
-            raise OSError(f"could not bind {engine_address}")
-    else:
-        address = f"{settings.host}:{settings.port}"
-        if app.credentials is not None:
-            port = server.add_secure_port(address, app.credentials)
-        else:
-            port = server.add_insecure_port(address)
-        if port == 0:
-            raise OSError(f"could not bind {settings.host}:{settings.port}")
-    if settings.state_dir:  # before the first request: clients continue where they were
-        load_snapshot(settings.state_dir, app.placement.shards, settings.gates)
+    return health
+
+
+async def set_serving(health: HealthServicer, serving: bool) -> None:
+    """Both the whole server ("") and gdn.v1.GdnDecode."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", GDN_SERVICE):
+        await health.set(service, status)
+
+
+def start_shards(app: GdnApp, snapshot_dirs: list[str]) -> None:
+    """Restores the snapshots in `snapshot_dirs` (before the first request: clients continue
+    where they were), then starts each device's scheduler and idle eviction."""
+    settings = app.settings
+    if snapshot_dirs:
+        load_snapshots(snapshot_dirs, app.placement.shards, settings.gates)
     for shard in app.placement:
         shard.scheduler.start()
         if settings.session_idle_timeout_s:
             app.background.append(asyncio.create_task(_evict_idle_sessions(shard, settings.session_idle_timeout_s)))
+
+
+async def start_server(app: GdnApp) -> tuple[grpc.aio.Server, int]:
+    """Starts serving on the public port; returns the server and the port it bound (useful with port 0)."""
+    settings = app.settings
+    interceptors = []
+    if app.metrics is not None and app.metrics.rpc is not None:  # outermost: counts auth failures
+        interceptors.append(MetricsInterceptor(app.metrics.rpc))
+    if app.auth is not None:
+        interceptors.append(app.auth)
+    interceptors.append(RejectMalformed())  # innermost: only authenticated calls get parsed
+    server = grpc_server(app, interceptors, (("grpc.so_reuseport", 0),))
+    await set_serving(app.health, False)
+    address = f"{settings.host}:{settings.port}"
+    if app.credentials is not None:
+        port = server.add_secure_port(address, app.credentials)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind {settings.host}:{settings.port}")
+    if settings.state_dir:  # its own snapshot, and those a server with --frontends left per device
+        start_shards(app, [settings.state_dir, *map(str, device_snapshot_dirs(settings.state_dir).values())])
+    else:
+        start_shards(app, [])
     await server.start()
-    if settings.frontends:
-        await _start_frontends(app, engine_address, port, limit)
     if app.metrics is not None:
         app.metrics.serve(settings.host, settings.metrics_port or 0)
-    for service in ("", GDN_SERVICE):
-        await app.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+    await set_serving(app.health, True)
     return server, port
-
-
-async def _start_frontends(app: GdnApp, engine_address: str, port: int, limit: int) -> None:
-    settings = app.settings
-    app.link = EngineLink(f"{app.socket_dir}/link.sock", settings.shape, app.placement)
-    app.link.start()
-    sec = settings.security
-
-    def settings_for(index: int) -> FrontendSettings:
-        return FrontendSettings(
-            index=index, host=settings.host, port=port, engine_address=engine_address, link_path=app.link.path,
-            shape=dataclasses.asdict(settings.shape), security=dataclasses.asdict(sec), max_message_bytes=limit,
-            grace_s=settings.grace_s, log_level=logging.getLevelName(logging.getLogger("gdn_server").getEffectiveLevel()),
-            metrics_dir=_worker_metrics_dir(app) if app.metrics is not None else None,
-        )
-
-    app.frontends = FrontendPool(settings.frontends, settings_for)
-    await app.frontends.start()
 
 
 async def _evict_idle_sessions(shard: Shard, timeout_s: float) -> None:
@@ -224,9 +200,17 @@ async def stop_server(app: GdnApp, server: grpc.aio.Server) -> None:
     """Graceful: refuse new work, let in-flight RPCs finish, drain the queue, release the device."""
     if app.health is not None:
         await app.health.enter_graceful_shutdown()  # NOT_SERVING from now on
+    try:
+        await drain_shards(app, server)
+        if app.settings.state_dir:
+            await save_shards(app, app.settings.state_dir)
+    finally:
+        close_shards(app)
+
+
+async def drain_shards(app: GdnApp, server: grpc.aio.Server) -> None:
+    """Refuses new work, lets in-flight RPCs finish (grace), then runs every queued step."""
     shards = app.placement.shards
-    if app.frontends is not None:  # first the workers: what they have in flight still runs here
-        await app.frontends.stop(app.settings.grace_s)
     for shard in shards:
         shard.scheduler.stop_accepting()
     for task in app.background:
@@ -234,39 +218,28 @@ async def stop_server(app: GdnApp, server: grpc.aio.Server) -> None:
     await server.stop(app.settings.grace_s)
     loop = asyncio.get_running_loop()
     await asyncio.gather(*(loop.run_in_executor(None, shard.scheduler.stop) for shard in shards))
-    try:
-        if app.settings.state_dir and any(shard.scheduler.running for shard in shards):
-            log.error("a scheduler did not drain in time: no snapshot written (states may be mid-step)")
-        elif app.settings.state_dir:  # every step has finished: the states are final
-            await loop.run_in_executor(None, save_snapshot, app.settings.state_dir, shards, app.settings.gates)
-    finally:
-        for shard in shards:
-            shard.backend.close()
-        if app.metrics is not None:
-            app.metrics.close()
-        _release_engine_sockets(app)
 
 
-def _release_engine_sockets(app: GdnApp) -> None:
-    """Closes what --frontends opened in this process: the decode link, the port, the socket dir."""
-    if app.link is not None:
-        app.link.close()
-    if app.reserved_port is not None:
-        app.reserved_port.close()
-    if app.socket_dir is not None:
-        shutil.rmtree(app.socket_dir, ignore_errors=True)
+async def save_shards(app: GdnApp, state_dir: str) -> None:
+    """Writes every session to `state_dir`, once every step has finished (the states are final)."""
+    shards = app.placement.shards
+    if any(shard.scheduler.running for shard in shards):
+        log.error("a scheduler did not drain in time: no snapshot written (states may be mid-step)")
+        return
+    await asyncio.get_running_loop().run_in_executor(None, save_snapshot, state_dir, shards, app.settings.gates)
+
+
+def close_shards(app: GdnApp) -> None:
+    for shard in app.placement.shards:
+        shard.backend.close()
+    if app.metrics is not None:
+        app.metrics.close()
 
 
 async def serve(app: GdnApp) -> None:
     """Runs until SIGTERM or SIGINT, then stops gracefully."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # see config.py
-    try:
-        server, port = await start_server(app)
-    except BaseException:
-        if app.frontends is not None:
-            await app.frontends.stop(0)
-        _release_engine_sockets(app)
-        raise
+    server, port = await start_server(app)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -274,8 +247,6 @@ async def serve(app: GdnApp) -> None:
     host = app.settings.host
     if app.metrics is not None and app.metrics.port is not None:
         print(f"metrics on http://{host}:{app.metrics.port}/metrics", flush=True)
-    if app.frontends is not None:
-        log.info("%d front-end worker processes serve gRPC (pids %s)", app.frontends.count, app.frontends.pids)
     print(f"listening on {host}:{port}", flush=True)
     for shard in app.placement:
         log.info(

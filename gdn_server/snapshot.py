@@ -10,6 +10,13 @@ Layout of DIR:
     snapshot-<generation>/   one safetensors file per session: 000000.safetensors, 000001...
     rejected-<UTC time>/     a snapshot refused at start (checksum, other model shape), moved aside
                              for an operator to inspect; never loaded again
+    device-<N>/              with --frontends, each device's engine process keeps its own snapshot
+                             here, laid out as above
+
+A server loads every snapshot it finds: one process the top-level one and every device-<N>; an
+engine process its own device-<N>, and the first engine also the top-level one and those of
+devices no engine serves now. So switching --frontends on or off, or serving from fewer devices,
+loses no session (as long as they fit).
 
 manifest.json (UTF-8 JSON):
 
@@ -350,6 +357,31 @@ def _consume(root: Path) -> None:
     _fsync_dir(root)
     for gen in root.glob("snapshot-*"):
         shutil.rmtree(gen, ignore_errors=True)
+
+
+DEVICE_DIR_PREFIX = "device-"
+
+
+def device_snapshot_dir(state_dir: str | os.PathLike, device_index: int) -> Path:
+    """Where the engine process of device `device_index` keeps its snapshot (--frontends)."""
+    return Path(state_dir) / f"{DEVICE_DIR_PREFIX}{device_index}"
+
+
+def device_snapshot_dirs(state_dir: str | os.PathLike) -> dict[int, Path]:
+    """The per-device snapshot directories under `state_dir`, by device index."""
+    root = Path(state_dir)
+    found = {}
+    if root.is_dir():
+        for path in root.glob(f"{DEVICE_DIR_PREFIX}*"):
+            suffix = path.name[len(DEVICE_DIR_PREFIX):]
+            if path.is_dir() and suffix.isdigit():
+                found[int(suffix)] = path
+    return dict(sorted(found.items()))
+
+
+def load_snapshots(dirs: Sequence[str | os.PathLike], shards: Sequence[Shard], gates: GateParams) -> int:
+    """`load_snapshot` of each directory in turn (each is checked and refused on its own)."""
+    return sum(load_snapshot(d, shards, gates) for d in dirs)
 
 
 def load_snapshot(state_dir: str | os.PathLike, shards: Sequence[Shard], gates: GateParams) -> int:

@@ -54,8 +54,9 @@ def _pump(stream, sink: list[str]) -> None:
 def start_server(*flags: str, timeout: float = 60.0, env: dict | None = None) -> Iterator[ServerProcess]:
     """Starts a real server process and yields it once it accepts requests."""
     cmd = [sys.executable, "-m", "gdn_server", "--host", "127.0.0.1", "--port", "0", *flags]
-    cmd += os.environ.get("GDN_TEST_SERVER_FLAGS", "").split()  # e.g. "--frontends 2": the suite in that mode
-    if "--device" not in flags:
+    extra = os.environ.get("GDN_TEST_SERVER_FLAGS", "").split()  # e.g. "--frontends 2": the suite in that mode
+    cmd += extra
+    if "--device" not in flags and "--device" not in extra:  # (argparse takes the last --device given)
         cmd += ["--device", "cpu"]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,

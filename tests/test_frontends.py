@@ -1,10 +1,12 @@
-"""`--frontends N`: gRPC served by worker processes in front of the engine process.
+"""`--frontends N`: gRPC worker processes in front of one engine process per device.
 
-Real processes on loopback: the same script of requests gets bit-identical replies from a server
-with workers and one without; identities, ownership and quotas hold through the workers; a worker
-that dies is replaced without losing a session; workers leave with their engine; the port is
-refused when taken. (The whole suite also runs in this mode with
-`GDN_TEST_SERVER_FLAGS="--frontends 2" make test`.)
+Real processes on loopback (two CPU "devices" stand in for two GPUs): the same script of requests
+gets bit-identical replies from a server with workers and one without, on one device and on two;
+sessions spread over the engines and the per-client limit counts across them; identities and
+ownership hold through the workers; a worker that dies is replaced without losing a session;
+workers and engines leave with the router; an engine that dies stops the server while the others
+save their sessions; snapshots carry over between the modes; the port is refused when taken.
+(The whole suite also runs in this mode with `GDN_TEST_SERVER_FLAGS="--frontends 2" make test`.)
 """
 from __future__ import annotations
 
@@ -27,15 +29,22 @@ from util import decode_request, random_inputs
 
 H, HV = 2, 4
 FRONTENDS = ("--frontends", "2")
-_PIDS = re.compile(r"front-end worker processes serve gRPC \(pids (\[[\d, ]*\])\)")
+ONE_WORKER = ("--frontends", "1")  # where the number of workers does not matter: quicker to start
+TWO_DEVICES = ("--devices", "0,1")
+_PIDS = re.compile(r"front-end workers \(pids (\[[\d, ]*\])\)")
+_ENGINE_PIDS = re.compile(r"engines for devices \[[\d, ]*\] \(pids (\[[\d, ]*\])\)")
+
+
+def _pids(server, pattern: re.Pattern = _PIDS) -> list[int]:
+    for line in server.log:
+        m = pattern.search(line)
+        if m:
+            return ast.literal_eval(m.group(1))
+    raise AssertionError(f"no {pattern.pattern} in the log:\n" + "".join(server.log))
 
 
 def _worker_pids(server) -> list[int]:
-    for line in server.log:
-        m = _PIDS.search(line)
-        if m:
-            return ast.literal_eval(m.group(1))
-    raise AssertionError("no worker pids in the log:\n" + "".join(server.log))
+    return _pids(server, _PIDS)
 
 
 def _alive(pid: int) -> bool:
@@ -88,15 +97,16 @@ def _script(stub) -> list[bytes]:
     return out
 
 
-def test_workers_answer_exactly_as_one_process():
-    flags = (*SMALL_MODEL, "--seed", "3", "--max-sessions", "16")
+@pytest.mark.parametrize("devices", [(), TWO_DEVICES], ids=["one-device", "two-devices"])
+def test_workers_answer_exactly_as_one_process(devices):
+    flags = (*SMALL_MODEL, "--seed", "3", "--max-sessions", "16", *devices)
     with start_server(*flags) as plain, start_server(*flags, *FRONTENDS, "--metrics-port", "0") as fronted:
         with grpc.insecure_channel(plain.address) as ch:
             expected = _script(gdn_pb2_grpc.GdnDecodeStub(ch))
         with grpc.insecure_channel(fronted.address) as ch:
             got = _script(gdn_pb2_grpc.GdnDecodeStub(ch))
         assert got == expected
-        # the workers' RPC counts reach the engine's /metrics, summed
+        # the workers' RPC counts reach the router's /metrics, summed
         url = next(m.group(1) for line in fronted.log if (m := re.search(r"metrics on (\S+)", line)))
         import urllib.request
 
@@ -164,15 +174,82 @@ def test_a_dead_worker_is_replaced_and_sessions_survive():
         assert _alive(second) and s.proc.poll() is None
 
 
-def test_workers_leave_with_their_engine():
-    with start_server(*SMALL_MODEL, *FRONTENDS) as s:
-        pids = _worker_pids(s)
-        s.proc.kill()  # no clean shutdown: the workers see the link close
+def test_workers_and_engines_leave_with_the_router():
+    with start_server(*SMALL_MODEL, *FRONTENDS, *TWO_DEVICES) as s:
+        pids = _worker_pids(s) + _pids(s, _ENGINE_PIDS)
+        assert len(pids) == 4
+        s.proc.kill()  # no clean shutdown: engines see their parent gone, workers their links close
         s.proc.wait(10)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 30
         while any(_alive(p) for p in pids):
-            assert time.monotonic() < deadline, f"workers {pids} outlived the engine"
+            assert time.monotonic() < deadline, f"processes {pids} outlived the router"
             time.sleep(0.05)
+
+
+def test_one_engine_per_device_places_and_limits_across_them():
+    with start_server(*SMALL_MODEL, *FRONTENDS, *TWO_DEVICES, "--max-sessions-per-client", "3") as s, \
+            grpc.insecure_channel(s.address) as ch:
+        stub = gdn_pb2_grpc.GdnDecodeStub(ch)
+        engines = _pids(s, _ENGINE_PIDS)
+        assert len(set(engines)) == 2 and s.proc.pid not in engines
+        ids = [stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10).session_id for _ in range(3)]
+        info = stub.GetModelInfo(gdn_pb2.GetModelInfoRequest(), timeout=10)
+        assert [(d.index, d.sessions_in_use, d.max_sessions) for d in info.devices] == [(0, 2, 64), (1, 1, 64)]
+        assert (info.sessions_in_use, info.max_sessions) == (3, 128)
+        with pytest.raises(grpc.RpcError) as e:  # the limit holds over both engines
+            stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        x = random_inputs(2, 1, H, HV)
+        with pytest.raises(grpc.RpcError) as e:  # sessions 0 and 1 sit on different engines
+            stub.Decode(decode_request(0, ids[:2], x), timeout=10)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "different devices" in e.value.details()
+        assert list(stub.Decode(decode_request(0, [ids[0], ids[2]], x), timeout=10).positions) == [1, 1]
+        for sid in ids:  # every session is served by its own engine, from either worker
+            assert list(stub.Decode(decode_request(1, [sid], random_inputs(1, 1, H, HV)), timeout=10).positions) == [1]
+        stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=ids[1]), timeout=10)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Decode(decode_request(1, [ids[1]], random_inputs(1, 1, H, HV)), timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10)  # the closed one freed a place
+        stats = stub.GetStats(gdn_pb2.GetStatsRequest(), timeout=10)
+        assert (stats.requests, stats.sessions_in_use, stats.max_sessions) == (4, 3, 128)
+
+
+def _positions_after_step(stub, sid: str, layer: int, position: int) -> list[int]:
+    x = random_inputs(1, 1, H, HV, gen=torch.Generator().manual_seed(position))
+    return list(stub.Decode(decode_request(layer, [sid], x, positions=[position]), timeout=10).positions)
+
+
+def test_snapshots_carry_over_between_modes(tmp_path):
+    """Sessions saved by engines (one directory per device) load into one process, and back;
+    a device no engine serves any more hands its sessions to the first engine."""
+    state = ("--state-dir", str(tmp_path))
+    with start_server(*SMALL_MODEL, *ONE_WORKER, *TWO_DEVICES, *state) as s, grpc.insecure_channel(s.address) as ch:
+        stub = gdn_pb2_grpc.GdnDecodeStub(ch)
+        ids = [stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10).session_id for _ in range(3)]
+        for sid in ids:
+            assert _positions_after_step(stub, sid, 0, 0) == [1]
+    assert sorted(p.parent.name for p in tmp_path.glob("device-*/manifest.json")) == ["device-0", "device-1"]
+    rounds = [(TWO_DEVICES, ()), (TWO_DEVICES, ONE_WORKER), (("--devices", "0"), ONE_WORKER)]
+    for step, (devices, mode) in enumerate(rounds, start=1):
+        with start_server(*SMALL_MODEL, *mode, *devices, *state) as s, grpc.insecure_channel(s.address) as ch:
+            stub = gdn_pb2_grpc.GdnDecodeStub(ch)
+            for sid in ids:  # the same sessions, their positions where they were
+                assert _positions_after_step(stub, sid, 0, step) == [step + 1]
+            assert stub.GetModelInfo(gdn_pb2.GetModelInfoRequest(), timeout=10).sessions_in_use == 3
+
+
+def test_an_engine_that_dies_stops_the_server_and_the_others_save(tmp_path):
+    with start_server(*SMALL_MODEL, *ONE_WORKER, *TWO_DEVICES, "--state-dir", str(tmp_path)) as s, \
+            grpc.insecure_channel(s.address) as ch:
+        stub = gdn_pb2_grpc.GdnDecodeStub(ch)
+        for _ in range(2):  # one session on each device
+            stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10)
+        os.kill(_pids(s, _ENGINE_PIDS)[1], signal.SIGKILL)
+        assert s.proc.wait(60) == 1
+        assert "the engine of device 1 exited" in "".join(s.log)
+    assert (tmp_path / "device-0" / "manifest.json").exists()
+    assert not (tmp_path / "device-1" / "manifest.json").exists()
 
 
 def test_a_taken_port_is_refused():

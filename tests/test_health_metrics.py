@@ -85,6 +85,18 @@ def _scrape(server) -> dict[str, list]:
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 
+def _scrape_until(server, ok, timeout: float = 10.0) -> dict:
+    """Scrapes until `ok(metrics)`: with --frontends the engines write their gauges every
+    GAUGE_REFRESH_S, so a gauge may lag the RPC that changed it by that much."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _scrape(server)
+        if ok(m):
+            return m
+        assert time.monotonic() < deadline, "gauges never caught up"
+        time.sleep(0.1)
+
+
 def _value(samples, name: str, **labels) -> float:
     return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
@@ -119,13 +131,13 @@ def test_metrics(server):
         assert _value(m["gdn_launch_rows"], "gdn_launch_rows_sum") >= 4
         assert _value(m["gdn_queue_wait_seconds"], "gdn_queue_wait_seconds_count") >= 4
         assert _value(m["gdn_device_seconds"], "gdn_device_seconds_count") >= 4
-        assert _value(m["gdn_sessions_in_use"], "gdn_sessions_in_use") >= 1
+        m = _scrape_until(server, lambda m: _value(m["gdn_sessions_in_use"], "gdn_sessions_in_use") >= 1)
         assert _value(m["gdn_sessions_capacity"], "gdn_sessions_capacity") == 64
         # 64 sessions' own states plus speculative scratch: 2 per layer for min(64, 32) sessions
         assert _value(m["gdn_state_pool_bytes"], "gdn_state_pool_bytes") == (64 + 2 * 32) * 2 * 3 * 4 * 128 * 128
         assert "gdn_queue_depth" in m
         stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=sid), timeout=10)
-        assert _value(_scrape(server)["gdn_sessions_in_use"], "gdn_sessions_in_use") == 0
+        _scrape_until(server, lambda m: _value(m["gdn_sessions_in_use"], "gdn_sessions_in_use") == 0)
 
 
 def test_metrics_off_by_default():
