@@ -5,7 +5,9 @@ waits 60 us without the GIL (as a GPU step would), behind the real servicer and 
     python bench/frontend.py --serve --port 50079     # only the server (for py-spy and friends)
 
 What it measures is everything but the kernel: gRPC, validation, scheduling, staging-sized
-copies, answering. bench/NOTES.md compares versions of the front end with it.
+copies, answering. bench/NOTES.md compares versions of the front end with it. (One process only:
+with --frontends the engines are separate processes that build their own backends; for their
+per-request cost see bench/engine_path.py.)
 """
 from __future__ import annotations
 
@@ -56,13 +58,13 @@ class HostOnlyBackend(CpuBackend):
         return _Waiting(torch.zeros(batch.rows, batch.tokens, s.num_v_heads, s.head_dim_v, dtype=torch.bfloat16))
 
 
-def run_server(port: int, sessions: int, frontends: int) -> None:
+def run_server(port: int, sessions: int) -> None:
     shape = ModelShape(num_layers=4, num_q_heads=16, num_v_heads=32)
     gates = random_gate_params(shape, 0)
     backend = HostOnlyBackend(shape, gates, sessions, speculative_sessions=0)
     table = SessionTable(sessions, shape.num_layers)
     placement = Placement([Shard(0, backend, table, Scheduler(backend, table, SchedulerConfig()))])
-    settings = ServerSettings(shape=shape, gates=gates, port=port, device="cpu", frontends=frontends)
+    settings = ServerSettings(shape=shape, gates=gates, port=port, device="cpu")
     app = GdnApp(settings, placement, GdnDecodeServicer(shape, placement, backend.name))
     asyncio.run(serve(app))
 
@@ -73,13 +75,12 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--clients", default="1,32")
     p.add_argument("--duration", type=float, default=4.0)
-    p.add_argument("--frontends", type=int, default=0, help="gRPC worker processes in front of the engine")
+    p.add_argument("--load", default="", help="more gdn-loadtest flags, e.g. '--batch 256 --mode unary --echo'")
     args = p.parse_args()
     if args.serve:
-        run_server(args.port, sessions=600, frontends=args.frontends)
+        run_server(args.port, sessions=600)
         return
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", "--port", "0", "--frontends", str(args.frontends)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", "--port", "0"], stdout=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:
             m = re.search(r"listening on (\S+):(\d+)", line)
@@ -89,7 +90,7 @@ def main() -> None:
         else:
             raise RuntimeError("the server did not start")
         subprocess.run([sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--clients", args.clients,
-                        "--duration", str(args.duration), "--no-progress"], check=True, timeout=600)
+                        "--duration", str(args.duration), "--no-progress", *args.load.split()], check=True, timeout=600)
     finally:
         proc.terminate()
         proc.wait(30)
