@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|checks|serve|scale|speculative   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|speculative   (each part fits in one 10-minute call)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side.
 # Logs and results go to $OUT (or bench/results).
 set -uo pipefail
@@ -17,6 +17,11 @@ case "${1:-}" in
     nvidia-smi -L
     timeout 270 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py tests/gpu/test_multi_gpu.py \
       tests/gpu/test_kernel.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
+    ;;
+  frontends)  # the --frontends tests against CUDA servers (two GPUs: one engine process per GPU)
+    GDN_TEST_SERVER_FLAGS="--device cuda" GDN_TEST_SERVER_TIMEOUT=300 timeout 560 python3 -m pytest -q \
+      -p no:cacheprovider tests/test_frontends.py tests/test_replicas.py -k "${TESTS:-exactly or places or dies or migrat}" \
+      2>&1 | tee "$out/gpu_frontends.log" | tail -15
     ;;
   checks)
     timeout 60 python3 bench/backend_step.py --out "$out" 2>&1 | tee "$out/backend_step.log" | tail -6
@@ -34,5 +39,5 @@ case "${1:-}" in
   speculative)
     timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8
     ;;
-  *) echo "usage: $0 tests|checks|serve|scale|speculative" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|frontends|checks|serve|scale|speculative" >&2; exit 2 ;;
 esac

@@ -52,7 +52,10 @@ def _pump(stream, sink: list[str]) -> None:
 
 @contextlib.contextmanager
 def start_server(*flags: str, timeout: float = 60.0, env: dict | None = None) -> Iterator[ServerProcess]:
-    """Starts a real server process and yields it once it accepts requests."""
+    """Starts a real server process and yields it once it accepts requests.
+
+    GDN_TEST_SERVER_TIMEOUT raises `timeout` (CUDA servers compile their kernels first)."""
+    timeout = max(timeout, float(os.environ.get("GDN_TEST_SERVER_TIMEOUT", 0)))
     cmd = [sys.executable, "-m", "gdn_server", "--host", "127.0.0.1", "--port", "0", *flags]
     extra = os.environ.get("GDN_TEST_SERVER_FLAGS", "").split()  # e.g. "--frontends 2": the suite in that mode
     cmd += extra
