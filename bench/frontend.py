@@ -28,6 +28,7 @@ from gdn_server.scheduler import Scheduler
 from gdn_server.server import GdnApp, ServerSettings, serve
 from gdn_server.servicer import GdnDecodeServicer
 from gdn_server.sessions import SessionTable
+from gdn_server.tuning import tune_malloc
 from gdn_server.weights import random_gate_params
 
 GPU_WAIT_S = 60e-6
@@ -59,6 +60,7 @@ class HostOnlyBackend(CpuBackend):
 
 
 def run_server(port: int, sessions: int) -> None:
+    tune_malloc()  # as gdn-server's entry points do
     shape = ModelShape(num_layers=4, num_q_heads=16, num_v_heads=32)
     gates = random_gate_params(shape, 0)
     backend = HostOnlyBackend(shape, gates, sessions, speculative_sessions=0)

@@ -40,6 +40,7 @@ from gdn_client._echo import STREAM as ECHO_STREAM
 from gdn_client._echo import UNARY as ECHO_UNARY
 from gdn_client._echo import echo_request
 from gdn_client._errors import GdnError, error_from_code, error_from_rpc
+from gdn_client._malloc import tune_malloc
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 
 __all__ = ["LoadConfig", "RunResult", "run_load", "main"]
@@ -555,6 +556,9 @@ async def _run_echo_all(args: argparse.Namespace, ours: Sequence[RunResult], add
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # one client process drives both our server and the echo floor: tuned like the servers, it
+    # adds no page-fault cost of its own to either side of the comparison
+    tune_malloc(logger)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.duration is None and args.requests is None:

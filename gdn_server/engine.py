@@ -35,6 +35,7 @@ from gdn_server.snapshot import SnapshotError
 from gdn_server.server import (
     GdnApp, ServerSettings, build_app, close_shards, drain_shards, grpc_server, save_shards, set_serving, start_shards,
 )
+from gdn_server.tuning import tune_malloc
 from gdn_server.weights import load_gate_params
 
 log = logging.getLogger("gdn_server.engine")
@@ -154,6 +155,7 @@ async def _stop_when_orphaned(stop: asyncio.Event) -> None:
 
 
 def main() -> int:
+    tune_malloc()  # before any big buffer: see gdn_server/tuning.py
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the router decides
     settings = EngineSettings.from_json(sys.stdin.read())
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,

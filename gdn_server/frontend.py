@@ -39,6 +39,7 @@ from gdn_server.security import (
     server_credentials,
 )
 from gdn_server.servicer import DecodeRpcs
+from gdn_server.tuning import tune_malloc
 from gdn_server.work import DecodeResult, DecodeWork
 
 log = logging.getLogger("gdn_server.frontend")
@@ -361,6 +362,7 @@ async def serve_frontend(settings: FrontendSettings) -> int:
 
 
 def main() -> int:
+    tune_malloc()  # before any big buffer: see gdn_server/tuning.py
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the router decides
     settings = FrontendSettings.from_json(sys.stdin.read())
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,

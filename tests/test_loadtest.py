@@ -61,3 +61,35 @@ def test_too_many_sessions_is_a_clear_error(small_server, capsys):
     rc = loadtest.main(["--target", small_server.address, "--clients", "65", "--requests", "1", "--no-progress"])
     assert rc == 1
     assert "sessions" in capsys.readouterr().err
+
+
+def _glibc() -> bool:
+    import platform
+
+    return platform.libc_ver()[0] == "glibc"
+
+
+@pytest.mark.skipif(not _glibc(), reason="mallopt thresholds are a glibc feature")
+def test_tune_malloc_sets_the_thresholds_the_environment_leaves_open(monkeypatch):
+    from gdn_client import _malloc
+    from gdn_server.tuning import tune_malloc
+
+    for env in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", _malloc.DISABLE_ENV):
+        monkeypatch.delenv(env, raising=False)
+    # sets them in this test process too: it only changes how much freed heap pytest keeps
+    assert tune_malloc() == {"M_MMAP_THRESHOLD": 32 << 20, "M_TRIM_THRESHOLD": 1 << 30}
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(1 << 30))  # the operator's choice wins
+    assert tune_malloc() == {"M_MMAP_THRESHOLD": 32 << 20}
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=33554432")
+    assert tune_malloc() == {}
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.setenv(_malloc.DISABLE_ENV, "0")
+    assert tune_malloc() == {}
+
+
+def test_tune_malloc_is_a_no_op_without_glibc(monkeypatch):
+    from gdn_client import _malloc
+
+    monkeypatch.setattr(_malloc, "_glibc_mallopt", lambda: None)
+    assert _malloc.tune_malloc() == {}
