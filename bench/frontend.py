@@ -1,5 +1,6 @@
-"""The server's own overhead, on any machine: a backend that does a GPU step's host work and then
-waits 60 us without the GIL (as a GPU step would), behind the real servicer and scheduler.
+"""The server's own overhead, on any machine: a backend that does a GPU step's host work (CudaBackend's
+staging code, gdn_server/backends/staging.py) and then waits 60 us without the GIL (as a GPU step
+would), behind the real servicer and scheduler.
 
     python bench/frontend.py --clients 1,32          # starts the server, runs gdn-loadtest on it
     python bench/frontend.py --serve --port 50079     # only the server (for py-spy and friends)
@@ -21,6 +22,7 @@ import time
 import torch
 
 from gdn_server.backends.base import PendingStep
+from gdn_server.backends.staging import Plan, carve, fill, make_plan
 from gdn_server.backends.cpu import CpuBackend
 from gdn_server.config import ModelShape, SchedulerConfig
 from gdn_server.placement import Placement, Shard
@@ -30,8 +32,10 @@ from gdn_server.servicer import GdnDecodeServicer
 from gdn_server.sessions import SessionTable
 from gdn_server.tuning import tune_malloc
 from gdn_server.weights import random_gate_params
+from gdn_server.work import StepBatch
 
 GPU_WAIT_S = 60e-6
+RING = 8  # staging sets, as CudaBackend
 
 
 class _Waiting(PendingStep):
@@ -46,17 +50,53 @@ class _Waiting(PendingStep):
         return self._out
 
 
+class _Staging:
+    """One of CudaBackend's staging sets without its device twin: an ordinary (not pinned) input
+    buffer and the output buffer the device's D2H copy would fill, made once and reused."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.host = torch.empty(plan.total, dtype=torch.uint8)
+        self.host_bytes = self.host.numpy()
+        self.host_mem = memoryview(self.host_bytes)
+        self.out_host = torch.zeros(plan.out_bytes, dtype=torch.uint8)
+        self.views: dict[tuple[int, int], tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
+
+    def views_for(self, plan: Plan, key: tuple[int, int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        views = self.views.get(key)
+        if views is None:  # made once per (R, T), as CudaBackend's _Views
+            host = {name: carve(self.host, e) for name, e in plan.entries.items()}
+            out = self.out_host[: plan.out_bytes].view(torch.bfloat16).view(plan.out_shape)
+            views = self.views[key] = (host, out)
+        return views
+
+
 class HostOnlyBackend(CpuBackend):
-    """Copies the inputs as staging would, skips the math, waits like a GPU."""
+    """CudaBackend's host work per launch (the same staging code: a memcpy per request and input
+    into a reused buffer from a ring, the index writes), no math, then a GIL-free wait like a GPU
+    step's. The output is the staging set's output buffer, as CudaBackend returns its pinned one
+    (the D2H copy itself is the device's work: all zeros here). Session operations are the CPU
+    backend's (its state pool is allocated but only touched by them)."""
 
     name = "host-only"
 
-    def submit(self, batch):
-        for parts in (batch.q, batch.k, batch.v, batch.a, batch.b):
-            for part in parts:
-                part.clone()
-        s = self.shape
-        return _Waiting(torch.zeros(batch.rows, batch.tokens, s.num_v_heads, s.head_dim_v, dtype=torch.bfloat16))
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._plans: dict[tuple[int, int], Plan] = {}
+        self._ring: list[_Staging | None] = [None] * RING
+        self._next = 0
+
+    def submit(self, batch: StepBatch) -> PendingStep:
+        R, T = batch.rows, batch.tokens
+        plan = self._plans.get((R, T))
+        if plan is None:
+            plan = self._plans[(R, T)] = make_plan(self.shape, R, T)
+        staging = self._ring[self._next]
+        if staging is None or staging.host.numel() < plan.total or staging.out_host.numel() < plan.out_bytes:
+            staging = self._ring[self._next] = _Staging(plan)
+        self._next = (self._next + 1) % RING
+        host, out = staging.views_for(plan, (R, T))
+        fill(batch, plan, staging.host_mem, staging.host_bytes, host)
+        return _Waiting(out)
 
 
 def run_server(port: int, sessions: int) -> None:
