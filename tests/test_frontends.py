@@ -187,7 +187,7 @@ def test_workers_and_engines_leave_with_the_router():
 
 
 def test_one_engine_per_device_places_and_limits_across_them():
-    with start_server(*SMALL_MODEL, *FRONTENDS, *TWO_DEVICES, "--max-sessions-per-client", "3") as s, \
+    with start_server(*SMALL_MODEL, *FRONTENDS, *TWO_DEVICES, "--max-sessions", "64", "--max-sessions-per-client", "3") as s, \
             grpc.insecure_channel(s.address) as ch:
         stub = gdn_pb2_grpc.GdnDecodeStub(ch)
         engines = _pids(s, _ENGINE_PIDS)
