@@ -7,12 +7,17 @@ does), and sums their throughput. The same load against the gRPC echo floor, wit
 processes, says whether the bound is the GPU, the server's Python front end, or the loader.
 
     python bench/scale.py --frontends 0,8 --out bench/results   # on a host with two GPUs (~5 min)
+
+With --no-echo it also reports the CPU cores each process of the server (router or one process,
+engines, workers) and the load processes used during each point, from /proc: what bounds a point
+(a process at ~1.0 core is saturated; all cores busy means the host is).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -63,6 +68,64 @@ def parallel_load(target: str, clients: int, procs: int, duration: float, echo: 
     return result
 
 
+# -- where the CPU goes: per process of the server, and the load processes --------------------------
+
+def _cpu_seconds_by_pid() -> dict[int, tuple[int, str, float]]:
+    """pid -> (parent pid, command line, user+system CPU seconds so far), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        rest = stat[stat.rindex(")") + 2 :].split()  # fields from 3 (state) on
+        table[int(entry)] = (int(rest[1]), cmd, (int(rest[11]) + int(rest[12])) / tick)
+    return table
+
+
+def _role(cmd: str) -> str:
+    if "gdn_server.engine" in cmd:
+        return "engine"
+    if "gdn_server.frontend" in cmd:
+        return "worker"
+    return "server"  # the one process, or the router with --frontends
+
+
+def server_cpu(root: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds so far of every process of the server rooted at `root`, with its role."""
+    table = _cpu_seconds_by_pid()
+    tree, grew = {root}, True
+    while grew:
+        grew = False
+        for pid, (ppid, _, _) in table.items():
+            if ppid in tree and pid not in tree:
+                tree.add(pid)
+                grew = True
+    return {pid: (_role(table[pid][1]), table[pid][2]) for pid in tree if pid in table}
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's reaped children (the load processes, once they ended)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def cores_used(before: dict, after: dict, seconds: float) -> dict[str, list[float]]:
+    """Cores (CPU seconds per second) each server process used between two `server_cpu` looks,
+    by role, busiest first."""
+    by_role: dict[str, list[float]] = {}
+    for pid, (role, cpu) in after.items():
+        used = cpu - before.get(pid, (role, 0.0))[1]
+        by_role.setdefault(role, []).append(round(used / seconds, 2))
+    return {role: sorted(v, reverse=True) for role, v in by_role.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -73,6 +136,7 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=4.0)
     p.add_argument("--max-sessions", type=int, default=1300, help="per device, for the throughput runs (room for every point's clients at once)")
     p.add_argument("--frontends", default="0", help="comma list of --frontends values per device set")
+    p.add_argument("--no-echo", action="store_true", help="skip the echo floor (then CPU per process is reported)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = p.parse_args()
     out = Path(args.out)
@@ -94,7 +158,16 @@ def main() -> None:
             try:
                 for clients in (int(c) for c in args.clients.split(",")):
                     # the echo floor does not depend on the server: once per device set
-                    r = parallel_load(target, clients, args.procs, args.duration, echo=i == 0)
+                    echo = i == 0 and not args.no_echo
+                    cpu_before, load_before, started = server_cpu(proc.pid), children_cpu(), time.monotonic()
+                    r = parallel_load(target, clients, args.procs, args.duration, echo=echo)
+                    if not echo:
+                        # the server works only while the load runs (`duration`); the loaders also
+                        # spend their start-up (imports) inside the window
+                        window = time.monotonic() - started
+                        r["cores"] = cores_used(cpu_before, server_cpu(proc.pid), args.duration)
+                        r["cores"]["load procs (sum)"] = [round((children_cpu() - load_before) / window, 2)]
+                        r["cpu_window_s"] = round(window, 2)
                     r["devices"] = devices
                     r["frontends"] = frontends
                     results["throughput"].append(r)
@@ -115,6 +188,16 @@ def main() -> None:
         pct = f"{100 * r['gdn_steps_per_s'] / floor:.0f}%" if floor else "-"
         lines.append(f"| {r['devices']} | {r['frontends']} | {r['clients']} | {r['procs']} | {r['gdn_steps_per_s']:,.0f} | "
                      f"{floor or float('nan'):,.0f} | {pct} | {p50:.2f} | {rpl:.1f} |")
+    cpu_rows = [r for r in results["throughput"] if "cores" in r]
+    if cpu_rows:
+        lines += ["", "CPU cores used per process (busiest first): server processes over the load's duration, "
+                  "load processes over the whole window (with their start-up):", "",
+                  "| devices | frontends | clients | window s | " + " | ".join(("server", "engine", "worker", "load procs (sum)"))
+                  + " |", "|---|---|---|---|---|---|---|---|"]
+        for r in cpu_rows:
+            cells = [", ".join(f"{c:.2f}" for c in r["cores"].get(k, [])) or "-"
+                     for k in ("server", "engine", "worker", "load procs (sum)")]
+            lines.append(f"| {r['devices']} | {r['frontends']} | {r['clients']} | {r['cpu_window_s']} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     (out / "scale.md").write_text(table + "\n")
     print(table)
