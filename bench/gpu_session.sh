@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|speculative   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|speculative   (each part fits in one 10-minute call)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side.
 # Logs and results go to $OUT (or bench/results).
 set -uo pipefail
@@ -36,8 +36,12 @@ case "${1:-}" in
     timeout 480 python3 bench/scale.py --device cuda --duration 3 --frontends "${FRONTENDS:-0,8}" --out "$out" 2>&1 \
       | tee "$out/scale.log" | tail -20
     ;;
+  scalecpu)  # where the CPU goes at the scale-out point (no echo floor; per-process cores)
+    timeout 300 python3 bench/scale.py --device cuda --duration 4 --frontends "${FRONTENDS:-8}" --device-sets "0,1;0" \
+      --clients 512 --no-echo --out "$out/scalecpu" 2>&1 | tail -12
+    ;;
   speculative)
     timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8
     ;;
-  *) echo "usage: $0 tests|frontends|checks|serve|scale|speculative" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|speculative" >&2; exit 2 ;;
 esac
