@@ -90,6 +90,10 @@ def list_sessions_handler(app: GdnApp) -> grpc.GenericRpcHandler:
 async def serve_engine(settings: EngineSettings) -> None:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # see config.py
     shape = ModelShape(**settings.shape)
+    if settings.device == "cuda":  # pinned buffers and events would otherwise open a context on GPU 0 too
+        import torch
+
+        torch.cuda.set_device(settings.device_index)
     gates = load_gate_params(settings.gates_path, shape.num_v_heads)
     app = build_app(ServerSettings(
         shape=shape, gates=gates, device=settings.device, devices=(settings.device_index,),
