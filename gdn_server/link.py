@@ -1,9 +1,9 @@
-"""The frame format between front-end worker processes and the engine process (`--frontends N`).
+"""The frame format between front-end worker processes and engine processes (`--frontends N`).
 
 A front-end worker serves gRPC, parses and validates each DecodeRequest, and hands it to the
-engine (the process that owns the state pools) as one request frame on a Unix socket; the engine
-answers with one reply frame. Both sides are processes of one server, started by it, on a socket
-in a directory only its user can open: the link is trusted, so frames carry already validated
+engine of its sessions (the process that owns that device's state pool) as one request frame on
+a Unix socket; the engine answers with one reply frame. Both sides are processes of one server,
+started by it, on a socket in a directory only its user can open: the link is trusted, so frames carry already validated
 requests and the caller's authenticated identity.
 
 Every frame is a little-endian u32 byte count, then the frame:

@@ -46,7 +46,7 @@ _RPC_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0
 
 class RpcMetrics:
     """The per-RPC families, counted where gRPC is served: in the server process, or with
-    --frontends in each worker (prometheus_client's multiprocess mode; the engine serves the sum)."""
+    --frontends in each worker (prometheus_client's multiprocess mode; the router serves the sum)."""
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
         r = registry
