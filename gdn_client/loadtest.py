@@ -12,6 +12,12 @@ prints one row per clients value: steps/s, tokens*layers/s (= steps/s * B * T), 
 latency, errors, the server's mean rows per kernel launch over the run (GetStats delta), and with
 ``--echo`` the same load against a bytes echo server with identical message sizes
 (`gdn_client._echo`, started as a subprocess) and our throughput as a percentage of it.
+
+Latency is what both kinds of client have in common: from handing a ready request to gRPC until
+its reply's bytes are in. Building the next request (our client adds each step's header to
+pre-encoded tensors: a copy of the whole request) and checking the reply (our client parses it)
+are client work the echo client does not do; they run outside that interval, and count in
+steps/s, since each client sends its next step only after.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ import grpc
 import grpc.aio
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 
 from gdn_client._codec import ModelInfo, Stats, encode_request, model_info_from_proto, stats_from_proto
 from gdn_client._echo import STREAM as ECHO_STREAM
@@ -129,8 +136,8 @@ class _ClientTally:
 
 
 # -- one exchange per step: the same loop drives gdn and echo --------------------------------------
-
-Exchange = Callable[[], Awaitable[None]]  # sends one step and waits for its reply; raises on error
+# A worker has prepare() -> request bytes (not timed), send(request) -> reply bytes (timed) and
+# check(reply) (not timed; raises GdnError for an error reply); exchange() does all three.
 
 
 INPUT_SETS = 4  # pre-drawn input sets per client, rotated step by step
@@ -166,8 +173,9 @@ class _GdnWorker:
         self.call: Any = None
         self.request_bytes = 0
         self.reply_bytes = 0
-        # requests go out as bytes we encoded (no serializer); replies parse as usual
-        self.decode = self.channel.unary_unary(_DECODE, response_deserializer=gdn_pb2.DecodeResponse.FromString)
+        # requests go out as bytes we encoded, replies come in as bytes (as the echo client's do):
+        # check() parses them after the latency is taken
+        self.decode = self.channel.unary_unary(_DECODE)
 
     async def open(self) -> None:
         for _ in range(self.cfg.batch):  # one device for all of them: they share every request
@@ -176,10 +184,9 @@ class _GdnWorker:
             self.session_ids.append(reply.session_id)
         self.bodies = [encode_request(0, self.session_ids, (), x).SerializeToString() for x in self.inputs]
         if self.cfg.mode == "stream":
-            self.call = self.channel.stream_stream(
-                _DECODE_STREAM, response_deserializer=gdn_pb2.DecodeResponse.FromString)()
+            self.call = self.channel.stream_stream(_DECODE_STREAM)()
 
-    def _next_request(self) -> bytes:
+    def prepare(self) -> bytes:
         self.layer = layer = self.step_index % self.layers
         header = gdn_pb2.DecodeRequest(
             layer=layer, positions=[self.positions[layer]] * self.cfg.batch, request_id=str(self.step_index)
@@ -188,30 +195,36 @@ class _GdnWorker:
         self.request_bytes = len(wire)
         return wire
 
-    def _advance(self, reply: gdn_pb2.DecodeResponse) -> None:
+    async def send(self, request: bytes) -> bytes:
+        if self.call is None:
+            try:
+                return await self.decode(request, timeout=self.cfg.timeout)
+            except grpc.RpcError as exc:
+                raise error_from_rpc(exc) from None
+        try:
+            await self.call.write(request)
+            reply = await self.call.read()
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        if reply is grpc.aio.EOF:
+            raise GdnError("DecodeStream ended", grpc.StatusCode.UNAVAILABLE)
+        return reply
+
+    def check(self, reply: bytes) -> None:
+        """Parses the reply (a DecodeStream error arrives in it) and advances the positions."""
+        try:
+            msg = gdn_pb2.DecodeResponse.FromString(reply)
+        except DecodeError as exc:
+            raise GdnError(f"malformed reply: {exc}") from None
+        if msg.error_code:
+            raise error_from_code(msg.error_code, msg.error_message)
         self.positions[self.layer] += self.cfg.tokens
         self.step_index += 1
         if not self.reply_bytes:
-            self.reply_bytes = reply.ByteSize()
+            self.reply_bytes = len(reply)
 
     async def exchange(self) -> None:
-        req = self._next_request()
-        if self.call is None:
-            try:
-                reply = await self.decode(req, timeout=self.cfg.timeout)
-            except grpc.RpcError as exc:
-                raise error_from_rpc(exc) from None
-        else:
-            try:
-                await self.call.write(req)
-                reply = await self.call.read()
-            except grpc.RpcError as exc:
-                raise error_from_rpc(exc) from None
-            if reply is grpc.aio.EOF:
-                raise GdnError("DecodeStream ended", grpc.StatusCode.UNAVAILABLE)
-            if reply.error_code:
-                raise error_from_code(reply.error_code, reply.error_message)
-        self._advance(reply)
+        self.check(await self.send(self.prepare()))
 
     async def close(self) -> None:
         if self.call is not None:
@@ -232,6 +245,7 @@ class _EchoWorker:
         self.cfg = cfg
         self.channel = grpc.aio.insecure_channel(address, _CHANNEL_ARGS)
         self.payload = echo_request(request_bytes, reply_bytes)
+        self.reply_bytes = reply_bytes
         self.call: Any = None
 
     async def open(self) -> None:
@@ -240,16 +254,27 @@ class _EchoWorker:
         else:
             self.unary = self.channel.unary_unary(ECHO_UNARY)
 
-    async def exchange(self) -> None:
+    def prepare(self) -> bytes:
+        return self.payload
+
+    async def send(self, request: bytes) -> bytes:
         try:
             if self.call is None:
-                await self.unary(self.payload, timeout=self.cfg.timeout)
-            else:
-                await self.call.write(self.payload)
-                if await self.call.read() is grpc.aio.EOF:
-                    raise GdnError("echo stream ended", grpc.StatusCode.UNAVAILABLE)
+                return await self.unary(request, timeout=self.cfg.timeout)
+            await self.call.write(request)
+            reply = await self.call.read()
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
+        if reply is grpc.aio.EOF:
+            raise GdnError("echo stream ended", grpc.StatusCode.UNAVAILABLE)
+        return reply
+
+    def check(self, reply: bytes) -> None:
+        if len(reply) != self.reply_bytes:
+            raise GdnError(f"echo reply of {len(reply)} bytes, expected {self.reply_bytes}")
+
+    async def exchange(self) -> None:
+        self.check(await self.send(self.prepare()))
 
     async def close(self) -> None:
         if self.call is not None:
@@ -275,9 +300,12 @@ async def _drive(
     async def loop(worker: Any, tally: _ClientTally) -> None:
         lat = tally.latencies
         while budget.take():
-            t0 = time.perf_counter()
+            request = worker.prepare()
             try:
-                await worker.exchange()
+                t0 = time.perf_counter()
+                reply = await worker.send(request)
+                t1 = time.perf_counter()
+                worker.check(reply)
             except GdnError as err:
                 tally.error(str(err))
                 if err.code == grpc.StatusCode.UNAVAILABLE:
@@ -285,7 +313,7 @@ async def _drive(
                 continue
             finally:
                 bar.update()
-            lat.append(time.perf_counter() - t0)
+            lat.append(t1 - t0)
 
     budget.start()
     t0 = time.perf_counter()
