@@ -28,7 +28,8 @@ from gdn_client._echo import _reply as echo_reply
 from gdn_client._echo import echo_request
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server.config import ModelShape
-from gdn_server.servicer import decode_response
+from gdn_server.servicer import decode_response, decode_response_wire
+from gdn_server.tuning import tune_malloc
 from gdn_server.validation import decode_work_from_request
 from gdn_server.work import DecodeResult
 
@@ -68,7 +69,7 @@ def measure(batch: int, tokens: int, dtype: str, iters: int, warmup: int = 3) ->
         .SerializeToString() for o in outputs
     ]
 
-    client, server, echo = Timer(), Timer(), Timer()
+    client, server, wire, echo = Timer(), Timer(), Timer(), Timer()
     for i in range(warmup + iters):
         s = i % SETS
         cursors = [SessionCursor(sid) for sid in ids]  # fresh: every step is at position 0, as the replies say
@@ -90,13 +91,15 @@ def measure(batch: int, tokens: int, dtype: str, iters: int, warmup: int = 3) ->
         result = DecodeResult(data, tuple(out.shape), tuple([T] * B), "7")
         resp = server.run("server: build DecodeResponse (decode_response)", lambda: decode_response(result))
         server.run("server: serialize reply (grpc's response_serializer)", resp.SerializeToString)
+        # what the servicer runs instead of the two above (gdn_server.rpc_wrap.Serialized)
+        wire.run("server: reply wire (decode_response_wire)", lambda: decode_response_wire(result))
 
         # -- echo floor, same sizes: its server copies the reply out of the request; no other work
         payload = echo_request(len(request_wire[s]), len(reply_wire[s]))
         echo.run("echo server: reply from request", lambda: echo_reply(payload))
 
     rows = []
-    for side, timer in (("client", client), ("server", server), ("echo", echo)):
+    for side, timer in (("client", client), ("server", server), ("server reply by hand", wire), ("echo", echo)):
         for name, ms in timer.medians_ms(warmup).items():
             rows.append({"side": side, "piece": name, "ms": ms})
     rows.append({"side": "-", "piece": "request bytes", "ms": len(request_wire[0])})
@@ -112,6 +115,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args()
+    tune_malloc()  # as the server's entry points do
     rows = measure(args.batch, args.tokens, args.dtype, args.iters)
     print(f"B={args.batch} T={args.tokens} {args.dtype}, qwen3-next heads, median of {args.iters}, "
           f"torch threads {torch.get_num_threads()}")
