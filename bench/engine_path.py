@@ -58,14 +58,16 @@ RING = 8  # staging sets, as CudaBackend
 PAYLOADS = 64  # distinct random inputs, reused round robin (building them is not what is measured)
 
 
-class _HostStaging:
-    """One staging set of CudaBackend without its device twin: an ordinary (not pinned) buffer."""
+class HostStaging:
+    """One staging set of CudaBackend without its device twin: an ordinary (not pinned) input
+    buffer and the output buffer the device's D2H copy would fill, made once and reused (also
+    bench/frontend.py's)."""
 
     def __init__(self, plan: Plan) -> None:
         self.host = torch.empty(plan.total, dtype=torch.uint8)
         self.host_bytes = self.host.numpy()
         self.host_mem = memoryview(self.host_bytes)
-        self.out_host = torch.empty(plan.out_bytes, dtype=torch.uint8)
+        self.out_host = torch.zeros(plan.out_bytes, dtype=torch.uint8)
         self.views: dict[tuple[int, int], tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
 
     def views_for(self, plan: Plan, key: tuple[int, int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -97,7 +99,7 @@ class HostStagingBackend(Backend):
         super().__init__(shape, random_gate_params(shape, 0), max_sessions, None, speculative_sessions=0)
         self._plans: dict[tuple[int, int], Plan] = {}
         biggest = make_plan(shape, max_rows, shape.max_tokens_per_step)
-        self._ring = [_HostStaging(biggest) for _ in range(RING)]
+        self._ring = [HostStaging(biggest) for _ in range(RING)]
         self._next = 0
 
     def submit(self, batch: StepBatch) -> PendingStep:

@@ -18,11 +18,14 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_path import HostStaging  # noqa: E402  (same folder: the engine benchmark's staging set)
 from gdn_server.backends.base import PendingStep
-from gdn_server.backends.staging import Plan, carve, fill, make_plan
+from gdn_server.backends.staging import Plan, fill, make_plan
 from gdn_server.backends.cpu import CpuBackend
 from gdn_server.config import ModelShape, SchedulerConfig
 from gdn_server.placement import Placement, Shard
@@ -50,26 +53,6 @@ class _Waiting(PendingStep):
         return self._out
 
 
-class _Staging:
-    """One of CudaBackend's staging sets without its device twin: an ordinary (not pinned) input
-    buffer and the output buffer the device's D2H copy would fill, made once and reused."""
-
-    def __init__(self, plan: Plan) -> None:
-        self.host = torch.empty(plan.total, dtype=torch.uint8)
-        self.host_bytes = self.host.numpy()
-        self.host_mem = memoryview(self.host_bytes)
-        self.out_host = torch.zeros(plan.out_bytes, dtype=torch.uint8)
-        self.views: dict[tuple[int, int], tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
-
-    def views_for(self, plan: Plan, key: tuple[int, int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        views = self.views.get(key)
-        if views is None:  # made once per (R, T), as CudaBackend's _Views
-            host = {name: carve(self.host, e) for name, e in plan.entries.items()}
-            out = self.out_host[: plan.out_bytes].view(torch.bfloat16).view(plan.out_shape)
-            views = self.views[key] = (host, out)
-        return views
-
-
 class HostOnlyBackend(CpuBackend):
     """CudaBackend's host work per launch (the same staging code: a memcpy per request and input
     into a reused buffer from a ring, the index writes), no math, then a GIL-free wait like a GPU
@@ -82,7 +65,7 @@ class HostOnlyBackend(CpuBackend):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._plans: dict[tuple[int, int], Plan] = {}
-        self._ring: list[_Staging | None] = [None] * RING
+        self._ring: list[HostStaging | None] = [None] * RING
         self._next = 0
 
     def submit(self, batch: StepBatch) -> PendingStep:
@@ -92,7 +75,7 @@ class HostOnlyBackend(CpuBackend):
             plan = self._plans[(R, T)] = make_plan(self.shape, R, T)
         staging = self._ring[self._next]
         if staging is None or staging.host.numel() < plan.total or staging.out_host.numel() < plan.out_bytes:
-            staging = self._ring[self._next] = _Staging(plan)
+            staging = self._ring[self._next] = HostStaging(plan)
         self._next = (self._next + 1) % RING
         host, out = staging.views_for(plan, (R, T))
         fill(batch, plan, staging.host_mem, staging.host_bytes, host)
