@@ -56,6 +56,7 @@ log = logging.getLogger("gdn_server.router")
 ROUTER_SERVICE = "gdn.internal.Router"
 LOCATE = f"/{ROUTER_SERVICE}/Locate"  # JSON [session id, ...] -> JSON [engine position or null, ...]
 ENGINE_STOP_EXTRA_S = 120.0  # on top of the grace period: the engine's snapshot write
+DIRECTORY_REFRESH_S = 30.0  # with --session-idle-timeout-s: how often evictions are picked up
 
 
 @dataclass
@@ -97,16 +98,30 @@ def _save_gates(settings: ServerSettings, path: str) -> None:
 
 
 class Directory:
-    """Which engine holds which session, and who owns it (for the per-client limit)."""
+    """Which engine holds which session, and who owns it (for the per-client limit).
+
+    Engines evict idle sessions without telling the router, so the directory is rebuilt from
+    their lists now and then (`RouterServicer.refresh_directory`); sessions added or dropped
+    while a rebuild waits for those lists are carried over, so a rebuild never loses a session
+    created meanwhile nor revives one closed meanwhile."""
 
     def __init__(self) -> None:
         self._where: dict[str, tuple[int, str | None]] = {}
+        self._rebuilds = 0  # rebuilds waiting for their lists
+        self._added: dict[str, tuple[int, str | None]] = {}  # since the oldest waiting rebuild began
+        self._dropped: set[str] = set()
 
     def add(self, session_id: str, position: int, owner: str | None) -> None:
         self._where[session_id] = (position, owner)
+        if self._rebuilds:
+            self._added[session_id] = (position, owner)
+            self._dropped.discard(session_id)
 
     def drop(self, session_id: str) -> None:
         self._where.pop(session_id, None)
+        if self._rebuilds:
+            self._added.pop(session_id, None)
+            self._dropped.add(session_id)
 
     def position_of(self, session_id: str) -> int | None:
         found = self._where.get(session_id)
@@ -115,8 +130,25 @@ class Directory:
     def owned_by(self, owner: str | None) -> int:
         return sum(1 for _, who in self._where.values() if who == owner)
 
-    def replace(self, entries: dict[str, tuple[int, str | None]]) -> None:
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def begin_rebuild(self) -> None:
+        self._rebuilds += 1
+
+    def finish_rebuild(self, listed: dict[str, tuple[int, str | None]]) -> None:
+        """`listed`: what the engines hold, as listed after the matching `begin_rebuild`."""
+        entries = {sid: where for sid, where in listed.items() if sid not in self._dropped}
+        entries.update(self._added)
         self._where = entries
+        self._rebuilds -= 1
+        if not self._rebuilds:
+            self._added, self._dropped = {}, set()
+
+    def abandon_rebuild(self) -> None:
+        self._rebuilds -= 1
+        if not self._rebuilds:
+            self._added, self._dropped = {}, set()
 
 
 class RouterServicer(gdn_pb2_grpc.GdnDecodeServicer):
@@ -130,14 +162,20 @@ class RouterServicer(gdn_pb2_grpc.GdnDecodeServicer):
 
     # -- helpers ----------------------------------------------------------------------------
     async def refresh_directory(self) -> None:
-        """Rebuilds the directory from the engines (at start, after their restores, and when a
-        client hits its limit: idle eviction happens in the engines without telling us)."""
-        lists = await asyncio.gather(*(e.channel.unary_unary(LIST_SESSIONS)(b"") for e in self.engines))
+        """Rebuilds the directory from the engines: at start (after their restores), when a client
+        hits its limit, and every DIRECTORY_REFRESH_S with idle eviction on (evicted sessions
+        would otherwise stay listed, counting against their owner's limit)."""
+        self.directory.begin_rebuild()
+        try:
+            lists = await asyncio.gather(*(e.channel.unary_unary(LIST_SESSIONS)(b"") for e in self.engines))
+        except BaseException:
+            self.directory.abandon_rebuild()
+            raise
         entries = {}
         for engine, raw in zip(self.engines, lists):
             for sid, owner in json.loads(raw):
                 entries[sid] = (engine.position, owner)
-        self.directory.replace(entries)
+        self.directory.finish_rebuild(entries)
 
     @staticmethod
     def _options(context) -> dict[str, Any]:
@@ -372,6 +410,7 @@ async def serve_router(settings: ServerSettings) -> int:
     engine_pool = EnginePool(engines, lambda e: _engine_settings(settings, device, e, indices, gates_path, metrics_dir))
     engine_pool.metrics_dir = metrics_dir
     workers: FrontendPool | None = None
+    refresher: asyncio.Task | None = None
     server: grpc.aio.Server | None = None
     metrics: Metrics | None = None
     try:
@@ -380,6 +419,8 @@ async def serve_router(settings: ServerSettings) -> int:
         await engine_pool.start(limit)
         servicer = RouterServicer(engines, settings.security.max_sessions_per_client)
         await servicer.refresh_directory()  # the sessions the engines restored
+        if settings.session_idle_timeout_s:
+            refresher = asyncio.create_task(_refresh_every(servicer, min(DIRECTORY_REFRESH_S, settings.session_idle_timeout_s)))
         server, health = _router_server(servicer, f"unix:{socket_dir}/router.sock", limit)
         await set_serving(health, False)
         await server.start()
@@ -411,6 +452,8 @@ async def serve_router(settings: ServerSettings) -> int:
     finally:
         # workers first (their in-flight calls still reach the engines), then the engines
         # (each drains and saves), then this process's own sockets
+        if refresher is not None:
+            refresher.cancel()
         if server is not None:
             await health.enter_graceful_shutdown()
         if workers is not None:
@@ -424,6 +467,15 @@ async def serve_router(settings: ServerSettings) -> int:
             reserved.close()
         shutil.rmtree(socket_dir, ignore_errors=True)
     return code
+
+
+async def _refresh_every(servicer: RouterServicer, seconds: float) -> None:
+    while True:
+        await asyncio.sleep(seconds)
+        try:
+            await servicer.refresh_directory()
+        except grpc.aio.AioRpcError as e:  # an engine is busy stopping; the next round will do
+            log.warning("could not refresh the session directory: %s", e.details())
 
 
 def _engine_settings(settings: ServerSettings, device: str, engine: Engine, indices: tuple[int, ...],

@@ -215,6 +215,29 @@ def test_one_engine_per_device_places_and_limits_across_them():
         assert (stats.requests, stats.sessions_in_use, stats.max_sessions) == (4, 3, 128)
 
 
+def test_evicted_sessions_leave_the_per_client_count():
+    """Engines evict idle sessions on their own; the router's count of a client's sessions follows."""
+    with start_server(*SMALL_MODEL, *ONE_WORKER, *TWO_DEVICES, "--session-idle-timeout-s", "1",
+                      "--max-sessions-per-client", "1") as s, grpc.insecure_channel(s.address) as ch:
+        stub = gdn_pb2_grpc.GdnDecodeStub(ch)
+        first = stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10).session_id
+        with pytest.raises(grpc.RpcError) as e:
+            stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        deadline = time.monotonic() + 20
+        while True:  # once `first` is evicted, the client may hold a new one
+            try:
+                second = stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10).session_id
+                break
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+                time.sleep(0.2)
+        assert list(stub.Decode(decode_request(0, [second], random_inputs(1, 1, H, HV)), timeout=10).positions) == [1]
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Decode(decode_request(0, [first], random_inputs(1, 1, H, HV)), timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "evicted" in e.value.details()
+
+
 def _positions_after_step(stub, sid: str, layer: int, position: int) -> list[int]:
     x = random_inputs(1, 1, H, HV, gen=torch.Generator().manual_seed(position))
     return list(stub.Decode(decode_request(layer, [sid], x, positions=[position]), timeout=10).positions)
