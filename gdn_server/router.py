@@ -31,6 +31,7 @@ import os
 import shutil
 import signal
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,7 @@ ROUTER_SERVICE = "gdn.internal.Router"
 LOCATE = f"/{ROUTER_SERVICE}/Locate"  # JSON [session id, ...] -> JSON [engine position or null, ...]
 ENGINE_STOP_EXTRA_S = 120.0  # on top of the grace period: the engine's snapshot write
 DIRECTORY_REFRESH_S = 30.0  # with --session-idle-timeout-s: how often evictions are picked up
+MAX_GONE_IDS = 65536  # evicted ids still routed to their engine (for its NOT_FOUND reason), oldest forgotten
 
 
 @dataclass
@@ -107,6 +109,8 @@ class Directory:
 
     def __init__(self) -> None:
         self._where: dict[str, tuple[int, str | None]] = {}
+        # sessions a rebuild found gone (evicted): still routed to their engine, which says why
+        self._gone: OrderedDict[str, int] = OrderedDict()
         self._rebuilds = 0  # rebuilds waiting for their lists
         self._added: dict[str, tuple[int, str | None]] = {}  # since the oldest waiting rebuild began
         self._dropped: set[str] = set()
@@ -124,8 +128,9 @@ class Directory:
             self._dropped.add(session_id)
 
     def position_of(self, session_id: str) -> int | None:
+        """The engine that holds the session, or held it until it was evicted; None if unknown."""
         found = self._where.get(session_id)
-        return None if found is None else found[0]
+        return self._gone.get(session_id) if found is None else found[0]
 
     def owned_by(self, owner: str | None) -> int:
         return sum(1 for _, who in self._where.values() if who == owner)
@@ -140,6 +145,11 @@ class Directory:
         """`listed`: what the engines hold, as listed after the matching `begin_rebuild`."""
         entries = {sid: where for sid, where in listed.items() if sid not in self._dropped}
         entries.update(self._added)
+        for sid, (position, _) in self._where.items():
+            if sid not in entries:
+                self._gone[sid] = position
+        while len(self._gone) > MAX_GONE_IDS:
+            self._gone.popitem(last=False)
         self._where = entries
         self._rebuilds -= 1
         if not self._rebuilds:

@@ -11,8 +11,10 @@ def test_a_rebuild_replaces_what_the_engines_no_longer_hold():
     d.add("evicted", 1, "alice")
     d.begin_rebuild()
     d.finish_rebuild({"a": (0, "alice"), "restored": (1, None)})
-    assert (d.position_of("a"), d.position_of("evicted"), d.position_of("restored")) == (0, None, 1)
+    assert (d.position_of("a"), d.position_of("restored"), d.position_of("never")) == (0, 1, None)
     assert d.owned_by("alice") == 1 and d.owned_by(None) == 1 and len(d) == 2
+    # an evicted session no longer counts, but still routes to its engine, which says why it is gone
+    assert d.position_of("evicted") == 1
 
 
 def test_changes_while_a_rebuild_waits_survive_it():

@@ -489,7 +489,15 @@ def saved_snapshot(tmp_path_factory, weights) -> tuple[Path, list[Cursor]]:
     return state_dir, cursors
 
 
+def _snapshot_root(state_dir: Path) -> Path:
+    """Where the snapshot is: DIR itself, or DIR/device-0 for a server with --frontends (one engine
+    process per device; these tests use one device)."""
+    return state_dir if (state_dir / "manifest.json").exists() or not (state_dir / "device-0").is_dir() \
+        else state_dir / "device-0"
+
+
 def _damage(state_dir: Path, how: str) -> None:
+    state_dir = _snapshot_root(state_dir)
     manifest_path = state_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     session_file = state_dir / manifest["sessions"][1]["file"]
@@ -527,8 +535,9 @@ def test_damaged_snapshot_is_refused_whole(tmp_path, weights, saved_snapshot, ho
         conn.close()
         log = "".join(server.log)
     assert "ERROR" in log and "refusing the session snapshot" in log, log
-    assert len(list(state_dir.glob("rejected-*/manifest.json"))) == 1  # kept for inspection
-    assert json.loads((state_dir / "manifest.json").read_text())["sessions"] == []  # the new, empty one
+    root = _snapshot_root(state_dir)
+    assert len(list(root.glob("rejected-*/manifest.json"))) == 1  # kept for inspection
+    assert json.loads((root / "manifest.json").read_text())["sessions"] == []  # the new, empty one
 
 
 def test_snapshot_of_another_model_is_refused(tmp_path, saved_snapshot):
