@@ -31,6 +31,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,7 @@ ROUTER_SERVICE = "gdn.internal.Router"
 LOCATE = f"/{ROUTER_SERVICE}/Locate"  # JSON [session id, ...] -> JSON [engine position or null, ...]
 ENGINE_STOP_EXTRA_S = 120.0  # on top of the grace period: the engine's snapshot write
 DIRECTORY_REFRESH_S = 30.0  # with --session-idle-timeout-s: how often evictions are picked up
+LIMIT_REFRESH_MIN_S = 1.0  # a client at its limit rebuilds the directory at most this often
 MAX_GONE_IDS = 65536  # evicted ids still routed to their engine (for its NOT_FOUND reason), oldest forgotten
 
 
@@ -169,6 +171,7 @@ class RouterServicer(gdn_pb2_grpc.GdnDecodeServicer):
         self.directory = Directory()
         self.limit = max_sessions_per_client
         self._quota_lock = asyncio.Lock()  # a client's check and create happen as one
+        self._refreshed = 0.0  # monotonic time of the last directory rebuild
 
     # -- helpers ----------------------------------------------------------------------------
     async def refresh_directory(self) -> None:
@@ -186,6 +189,7 @@ class RouterServicer(gdn_pb2_grpc.GdnDecodeServicer):
             for sid, owner in json.loads(raw):
                 entries[sid] = (engine.position, owner)
         self.directory.finish_rebuild(entries)
+        self._refreshed = time.monotonic()
 
     @staticmethod
     def _options(context) -> dict[str, Any]:
@@ -218,7 +222,8 @@ class RouterServicer(gdn_pb2_grpc.GdnDecodeServicer):
             yield
             return
         async with self._quota_lock:
-            if self.directory.owned_by(owner) >= self.limit:
+            stale = time.monotonic() - self._refreshed > LIMIT_REFRESH_MIN_S  # a client at its limit
+            if self.directory.owned_by(owner) >= self.limit and stale:  # may retry in a loop: not each time
                 await self.refresh_directory()  # some may have been evicted meanwhile
             held = self.directory.owned_by(owner)
             if held >= self.limit:
