@@ -22,7 +22,8 @@ from functools import partial
 from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError
 from gdn_server.link import (
-    KIND_CANCEL, FrameBuffer, decode_cancel, decode_request, encode_reply, frame_kind, peek_request, send_frames,
+    KIND_CANCEL, FrameBuffer, decode_cancel, decode_request, encode_reply, frame_kind, peek_request,
+    request_tag_and_rows, send_frames,
 )
 from gdn_server.placement import Placement
 from gdn_server.work import DecodeResult, DecodeWork
@@ -78,6 +79,7 @@ class EngineLink:
         self._connections: set[_Connection] = set()
         self._dirty: set[_Connection] = set()  # connections with replies waiting in their outbox
         self._closed = False
+        self._only_shard = placement.shards[0] if len(placement.shards) == 1 else None
         for shard in placement:
             shard.scheduler.after_answers.append(self.flush)
 
@@ -157,16 +159,24 @@ class EngineLink:
         if frame_kind(frame) == KIND_CANCEL:
             conn.cancel(decode_cancel(frame))
             return
-        tag, session_ids = peek_request(frame)
-        done = partial(self._answer, conn, tag)
-        try:
-            shard = self.placement.shard_for(session_ids)
-        except GdnError as e:
-            done(e)
-            return
+        if self._only_shard is not None:
+            # an engine process of one device: no look-up here; the scheduler's admission answers
+            # an unknown session with the same NOT_FOUND the look-up would have
+            shard = self._only_shard
+            tag, rows = request_tag_and_rows(frame)
+            done = partial(self._answer, conn, tag)
+        else:
+            tag, session_ids = peek_request(frame)
+            done = partial(self._answer, conn, tag)
+            rows = len(session_ids)
+            try:
+                shard = self.placement.shard_for(session_ids)
+            except GdnError as e:
+                done(e)
+                return
         conn.outstanding[tag] = False
         shard.scheduler.submit_decode_later(
-            partial(self._work_of, frame), len(session_ids), done, cancelled=partial(conn.dropped_if_cancelled, tag)
+            partial(self._work_of, frame), rows, done, cancelled=partial(conn.dropped_if_cancelled, tag)
         )
 
     def _work_of(self, frame: bytes | bytearray) -> DecodeWork:

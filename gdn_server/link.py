@@ -101,6 +101,12 @@ def decode_cancel(frame: bytes | bytearray) -> int:
     return CANCEL.unpack_from(frame, 0)[1]
 
 
+def request_tag_and_rows(frame: bytes | bytearray) -> tuple[int, int]:
+    """(tag, B) of a request frame, from its fixed header alone (cheapest)."""
+    _, tag, _, _, B, _, _, _ = REQUEST.unpack_from(frame, 0)
+    return tag, B
+
+
 def peek_request(frame: bytes | bytearray) -> tuple[int, tuple[str, ...]]:
     """(tag, session ids) of a request frame, without building its tensors (cheap)."""
     _, tag, flags, _, B, _, _, _ = REQUEST.unpack_from(frame, 0)
