@@ -109,8 +109,8 @@ def max_message_bytes(shape: ModelShape, max_batch_rows: int) -> int:
 
 
 def grpc_server(app: GdnApp, interceptors: list, extra_options: tuple = ()) -> grpc.aio.Server:
-    """A grpc.aio server with the GdnDecode servicer, health (NOT_SERVING until `set_serving`)
-    and reflection; no port yet."""
+    """A grpc.aio server with the GdnDecode servicer, health (its status is the caller's to set,
+    `set_serving`) and reflection; no port yet."""
     limit = max_message_bytes(app.settings.shape, app.settings.scheduler.max_batch_rows)
     server = grpc.aio.server(
         interceptors=interceptors,
@@ -122,7 +122,8 @@ def grpc_server(app: GdnApp, interceptors: list, extra_options: tuple = ()) -> g
 
 
 def add_health_and_reflection(server: grpc.aio.Server) -> HealthServicer:
-    """grpc.health.v1 (NOT_SERVING until `set_serving`) and reflection for GdnDecode and Health."""
+    """grpc.health.v1 and reflection for GdnDecode and Health. Set the health status with
+    `set_serving` before the server starts (grpc's servicer answers SERVING for "" until told)."""
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
