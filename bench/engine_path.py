@@ -79,6 +79,35 @@ class HostStaging:
         return views
 
 
+class HostStagingRing:
+    """RING host staging sets used in turn, and the staging plan per (R, T), as CudaBackend keeps
+    them; a set too small for a launch is replaced by one that fits (also bench/frontend.py's)."""
+
+    def __init__(self, shape: ModelShape, reserve_rows: int | None = None) -> None:
+        """`reserve_rows`: make every set big enough for that many rows at the largest T up front
+        (nothing allocated while timing)."""
+        self.shape = shape
+        self._plans: dict[tuple[int, int], Plan] = {}
+        reserve = make_plan(shape, reserve_rows, shape.max_tokens_per_step) if reserve_rows else None
+        self._ring: list[HostStaging | None] = [HostStaging(reserve) if reserve else None for _ in range(RING)]
+        self._next = 0
+
+    def stage(self, batch: StepBatch) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Fills the next set with `batch` (CudaBackend's own fill); returns its input views and
+        its output buffer [R, T, HV, V]."""
+        R, T = batch.rows, batch.tokens
+        plan = self._plans.get((R, T))
+        if plan is None:
+            plan = self._plans[(R, T)] = make_plan(self.shape, R, T)
+        staging = self._ring[self._next]
+        if staging is None or staging.host.numel() < plan.total or staging.out_host.numel() < plan.out_bytes:
+            staging = self._ring[self._next] = HostStaging(plan)
+        self._next = (self._next + 1) % RING
+        host, out = staging.views_for(plan, (R, T))
+        fill(batch, plan, staging.host_mem, staging.host_bytes, host)
+        return host, out
+
+
 class _EchoStep(PendingStep):
     """The "device" result: each row's staged v, which has the output's shape [R, T, HV, V]."""
 
@@ -97,20 +126,10 @@ class HostStagingBackend(Backend):
 
     def __init__(self, shape: ModelShape, max_sessions: int, max_rows: int) -> None:
         super().__init__(shape, random_gate_params(shape, 0), max_sessions, None, speculative_sessions=0)
-        self._plans: dict[tuple[int, int], Plan] = {}
-        biggest = make_plan(shape, max_rows, shape.max_tokens_per_step)
-        self._ring = [HostStaging(biggest) for _ in range(RING)]
-        self._next = 0
+        self._staging = HostStagingRing(shape, reserve_rows=max_rows)
 
     def submit(self, batch: StepBatch) -> PendingStep:
-        R, T = batch.rows, batch.tokens
-        plan = self._plans.get((R, T))
-        if plan is None:
-            plan = self._plans[(R, T)] = make_plan(self.shape, R, T)
-        staging = self._ring[self._next]
-        self._next = (self._next + 1) % RING
-        host, out = staging.views_for(plan, (R, T))
-        fill(batch, plan, staging.host_mem, staging.host_bytes, host)
+        host, out = self._staging.stage(batch)
         return _EchoStep(host["v"], out)
 
     # session operations: the bench never calls them

@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_path import HostStaging  # noqa: E402  (same folder: the engine benchmark's staging set)
+from engine_path import HostStagingRing  # noqa: E402  (same folder: the engine benchmark's staging ring)
 from gdn_server.backends.base import PendingStep
-from gdn_server.backends.staging import Plan, fill, make_plan
 from gdn_server.backends.cpu import CpuBackend
 from gdn_server.config import ModelShape, SchedulerConfig
 from gdn_server.placement import Placement, Shard
@@ -38,7 +37,6 @@ from gdn_server.weights import random_gate_params
 from gdn_server.work import StepBatch
 
 GPU_WAIT_S = 60e-6
-RING = 8  # staging sets, as CudaBackend
 
 
 class _Waiting(PendingStep):
@@ -64,21 +62,10 @@ class HostOnlyBackend(CpuBackend):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._plans: dict[tuple[int, int], Plan] = {}
-        self._ring: list[HostStaging | None] = [None] * RING
-        self._next = 0
+        self._staging = HostStagingRing(self.shape)
 
     def submit(self, batch: StepBatch) -> PendingStep:
-        R, T = batch.rows, batch.tokens
-        plan = self._plans.get((R, T))
-        if plan is None:
-            plan = self._plans[(R, T)] = make_plan(self.shape, R, T)
-        staging = self._ring[self._next]
-        if staging is None or staging.host.numel() < plan.total or staging.out_host.numel() < plan.out_bytes:
-            staging = self._ring[self._next] = HostStaging(plan)
-        self._next = (self._next + 1) % RING
-        host, out = staging.views_for(plan, (R, T))
-        fill(batch, plan, staging.host_mem, staging.host_bytes, host)
+        _, out = self._staging.stage(batch)
         return _Waiting(out)
 
 
