@@ -196,19 +196,7 @@ class _GdnWorker:
         return wire
 
     async def send(self, request: bytes) -> bytes:
-        if self.call is None:
-            try:
-                return await self.decode(request, timeout=self.cfg.timeout)
-            except grpc.RpcError as exc:
-                raise error_from_rpc(exc) from None
-        try:
-            await self.call.write(request)
-            reply = await self.call.read()
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
-        if reply is grpc.aio.EOF:
-            raise GdnError("DecodeStream ended", grpc.StatusCode.UNAVAILABLE)
-        return reply
+        return await _round_trip(self.call, self.decode, request, self.cfg.timeout, "DecodeStream")
 
     def check(self, reply: bytes) -> None:
         """Parses the reply (a DecodeStream error arrives in it) and advances the positions."""
@@ -238,6 +226,21 @@ class _GdnWorker:
         await self.channel.close()
 
 
+async def _round_trip(stream: Any, unary: Any, request: bytes, timeout: float, stream_name: str) -> bytes:
+    """One request's reply bytes: over the open `stream`, or (None) by one `unary` call; an RPC
+    error becomes the client's error type, a stream that ends becomes UNAVAILABLE."""
+    try:
+        if stream is None:
+            return await unary(request, timeout=timeout)
+        await stream.write(request)
+        reply = await stream.read()
+    except grpc.RpcError as exc:
+        raise error_from_rpc(exc) from None
+    if reply is grpc.aio.EOF:
+        raise GdnError(f"{stream_name} ended", grpc.StatusCode.UNAVAILABLE)
+    return reply
+
+
 class _EchoWorker:
     """One client of the echo server, with a gdn step's message sizes."""
 
@@ -246,28 +249,18 @@ class _EchoWorker:
         self.channel = grpc.aio.insecure_channel(address, _CHANNEL_ARGS)
         self.payload = echo_request(request_bytes, reply_bytes)
         self.reply_bytes = reply_bytes
-        self.call: Any = None
+        self.call: Any = None  # the open stream in stream mode
+        self.unary = self.channel.unary_unary(ECHO_UNARY)
 
     async def open(self) -> None:
         if self.cfg.mode == "stream":
             self.call = self.channel.stream_stream(ECHO_STREAM)()
-        else:
-            self.unary = self.channel.unary_unary(ECHO_UNARY)
 
     def prepare(self) -> bytes:
         return self.payload
 
     async def send(self, request: bytes) -> bytes:
-        try:
-            if self.call is None:
-                return await self.unary(request, timeout=self.cfg.timeout)
-            await self.call.write(request)
-            reply = await self.call.read()
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
-        if reply is grpc.aio.EOF:
-            raise GdnError("echo stream ended", grpc.StatusCode.UNAVAILABLE)
-        return reply
+        return await _round_trip(self.call, self.unary, request, self.cfg.timeout, "echo stream")
 
     def check(self, reply: bytes) -> None:
         if len(reply) != self.reply_bytes:
