@@ -228,11 +228,7 @@ class EngineProxy(grpc.GenericRpcHandler):
 
     @staticmethod
     def _handler(channel: grpc.aio.Channel, path: str, client_streaming: bool, server_streaming: bool):
-        def call_options(context) -> dict[str, Any]:
-            identity = current_identity()
-            metadata = ((IDENTITY_METADATA, identity.encode()),) if identity is not None else ()
-            return {"metadata": metadata, "timeout": context.time_remaining()}
-
+        call_options = forwarding_options
         if client_streaming:
             # The requests are written one by one (not handed over as an iterator): when the
             # engine ends the call early (a bad first chunk), the writes stop cleanly and the
@@ -251,35 +247,53 @@ class EngineProxy(grpc.GenericRpcHandler):
         if server_streaming:
 
             async def stream_out(request_or_iterator, context):
-                call, pump = start(request_or_iterator, context)
-                try:
-                    async for response in call:
-                        yield response
-                except grpc.aio.AioRpcError as e:
-                    await context.abort(e.code(), e.details())
-                finally:
-                    call.cancel()  # a no-op once it ended; stops the engine side if our client left
-                    if pump is not None:
-                        pump.cancel()
+                async for response in forwarded_stream(*start(request_or_iterator, context), context):
+                    yield response
 
             factory = grpc.stream_stream_rpc_method_handler if client_streaming else grpc.unary_stream_rpc_method_handler
             return factory(stream_out)
 
         async def unary_out(request_or_iterator, context):
-            call, pump = start(request_or_iterator, context)
-            try:
-                if pump is not None:
-                    await pump
-                return await call
-            except grpc.aio.AioRpcError as e:
-                await context.abort(e.code(), e.details())
-            finally:
-                call.cancel()
-                if pump is not None:
-                    pump.cancel()
+            return await forwarded_reply(*start(request_or_iterator, context), context)
 
         factory = grpc.stream_unary_rpc_method_handler if client_streaming else grpc.unary_unary_rpc_method_handler
         return factory(unary_out)
+
+
+def forwarding_options(context) -> dict[str, Any]:
+    """Call options that pass a call on: our caller's identity (as authenticated here, or as
+    forwarded to us) and what is left of its deadline."""
+    identity = current_identity()
+    metadata = ((IDENTITY_METADATA, identity.encode()),) if identity is not None else ()
+    return {"metadata": metadata, "timeout": context.time_remaining()}
+
+
+async def forwarded_reply(call, pump: asyncio.Future | None, context):
+    """The reply of a call we passed on (after `pump` has written our caller's request stream to
+    it); its error status becomes our caller's."""
+    try:
+        if pump is not None:
+            await pump
+        return await call
+    except grpc.aio.AioRpcError as e:
+        await context.abort(e.code(), e.details())
+    finally:
+        call.cancel()  # a no-op once it ended; stops the far side if our caller left
+        if pump is not None:
+            pump.cancel()
+
+
+async def forwarded_stream(call, pump: asyncio.Future | None, context):
+    """The replies of a server-streaming call we passed on, as `forwarded_reply` does for one."""
+    try:
+        async for response in call:
+            yield response
+    except grpc.aio.AioRpcError as e:
+        await context.abort(e.code(), e.details())
+    finally:
+        call.cancel()
+        if pump is not None:
+            pump.cancel()
 
 
 async def pump_requests(requests, call) -> None:

@@ -34,7 +34,6 @@ import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 import torch
@@ -46,10 +45,12 @@ from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server.backends import resolve_device
 from gdn_server.config import GIL_SWITCH_INTERVAL_S
 from gdn_server.engine import LIST_SESSIONS, EngineSettings
-from gdn_server.frontend import FrontendSettings, pump_requests
+from gdn_server.frontend import (
+    FrontendSettings, forwarded_reply, forwarded_stream, forwarding_options, pump_requests,
+)
 from gdn_server.frontend_pool import FrontendPool, private_socket_dir, reserve_port, spawn_ready
 from gdn_server.metrics import Metrics
-from gdn_server.security import IDENTITY_METADATA, ForwardedIdentity, RejectMalformed, current_identity
+from gdn_server.security import ForwardedIdentity, RejectMalformed, current_identity
 from gdn_server.server import ServerSettings, add_health_and_reflection, max_message_bytes, set_serving
 from gdn_server.snapshot import device_snapshot_dir, device_snapshot_dirs
 
@@ -191,12 +192,6 @@ class RouterServicer(gdn_pb2_grpc.GdnDecodeServicer):
         self.directory.finish_rebuild(entries)
         self._refreshed = time.monotonic()
 
-    @staticmethod
-    def _options(context) -> dict[str, Any]:
-        identity = current_identity()
-        metadata = ((IDENTITY_METADATA, identity.encode()),) if identity is not None else ()
-        return {"metadata": metadata, "timeout": context.time_remaining()}
-
     async def _engine_of(self, session_id: str, context) -> Engine:
         position = self.directory.position_of(session_id)
         if position is None:  # the engines' own wording for an id nobody holds
@@ -204,10 +199,7 @@ class RouterServicer(gdn_pb2_grpc.GdnDecodeServicer):
         return self.engines[position]
 
     async def _call(self, method, request, context):
-        try:
-            return await method(request, **self._options(context))
-        except grpc.aio.AioRpcError as e:
-            await context.abort(e.code(), e.details())
+        return await forwarded_reply(method(request, **forwarding_options(context)), None, context)
 
     async def _most_free(self, context) -> Engine:
         infos = await asyncio.gather(*(self._call(e.stub.GetModelInfo, gdn_pb2.GetModelInfoRequest(), context)
@@ -275,7 +267,7 @@ class RouterServicer(gdn_pb2_grpc.GdnDecodeServicer):
     async def CloseSession(self, request, context):
         engine = await self._engine_of(request.session_id, context)
         try:
-            reply = await engine.stub.CloseSession(request, **self._options(context))
+            reply = await engine.stub.CloseSession(request, **forwarding_options(context))
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 self.directory.drop(request.session_id)
@@ -300,29 +292,17 @@ class RouterServicer(gdn_pb2_grpc.GdnDecodeServicer):
 
     async def ExportState(self, request, context):
         engine = await self._engine_of(request.session_id, context)
-        call = engine.stub.ExportState(request, **self._options(context))
-        try:
-            async for chunk in call:
-                yield chunk
-        except grpc.aio.AioRpcError as e:
-            await context.abort(e.code(), e.details())
-        finally:
-            call.cancel()
+        call = engine.stub.ExportState(request, **forwarding_options(context))
+        async for chunk in forwarded_stream(call, None, context):
+            yield chunk
 
     async def ImportState(self, request_iterator, context):
         owner = current_identity()
         async with self._new_session_for(owner, context):
             engine = await self._most_free(context)
-            call = engine.stub.ImportState(**self._options(context))
+            call = engine.stub.ImportState(**forwarding_options(context))
             pump = asyncio.ensure_future(pump_requests(request_iterator, call))
-            try:
-                await pump
-                reply = await call
-            except grpc.aio.AioRpcError as e:
-                await context.abort(e.code(), e.details())
-            finally:
-                call.cancel()
-                pump.cancel()
+            reply = await forwarded_reply(call, pump, context)
             self.directory.add(reply.session_id, engine.position, owner)
         return reply
 
