@@ -36,6 +36,7 @@ _NUMPY_TO_TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): to
 # temporary the size of the tensor would be a fresh multi-MiB allocation per big request (page
 # faults on every one of its pages), and a chunk of 256-512 KiB stays in cache between the two passes.
 _CHECK_CHUNK = 1 << 17  # words
+_JOIN_LIMIT = 256 << 10  # bytes: first_nonfinite joins buffers up to this size for one check
 _scratch = threading.local()
 
 
@@ -79,9 +80,10 @@ def tensor_from_proto(msg: gdn_pb2.Tensor, name: str = "tensor", *, finite: bool
     return tensor_from_parts(msg.dtype, tuple(msg.shape), msg.data, name, finite=finite)
 
 
-def tensor_from_parts(wire_dtype: int, shape: tuple[int, ...], data: bytes, name: str = "tensor", *,
-                      finite: bool = False) -> torch.Tensor:
-    """`tensor_from_proto` on a Tensor message's fields, for callers that keep the bytes too."""
+def check_layout(wire_dtype: int, shape: tuple[int, ...], nbytes: int, name: str = "tensor") -> int:
+    """Checks that a Tensor message's dtype, shape and byte length agree; returns its element count.
+
+    Raises WireFormatError naming what is wrong. Plain integer work: no tensor is built."""
     dtype = TORCH_DTYPE_OF.get(wire_dtype)
     if dtype is None:
         raise WireFormatError(f"{name}: dtype {wire_dtype} is not one of BF16, F16, F32")
@@ -91,15 +93,43 @@ def tensor_from_parts(wire_dtype: int, shape: tuple[int, ...], data: bytes, name
         if s < 0:
             raise WireFormatError(f"{name}: negative dimension in shape {list(shape)}")
         numel *= s
-        if numel * itemsize > len(data):  # checked while multiplying so huge shapes can't overflow
+        if numel * itemsize > nbytes:  # checked while multiplying so huge shapes can't overflow
             break
-    if numel * itemsize != len(data):
-        raise WireFormatError(f"{name}: shape {list(shape)} of {dtype} needs {numel * itemsize} bytes, got {len(data)}")
+    if numel * itemsize != nbytes:
+        raise WireFormatError(f"{name}: shape {list(shape)} of {dtype} needs {numel * itemsize} bytes, got {nbytes}")
+    return numel
+
+
+def tensor_from_parts(wire_dtype: int, shape: tuple[int, ...], data: bytes, name: str = "tensor", *,
+                      finite: bool = False) -> torch.Tensor:
+    """`tensor_from_proto` on a Tensor message's fields, for callers that keep the bytes too."""
+    numel = check_layout(wire_dtype, shape, len(data), name)
+    dtype = TORCH_DTYPE_OF[wire_dtype]
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     if finite and _has_nonfinite(data, wire_dtype):
         raise WireFormatError(f"{name} has NaN or Inf values")
     return torch.frombuffer(data, dtype=dtype).view(shape)
+
+
+def first_nonfinite(buffers: "list[Any] | tuple[Any, ...]", wire_dtype: int) -> int | None:
+    """The index of the first buffer in ``buffers`` (each a whole number of ``wire_dtype`` values)
+    holding a NaN or Inf, or None when all are finite.
+
+    Small buffers are checked together (one join, one pass: the numpy calls per buffer cost more
+    than the bytes do for a decode step's few KiB); big ones each on their own, with no joined copy.
+    Only a failing check looks at the buffers one by one, to name the culprit.
+    """
+    total = sum(len(b) for b in buffers)
+    if total == 0:
+        return None
+    if total <= _JOIN_LIMIT:
+        if not _has_nonfinite(b"".join(buffers), wire_dtype):
+            return None
+    for index, data in enumerate(buffers):
+        if len(data) and _has_nonfinite(data, wire_dtype):
+            return index
+    return None
 
 
 def _has_nonfinite(data: Any, wire_dtype: int) -> bool:

@@ -1,19 +1,26 @@
-"""DecodeRequest (protobuf) -> DecodeWork (validated tensors). Everything a request can get wrong
-on its own (without looking at session state) is caught here as InvalidArgument."""
+"""DecodeRequest (protobuf) -> DecodeWork (validated inputs). Everything a request can get wrong
+on its own (without looking at session state) is caught here as InvalidArgument.
+
+It runs on the event loop for every decode request, so the common case (all five inputs bf16)
+builds no tensor: shapes and byte lengths are checked as integers, the NaN/Inf check reads all
+five inputs in one pass, and the DecodeWork carries the raw bytes (a GPU backend copies them into
+its staging buffer as they are; the CPU backend's tensors are built from them when it reads them).
+Requests with f16/f32 inputs become tensors here.
+"""
 from __future__ import annotations
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_client.wire import WireFormatError, tensor_from_parts
+from gdn_client.wire import WireFormatError, check_layout, first_nonfinite, tensor_from_parts
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
-from gdn_server.work import DecodeWork
+from gdn_server.work import INPUT_NAMES, DecodeWork
 
 MAX_SESSION_ID_LEN = 128
 
 
 def decode_work_from_request(req: gdn_pb2.DecodeRequest, shape: ModelShape) -> DecodeWork:
     """Validates a DecodeRequest against the model shape; raises InvalidArgument with a precise reason."""
-    L, H, HV, K, V = (shape.num_layers, shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v)
+    L = shape.num_layers
     if req.layer >= L:
         raise InvalidArgument(f"layer {req.layer} out of range: the model has {L} layers (0..{L - 1})")
     session_ids = tuple(req.session_ids)
@@ -28,38 +35,36 @@ def decode_work_from_request(req: gdn_pb2.DecodeRequest, shape: ModelShape) -> D
             if not sid or len(sid) > MAX_SESSION_ID_LEN:
                 raise InvalidArgument(f"malformed session id {sid[:MAX_SESSION_ID_LEN]!r}")
 
-    tensors = {}
-    raw: list[bytes | None] = []
-    for name in ("q", "k", "v", "a", "b"):
+    messages = []
+    for name in INPUT_NAMES:
         if not req.HasField(name):
             raise InvalidArgument(f"tensor {name} is missing")
+        messages.append(getattr(req, name))
+    all_bf16 = all(m.dtype == gdn_pb2.BF16 for m in messages)
+    dims, raw = [], []
+    for name, msg in zip(INPUT_NAMES, messages):
+        d = tuple(msg.shape)
+        data = msg.data  # a fresh bytes object per access: read it once
         try:
-            msg = getattr(req, name)
-            data = msg.data  # a fresh bytes object per access: read it once
-            tensors[name] = tensor_from_parts(msg.dtype, tuple(msg.shape), data, name, finite=True)
-            raw.append(data if msg.dtype == gdn_pb2.BF16 else None)
+            check_layout(msg.dtype, d, len(data), name)
         except WireFormatError as e:
             raise InvalidArgument(str(e)) from None
+        dims.append(d)
+        raw.append(data)
 
-    q = tensors["q"]
-    if q.dim() != 4:
-        raise InvalidArgument(f"q must be [B, T, H, K] = [{B}, T, {H}, {K}], got {list(q.shape)}")
-    T = int(q.shape[1])
-    max_T = shape.max_speculative_tokens if req.speculative else shape.max_tokens_per_step
-    if not 1 <= T <= max_T:
-        kind = "speculative step" if req.speculative else "step"
-        raise InvalidArgument(f"T = {T} tokens per {kind} is out of range 1..{max_T}")
-    expected = {
-        "q": (B, T, H, K),
-        "k": (B, T, H, K),
-        "v": (B, T, HV, V),
-        "a": (B, T, HV),
-        "b": (B, T, HV),
-    }
-    for name, want in expected.items():
-        got = tuple(tensors[name].shape)
-        if got != want:
-            raise InvalidArgument(f"{name} must have shape {list(want)} (B={B}, T={T}), got {list(got)}")
+    T = _check_dims(dims, B, bool(req.speculative), shape)
+    if all_bf16:
+        bad = first_nonfinite(raw, gdn_pb2.BF16)
+        if bad is not None:
+            raise InvalidArgument(f"{INPUT_NAMES[bad]} has NaN or Inf values")
+        tensors: dict = {}
+    else:  # f16/f32 (or a mix): tensors now, each checked for NaN/Inf
+        tensors = {}
+        for name, msg, d, data in zip(INPUT_NAMES, messages, dims, raw):
+            try:
+                tensors[name] = tensor_from_parts(msg.dtype, d, data, name, finite=True)
+            except WireFormatError as e:
+                raise InvalidArgument(str(e)) from None
 
     positions = None
     if len(req.positions):
@@ -67,12 +72,29 @@ def decode_work_from_request(req: gdn_pb2.DecodeRequest, shape: ModelShape) -> D
             raise InvalidArgument(f"positions has {len(req.positions)} entries for {B} sessions")
         positions = tuple(req.positions)  # uint64 fields read as Python ints already
 
-    return DecodeWork(
-        layer=int(req.layer),
-        session_ids=session_ids,
-        positions=positions,
-        request_id=req.request_id,
+    common = dict(
+        layer=int(req.layer), session_ids=session_ids, positions=positions, request_id=req.request_id,
         speculative=bool(req.speculative),
-        bf16_bytes=tuple(raw) if all(r is not None for r in raw) else None,
-        **tensors,
     )
+    if all_bf16:
+        assert T > 0
+        return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims))
+    return DecodeWork(**common, **tensors)
+
+
+def _check_dims(dims: list[tuple[int, ...]], B: int, speculative: bool, shape: ModelShape) -> int:
+    """Checks the five input shapes against B and the model; returns T."""
+    H, HV, K, V = shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v
+    q = dims[0]
+    if len(q) != 4:
+        raise InvalidArgument(f"q must be [B, T, H, K] = [{B}, T, {H}, {K}], got {list(q)}")
+    T = int(q[1])
+    max_T = shape.max_speculative_tokens if speculative else shape.max_tokens_per_step
+    if not 1 <= T <= max_T:
+        kind = "speculative step" if speculative else "step"
+        raise InvalidArgument(f"T = {T} tokens per {kind} is out of range 1..{max_T}")
+    expected = ((B, T, H, K), (B, T, H, K), (B, T, HV, V), (B, T, HV), (B, T, HV))
+    for name, got, want in zip(INPUT_NAMES, dims, expected):
+        if got != want:
+            raise InvalidArgument(f"{name} must have shape {list(want)} (B={B}, T={T}), got {list(got)}")
+    return T
