@@ -50,6 +50,9 @@ class _Waiting(PendingStep):
             time.sleep(left)  # releases the GIL, like waiting on a CUDA event
         return self._out
 
+    def ready(self) -> bool:
+        return time.monotonic() >= self._ready
+
 
 class HostOnlyBackend(CpuBackend):
     """CudaBackend's host work per launch (the same staging code: a memcpy per request and input
@@ -59,6 +62,7 @@ class HostOnlyBackend(CpuBackend):
     backend's (its state pool is allocated but only touched by them)."""
 
     name = "host-only"
+    asynchronous = True  # the "device" wait happens in result(), as CudaBackend's does
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -69,13 +73,13 @@ class HostOnlyBackend(CpuBackend):
         return _Waiting(out)
 
 
-def run_server(port: int, sessions: int) -> None:
+def run_server(port: int, sessions: int, runs_on: str = "auto") -> None:
     tune_malloc()  # as gdn-server's entry points do
     shape = ModelShape(num_layers=4, num_q_heads=16, num_v_heads=32)
     gates = random_gate_params(shape, 0)
     backend = HostOnlyBackend(shape, gates, sessions, speculative_sessions=0)
     table = SessionTable(sessions, shape.num_layers)
-    placement = Placement([Shard(0, backend, table, Scheduler(backend, table, SchedulerConfig()))])
+    placement = Placement([Shard(0, backend, table, Scheduler(backend, table, SchedulerConfig(runs_on=runs_on)))])
     settings = ServerSettings(shape=shape, gates=gates, port=port, device="cpu")
     app = GdnApp(settings, placement, GdnDecodeServicer(shape, placement, backend.name))
     asyncio.run(serve(app))
@@ -85,14 +89,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--serve", action="store_true", help="run only the server")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--runs-on", default="auto", choices=("auto", "loop", "thread"),
+                   help="where the scheduler runs (SchedulerConfig.runs_on; auto = the event loop here)")
     p.add_argument("--clients", default="1,32")
     p.add_argument("--duration", type=float, default=4.0)
     p.add_argument("--load", default="", help="more gdn-loadtest flags, e.g. '--batch 256 --mode unary --echo'")
     args = p.parse_args()
     if args.serve:
-        run_server(args.port, sessions=600)
+        run_server(args.port, sessions=600, runs_on=args.runs_on)
         return
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", "--port", "0"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", "--port", "0", "--runs-on", args.runs_on], stdout=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:
             m = re.search(r"listening on (\S+):(\d+)", line)

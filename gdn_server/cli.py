@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from gdn_server.config import PRESETS, ModelShape, SchedulerConfig
+from gdn_server.config import PRESETS, SCHEDULER_RUNS_ON, ModelShape, SchedulerConfig
 from gdn_server.security import SecurityConfig
 from gdn_server.server import ServerSettings, build_app, serve
 from gdn_server.snapshot import SnapshotError
@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows (session x layer) per kernel launch at most")
     p.add_argument("--max-queue-delay-us", type=int, default=SchedulerConfig.max_queue_delay_us,
                    help="once work is pending, wait at most this long for more before launching")
+    p.add_argument("--scheduler-runs-on", choices=SCHEDULER_RUNS_ON, default=SchedulerConfig.runs_on,
+                   help="where batches are formed and answered: 'loop' (on the gRPC event loop, polling the "
+                        "device: no thread hand-offs), 'thread' (a thread per device), or 'auto' (loop for a "
+                        "GPU backend, thread for the CPU one, whose steps compute on the host)")
     p.add_argument("--state-dir", default=None,
                    help="save every session here on SIGTERM/SIGINT and restore them on start (default: off)")
     p.add_argument("--session-idle-timeout-s", type=float, default=None,
@@ -144,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         devices=devices,
         max_sessions=args.max_sessions,
         speculative_sessions=args.speculative_sessions,
-        scheduler=SchedulerConfig(args.max_batch_rows, args.max_queue_delay_us, args.max_queue_rows),
+        scheduler=SchedulerConfig(args.max_batch_rows, args.max_queue_delay_us, args.max_queue_rows,
+                                  args.scheduler_runs_on),
         scale=args.scale,
         grace_s=args.drain_timeout_s,
         shutdown_delay_s=args.shutdown_delay_s,

@@ -54,3 +54,14 @@ class SchedulerConfig:
     max_batch_rows: int = 1024  # rows (session x layer) per backend call at most
     max_queue_delay_us: int = 0  # extra wait for more work once something is pending
     max_queue_rows: int = 8192  # rows waiting for the device at most; more is refused with UNAVAILABLE
+    # where rounds run: "loop" (callbacks on the server's event loop: no thread hand-offs; for
+    # backends whose steps run on a device), "thread" (a thread of its own: for backends that
+    # compute on the host) or "auto" (loop when the backend is asynchronous, else thread)
+    runs_on: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.runs_on not in SCHEDULER_RUNS_ON:
+            raise ValueError(f"runs_on must be one of {', '.join(SCHEDULER_RUNS_ON)}, got {self.runs_on!r}")
+
+
+SCHEDULER_RUNS_ON = ("auto", "loop", "thread")

@@ -15,9 +15,19 @@ batches, after every earlier step has finished and before any later one starts.
 
 Pipelining: a backend's `submit` may return before the device is done. The loop submits batch n,
 then finishes batch n-1 (waits for its output and answers it) while n runs.
+
+Where rounds run (`SchedulerConfig.runs_on`):
+- on a thread of their own (`start`): requests are handed over with a condition variable and
+  answered through the `done` callbacks. For backends that compute on the host (the CPU one).
+- on the server's event loop (`start_on`): a round is a loop callback, scheduled when work
+  arrives; while a launch is on the device the loop keeps serving gRPC and polls the launch
+  (`PendingStep.ready`) once per loop iteration, so it never blocks on the device. One thread
+  does everything: no hand-off (a wake-up and a GIL switch, each way) per request, which is
+  most of a step's latency at low load (bench/NOTES.md).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -35,7 +45,10 @@ from gdn_server.work import DecodeResult, DecodeWork, StepBatch
 
 log = logging.getLogger(__name__)
 
-Done = Callable[[Any], None]  # called once, on the scheduler thread, with a result or an exception
+Done = Callable[[Any], None]  # called once, on the scheduler's thread, with a result or an exception
+# launches a scheduler on the event loop keeps on the device at once: fewer than a backend's
+# staging sets (CudaBackend.RING), so submitting never waits for a set to come free
+LOOP_MAX_IN_FLIGHT = 4
 
 
 @dataclass
@@ -105,10 +118,24 @@ class Scheduler:
         self._stopping = False
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="gdn-scheduler", daemon=True)
+        # on an event loop (start_on): the loop, its thread, launches on the device (oldest
+        # first), a control item waiting for them, and whether a round is already scheduled
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._in_flight: list = []
+        self._barrier: _ControlItem | None = None
+        self._round_scheduled = False
+        self._drained = threading.Event()
 
     # -- called from any thread -------------------------------------------------------------
     def start(self) -> None:
+        """Runs rounds on a thread of the scheduler's own."""
         self._thread.start()
+
+    def start_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Runs rounds as callbacks on `loop` (call this on the loop's thread)."""
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
 
     def submit_decode(self, work: DecodeWork, done: Done, cancelled: Callable[[], bool] | None = None) -> None:
         self._enqueue(_DecodeItem(work, done, work.rows, cancelled), work.rows)
@@ -130,11 +157,20 @@ class Scheduler:
             self._accepting = False
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Finishes everything queued, then stops the thread."""
+        """Finishes everything queued, then stops the thread (or the loop's rounds). On an event
+        loop, call it from another thread while the loop runs (run_in_executor), or from the
+        loop's own thread, which then runs what is left itself."""
         with self._cv:
             self._accepting = False
             self._stopping = True
             self._cv.notify()
+        if self._loop is not None:
+            if threading.get_ident() == self._loop_thread:
+                self._drain_here()
+            else:
+                self._schedule_round()
+                self._drained.wait(timeout)
+            return
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -153,8 +189,33 @@ class Scheduler:
                 self._pending.append(item)
                 self._pending_rows += rows
                 self._cv.notify()
+                post = self._loop is not None and not self._round_scheduled
+                if post:
+                    self._round_scheduled = True
         if refused is not None:
             item.done(refused)
+        elif post:
+            self._post_round()
+
+    def _schedule_round(self, poll: bool = False) -> None:
+        """Makes sure a round callback is on the loop's queue (one at a time)."""
+        with self._cv:
+            if self._round_scheduled:
+                return
+            self._round_scheduled = True
+        self._post_round(poll)
+
+    def _post_round(self, poll: bool = False) -> None:
+        loop = self._loop
+        if threading.get_ident() != self._loop_thread:  # e.g. the --frontends link reader, or stop()
+            loop.call_soon_threadsafe(self._loop_round)
+        elif poll:
+            loop.call_soon(self._loop_round)
+        else:
+            # New work: run the round one loop iteration later, after the requests whose reads
+            # completed together with this one (their tasks are queued behind this callback) have
+            # been queued too. Else a round would follow every request and none would be batched.
+            loop.call_soon(loop.call_soon, self._loop_round)
 
     # -- the scheduler thread ---------------------------------------------------------------
     def _run(self) -> None:
@@ -200,10 +261,71 @@ class Scheduler:
         for hook in self.after_answers:
             hook()
         if deferred:
-            with self._cv:
-                self._pending.extendleft(reversed(deferred))
-                self._pending_rows += sum(i.rows for i in deferred if isinstance(i, _DecodeItem))
+            self._requeue(deferred)
         return previous
+
+    # -- on the event loop -------------------------------------------------------------------
+    def _loop_round(self) -> None:
+        with self._cv:
+            self._round_scheduled = False
+        try:
+            again = self._advance()
+        except Exception:  # a bug must not end the rounds: what is queued would never be answered
+            log.exception("scheduler round failed")
+            again = True
+        if again:
+            self._schedule_round(poll=True)  # polls the device once per loop iteration; I/O runs in between
+        elif self._stopping:
+            self._drained.set()
+
+    def _advance(self) -> bool:
+        """Answers the launches the device has finished, runs a waiting control item once nothing
+        is in flight, and launches what is queued. Returns whether there is more to do."""
+        in_flight = self._in_flight
+        ready = 0
+        while ready < len(in_flight) and in_flight[ready][0].ready():
+            ready += 1
+        answered = ready > 0
+        if ready:
+            self._in_flight = in_flight[ready:]
+            self._finish(in_flight[:ready])
+        if self._barrier is not None and not self._in_flight:
+            control, self._barrier = self._barrier, None
+            self._run_control(control)
+            answered = True
+        if (self._barrier is None and self._pending and len(self._in_flight) < LOOP_MAX_IN_FLIGHT
+                and self._batch_is_due()):
+            with self._cv:
+                items = self._take_pending()
+            # admission answers some requests at once (errors, retries): they count as answers too
+            deferred, self._barrier = self._launch(items, self._in_flight, quiet=not self._in_flight)
+            answered = True
+            if deferred:
+                self._requeue(deferred)
+        if answered:
+            for hook in self.after_answers:
+                hook()
+        return bool(self._in_flight or self._pending or self._barrier)
+
+    def _batch_is_due(self) -> bool:
+        """False while --max-queue-delay-us asks to wait for more rows (and they may still come)."""
+        delay = self.config.max_queue_delay_us / 1e6
+        if delay <= 0 or self._stopping or self._pending_rows >= self.config.max_batch_rows:
+            return True
+        first = next((i for i in self._pending if isinstance(i, _DecodeItem)), None)
+        return first is None or time.monotonic() - first.enqueued >= delay
+
+    def _drain_here(self) -> None:
+        """Runs everything queued to the end on this (the loop's) thread, waiting on the device."""
+        while self._advance():
+            if self._in_flight and not self._in_flight[0][0].ready():
+                self._in_flight[0][0].result()  # block: nothing else may run meanwhile
+        self._drained.set()
+
+    def _requeue(self, deferred: list[_DecodeItem | _ControlItem]) -> None:
+        with self._cv:
+            self._pending.extendleft(reversed(deferred))
+            self._pending_rows += sum(i.rows for i in deferred if isinstance(i, _DecodeItem))
 
     def _wait_for_more(self) -> None:
         delay = self.config.max_queue_delay_us / 1e6
@@ -445,7 +567,10 @@ class Scheduler:
 
     @property
     def running(self) -> bool:
-        """True while the scheduler thread is alive (queued work may still change states)."""
+        """True while queued work may still change states: the scheduler's thread is alive, or
+        (on an event loop) it has not drained since stop()."""
+        if self._loop is not None:
+            return not self._drained.is_set()
         return self._thread.is_alive()
 
     def _run_control(self, item: _ControlItem) -> None:

@@ -145,10 +145,23 @@ def start_shards(app: GdnApp, snapshot_dirs: list[str]) -> None:
     settings = app.settings
     if snapshot_dirs:
         load_snapshots(snapshot_dirs, app.placement.shards, settings.gates)
+    loop = asyncio.get_running_loop()
     for shard in app.placement:
-        shard.scheduler.start()
+        start_scheduler(shard, loop)
         if settings.session_idle_timeout_s:
             app.background.append(asyncio.create_task(_evict_idle_sessions(shard, settings.session_idle_timeout_s)))
+
+
+def start_scheduler(shard: Shard, loop: asyncio.AbstractEventLoop) -> None:
+    """On the event loop, or on a thread of its own (SchedulerConfig.runs_on; see scheduler.py)."""
+    runs_on = shard.scheduler.config.runs_on
+    if runs_on == "auto":
+        runs_on = "loop" if shard.backend.asynchronous else "thread"
+    if runs_on == "loop":
+        shard.scheduler.start_on(loop)
+    else:
+        shard.scheduler.start()
+    log.debug("device %d: scheduler runs on the %s", shard.index, "event loop" if runs_on == "loop" else "a thread")
 
 
 async def start_server(app: GdnApp) -> tuple[grpc.aio.Server, int]:

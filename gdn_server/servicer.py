@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 from typing import Any, AsyncIterator, Callable
 
 import grpc
@@ -31,8 +32,12 @@ MAX_CHUNKS_READ_AFTER_ERROR = 16  # ImportState: chunks drained after a bad one,
 
 
 def settle_on(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Future, Callable[[Any], None]]:
-    """A future on `loop` and a thread-safe callback that resolves it (exceptions are raised)."""
+    """A future on `loop` and a thread-safe callback that resolves it (exceptions are raised).
+
+    Call it on the loop's thread. The callback settles the future at once when it is called on
+    that thread too (a scheduler running on the loop), else through `call_soon_threadsafe`."""
     fut = loop.create_future()
+    loop_thread = threading.get_ident()
 
     def _settle(result: Any) -> None:
         if fut.done():  # the RPC was cancelled meanwhile
@@ -43,7 +48,10 @@ def settle_on(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Future, Callable
             fut.set_result(result)
 
     def done(result: Any) -> None:
-        loop.call_soon_threadsafe(_settle, result)
+        if threading.get_ident() == loop_thread:
+            _settle(result)
+        else:
+            loop.call_soon_threadsafe(_settle, result)
 
     return fut, done
 

@@ -43,11 +43,13 @@ def gates(tmp_path_factory):
     return path, A_log, dt_bias
 
 
-@pytest.fixture(scope="module")
-def server(gates):
+@pytest.fixture(scope="module", params=["thread", "loop"], ids=["scheduler-thread", "scheduler-on-loop"])
+def server(gates, request):
+    """The CPU server with its scheduler on a thread (its default), and on the event loop (a GPU
+    server's default: the same rounds as loop callbacks, checked here without a GPU)."""
     path = gates[0]
     with start_server("--layers", str(LAYERS), "--q-heads", "2", "--v-heads", "4", "--weights", str(path),
-                      "--max-sessions", "40") as srv:
+                      "--max-sessions", "40", "--scheduler-runs-on", request.param) as srv:
         yield srv
 
 

@@ -434,7 +434,11 @@ class LoadClient(threading.Thread):
                 conn.close()
 
 
-@pytest.mark.parametrize("mode", [pytest.param((), id="one-process"), pytest.param(("--frontends", "2"), id="frontends")])
+@pytest.mark.parametrize("mode", [
+    pytest.param((), id="one-process"),
+    pytest.param(("--scheduler-runs-on", "loop"), id="scheduler-on-loop"),  # drains from an executor thread
+    pytest.param(("--frontends", "2"), id="frontends"),
+])
 def test_sigterm_under_load_then_restore(tmp_path, weights, gates, mode):
     state_dir = str(tmp_path / "state")
     clients_n, steps = 16, 12

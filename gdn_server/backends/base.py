@@ -29,6 +29,10 @@ class PendingStep(ABC):
         """Blocks until the step is done; returns bf16 [rows, T, HV, V] on the CPU, valid until the
         handle after next is taken (callers copy what they keep)."""
 
+    def ready(self) -> bool:
+        """True once `result()` would not block (a scheduler on an event loop polls this)."""
+        return True
+
 
 class DoneStep(PendingStep):
     """A step that completed synchronously."""
@@ -43,6 +47,9 @@ class DoneStep(PendingStep):
 class Backend(ABC):
     name: str  # "cpu-torch" or "cuda-cute"
     device_name: str = "cpu"  # what ModelInfo.devices reports
+    # True when `submit` only queues work (a device runs it) and returns at once: the scheduler
+    # can then run on the event loop, polling `PendingStep.ready`. False when it computes in place.
+    asynchronous: bool = False
 
     def __init__(
         self, shape: ModelShape, gates: GateParams, max_sessions: int, scale: float | None,

@@ -88,9 +88,13 @@ class _CudaStep(PendingStep):
         self._staging.done.synchronize()
         return self._out
 
+    def ready(self) -> bool:
+        return self._staging.done.query()
+
 
 class CudaBackend(Backend):
     name = "cuda-cute"
+    asynchronous = True
 
     def __init__(
         self,
