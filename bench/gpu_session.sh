@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|speculative   (each part fits in one 10-minute call)
-# FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side.
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|speculative   (each part fits in one 10-minute call)
+# FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
+# (serve): the --scheduler-runs-on values too.
 # Logs and results go to $OUT (or bench/results).
 set -uo pipefail
 out=${OUT:-bench/results}
@@ -28,7 +29,8 @@ case "${1:-}" in
     timeout 270 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py 2>&1 | tail -3
     ;;
   serve)
-    timeout 540 python3 bench/serve.py --device cuda --duration 3 --frontends "${FRONTENDS:-0,4}" --out "$out" 2>&1 \
+    timeout 540 python3 bench/serve.py --device cuda --duration 3 --frontends "${FRONTENDS:-0,4}" \
+      --runs-on "${RUNS_ON:-auto}" --out "$out" 2>&1 \
       | tee "$out/serve.log" | tail -30
     ;;
   scale)
@@ -40,8 +42,12 @@ case "${1:-}" in
     timeout 300 python3 bench/scale.py --device cuda --duration 4 --frontends "${FRONTENDS:-8}" --device-sets "0,1;0" \
       --clients 512 --no-echo --out "$out/scalecpu" 2>&1 | tail -12
     ;;
+  profile)  # py-spy of a one-process CUDA server at N=1 and N=64 (py-spy carried in .tools/)
+    PY_SPY=${PY_SPY:-.tools/py-spy} timeout 300 python3 bench/profile_server.py --device cuda --clients "${CLIENTS:-1,64}" \
+      --duration 6 --server-flags "${SERVER_FLAGS:-}" --out "$out/profile" 2>&1 | tail -60
+    ;;
   speculative)
     timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8
     ;;
-  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|speculative" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|speculative" >&2; exit 2 ;;
 esac

@@ -11,6 +11,7 @@ Each part is one `gdn-loadtest` run against a fresh server process, once per `--
 file and a markdown table.
 
     python bench/serve.py --device cuda --frontends 0,4 --out bench/results   # one process, then 4 workers
+    python bench/serve.py --device cuda --runs-on loop,thread                 # the scheduler on the loop vs a thread
     python bench/serve.py --device cpu --clients 1,8 --duration 2              # a smoke run anywhere
 """
 from __future__ import annotations
@@ -67,6 +68,8 @@ def main() -> None:
     p.add_argument("--batch-sessions", type=int, default=256, help="B of part (c)")
     p.add_argument("--max-sessions", type=int, default=512)
     p.add_argument("--frontends", default="0", help="comma list of --frontends values, each run side by side")
+    p.add_argument("--runs-on", default="auto",
+                   help="comma list of --scheduler-runs-on values (auto, loop, thread), each run side by side")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--skip", default="", help="comma list of parts to skip: a,b,c")
     args = p.parse_args()
@@ -78,7 +81,8 @@ def main() -> None:
     big = ["--clients", "1", "--batch", str(args.batch_sessions), "--mode", "unary", "--tokens", "1",
            "--duration", str(args.duration)]
 
-    for i, frontends in enumerate(int(f) for f in args.frontends.split(",")):
+    variants = [(int(f), r) for f in args.frontends.split(",") for r in args.runs_on.split(",")]
+    for i, (frontends, runs_on) in enumerate(variants):
         echo = ["--echo"] if i == 0 else []  # the floor does not depend on the server: measure it once
         parts = [
             ("a_batched", (), ["--clients", args.clients, *echo, *common]),
@@ -88,12 +92,13 @@ def main() -> None:
         for name, server_flags, load_flags in parts:
             if name[0] in skip:
                 continue
-            proc, target = start_server(args, *server_flags, "--frontends", str(frontends))
+            proc, target = start_server(args, *server_flags, "--frontends", str(frontends),
+                                        "--scheduler-runs-on", runs_on)
             try:
-                run = loadtest(target, out / f"serve_{name[0]}_f{frontends}.json", *load_flags)
+                run = loadtest(target, out / f"serve_{name[0]}_f{frontends}_{runs_on}.json", *load_flags)
             finally:
                 stop(proc)
-            results["parts"].append({"part": name, "frontends": frontends, **run})
+            results["parts"].append({"part": name, "frontends": frontends, "runs_on": runs_on, **run})
 
     (out / "serve.json").write_text(json.dumps(results, indent=1))
     table = summarize(results)
@@ -102,9 +107,9 @@ def main() -> None:
 
 
 def summarize(results: dict) -> str:
-    lines = ["| part | frontends | clients | B | steps/s | p50 ms | p99 ms | rows/launch | device us/launch | "
+    lines = ["| part | frontends | scheduler | clients | B | steps/s | p50 ms | p99 ms | rows/launch | device us/launch | "
              "echo steps/s | echo p50 ms | % of echo |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     echo = {}
     for part in results["parts"]:
         for r in part["runs"]:
@@ -119,7 +124,8 @@ def summarize(results: dict) -> str:
             launches = srv.get("launches") or 0
             dev_us = 1e6 * srv.get("device_seconds", 0.0) / launches if launches else float("nan")
             lines.append(
-                f"| {part['part']} | {part['frontends']} | {r['clients']} | {r['batch']} | {r['steps_per_s']:,.0f} | "
+                f"| {part['part']} | {part['frontends']} | {part.get('runs_on', 'thread')} | {r['clients']} | {r['batch']} | "
+                f"{r['steps_per_s']:,.0f} | "
                 f"{r['latency_ms']['p50']:.3f} | {r['latency_ms']['p99']:.3f} | "
                 f"{srv.get('mean_rows_per_launch', float('nan')):.1f} | {dev_us:.0f} | "
                 + (f"{e['steps_per_s']:,.0f} | {e['latency_ms']['p50']:.3f} | {100 * r['steps_per_s'] / e['steps_per_s']:.0f}% |"

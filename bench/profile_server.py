@@ -1,0 +1,123 @@
+"""Where a serving process's time goes under load: py-spy samples of a real server while
+gdn-loadtest drives it, summarised per thread (self and inclusive samples per function).
+
+    python bench/profile_server.py --device cuda --clients 1,64 --out bench/results/profile
+    python bench/profile_server.py --device cpu --model "--layers 4 --q-heads 2 --v-heads 4"
+
+For each clients value: a fresh server, a load run of --duration seconds, and py-spy recording
+the server for the middle of it (raw stacks in prof_N.txt, the summary in prof_N.md). py-spy is
+taken from PATH or from $PY_SPY. It attaches to the running server; where the host forbids
+that (ptrace), it starts the server itself, and the warm-up's samples (kernel compiles) are
+dropped from the summary.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+_WARMUP_FRAMES = ("warmup", "compile", "start_server")  # stacks of the server's start, not of serving
+
+
+def _wait_listening(proc: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        m = _LISTENING.search(line)
+        if m:
+            return f"{m.group(1)}:{m.group(2)}"
+        if time.monotonic() > deadline:
+            break
+    raise RuntimeError("server did not start")
+
+
+def summarize(raw: Path, top: int = 30) -> str:
+    threads: collections.Counter = collections.Counter()
+    self_samples: collections.Counter = collections.Counter()
+    inclusive: collections.Counter = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or any(f in stack for f in _WARMUP_FRAMES):
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        thread = re.sub(r"\(\d+\)", "", frames[0]).strip()
+        threads[thread] += n
+        self_samples[(thread, frames[-1])] += n
+        for frame in set(frames[1:]):
+            inclusive[(thread, frame)] += n
+    lines = ["| thread | samples |", "|---|---|"] + [f"| {t} | {n} |" for t, n in threads.most_common()]
+    lines += ["", "Self (leaf) samples:", "", "| samples | thread | function |", "|---|---|---|"]
+    lines += [f"| {n} | {t} | `{f}` |" for (t, f), n in self_samples.most_common(top)]
+    lines += ["", "Inclusive samples:", "", "| samples | thread | function |", "|---|---|---|"]
+    lines += [f"| {n} | {t} | `{f}` |" for (t, f), n in inclusive.most_common(top * 2)]
+    return "\n".join(lines)
+
+
+def profile_point(args: argparse.Namespace, py_spy: str, clients: int, out: Path) -> None:
+    server_cmd = [sys.executable, "-m", "gdn_server", "--host", "127.0.0.1", "--port", "0", "--device", args.device,
+                  *args.model.split(), "--max-sessions", str(max(clients, 8)), "--log-level", "WARNING",
+                  *args.server_flags.split()]
+    raw = out / f"prof_{clients}.txt"
+    spy_flags = ["record", "-r", str(args.rate), "-f", "raw", "-o", str(raw), "--threads", "--nonblocking"]
+    proc = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    wrapped = None
+    try:
+        target = _wait_listening(proc, 600)
+        load = subprocess.Popen([sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--clients",
+                                 str(clients), "--duration", str(args.duration), "--no-progress"])
+        time.sleep(1.0)
+        spy = subprocess.run([py_spy, *spy_flags, "-d", str(max(1, int(args.duration) - 2)), "--pid", str(proc.pid)],
+                             capture_output=True, text=True)
+        load.wait(timeout=args.duration + 120)
+        if spy.returncode != 0:  # no ptrace of a sibling here: py-spy starts the server itself
+            print(f"py-spy could not attach ({spy.stderr.strip()[-200:]}); starting the server under it", flush=True)
+            proc.terminate()
+            proc.wait(30)
+            wrapped = subprocess.Popen([py_spy, *spy_flags, "--", *server_cmd], stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True, bufsize=1)
+            target = _wait_listening(wrapped, 600)
+            subprocess.run([sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--clients",
+                            str(clients), "--duration", str(args.duration), "--no-progress"], timeout=args.duration + 120)
+            wrapped.send_signal(signal.SIGINT)  # py-spy forwards it, then writes its file
+            wrapped.wait(60)
+    finally:
+        for p in (proc, wrapped):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.wait(30)
+    if raw.exists():
+        (out / f"prof_{clients}.md").write_text(summarize(raw) + "\n")
+        print(f"\n## {clients} clients\n")
+        print("\n".join(summarize(raw, top=12).splitlines()[:40]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--model", default="--preset qwen3-next --devices 0")
+    p.add_argument("--server-flags", default="", help="more gdn-server flags, e.g. '--scheduler-runs-on thread'")
+    p.add_argument("--clients", default="1,64")
+    p.add_argument("--duration", type=float, default=6.0)
+    p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results") + "/profile")
+    args = p.parse_args()
+    py_spy = os.environ.get("PY_SPY") or shutil.which("py-spy")
+    if not py_spy:
+        sys.exit("py-spy not found (PATH or $PY_SPY)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for clients in (int(c) for c in args.clients.split(",")):
+        profile_point(args, py_spy, clients, out)
+
+
+if __name__ == "__main__":
+    main()
