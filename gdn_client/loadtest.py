@@ -215,15 +215,22 @@ class _GdnWorker:
         self.check(await self.send(self.prepare()))
 
     async def close(self) -> None:
-        if self.call is not None:
-            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
-                await self.call.done_writing()
-                async for _ in self.call:
-                    pass
+        await _end_stream(self.call)
         for sid in self.session_ids:
             with contextlib.suppress(grpc.RpcError):
                 await self.stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=sid), timeout=self.cfg.timeout)
         await self.channel.close()
+
+
+async def _end_stream(call: Any) -> None:
+    """Half-closes an open stream and reads it to its end (with read(): the API it was used
+    with; grpc.aio refuses to mix read() and iteration on one call)."""
+    if call is None:
+        return
+    with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+        await call.done_writing()
+        while await call.read() is not grpc.aio.EOF:
+            pass
 
 
 async def _round_trip(stream: Any, unary: Any, request: bytes, timeout: float, stream_name: str) -> bytes:
@@ -270,11 +277,7 @@ class _EchoWorker:
         self.check(await self.send(self.prepare()))
 
     async def close(self) -> None:
-        if self.call is not None:
-            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
-                await self.call.done_writing()
-                async for _ in self.call:
-                    pass
+        await _end_stream(self.call)
         await self.channel.close()
 
 

@@ -155,11 +155,17 @@ class CudaBackend(Backend):
         if staging is not None and staging.used:
             staging.done.synchronize()  # its previous batch must be off the buffers
         if staging is None or staging.capacity < plan.total or staging.out_host.numel() < plan.out_bytes:
-            hint = self._plan(self._rows_hint, self.shape.max_tokens_per_step)
-            staging = _Staging(self.device, max(plan.total, hint.total), max(plan.out_bytes, hint.out_bytes))
+            staging = self._new_staging(plan)
             self._ring[idx] = staging
         staging.used = True
         return staging
+
+    def _new_staging(self, plan: "_Plan | None" = None) -> _Staging:
+        """A staging set for `plan`, and at least for rows_hint rows of the longest step."""
+        hint = self._plan(self._rows_hint, self.shape.max_tokens_per_step)
+        total = hint.total if plan is None else max(plan.total, hint.total)
+        out_bytes = hint.out_bytes if plan is None else max(plan.out_bytes, hint.out_bytes)
+        return _Staging(self.device, total, out_bytes)
 
     def submit(self, batch: StepBatch) -> PendingStep:
         R, T = batch.rows, batch.tokens
@@ -203,6 +209,11 @@ class CudaBackend(Backend):
         out.copy_(o)
 
     def warmup(self) -> None:
+        # the whole ring now: pinned allocations take milliseconds each, a stall of the first
+        # launches (and of every request behind them) if left to the first RING batches
+        for idx, staging in enumerate(self._ring):
+            if staging is None:
+                self._ring[idx] = self._new_staging()
         if not self.use_kernel:
             return
         from gdn_server.kernels import compile_variant

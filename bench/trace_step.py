@@ -1,0 +1,184 @@
+"""Where one step's latency goes at N=1: timestamps of every stage of a T=1 step, client and
+server, on one host (CLOCK_MONOTONIC is shared by the two processes).
+
+    python bench/trace_step.py --device cuda --steps 3000          # one-process server, auto scheduler
+    python bench/trace_step.py --device cpu --model "--layers 4 --q-heads 2 --v-heads 4" \\
+        --server-flags "--scheduler-runs-on loop"
+
+The server runs in a child process with a few of its methods wrapped to take a timestamp (this
+file, --serve; the product code has no tracing in it). One client, gdn-loadtest's own worker,
+sends --steps steps over one stream after a warm-up, one at a time, so the i-th timestamp of
+each stage belongs to the i-th step. Then the same client against the bytes echo of the same
+sizes. Prints the median and p90 of each segment and writes trace_step.json.
+
+Segments: client send -> server has the parsed request ("in") -> validated and queued
+("queued") -> its round starts ("round") -> the backend's submit returned ("submitted") ->
+the round that answers it starts ("finish") -> futures settled ("answered") -> the stream's
+writer has its reply bytes ("reply") -> client has the reply.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+STAGES = ("in", "queued", "round", "submitted", "finish", "answered", "reply")
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+# -- the server side (--serve): wrap a few methods, dump the stamps at exit --------------------------
+
+def _serve(trace_out: str, flags: list[str]) -> int:
+    from gdn_server import cli, scheduler, servicer
+    from gdn_server.backends import cuda
+
+    stamps: dict[str, list[int]] = {s: [] for s in STAGES}
+    now = time.monotonic_ns
+
+    def around(owner, name, before=None, after=None, when=lambda *a: True):
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def wrapped(*args, **kwargs):
+            on = when(*args, **kwargs)
+            if on and before:
+                stamps[before].append(now())
+            result = original(*args, **kwargs)
+            if on and after:
+                stamps[after].append(now())
+            return result
+
+        setattr(owner, name, wrapped)
+
+    around(servicer.GdnDecodeServicer, "_start_decode", before="in", after="queued")
+    around(scheduler.Scheduler, "_launch", before="round", when=lambda self, items, *a, **k: bool(items))
+    around(cuda.CudaBackend, "submit", after="submitted")
+    from gdn_server.backends import cpu
+    around(cpu.CpuBackend, "submit", after="submitted")
+    around(scheduler.Scheduler, "_finish", before="finish", after="answered",
+           when=lambda self, in_flight: bool(in_flight))
+    around(servicer, "decode_response_wire", before="reply")
+    atexit.register(lambda: Path(trace_out).write_text(json.dumps(stamps)))
+    return cli.main(flags)
+
+
+# -- the client side -------------------------------------------------------------------------------
+
+async def _client_run(worker, warmup: int, steps: int) -> list[tuple[int, int]]:
+    await worker.open()
+    times = []
+    for i in range(warmup + steps):
+        request = worker.prepare()
+        t0 = time.monotonic_ns()
+        reply = await worker.send(request)
+        t1 = time.monotonic_ns()
+        worker.check(reply)
+        if i >= warmup:
+            times.append((t0, t1))
+    await worker.close()
+    return times
+
+
+async def _gdn_client(target: str, warmup: int, steps: int) -> tuple[list[tuple[int, int]], int, int]:
+    from gdn_client.loadtest import LoadConfig, _GdnWorker, _server_view
+
+    cfg = LoadConfig(target=target, clients=1, progress=False)
+    info, _ = await _server_view(target, 30)
+    worker = _GdnWorker(cfg, info, 0)
+    times = await _client_run(worker, warmup, steps)
+    return times, worker.request_bytes, worker.reply_bytes
+
+
+async def _echo_client(address: str, request_bytes: int, reply_bytes: int, warmup: int, steps: int):
+    from gdn_client.loadtest import LoadConfig, _EchoWorker
+
+    cfg = LoadConfig(target=address, clients=1, progress=False)
+    return await _client_run(_EchoWorker(cfg, address, request_bytes, reply_bytes), warmup, steps)
+
+
+def _pct(values_ns: list[int] | np.ndarray) -> tuple[float, float]:
+    a = np.asarray(values_ns, dtype=np.float64) / 1e3
+    return float(np.percentile(a, 50)), float(np.percentile(a, 90))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--trace-out", help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--model", default="--preset qwen3-next --devices 0")
+    p.add_argument("--server-flags", default="")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--warmup", type=int, default=300)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    args, rest = p.parse_known_args()
+    if args.serve:
+        sys.exit(_serve(args.trace_out, rest))
+
+    from gdn_client.loadtest import echo_server
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "trace_server.json"
+    cmd = [sys.executable, __file__, "--serve", "--trace-out", str(trace), "--host", "127.0.0.1", "--port", "0",
+           "--device", args.device, "--max-sessions", "8", "--log-level", "WARNING", *args.model.split(),
+           *args.server_flags.split()]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    try:
+        target = None
+        for line in proc.stdout:
+            m = _LISTENING.search(line)
+            if m:
+                target = f"{m.group(1)}:{m.group(2)}"
+                break
+        if target is None:
+            raise RuntimeError("server did not start")
+        times, request_bytes, reply_bytes = asyncio.run(_gdn_client(target, args.warmup, args.steps))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    with echo_server() as address:
+        echo_times = asyncio.run(_echo_client(address, request_bytes, reply_bytes, args.warmup, args.steps))
+
+    stamps = json.loads(trace.read_text())
+    n = args.steps
+    # the server saw the warm-up steps first (and a CloseSession round after ours)
+    w = args.warmup
+    server = {s: np.asarray(v[w:w + n], dtype=np.int64) for s, v in stamps.items()}
+    if any(len(v) < n for v in server.values()):
+        raise RuntimeError(f"missing stamps: { {s: len(v) for s, v in stamps.items()} }")
+    sent = np.asarray([t[0] for t in times], dtype=np.int64)
+    got = np.asarray([t[1] for t in times], dtype=np.int64)
+    points = [("client sent", sent), *((s, server[s]) for s in STAGES), ("client has reply", got)]
+    rows = []
+    for (a, ta), (b, tb) in zip(points, points[1:]):
+        p50, p90 = _pct(tb - ta)
+        rows.append({"from": a, "to": b, "p50_us": p50, "p90_us": p90})
+    total = _pct(got - sent)
+    echo = _pct([t1 - t0 for t0, t1 in echo_times])
+    lines = ["| segment | p50 us | p90 us |", "|---|---|---|"]
+    lines += [f"| {r['from']} -> {r['to']} | {r['p50_us']:.1f} | {r['p90_us']:.1f} |" for r in rows]
+    lines += [f"| **round trip (ours)** | {total[0]:.1f} | {total[1]:.1f} |",
+              f"| **round trip (echo, same bytes)** | {echo[0]:.1f} | {echo[1]:.1f} |"]
+    table = "\n".join(lines)
+    print(table)
+    (out / "trace_step.md").write_text(table + "\n")
+    (out / "trace_step.json").write_text(json.dumps({
+        "args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "segments": rows,
+        "round_trip_us": {"p50": total[0], "p90": total[1]}, "echo_round_trip_us": {"p50": echo[0], "p90": echo[1]},
+        "request_bytes": request_bytes, "reply_bytes": reply_bytes,
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
