@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|speculative   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|speculative   (each part fits in one 10-minute call)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
 # (serve): the --scheduler-runs-on values too.
 # Logs and results go to $OUT (or bench/results).
@@ -49,11 +49,15 @@ case "${1:-}" in
   trace)  # one step's latency, stage by stage, at N=1 (ours and the echo), per --scheduler-runs-on value
     for mode in ${RUNS_ON:-loop thread}; do
       timeout 200 python3 bench/trace_step.py --device cuda --steps 3000 --server-flags "--scheduler-runs-on $mode" \
-        --out "$out/trace_$mode" 2>&1 | tail -12
+        --out "$out/trace_$mode" 2>&1 | tail -14
     done
+    ;;
+  tracebig)  # the same for issue 4 (c): one unary request of B=256 sessions at a time
+    timeout 300 python3 bench/trace_step.py --device cuda --batch 256 --mode unary --steps 300 --warmup 30 \
+      --out "$out/trace_big" 2>&1 | tail -14
     ;;
   speculative)
     timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8
     ;;
-  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|speculative" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|speculative" >&2; exit 2 ;;
 esac

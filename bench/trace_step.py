@@ -2,6 +2,7 @@
 server, on one host (CLOCK_MONOTONIC is shared by the two processes).
 
     python bench/trace_step.py --device cuda --steps 3000          # one-process server, auto scheduler
+    python bench/trace_step.py --device cuda --batch 256 --mode unary --steps 200   # issue 4 (c)
     python bench/trace_step.py --device cpu --model "--layers 4 --q-heads 2 --v-heads 4" \\
         --server-flags "--scheduler-runs-on loop"
 
@@ -11,7 +12,8 @@ sends --steps steps over one stream after a warm-up, one at a time, so the i-th 
 each stage belongs to the i-th step. Then the same client against the bytes echo of the same
 sizes. Prints the median and p90 of each segment and writes trace_step.json.
 
-Segments: client send -> server has the parsed request ("in") -> validated and queued
+Segments: client send -> the request's bytes reach the DecodeRequest parser ("parse") -> parsed
+("parsed") -> the servicer has it ("in") -> validated and queued
 ("queued") -> its round starts ("round") -> the backend's submit returned ("submitted") ->
 the round that answers it starts ("finish") -> futures settled ("answered") -> the stream's
 writer has its reply bytes ("reply") -> client has the reply.
@@ -25,6 +27,7 @@ import functools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -32,20 +35,20 @@ from pathlib import Path
 
 import numpy as np
 
-STAGES = ("in", "queued", "round", "submitted", "finish", "answered", "reply")
+STAGES = ("parse", "parsed", "in", "queued", "round", "submitted", "finish", "answered", "reply")
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 
 # -- the server side (--serve): wrap a few methods, dump the stamps at exit --------------------------
 
-def _serve(trace_out: str, flags: list[str]) -> int:
+def _serve(trace_out: str, flags: list[str], fake_device: str | None) -> int:
     from gdn_server import cli, scheduler, servicer
     from gdn_server.backends import cuda
 
     stamps: dict[str, list[int]] = {s: [] for s in STAGES}
     now = time.monotonic_ns
 
-    def around(owner, name, before=None, after=None, when=lambda *a: True):
+    def around(owner, name, before=None, after=None, when=lambda *a, **k: True):
         original = getattr(owner, name)
 
         @functools.wraps(original)
@@ -60,6 +63,22 @@ def _serve(trace_out: str, flags: list[str]) -> int:
 
         setattr(owner, name, wrapped)
 
+    # the DecodeRequest parser the generated code registers (a stand-in module for its pb2 name)
+    import types
+
+    from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
+    pb2_name = next(n for n, v in vars(gdn_pb2_grpc).items() if v is gdn_pb2)
+    parse_request = gdn_pb2.DecodeRequest.FromString
+
+    def timed_parse(data: bytes):
+        stamps["parse"].append(now())
+        request = parse_request(data)
+        stamps["parsed"].append(now())
+        return request
+
+    stand_in = types.SimpleNamespace(**{n: getattr(gdn_pb2, n) for n in dir(gdn_pb2) if not n.startswith("__")})
+    stand_in.DecodeRequest = types.SimpleNamespace(FromString=timed_parse)
+    setattr(gdn_pb2_grpc, pb2_name, stand_in)
     around(servicer.GdnDecodeServicer, "_start_decode", before="in", after="queued")
     around(scheduler.Scheduler, "_launch", before="round", when=lambda self, items, *a, **k: bool(items))
     around(cuda.CudaBackend, "submit", after="submitted")
@@ -69,6 +88,14 @@ def _serve(trace_out: str, flags: list[str]) -> int:
            when=lambda self, in_flight: bool(in_flight))
     around(servicer, "decode_response_wire", before="reply")
     atexit.register(lambda: Path(trace_out).write_text(json.dumps(stamps)))
+    if fake_device is not None:  # bench/frontend.py's server: CUDA's host work, a 60 us "device"
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import frontend
+
+        around(frontend.HostOnlyBackend, "submit", after="submitted")
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # atexit runs on the way out
+        frontend.run_server(0, sessions=600, runs_on=fake_device)
+        return 0
     return cli.main(flags)
 
 
@@ -89,20 +116,20 @@ async def _client_run(worker, warmup: int, steps: int) -> list[tuple[int, int]]:
     return times
 
 
-async def _gdn_client(target: str, warmup: int, steps: int) -> tuple[list[tuple[int, int]], int, int]:
+async def _gdn_client(target: str, warmup: int, steps: int, batch: int, mode: str):
     from gdn_client.loadtest import LoadConfig, _GdnWorker, _server_view
 
-    cfg = LoadConfig(target=target, clients=1, progress=False)
+    cfg = LoadConfig(target=target, clients=1, batch=batch, mode=mode, progress=False)
     info, _ = await _server_view(target, 30)
     worker = _GdnWorker(cfg, info, 0)
     times = await _client_run(worker, warmup, steps)
     return times, worker.request_bytes, worker.reply_bytes
 
 
-async def _echo_client(address: str, request_bytes: int, reply_bytes: int, warmup: int, steps: int):
+async def _echo_client(address: str, request_bytes: int, reply_bytes: int, warmup: int, steps: int, mode: str):
     from gdn_client.loadtest import LoadConfig, _EchoWorker
 
-    cfg = LoadConfig(target=address, clients=1, progress=False)
+    cfg = LoadConfig(target=address, clients=1, mode=mode, progress=False)
     return await _client_run(_EchoWorker(cfg, address, request_bytes, reply_bytes), warmup, steps)
 
 
@@ -120,10 +147,14 @@ def main() -> None:
     p.add_argument("--server-flags", default="")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--warmup", type=int, default=300)
+    p.add_argument("--batch", type=int, default=1, help="sessions per request (B)")
+    p.add_argument("--mode", default="stream", choices=("stream", "unary"))
+    p.add_argument("--fake-device", choices=("auto", "loop", "thread"),
+                   help="serve with bench/frontend.py's host-only backend (any machine), scheduler on this")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args, rest = p.parse_known_args()
     if args.serve:
-        sys.exit(_serve(args.trace_out, rest))
+        sys.exit(_serve(args.trace_out, rest, args.fake_device))
 
     from gdn_client.loadtest import echo_server
 
@@ -131,8 +162,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     trace = out / "trace_server.json"
     cmd = [sys.executable, __file__, "--serve", "--trace-out", str(trace), "--host", "127.0.0.1", "--port", "0",
-           "--device", args.device, "--max-sessions", "8", "--log-level", "WARNING", *args.model.split(),
-           *args.server_flags.split()]
+           "--device", args.device, "--max-sessions", str(max(8, args.batch)), "--log-level", "WARNING", *args.model.split(),
+           *args.server_flags.split(), *(["--fake-device", args.fake_device] if args.fake_device else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     try:
         target = None
@@ -143,12 +174,13 @@ def main() -> None:
                 break
         if target is None:
             raise RuntimeError("server did not start")
-        times, request_bytes, reply_bytes = asyncio.run(_gdn_client(target, args.warmup, args.steps))
+        times, request_bytes, reply_bytes = asyncio.run(_gdn_client(target, args.warmup, args.steps, args.batch, args.mode))
     finally:
         proc.terminate()
         proc.wait(60)
     with echo_server() as address:
-        echo_times = asyncio.run(_echo_client(address, request_bytes, reply_bytes, args.warmup, args.steps))
+        echo_times = asyncio.run(_echo_client(address, request_bytes, reply_bytes, args.warmup, args.steps,
+                                               args.mode))
 
     stamps = json.loads(trace.read_text())
     n = args.steps
