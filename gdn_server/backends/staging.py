@@ -17,6 +17,10 @@ from gdn_server.config import ModelShape
 from gdn_server.work import StepBatch
 
 ALIGN = 128  # bytes; keeps every carved view 16-byte aligned for the kernel's vector loads
+# A request input at least this big is copied by torch (its intra-op thread pool splits the
+# memcpy across cores); smaller ones by one slice assignment, which costs far less to start.
+# One thread fills pinned memory at a few GB/s: 1.2 ms for a B=256 request on the H200 host.
+PARALLEL_COPY_BYTES = 512 << 10
 INPUTS = ("q", "k", "v", "a", "b")
 
 
@@ -81,7 +85,11 @@ def fill(
         if raw is not None:
             for (offset, per_row), data in zip(places, raw):
                 start = offset + row * per_row
-                host_mem[start : start + len(data)] = data
+                if len(data) >= PARALLEL_COPY_BYTES:
+                    dst = torch.from_numpy(host_bytes[start : start + len(data)])
+                    dst.copy_(torch.frombuffer(data, dtype=torch.uint8))
+                else:
+                    host_mem[start : start + len(data)] = data
         else:
             for name, part in zip(INPUTS, (work.q, work.k, work.v, work.a, work.b)):
                 host_views[name][row : row + n].copy_(part)
