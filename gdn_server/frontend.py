@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape
+from gdn_server.decode_request import decode_request_parsers
 from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
 from gdn_server.metrics import MetricsInterceptor, RpcMetrics
 from gdn_server.link import LENGTH, decode_reply, encode_cancel, encode_request
@@ -324,7 +325,7 @@ async def serve_frontend(settings: FrontendSettings) -> int:
     if security.auth_token_file or security.mutual_tls:
         tokens = load_tokens(security.auth_token_file) if security.auth_token_file else None
         interceptors.append(AuthInterceptor(tokens, security.mutual_tls))
-    interceptors.append(RejectMalformed())
+    interceptors.append(RejectMalformed(decode_request_parsers()))  # big tensors' bytes go to the link uncopied
     # SO_REUSEPORT: every worker binds the same port; the router holds it reserved meanwhile
     server = grpc.aio.server(interceptors=interceptors, options=[*limits, ("grpc.so_reuseport", 1)])
     rpcs = FrontendDecodeRpcs(shape, links, SessionRoutes(channel), metrics)

@@ -22,6 +22,7 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import grpc
 
@@ -213,13 +214,19 @@ class RejectMalformed(grpc.aio.ServerInterceptor):
     bad message raises InvalidArgument (in whichever task reads the stream), and the call ends
     with that status in its own task (aborting from a reader task would clash with its writes).
     A GdnError escaping any behaviour is mapped the same way instead of becoming UNKNOWN.
+
+    `parsers` replaces the handler's deserializer for some methods (full names), e.g. the
+    DecodeRequest parser that leaves big tensors' bytes in place (gdn_server.decode_request).
     """
+
+    def __init__(self, parsers: dict[str, Callable[[bytes], Any]] | None = None) -> None:
+        self._parsers = dict(parsers or {})
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        parse = handler.request_deserializer
+        parse = self._parsers.get(handler_call_details.method, handler.request_deserializer)
 
         def deserializer(data: bytes):
             try:

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server.backends import make_backends
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape, SchedulerConfig
+from gdn_server.decode_request import decode_request_parsers
 from gdn_server.lifecycle import evict_idle, idle_sessions
 from gdn_server.metrics import EngineMetrics, Metrics, MetricsInterceptor
 from gdn_server.placement import Placement, Shard
@@ -172,7 +173,8 @@ async def start_server(app: GdnApp) -> tuple[grpc.aio.Server, int]:
         interceptors.append(MetricsInterceptor(app.metrics.rpc))
     if app.auth is not None:
         interceptors.append(app.auth)
-    interceptors.append(RejectMalformed())  # innermost: only authenticated calls get parsed
+    # innermost: only authenticated calls get parsed (decode steps by our parser: big tensors uncopied)
+    interceptors.append(RejectMalformed(decode_request_parsers()))
     server = grpc_server(app, interceptors, (("grpc.so_reuseport", 0),))
     await set_serving(app.health, False)
     address = f"{settings.host}:{settings.port}"

@@ -46,10 +46,15 @@ def gates(tmp_path_factory):
 @pytest.fixture(scope="module", params=["thread", "loop"], ids=["scheduler-thread", "scheduler-on-loop"])
 def server(gates, request):
     """The CPU server with its scheduler on a thread (its default), and on the event loop (a GPU
-    server's default: the same rounds as loop callbacks, checked here without a GPU)."""
+    server's default: the same rounds as loop callbacks, checked here without a GPU). On the
+    loop a round follows new work at once, so a step this small may well never wait for another:
+    there a queue delay makes concurrent clients' steps meet (and tests that it does)."""
     path = gates[0]
+    mode = ["--scheduler-runs-on", request.param]
+    if request.param == "loop":
+        mode += ["--max-queue-delay-us", "3000"]
     with start_server("--layers", str(LAYERS), "--q-heads", "2", "--v-heads", "4", "--weights", str(path),
-                      "--max-sessions", "40", "--scheduler-runs-on", request.param) as srv:
+                      "--max-sessions", "40", *mode) as srv:
         yield srv
 
 

@@ -1,0 +1,134 @@
+"""The serving path's DecodeRequest parser (gdn_server.decode_request) against protobuf's: the
+same fields from every message, errors for the same bytes, and tensor data left uncopied."""
+from __future__ import annotations
+
+import pytest
+from google.protobuf.message import DecodeError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gdn_client.proto.gdn.v1 import gdn_pb2
+from gdn_server.decode_request import DecodeRequestView, parse_decode_request
+
+NAMES = ("q", "k", "v", "a", "b")
+
+
+def _fields(req) -> dict:
+    """Everything validation and the servicer read of a request."""
+    out = {
+        "layer": req.layer, "session_ids": list(req.session_ids), "positions": list(req.positions),
+        "request_id": req.request_id, "speculative": req.speculative,
+    }
+    for name in NAMES:
+        present = req.HasField(name)
+        t = getattr(req, name)
+        out[name] = (present, t.dtype, list(t.shape), bytes(t.data)) if present else (False,)
+    return out
+
+
+tensors = st.builds(
+    lambda dtype, shape, data: gdn_pb2.Tensor(dtype=dtype, shape=shape, data=data),
+    st.integers(0, 3), st.lists(st.integers(-3, 1 << 40), max_size=4), st.binary(max_size=300),
+)
+requests = st.builds(
+    gdn_pb2.DecodeRequest,
+    layer=st.integers(0, 2**32 - 1),
+    session_ids=st.lists(st.text(max_size=12), max_size=6),
+    q=st.none() | tensors, k=st.none() | tensors, v=st.none() | tensors, a=st.none() | tensors, b=st.none() | tensors,
+    positions=st.lists(st.integers(0, 2**64 - 1), max_size=6),
+    request_id=st.text(max_size=10),
+    speculative=st.booleans(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(requests, st.lists(requests, max_size=2), st.randoms(use_true_random=False))
+def test_same_fields_as_protobuf(request, more, rnd):
+    """Any message, including concatenations (protobuf merges them: a tensor field twice) and
+    fields in any order."""
+    pieces = [request.SerializeToString(), *(m.SerializeToString() for m in more)]
+    rnd.shuffle(pieces)
+    data = b"".join(pieces)
+    want = gdn_pb2.DecodeRequest.FromString(data)
+    got = parse_decode_request(data, big=0)
+    assert _fields(got) == _fields(want)
+
+
+@settings(max_examples=500, deadline=None)
+@given(requests, st.integers(0, 10**6), st.binary(min_size=1, max_size=8), st.sampled_from(["cut", "insert", "flip"]))
+def test_damaged_bytes_fail_or_parse_as_protobuf_does(request, at, junk, how):
+    data = request.SerializeToString()
+    i = at % (len(data) + 1)
+    if how == "cut":
+        data = data[:i]
+    elif how == "insert":
+        data = data[:i] + junk + data[i:]
+    elif data:
+        j = i % len(data)
+        data = data[:j] + bytes([data[j] ^ junk[0]]) + data[j + 1:]
+    try:
+        want = _fields(gdn_pb2.DecodeRequest.FromString(data))
+    except DecodeError:
+        want = None
+    try:
+        got = _fields(parse_decode_request(data, big=0))
+    except DecodeError:
+        got = None
+    assert got == want
+
+
+def test_big_tensors_are_views_of_the_message():
+    q = gdn_pb2.Tensor(dtype=gdn_pb2.BF16, shape=[256, 1, 16, 128], data=bytes(range(256)) * 4096)
+    req = gdn_pb2.DecodeRequest(layer=3, session_ids=[f"s{i}" for i in range(256)], q=q, request_id="r")
+    data = req.SerializeToString()
+    got = parse_decode_request(data)  # over BIG_MESSAGE_BYTES
+    assert isinstance(got, DecodeRequestView)
+    assert isinstance(got.q.data, memoryview) and got.q.data.readonly and got.q.data.obj is data
+    assert _fields(got) == _fields(req)
+    small = gdn_pb2.DecodeRequest(layer=1, session_ids=["a"]).SerializeToString()
+    assert isinstance(parse_decode_request(small), gdn_pb2.DecodeRequest)  # small ones: protobuf's own
+
+
+def test_truncated_big_message_is_a_decode_error():
+    q = gdn_pb2.Tensor(dtype=gdn_pb2.BF16, shape=[1], data=bytes(300_000))
+    data = gdn_pb2.DecodeRequest(q=q).SerializeToString()
+    with pytest.raises(DecodeError):
+        parse_decode_request(data[:-10])
+
+
+# -- through a real server: a big step answers exactly as the same rows in small steps ----------
+
+@pytest.mark.parametrize("mode", [pytest.param((), id="one-process"), pytest.param(("--frontends", "1"), id="worker")])
+def test_big_request_answers_as_small_ones_do(mode):
+    import grpc
+    import torch
+
+    from gdn_client.proto.gdn.v1 import gdn_pb2_grpc
+    from servers import start_server
+    from util import decode_request, random_inputs
+
+    rows, T, H, HV = 96, 4, 2, 4  # bf16: ~770 KiB in one request, over BIG_MESSAGE_BYTES
+    inputs = random_inputs(rows, T, H, HV, gen=torch.Generator().manual_seed(5), dtype=torch.bfloat16)
+    with start_server("--layers", "1", "--q-heads", str(H), "--v-heads", str(HV), "--max-sessions", str(2 * rows),
+                      *mode) as srv, grpc.insecure_channel(srv.address) as ch:
+        stub = gdn_pb2_grpc.GdnDecodeStub(ch)
+        make = lambda: [stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=30).session_id for _ in range(rows)]
+        big_ids, small_ids = make(), make()
+        big_req = decode_request(0, big_ids, inputs)
+        assert big_req.ByteSize() > 256 << 10
+        outs = []
+        for step in range(2):  # twice: the second reads the states the first wrote
+            big = stub.Decode(decode_request(0, big_ids, inputs, positions=[step * T] * rows), timeout=60)
+            small = [
+                stub.Decode(decode_request(0, small_ids[i:i + 8], {n: x[i:i + 8] for n, x in inputs.items()},
+                                           positions=[step * T] * 8), timeout=60)
+                for i in range(0, rows, 8)
+            ]
+            assert big.o.data == b"".join(s.o.data for s in small)
+            outs.append(big.o.data)
+        assert outs[0] != outs[1]
+        bad = {n: x.clone() for n, x in inputs.items()}
+        bad["v"][rows - 1, T - 1, HV - 1, 127] = float("inf")  # the last value of the request
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Decode(decode_request(0, big_ids, bad, positions=[2 * T] * rows), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "v has NaN or Inf" in err.value.details()
