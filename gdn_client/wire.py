@@ -37,6 +37,11 @@ _NUMPY_TO_TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): to
 # faults on every one of its pages), and a chunk of 256-512 KiB stays in cache between the two passes.
 _CHECK_CHUNK = 1 << 17  # words
 _JOIN_LIMIT = 256 << 10  # bytes: first_nonfinite joins buffers up to this size for one check
+# From this size on the check runs in torch, whose intra-op threads split it across cores (numpy
+# uses one): ~4x less time for the 4 MiB of a B=256 step on the H200 host's 16 cores.
+_PARALLEL_CHECK_BYTES = 1 << 20
+_TORCH_EXPONENT = {gdn_pb2.BF16: (torch.int16, 0x7F80), gdn_pb2.F16: (torch.int16, 0x7C00),
+                   gdn_pb2.F32: (torch.int32, 0x7F800000)}
 _scratch = threading.local()
 
 
@@ -138,6 +143,8 @@ def _has_nonfinite(data: Any, wire_dtype: int) -> bool:
     It reads the exponent bits: every masked word is <= mask, and equals it exactly where the
     exponent is all ones (Inf or NaN), so one max per chunk decides.
     """
+    if len(data) >= _PARALLEL_CHECK_BYTES:
+        return _has_nonfinite_parallel(data, wire_dtype)
     uint, mask = _NONFINITE_EXPONENT[wire_dtype]
     words = np.frombuffer(data, dtype=uint)
     scratch = getattr(_scratch, uint.__name__, None)
@@ -152,3 +159,21 @@ def _has_nonfinite(data: Any, wire_dtype: int) -> bool:
             return True
     return False
 
+
+def _has_nonfinite_parallel(data: Any, wire_dtype: int) -> bool:
+    """`_has_nonfinite` in torch, chunk by chunk into a reused scratch tensor (signed words: the
+    mask clears the sign bit, so the masked values are the same as unsigned)."""
+    dtype, mask = _TORCH_EXPONENT[wire_dtype]
+    words = torch.frombuffer(data, dtype=dtype)
+    name = f"torch_{dtype}"
+    scratch = getattr(_scratch, name, None)
+    if scratch is None:
+        scratch = torch.empty(_CHECK_CHUNK * 8, dtype=dtype)
+        setattr(_scratch, name, scratch)
+    step = scratch.numel()
+    for start in range(0, words.numel(), step):
+        chunk = words[start:start + step]
+        masked = torch.bitwise_and(chunk, mask, out=scratch[:chunk.numel()])
+        if int(masked.max()) == mask:
+            return True
+    return False

@@ -117,3 +117,20 @@ def test_wrapped_handlers_send_serialized_replies_as_they_are():
         assert wrapped.response_serializer(reply) == want
     assert seen == [True, True]
     assert serialized_responses_ok() is False  # only inside a call of a wrapped handler
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("where", [0, 1_500_000, -1])  # first chunk, second chunk, last value
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_big_tensors_nonfinite_check_takes_the_parallel_path(dtype, where, bad):
+    """From 1 MiB on the NaN/Inf check runs in torch, chunk by chunk: same answers."""
+    from gdn_client.wire import _PARALLEL_CHECK_BYTES
+
+    n = 2 * wire._CHECK_CHUNK * 8 + 7  # three chunks of the parallel check's scratch
+    assert n * torch.tensor([], dtype=dtype).element_size() >= _PARALLEL_CHECK_BYTES
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x[0], x[-2] = torch.finfo(dtype).max, -torch.finfo(dtype).max  # finite extremes are fine
+    assert tensor_from_proto(tensor_to_proto(x), finite=True).shape == (n,)
+    x[where] = bad
+    with pytest.raises(WireFormatError, match="NaN or Inf"):
+        tensor_from_proto(tensor_to_proto(x), finite=True)
