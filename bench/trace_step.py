@@ -41,9 +41,14 @@ _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 # -- the server side (--serve): wrap a few methods, dump the stamps at exit --------------------------
 
-def _serve(trace_out: str, flags: list[str], fake_device: str | None) -> int:
+def _serve(trace_out: str, flags: list[str], fake_device: str | None, serial_copies: bool) -> int:
     from gdn_server import cli, scheduler, servicer
-    from gdn_server.backends import cuda
+    from gdn_server.backends import cuda, staging
+
+    if serial_copies:  # big copies and NaN/Inf checks on one thread, as before they went to torch
+        import gdn_client.wire
+
+        staging.PARALLEL_COPY_BYTES = gdn_client.wire._PARALLEL_CHECK_BYTES = 1 << 62
 
     stamps: dict[str, list[int]] = {s: [] for s in STAGES}
     now = time.monotonic_ns
@@ -63,22 +68,10 @@ def _serve(trace_out: str, flags: list[str], fake_device: str | None) -> int:
 
         setattr(owner, name, wrapped)
 
-    # the DecodeRequest parser the generated code registers (a stand-in module for its pb2 name)
-    import types
+    # the server's DecodeRequest parser (RejectMalformed looks it up when the server is built)
+    from gdn_server import decode_request
 
-    from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
-    pb2_name = next(n for n, v in vars(gdn_pb2_grpc).items() if v is gdn_pb2)
-    parse_request = gdn_pb2.DecodeRequest.FromString
-
-    def timed_parse(data: bytes):
-        stamps["parse"].append(now())
-        request = parse_request(data)
-        stamps["parsed"].append(now())
-        return request
-
-    stand_in = types.SimpleNamespace(**{n: getattr(gdn_pb2, n) for n in dir(gdn_pb2) if not n.startswith("__")})
-    stand_in.DecodeRequest = types.SimpleNamespace(FromString=timed_parse)
-    setattr(gdn_pb2_grpc, pb2_name, stand_in)
+    around(decode_request, "parse_decode_request", before="parse", after="parsed")
     around(servicer.GdnDecodeServicer, "_start_decode", before="in", after="queued")
     around(scheduler.Scheduler, "_launch", before="round", when=lambda self, items, *a, **k: bool(items))
     around(cuda.CudaBackend, "submit", after="submitted")
@@ -149,12 +142,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--batch", type=int, default=1, help="sessions per request (B)")
     p.add_argument("--mode", default="stream", choices=("stream", "unary"))
+    p.add_argument("--serial-copies", action="store_true",
+                   help="no torch thread pool for big copies and checks (the server as before it used one)")
     p.add_argument("--fake-device", choices=("auto", "loop", "thread"),
                    help="serve with bench/frontend.py's host-only backend (any machine), scheduler on this")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args, rest = p.parse_known_args()
     if args.serve:
-        sys.exit(_serve(args.trace_out, rest, args.fake_device))
+        sys.exit(_serve(args.trace_out, rest, args.fake_device, args.serial_copies))
 
     from gdn_client.loadtest import echo_server
 
@@ -163,7 +158,8 @@ def main() -> None:
     trace = out / "trace_server.json"
     cmd = [sys.executable, __file__, "--serve", "--trace-out", str(trace), "--host", "127.0.0.1", "--port", "0",
            "--device", args.device, "--max-sessions", str(max(8, args.batch)), "--log-level", "WARNING", *args.model.split(),
-           *args.server_flags.split(), *(["--fake-device", args.fake_device] if args.fake_device else [])]
+           *args.server_flags.split(), *(["--fake-device", args.fake_device] if args.fake_device else []),
+           *(["--serial-copies"] if args.serial_copies else [])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     try:
         target = None
