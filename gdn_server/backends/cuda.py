@@ -8,6 +8,8 @@ Per batch, on the backend's own stream:
   4. one device-to-host copy of the outputs into pinned memory, and an event.
 `submit` returns at once; `result()` waits for the event. A ring of staging sets lets the scheduler
 assemble batch n+1 while batch n runs: a set is reused only after its previous event completed.
+Small in-place launches (GRAPH_MAX_ROWS rows, T=1) replay steps 2-4 as a CUDA graph captured per
+staging set at warm-up.
 
 Shapes the kernel does not cover (head dims other than 128) run the same pipeline through the
 torch math on the GPU instead.
@@ -31,6 +33,11 @@ log = logging.getLogger(__name__)
 MAX_DEFAULT_SESSIONS = 4096
 POOL_MEMORY_FRACTION = 0.8  # of the free device memory, for the default --max-sessions
 RING = 8  # staging sets; more than the batches the scheduler keeps in flight
+# Launches of up to this many rows (T=1, in place) replay a CUDA graph of their three device
+# operations, captured per staging set at warm-up: one host call instead of a copy, a kernel
+# launch through tvm-ffi and a copy. At one step per millisecond that host path took ~200 us
+# (bench/results/trace_n1_loop_v2). 0 turns graphs off.
+GRAPH_MAX_ROWS = 8
 
 
 class _Staging:
@@ -46,6 +53,7 @@ class _Staging:
         self.done = torch.cuda.Event()
         self.used = False
         self._views: dict[tuple[int, int], _Views] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (R, T) -> in-place launch
 
     def views_for(self, plan: _Plan, key: tuple[int, int]) -> _Views:
         views = self._views.get(key)
@@ -177,24 +185,31 @@ class CudaBackend(Backend):
         #    casting copy for f16/f32 ones; no per-row work
         _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
         in_place = batch.in_place
-
-        dev = views.dev
+        graph = staging.graphs.get((R, T)) if in_place else None
         with torch.cuda.stream(self.stream):
-            # 2. one host-to-device copy
-            views.dev_all.copy_(views.host_all, non_blocking=True)
-            # 3. one launch over every row
-            if self.use_kernel:
-                self._kernel(
-                    self.state_pool, dev["slots"], dev["layers"], dev["q"], dev["k"], dev["v"], dev["a"], dev["b"],
-                    self.A_log, self.dt_bias, views.out_dev, scale=self.scale,
-                    **({} if in_place else {"out_slots": dev["out_slots"]}),
-                )
+            if graph is not None:  # steps 2-4 as captured for this staging set and (R, T)
+                graph.replay()
             else:
-                self._torch_step(dev, views.out_dev, in_place)
-            # 4. one device-to-host copy of the outputs
-            views.out_host.copy_(views.out_dev, non_blocking=True)
+                self._device_steps(views, in_place)
             staging.done.record(self.stream)
         return _CudaStep(staging, views.out_host)
+
+    def _device_steps(self, views: _Views, in_place: bool) -> None:
+        """A launch's device work, on the current stream, from a filled staging set."""
+        dev = views.dev
+        # 2. one host-to-device copy
+        views.dev_all.copy_(views.host_all, non_blocking=True)
+        # 3. one launch over every row
+        if self.use_kernel:
+            self._kernel(
+                self.state_pool, dev["slots"], dev["layers"], dev["q"], dev["k"], dev["v"], dev["a"], dev["b"],
+                self.A_log, self.dt_bias, views.out_dev, scale=self.scale,
+                **({} if in_place else {"out_slots": dev["out_slots"]}),
+            )
+        else:
+            self._torch_step(dev, views.out_dev, in_place)
+        # 4. one device-to-host copy of the outputs
+        views.out_host.copy_(views.out_dev, non_blocking=True)
 
     def _torch_step(self, dev: dict[str, torch.Tensor], out: torch.Tensor, in_place: bool) -> None:
         slots = dev["slots"].long()
@@ -221,6 +236,44 @@ class CudaBackend(Backend):
         s = self.shape
         for T in range(1, s.max_tokens_per_step + 1):  # speculative T > 4 compiles on first use
             compile_variant(T, s.num_q_heads, s.num_v_heads)
+        try:
+            self._capture_graphs()
+        except Exception:  # a driver or library that cannot capture: launch eagerly, as always
+            log.exception("could not capture the small launches as CUDA graphs; launching them directly")
+            for staging in self._ring:
+                staging.graphs.clear()
+        torch.cuda.synchronize(self.device)
+
+    def _capture_graphs(self, tokens: int = 1) -> None:
+        """A graph of `_device_steps` per staging set and row count up to GRAPH_MAX_ROWS.
+
+        Rows are padding (slot -1: no state read or written) while anything runs here: one eager
+        launch per row count (the launcher's first call sets itself up, which a capture must not
+        see), then the captures, which record and run nothing."""
+        if GRAPH_MAX_ROWS < 1:
+            return
+        with torch.cuda.device(self.device):  # a capture records on the current device
+            side = torch.cuda.Stream(self.device)
+            for R in range(1, GRAPH_MAX_ROWS + 1):
+                plan = self._plan(R, tokens)
+                for i, staging in enumerate(self._ring):
+                    views = staging.views_for(plan, (R, tokens))
+                    views.host["slots"].fill_(-1)
+                    views.host["layers"].zero_()
+                    if i == 0:
+                        with torch.cuda.stream(self.stream):
+                            self._device_steps(views, in_place=True)
+                        self.stream.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    # capture_begin/end, not torch.cuda.graph(): that one also synchronizes,
+                    # collects garbage and empties the allocator's cache at every capture
+                    with torch.cuda.stream(side):
+                        graph.capture_begin()
+                        try:
+                            self._device_steps(views, in_place=True)
+                        finally:
+                            graph.capture_end()
+                    staging.graphs[(R, tokens)] = graph
 
     # -- session operations (called with no step in flight) ----------------------------------
     def _rows(self, session_slot: int) -> slice:

@@ -87,3 +87,37 @@ def test_server_on_the_gpu_matches_the_reference():
                     x = random_inputs(3, step % 4 + 1, 16, 32, gen=gen, dtype=(torch.bfloat16, torch.float32)[step % 2])
                     reply = stub.Decode(decode_request(layer, sessions, x), timeout=120)
                     assert rel_err(tensor_from_proto(reply.o), ref.step(layer, sessions, **x)) < 1e-2
+
+
+def test_small_launches_replay_graphs_bit_identical_to_direct_launches():
+    """After warm-up, in-place T=1 launches of up to GRAPH_MAX_ROWS rows replay a captured graph
+    (per staging set); the outputs and the state pool are bit-identical to a backend that
+    launches directly, over enough launches to go round the staging ring twice."""
+    from gdn_server.backends import cuda
+
+    shape = ModelShape(num_layers=3, num_q_heads=16, num_v_heads=32)
+    gates = random_gate_params(shape, seed=3)
+    graphed = CudaBackend(shape, gates, max_sessions=16, speculative_sessions=0)
+    graphed.warmup()
+    assert all(st.graphs for st in graphed._ring), "warm-up captured no graphs"
+    direct = CudaBackend(shape, gates, max_sessions=16, speculative_sessions=0)  # no warm-up: no graphs
+    rng = random.Random(4)
+    gen = torch.Generator().manual_seed(4)
+    used_graph = 0
+    for launch in range(3 * cuda.RING):
+        R = rng.randint(1, cuda.GRAPH_MAX_ROWS + 2)  # some too big for a graph
+        members = rng.sample(range(16), R)
+        layer = rng.randrange(shape.num_layers)
+        x = random_inputs(R, 1, shape.num_q_heads, shape.num_v_heads, gen=gen, dtype=torch.bfloat16)
+        raw = tuple(x[n].contiguous().view(torch.int16).numpy().tobytes() for n in "qkvab")
+        outs = []
+        for backend in (graphed, direct):
+            batch = StepBatch(1)
+            batch.add(DecodeWork(layer, tuple(map(str, members)), positions=None, bf16_bytes=raw, **x),
+                      [m * shape.num_layers + layer for m in members])
+            outs.append(backend.submit(batch).result().clone())
+        used_graph += R <= cuda.GRAPH_MAX_ROWS
+        assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), f"launch {launch}, R={R}"
+    assert used_graph >= cuda.RING
+    assert torch.equal(graphed.state_pool.view(torch.int16), direct.state_pool.view(torch.int16))
+    assert graphed.state_pool.abs().sum() > 0
