@@ -69,9 +69,9 @@ def _serve(trace_out: str, flags: list[str], fake_device: str | None, serial_cop
         setattr(owner, name, wrapped)
 
     # the server's DecodeRequest parser (RejectMalformed looks it up when the server is built)
-    from gdn_server import decode_request
+    from gdn_server import protowire
 
-    around(decode_request, "parse_decode_request", before="parse", after="parsed")
+    around(protowire, "parse_decode_request", before="parse", after="parsed")
     around(servicer.GdnDecodeServicer, "_start_decode", before="in", after="queued")
     around(scheduler.Scheduler, "_launch", before="round", when=lambda self, items, *a, **k: bool(items))
     around(cuda.CudaBackend, "submit", after="submitted")

@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape
-from gdn_server.decode_request import decode_request_parsers
+from gdn_server.protowire import decode_request_parsers
 from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
 from gdn_server.metrics import MetricsInterceptor, RpcMetrics
 from gdn_server.link import LENGTH, decode_reply, encode_cancel, encode_request

@@ -216,7 +216,7 @@ class RejectMalformed(grpc.aio.ServerInterceptor):
     A GdnError escaping any behaviour is mapped the same way instead of becoming UNKNOWN.
 
     `parsers` replaces the handler's deserializer for some methods (full names), e.g. the
-    DecodeRequest parser that leaves big tensors' bytes in place (gdn_server.decode_request).
+    DecodeRequest parser that leaves big tensors' bytes in place (gdn_server.protowire).
     """
 
     def __init__(self, parsers: dict[str, Callable[[bytes], Any]] | None = None) -> None:

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server.backends import make_backends
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape, SchedulerConfig
-from gdn_server.decode_request import decode_request_parsers
+from gdn_server.protowire import decode_request_parsers
 from gdn_server.lifecycle import evict_idle, idle_sessions
 from gdn_server.metrics import EngineMetrics, Metrics, MetricsInterceptor
 from gdn_server.placement import Placement, Shard

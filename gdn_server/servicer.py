@@ -19,6 +19,7 @@ from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError
 from gdn_server.lifecycle import commit_speculation, export_session, fork_session, import_session
 from gdn_server.placement import Placement, Shard
+from gdn_server.protowire import encode_varint
 from gdn_server.rpc_wrap import Serialized, serialized_responses_ok
 from gdn_server.security import current_identity
 from gdn_server.state_transfer import StateAssembler, encode_state
@@ -67,15 +68,6 @@ def decode_response(result: DecodeResult) -> gdn_pb2.DecodeResponse:
     return reply
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 _O_TAG = b"\x0a"  # DecodeResponse.o: field 1, length-delimited
 _DATA_TAG = b"\x1a"  # Tensor.data: field 3, length-delimited
 
@@ -92,9 +84,9 @@ def decode_response_wire(result: DecodeResult) -> bytes:
     rest = gdn_pb2.DecodeResponse(positions=result.positions, request_id=result.request_id).SerializeToString()
     data = result.out
     if not data:  # proto3 leaves an empty bytes field out
-        return _O_TAG + _varint(len(head)) + head + rest
-    data_len = _varint(len(data))
-    o_len = _varint(len(head) + 1 + len(data_len) + len(data))
+        return _O_TAG + encode_varint(len(head)) + head + rest
+    data_len = encode_varint(len(data))
+    o_len = encode_varint(len(head) + 1 + len(data_len) + len(data))
     return b"".join((_O_TAG, o_len, head, _DATA_TAG, data_len, data, rest))
 
 

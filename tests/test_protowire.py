@@ -1,4 +1,4 @@
-"""The serving path's DecodeRequest parser (gdn_server.decode_request) against protobuf's: the
+"""The serving path's DecodeRequest parser (gdn_server.protowire) against protobuf's: the
 same fields from every message, errors for the same bytes, and tensor data left uncopied."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_server.decode_request import DecodeRequestView, parse_decode_request
+from gdn_server.protowire import DecodeRequestView, parse_decode_request
 
 NAMES = ("q", "k", "v", "a", "b")
 

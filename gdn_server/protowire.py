@@ -1,5 +1,6 @@
-"""The DecodeRequest parser of the serving path: protobuf's own, except for big messages, whose
-tensor bytes stay where gRPC put them.
+"""Protobuf's wire format by hand, where the serving path moves megabytes: the DecodeRequest
+parser (protobuf's own, except for big messages, whose tensor bytes stay where gRPC put them),
+and the varint the hand-written DecodeResponse needs (gdn_server.servicer.decode_response_wire).
 
 protobuf (upb) copies every bytes field twice on the way to Python: into its arena when it
 parses, and into a new bytes object on each `.data` read. For a B=256 step that is 8 MiB of
@@ -8,7 +9,7 @@ BIG_MESSAGE_BYTES or more this walks the top level of the wire format instead, c
 tensors' `data` fields out, lets protobuf parse the small rest (ids, positions, shapes...) and
 hands the data out as read-only memoryviews of the received bytes. Whatever it does not expect
 (a tensor field twice, which protobuf merges; group wire types) goes to protobuf whole, so both
-parsers agree on every input (tests/test_decode_request.py checks that with hypothesis).
+parsers agree on every input (tests/test_protowire.py checks that with hypothesis).
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def _varint(buf: Any, pos: int) -> tuple[int, int]:
             raise DecodeError("varint too long")
 
 
-def _encode_varint(n: int) -> bytes:
+def encode_varint(n: int) -> bytes:
+    """A non-negative integer as a protobuf varint."""
     out = bytearray()
     while n > 0x7F:
         out.append(n & 0x7F | 0x80)
@@ -132,7 +134,7 @@ def _parse_big(data: bytes) -> DecodeRequestView:
                 raise _Unexpected  # protobuf merges repeated message fields
             head, found[field] = _strip_tensor_data(data, view, start, stop)
             kept.append(view[run:field_start])
-            kept.append(_encode_varint(field << 3 | _LENGTH_DELIMITED) + _encode_varint(len(head)) + head)
+            kept.append(encode_varint(field << 3 | _LENGTH_DELIMITED) + encode_varint(len(head)) + head)
             run = stop
     if pos != end:
         raise DecodeError("truncated message")
