@@ -125,6 +125,7 @@ class Scheduler:
         self._in_flight: list = []
         self._barrier: _ControlItem | None = None
         self._round_scheduled = False
+        self._round_items: list[_DecodeItem | _ControlItem] = []  # taken by the round now running
         self._drained = threading.Event()
 
     # -- called from any thread -------------------------------------------------------------
@@ -178,6 +179,7 @@ class Scheduler:
         return len(self._pending)
 
     def _enqueue(self, item: _DecodeItem | _ControlItem, rows: int) -> None:
+        post = False  # whether this call posts the loop's next round
         with self._cv:
             if not self._accepting:
                 refused: GdnError | None = Unavailable("the server is shutting down")
@@ -270,9 +272,10 @@ class Scheduler:
             self._round_scheduled = False
         try:
             again = self._advance()
-        except Exception:  # a bug must not end the rounds: what is queued would never be answered
+        except Exception as e:  # a bug: answer what is queued (nobody would), keep polling the device
             log.exception("scheduler round failed")
-            again = True
+            self._fail_pending(GdnError(f"internal scheduler error: {e}"))
+            again = bool(self._in_flight)
         if again:
             self._schedule_round(poll=True)  # polls the device once per loop iteration; I/O runs in between
         elif self._stopping:
@@ -296,9 +299,10 @@ class Scheduler:
         if (self._barrier is None and self._pending and len(self._in_flight) < LOOP_MAX_IN_FLIGHT
                 and self._batch_is_due()):
             with self._cv:
-                items = self._take_pending()
+                items = self._round_items = self._take_pending()
             # admission answers some requests at once (errors, retries): they count as answers too
             deferred, self._barrier = self._launch(items, self._in_flight, quiet=not self._in_flight)
+            self._round_items = []
             answered = True
             if deferred:
                 self._requeue(deferred)
@@ -321,6 +325,16 @@ class Scheduler:
             if self._in_flight and not self._in_flight[0][0].ready():
                 self._in_flight[0][0].result()  # block: nothing else may run meanwhile
         self._drained.set()
+
+    def _fail_pending(self, error: GdnError) -> None:
+        """Answers with `error` everything queued, and the round that failed (its items may have
+        been answered already: a future or link reply takes the first answer only)."""
+        with self._cv:
+            items = self._round_items + self._take_pending()
+        self._round_items = []
+        control, self._barrier = self._barrier, None
+        for item in items + ([control] if control is not None else []):
+            item.done(error)
 
     def _requeue(self, deferred: list[_DecodeItem | _ControlItem]) -> None:
         with self._cv:

@@ -2,8 +2,9 @@
 
 A backend owns the state pool [num_sessions * L, HV, V, K] (bf16, K fastest) and A_log/dt_bias
 [L, HV]. `submit` starts one call over a batch of rows that share T and returns a handle whose
-`result()` is the bf16 output [rows, T, HV, V] on the CPU. The scheduler keeps at most a couple of
-handles in flight, so a backend may overlap the next batch's assembly with this one's run.
+`result()` is the bf16 output [rows, T, HV, V] on the CPU. The scheduler keeps a few handles in
+flight (scheduler.LOOP_MAX_IN_FLIGHT at most), so a backend may overlap the next batches' assembly
+with this one's run.
 State-changing session operations (`reset`, `copy`, `read`, `write`) are only called when no
 step is in flight.
 """
@@ -26,8 +27,8 @@ def default_speculative_sessions(max_sessions: int) -> int:
 class PendingStep(ABC):
     @abstractmethod
     def result(self) -> torch.Tensor:
-        """Blocks until the step is done; returns bf16 [rows, T, HV, V] on the CPU, valid until the
-        handle after next is taken (callers copy what they keep)."""
+        """Blocks until the step is done; returns bf16 [rows, T, HV, V] on the CPU, valid until
+        LOOP_MAX_IN_FLIGHT (4) more steps have been submitted (callers copy what they keep)."""
 
     def ready(self) -> bool:
         """True once `result()` would not block (a scheduler on an event loop polls this)."""
