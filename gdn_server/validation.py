@@ -3,8 +3,10 @@ on its own (without looking at session state) is caught here as InvalidArgument.
 
 It runs on the event loop for every decode request, so the common case (all five inputs bf16)
 builds no tensor: shapes and byte lengths are checked as integers, the NaN/Inf check reads all
-five inputs in one pass, and the DecodeWork carries the raw bytes (a GPU backend copies them into
-its staging buffer as they are; the CPU backend's tensors are built from them when it reads them).
+five inputs in one pass (big ones each on their own, on several cores), and the DecodeWork carries
+the raw bytes (memoryviews of the received message for big requests, gdn_server.protowire): a GPU
+backend copies them into its staging buffer as they are; the CPU backend's tensors are built from
+them when it reads them.
 Requests with f16/f32 inputs become tensors here.
 """
 from __future__ import annotations
@@ -52,14 +54,13 @@ def decode_work_from_request(req: gdn_pb2.DecodeRequest, shape: ModelShape) -> D
         dims.append(d)
         raw.append(data)
 
-    T = _check_dims(dims, B, bool(req.speculative), shape)
+    _check_dims(dims, B, bool(req.speculative), shape)
+    tensors = {}
     if all_bf16:
         bad = first_nonfinite(raw, gdn_pb2.BF16)
         if bad is not None:
             raise InvalidArgument(f"{INPUT_NAMES[bad]} has NaN or Inf values")
-        tensors: dict = {}
     else:  # f16/f32 (or a mix): tensors now, each checked for NaN/Inf
-        tensors = {}
         for name, msg, d, data in zip(INPUT_NAMES, messages, dims, raw):
             try:
                 tensors[name] = tensor_from_parts(msg.dtype, d, data, name, finite=True)
@@ -77,7 +78,6 @@ def decode_work_from_request(req: gdn_pb2.DecodeRequest, shape: ModelShape) -> D
         speculative=bool(req.speculative),
     )
     if all_bf16:
-        assert T > 0
         return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims))
     return DecodeWork(**common, **tensors)
 

@@ -51,9 +51,10 @@ class DecodeWork:
     request_id: str = ""
     owner: str | None = None  # the caller's identity where auth is on; must own every session
     speculative: bool = False  # a draft step: provisional until Commit or the next step at the layer
-    # q, k, v, a, b as the request's raw bf16 bytes, when all five came as BF16: a GPU backend
-    # copies them into its pinned staging buffer with plain memcpys
-    bf16_bytes: tuple[bytes, bytes, bytes, bytes, bytes] | None = None
+    # q, k, v, a, b as the request's raw bf16 bytes (bytes, or read-only memoryviews of the
+    # received message), when all five came as BF16: a GPU backend copies them into its pinned
+    # staging buffer with plain memcpys
+    bf16_bytes: tuple[bytes | memoryview, ...] | None = None
     # shapes of q, k, v, a, b; needed only when the tensors are not given (built from bf16_bytes)
     input_dims: tuple[tuple[int, ...], ...] | None = None
 
