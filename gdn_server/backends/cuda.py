@@ -35,8 +35,8 @@ POOL_MEMORY_FRACTION = 0.8  # of the free device memory, for the default --max-s
 RING = 8  # staging sets; more than the batches the scheduler keeps in flight
 # Launches of up to this many rows (T=1, in place) replay a CUDA graph of their three device
 # operations, captured per staging set at warm-up: one host call instead of a copy, a kernel
-# launch through tvm-ffi and a copy. At one step per millisecond that host path took ~200 us
-# (bench/results/trace_n1_loop_v2). 0 turns graphs off.
+# launch through tvm-ffi and a copy. On the H200 at N=1 the launch stage went 196 -> 171 us and
+# the device time per launch 239 -> 164 us (bench/NOTES.md, serve_v8). 0 turns graphs off.
 GRAPH_MAX_ROWS = 8
 
 
