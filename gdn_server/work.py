@@ -102,7 +102,6 @@ class StepBatch:
     out_slots: list[int] = field(default_factory=list)  # pool slot each row writes its new state to
     layers: list[int] = field(default_factory=list)  # layer per row
     works: list[DecodeWork] = field(default_factory=list)  # the requests, in row order
-    bf16_bytes: list[tuple[bytes, ...] | None] = field(default_factory=list)  # per request, see DecodeWork
 
     @property
     def rows(self) -> int:
@@ -113,30 +112,13 @@ class StepBatch:
         """Every row writes back to the slot it read (no speculative rows)."""
         return self.slots == self.out_slots
 
-    # each request's tensors ([B_r, T, ...]), for backends that compute on the host
-    @property
-    def q(self) -> list[torch.Tensor]:
-        return [w.q for w in self.works]
-
-    @property
-    def k(self) -> list[torch.Tensor]:
-        return [w.k for w in self.works]
-
-    @property
-    def v(self) -> list[torch.Tensor]:
-        return [w.v for w in self.works]
-
-    @property
-    def a(self) -> list[torch.Tensor]:
-        return [w.a for w in self.works]
-
-    @property
-    def b(self) -> list[torch.Tensor]:
-        return [w.b for w in self.works]
+    def inputs(self, name: str) -> list[torch.Tensor]:
+        """Each request's tensor `name` (q, k, v, a or b; [B_r, T, ...]), for backends that
+        compute on the host (built from a bf16 request's bytes on first read)."""
+        return [getattr(w, name) for w in self.works]
 
     def add(self, work: DecodeWork, slots: list[int], out_slots: list[int] | None = None) -> None:
         self.slots.extend(slots)
         self.out_slots.extend(slots if out_slots is None else out_slots)
         self.layers.extend([work.layer] * len(slots))
         self.works.append(work)
-        self.bf16_bytes.append(work.bf16_bytes)

@@ -73,8 +73,8 @@ def test_bf16_requests_stay_bytes_until_read():
     assert [bytes(r) for r in got.bf16_bytes] == list(work.bf16_bytes)
     batch = StepBatch(2)
     batch.add(got, [0, 1, 2])
-    assert "q" not in got.__dict__ and batch.bf16_bytes == [got.bf16_bytes]
-    assert torch.equal(batch.v[0], work.v) and got.v is batch.v[0]  # built once, then cached
+    assert "q" not in got.__dict__ and batch.works[0].bf16_bytes is got.bf16_bytes
+    assert torch.equal(batch.inputs("v")[0], work.v) and got.v is batch.inputs("v")[0]  # built once, then cached
     for name in ("q", "k", "a", "b"):
         assert torch.equal(getattr(got, name), getattr(work, name))
 

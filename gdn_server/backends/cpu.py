@@ -9,7 +9,7 @@ from gdn_server.backends.base import Backend, DoneStep, PendingStep
 from gdn_server.backends.torch_math import gdn_step_fp32
 from gdn_server.config import ModelShape
 from gdn_server.weights import GateParams
-from gdn_server.work import StepBatch
+from gdn_server.work import INPUT_NAMES, StepBatch
 
 
 class CpuBackend(Backend):
@@ -31,11 +31,7 @@ class CpuBackend(Backend):
         state = self.state_pool.index_select(0, slots).float()
         out = gdn_step_fp32(
             state,
-            torch.cat(batch.q),
-            torch.cat(batch.k),
-            torch.cat(batch.v),
-            torch.cat(batch.a),
-            torch.cat(batch.b),
+            *(torch.cat(batch.inputs(name)) for name in INPUT_NAMES),
             self.A_log.index_select(0, layers),
             self.dt_bias.index_select(0, layers),
             self.scale,

@@ -80,8 +80,9 @@ def fill(
     # (byte offset, bytes per row) of each input: a request's bytes go at offset + first row * per row
     places = [(entries[name][0], entries[name][3] // R) for name in INPUTS]
     row = 0
-    for work, raw in zip(batch.works, batch.bf16_bytes):
+    for work in batch.works:
         n = len(work.session_ids)
+        raw = work.bf16_bytes
         if raw is not None:
             for (offset, per_row), data in zip(places, raw):
                 start = offset + row * per_row
