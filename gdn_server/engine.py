@@ -23,10 +23,11 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import grpc
 
+from gdn_server.child_process import JsonSettings, start_child
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape, SchedulerConfig
 from gdn_server.engine_link import EngineLink
 from gdn_server.metrics import GAUGE_REFRESH_S, EngineMetrics
@@ -35,7 +36,6 @@ from gdn_server.snapshot import SnapshotError
 from gdn_server.server import (
     GdnApp, ServerSettings, build_app, close_shards, drain_shards, grpc_server, save_shards, set_serving, start_shards,
 )
-from gdn_server.tuning import tune_malloc
 from gdn_server.weights import load_gate_params
 
 log = logging.getLogger("gdn_server.engine")
@@ -46,7 +46,7 @@ PARENT_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
-class EngineSettings:
+class EngineSettings(JsonSettings):
     """What an engine process needs, sent as JSON by the router."""
 
     device_index: int  # the CUDA ordinal it serves (or the CPU shard's number)
@@ -65,13 +65,6 @@ class EngineSettings:
     load_dirs: list[str] = field(default_factory=list)  # snapshots to restore on start
     metrics_dir: str | None = None  # prometheus multiprocess files (None: metrics off)
     log_level: str = "INFO"
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "EngineSettings":
-        return cls(**json.loads(text))
 
 
 def list_sessions_handler(app: GdnApp) -> grpc.GenericRpcHandler:
@@ -159,11 +152,7 @@ async def _stop_when_orphaned(stop: asyncio.Event) -> None:
 
 
 def main() -> int:
-    tune_malloc()  # before any big buffer: see gdn_server/tuning.py
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the router decides
-    settings = EngineSettings.from_json(sys.stdin.read())
-    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s engine[{settings.device_index}] %(name)s: %(message)s")
+    settings = start_child(EngineSettings, "engine[{device_index}]")
     try:
         asyncio.run(serve_engine(settings))
     except SnapshotError as e:  # (a RuntimeError) the sessions could not be written or read

@@ -22,7 +22,7 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
+from gdn_server.child_process import JsonSettings, start_child
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape
 from gdn_server.protowire import decode_request_parsers
 from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
@@ -40,7 +41,6 @@ from gdn_server.security import (
     server_credentials,
 )
 from gdn_server.servicer import DecodeRpcs
-from gdn_server.tuning import tune_malloc
 from gdn_server.work import DecodeResult, DecodeWork
 
 log = logging.getLogger("gdn_server.frontend")
@@ -52,7 +52,7 @@ MAX_CACHED_ROUTES = 1 << 17  # session ids remembered; past this the cache start
 
 
 @dataclass(frozen=True)
-class FrontendSettings:
+class FrontendSettings(JsonSettings):
     """What a worker needs, sent as JSON: where to listen, where the router and engines are, the
     model shape."""
 
@@ -69,13 +69,6 @@ class FrontendSettings:
     # where RPC metrics go (prometheus_client multiprocess mode; the router sets
     # PROMETHEUS_MULTIPROC_DIR to it for us); None: metrics are off
     metrics_dir: str | None = None
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> "FrontendSettings":
-        return cls(**json.loads(text))
 
 
 class EngineLinkClient:
@@ -377,11 +370,7 @@ async def serve_frontend(settings: FrontendSettings) -> int:
 
 
 def main() -> int:
-    tune_malloc()  # before any big buffer: see gdn_server/tuning.py
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the router decides
-    settings = FrontendSettings.from_json(sys.stdin.read())
-    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s frontend[{settings.index}] %(name)s: %(message)s")
+    settings = start_child(FrontendSettings, "frontend[{index}]")
     try:
         return asyncio.run(serve_frontend(settings))
     except OSError as e:
