@@ -40,7 +40,7 @@ import torch
 from gdn_server.backends.base import Backend
 from gdn_server.config import SchedulerConfig
 from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
-from gdn_server.sessions import LastStep, Provisional, Session, SessionTable
+from gdn_server.sessions import LastStep, Provisional, Session, SessionTable, StepRecord
 from gdn_server.work import DecodeResult, DecodeWork, StepBatch
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,8 @@ class _Admitted:
     read_rows: list[int] = field(default_factory=list)  # pool row each session's state is read from
     write_rows: list[int] = field(default_factory=list)  # pool row each session's new state goes to
     released: list[int] = field(default_factory=list)  # scratch rows free once this step is queued
+    record: StepRecord | None = None  # set when submitted: the step each session's LastStep points at
+    positions: tuple[int, ...] = ()  # each session's count at the layer after this step (the reply's)
 
 
 class _NotReady(Exception):
@@ -422,24 +424,28 @@ class Scheduler:
         the item was answered here (an error, or a retry of the last step)."""
         work = item.work
         try:
-            sessions = [self.sessions.get(sid) for sid in work.session_ids]
+            get = self.sessions.get
+            sessions = [get(sid) for sid in work.session_ids]
+            owner = work.owner
             for s in sessions:
-                s.check_owner(work.owner)
+                if s.owner != owner:
+                    s.check_owner(owner)  # raises
             if work.positions is None:
                 return sessions
+            layer = work.layer
             retries = 0
             for s, pos in zip(sessions, work.positions):
-                count = s.positions[work.layer]
+                count = s.positions[layer]
                 if pos == count:
                     continue
-                last = s.last_steps.get(work.layer)
+                last = s.last_steps.get(layer)
                 if last is not None and last.count_before == pos and last.tokens == work.tokens:
                     if last.out is None:
                         raise _NotReady()
                     retries += 1
                     continue
                 raise FailedPrecondition(
-                    f"session {s.id}: position {pos} at layer {work.layer} does not match the server's "
+                    f"session {s.id}: position {pos} at layer {layer} does not match the server's "
                     f"count {count} (nor is it a retry of the last step)"
                 )
             if retries == 0:
@@ -462,23 +468,25 @@ class Scheduler:
         """
         work = item.work
         layer = work.layer
-        scratch = self.sessions.take_scratch_rows(len(sessions)) if work.speculative else []
+        speculative = work.speculative
+        scratch = self.sessions.take_scratch_rows(len(sessions)) if speculative else []
         member = _Admitted(item, sessions, 0)
+        read_rows, write_rows, released = member.read_rows, member.write_rows, member.released
         for i, s in enumerate(sessions):
-            if layer in s.provisional:  # implicit commit of all T tokens
+            home = s.slot * s.num_layers + layer  # Session.pool_slot, inline: this runs per row
+            if s.provisional and layer in s.provisional:  # implicit commit of all T tokens
                 superseded = s.accept_all(layer)
                 if superseded is not None:
-                    member.released.append(superseded)
-            home = s.pool_slot(layer)
-            read = s.scratch_current.get(layer, home)
-            if work.speculative:
+                    released.append(superseded)
+            read = s.scratch_current.get(layer, home) if s.scratch_current else home
+            if speculative:
                 write = scratch[i]
             else:
                 write = home
                 if read != home:  # the state goes home with this step; its scratch row is free after
-                    member.released.append(s.scratch_current.pop(layer))
-            member.read_rows.append(read)
-            member.write_rows.append(write)
+                    released.append(s.scratch_current.pop(layer))
+            read_rows.append(read)
+            write_rows.append(write)
         return member
 
     def _replay(self, work: DecodeWork, sessions: list[Session]) -> DecodeResult:
@@ -516,17 +524,22 @@ class Scheduler:
             stats.queue_wait_s += now - item.enqueued
             if on_dispatch is not None:
                 on_dispatch(started - item.enqueued)
-            layer, tokens, rows = work.layer, work.tokens, len(m.sessions)
+            layer, tokens = work.layer, work.tokens
+            m.record = record = StepRecord(tokens, len(m.sessions))
+            after = []
             for row, s in enumerate(m.sessions):
-                before = s.positions[layer]
-                s.positions[layer] = before + tokens
-                s.last_steps[layer] = LastStep(before, tokens, None, row, rows)
+                positions = s.positions
+                before = positions[layer]
+                positions[layer] = before + tokens
+                after.append(before + tokens)
+                s.last_steps[layer] = LastStep(before, record, row)
                 s.last_used = now
                 if work.speculative:
                     s.provisional[work.layer] = Provisional(
                         row=m.write_rows[row], read_row=m.read_rows[row], tokens=work.tokens, count_before=before,
                         inputs=tuple(t[row : row + 1] for t in (work.q, work.k, work.v, work.a, work.b)),
                     )
+            m.positions = tuple(after)
             # rows superseded by this step: any later launch on the stream may write them again
             for released in m.released:
                 self.sessions.give_scratch(released)
@@ -557,21 +570,17 @@ class Scheduler:
             shp = self.backend.shape
             tail = (shp.num_v_heads, shp.head_dim_v)
             for m in members:
-                work = m.item.work
-                layer, rows = work.layer, len(m.sessions)
+                rows = len(m.sessions)
                 data = whole if single else whole[m.first_row * row_bytes : (m.first_row + rows) * row_bytes]
-                positions = []
-                for s in m.sessions:
-                    s.last_steps[layer].out = data
-                    positions.append(s.positions[layer])
-                m.item.done(DecodeResult(data, (rows, batch.tokens, *tail), tuple(positions), work.request_id))
+                m.record.out = data  # what a retry of this step is answered from, for each of its sessions
+                m.item.done(DecodeResult(data, (rows, batch.tokens, *tail), m.positions, m.item.work.request_id))
 
     def _roll_back(self, member: _Admitted) -> None:
         """Undoes the position advance of a step whose backend call failed after dispatch."""
         layer = member.item.work.layer
         for s in member.sessions:
             last = s.last_steps.get(layer)
-            if last is not None and last.out is None:
+            if last is not None and last.record is member.record:
                 s.positions[layer] = last.count_before
                 del s.last_steps[layer]
             pending = s.provisional.get(layer)

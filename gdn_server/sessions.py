@@ -26,15 +26,41 @@ import torch
 from gdn_server.errors import NotFound, PermissionDenied, ResourceExhausted
 
 
-@dataclass
-class LastStep:
-    """The previous applied step of one session at one layer."""
+class StepRecord:
+    """One applied decode request: T, its sessions' count and, once the step has finished, its
+    whole bf16 output. Every session of the request points at the same record (`LastStep`), so
+    the output is set once for all of them, and each step keeps its own even when a later step of
+    the same session and layer is already queued behind it."""
 
-    count_before: int  # the session's position at that layer before the step
-    tokens: int  # T of the step
-    out: bytes | None = None  # the whole request's bf16 output bytes; None while still running
-    row: int = 0  # this session's row in that request
-    rows: int = 1  # B of that request
+    __slots__ = ("tokens", "rows", "out")
+
+    def __init__(self, tokens: int, rows: int, out: bytes | None = None) -> None:
+        self.tokens = tokens  # T of the step
+        self.rows = rows  # B of the request
+        self.out = out  # the whole request's output bytes; None while it still runs
+
+
+class LastStep:
+    """The previous applied step of one session at one layer (what a retry is answered from)."""
+
+    __slots__ = ("count_before", "record", "row")
+
+    def __init__(self, count_before: int, record: StepRecord, row: int = 0) -> None:
+        self.count_before = count_before  # the session's position at that layer before the step
+        self.record = record
+        self.row = row  # this session's row in that request
+
+    @property
+    def tokens(self) -> int:
+        return self.record.tokens
+
+    @property
+    def rows(self) -> int:
+        return self.record.rows
+
+    @property
+    def out(self) -> bytes | None:
+        return self.record.out
 
 
 @dataclass

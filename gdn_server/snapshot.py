@@ -68,7 +68,7 @@ from safetensors.torch import save as st_save
 from gdn_server.config import ModelShape
 from gdn_server.lifecycle import drop_speculation
 from gdn_server.placement import Shard
-from gdn_server.sessions import LastStep, Session
+from gdn_server.sessions import LastStep, Session, StepRecord
 from gdn_server.weights import GateParams
 
 if TYPE_CHECKING:
@@ -193,7 +193,8 @@ def decode_session(data: bytes, entry: dict, shape: ModelShape) -> _Restored:
             raise SnapshotError(f"{name}: last step of layer {key} is malformed")
         if count_before + tokens != pos[layer]:
             raise SnapshotError(f"{name}: last step of layer {layer} does not end at its position")
-        last_steps[layer] = LastStep(int(count_before), int(tokens), out.contiguous().view(torch.int16).numpy().tobytes())
+        out_bytes = out.contiguous().view(torch.int16).numpy().tobytes()
+        last_steps[layer] = LastStep(int(count_before), StepRecord(int(tokens), 1, out_bytes))
     return _Restored(entry["id"], entry.get("owner"), state.contiguous(), pos, last_steps)
 
 

@@ -282,3 +282,26 @@ def test_model_info_describes_the_model(server):
     assert (info.num_layers, info.num_q_heads, info.num_v_heads, info.head_dim_k, info.head_dim_v) == (LAYERS, 2, 4, 128, 128)
     assert info.max_tokens_per_step == 4 and info.state_dtype == "bfloat16"
     channel.close()
+
+
+def test_pipelined_steps_of_one_layer_report_their_own_positions_and_retries(server, gates):
+    """Steps of one session at one layer, streamed without waiting for replies (several are in
+    flight at once, in separate launches): each reply carries the count after its own step, not
+    after a later one, and a retry of the last step answers that step's outputs."""
+    _, A_log, dt_bias = gates
+    ref = ReferenceModel(A_log, dt_bias)
+    gen = torch.Generator().manual_seed(33)
+    channel, stub = _stub(server.address)
+    (sid,) = _create(stub, 1)
+    steps = [random_inputs(1, 1, 2, 4, gen=gen) for _ in range(32)]
+    requests = [decode_request(1, [sid], x, positions=[i], request_id=str(i)) for i, x in enumerate(steps)]
+    replies = list(stub.DecodeStream(iter(requests), timeout=TIMEOUT))
+    assert [r.error_message for r in replies] == [""] * len(steps)
+    assert [list(r.positions) for r in replies] == [[i + 1] for i in range(len(steps))]
+    outs = [tensor_from_proto(r.o).clone() for r in replies]
+    for x, out in zip(steps, outs):
+        assert rel_err(out, ref.step(1, [sid], **x)) < 5e-3
+    again, positions = _decode(stub, 1, [sid], steps[-1], positions=[len(steps) - 1])
+    assert positions == [len(steps)]
+    assert torch.equal(again, outs[-1])
+    channel.close()
