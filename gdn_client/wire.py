@@ -6,6 +6,7 @@ tensor is a read-only view of the message bytes (copy it before writing into it)
 """
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import warnings
@@ -40,8 +41,6 @@ _JOIN_LIMIT = 256 << 10  # bytes: first_nonfinite joins buffers up to this size 
 # From this size on the check runs in torch, whose intra-op threads split it across cores (numpy
 # uses one): ~4x less time for the 4 MiB of a B=256 step on the H200 host's 16 cores.
 _PARALLEL_CHECK_BYTES = 1 << 20
-_TORCH_EXPONENT = {gdn_pb2.BF16: (torch.int16, 0x7F80), gdn_pb2.F16: (torch.int16, 0x7C00),
-                   gdn_pb2.F32: (torch.int32, 0x7F800000)}
 _scratch = threading.local()
 
 
@@ -161,19 +160,9 @@ def _has_nonfinite(data: Any, wire_dtype: int) -> bool:
 
 
 def _has_nonfinite_parallel(data: Any, wire_dtype: int) -> bool:
-    """`_has_nonfinite` in torch, chunk by chunk into a reused scratch tensor (signed words: the
-    mask clears the sign bit, so the masked values are the same as unsigned)."""
-    dtype, mask = _TORCH_EXPONENT[wire_dtype]
-    words = torch.frombuffer(data, dtype=dtype)
-    name = f"torch_{dtype}"
-    scratch = getattr(_scratch, name, None)
-    if scratch is None:
-        scratch = torch.empty(_CHECK_CHUNK * 8, dtype=dtype)
-        setattr(_scratch, name, scratch)
-    step = scratch.numel()
-    for start in range(0, words.numel(), step):
-        chunk = words[start:start + step]
-        masked = torch.bitwise_and(chunk, mask, out=scratch[:chunk.numel()])
-        if int(masked.max()) == mask:
-            return True
-    return False
+    """`_has_nonfinite` in torch: one read-only pass (min and max together, split over its
+    intra-op threads); a NaN anywhere makes both NaN, an Inf makes one of them infinite. It writes
+    nothing, where masking the words first writes a scratch copy and reads it back (bench/NOTES.md:
+    0.68 -> 0.50 ms for a B=256 step's 4 MiB on 2 cores)."""
+    low, high = torch.aminmax(torch.frombuffer(data, dtype=TORCH_DTYPE_OF[wire_dtype]))
+    return not (math.isfinite(low.item()) and math.isfinite(high.item()))

@@ -123,10 +123,10 @@ def test_wrapped_handlers_send_serialized_replies_as_they_are():
 @pytest.mark.parametrize("where", [0, 1_500_000, -1])  # first chunk, second chunk, last value
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_big_tensors_nonfinite_check_takes_the_parallel_path(dtype, where, bad):
-    """From 1 MiB on the NaN/Inf check runs in torch, chunk by chunk: same answers."""
+    """From 1 MiB on the NaN/Inf check runs in torch (one min/max pass): same answers."""
     from gdn_client.wire import _PARALLEL_CHECK_BYTES
 
-    n = 2 * wire._CHECK_CHUNK * 8 + 7  # three chunks of the parallel check's scratch
+    n = 2 * wire._CHECK_CHUNK * 8 + 7  # an odd length: no even split over threads
     assert n * torch.tensor([], dtype=dtype).element_size() >= _PARALLEL_CHECK_BYTES
     x = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(dtype)
     x[0], x[-2] = torch.finfo(dtype).max, -torch.finfo(dtype).max  # finite extremes are fine
@@ -134,3 +134,18 @@ def test_big_tensors_nonfinite_check_takes_the_parallel_path(dtype, where, bad):
     x[where] = bad
     with pytest.raises(WireFormatError, match="NaN or Inf"):
         tensor_from_proto(tensor_to_proto(x), finite=True)
+
+
+@pytest.mark.parametrize("bits", [0x7FC0, 0xFFC0, 0x7F81, 0xFF81, 0x7FFF, 0xFFFF, 0x7F80, 0xFF80])
+@pytest.mark.parametrize("big", [False, True])
+def test_every_bf16_nan_and_inf_pattern_is_caught(bits, big):
+    """Quiet and signalling NaNs of either sign, with any payload, and both infinities: by the
+    numpy check of small buffers and the torch one of big buffers alike."""
+    from gdn_client.wire import _PARALLEL_CHECK_BYTES, first_nonfinite
+
+    n = _PARALLEL_CHECK_BYTES // 2 + 3 if big else 1001
+    words = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).view(torch.int16)
+    clean = words.numpy().tobytes()
+    assert first_nonfinite([b"", clean], gdn_pb2.BF16) is None
+    words[n // 2] = bits - (1 << 16) if bits >= 1 << 15 else bits  # the same 16 bits as a signed word
+    assert first_nonfinite([clean, words.numpy().tobytes()], gdn_pb2.BF16) == 1
