@@ -20,7 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import gdn_server  # noqa: E402,F401  (before torch: it sets OpenMP's passive waits, as in gdn-server)
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_path import HostStagingRing  # noqa: E402  (same folder: the engine benchmark's staging ring)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|speculative   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|probe|speculative   (each part fits in one 10-minute call)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
 # (serve): the --scheduler-runs-on values too.
 # Logs and results go to $OUT (or bench/results).
@@ -64,8 +64,13 @@ case "${1:-}" in
     OMP_WAIT_POLICY=PASSIVE timeout 150 python3 bench/trace_step.py --device cuda --batch 256 --mode unary --steps 200 \
       --warmup 20 --out "$out/trace_big_passive" 2>&1 | tail -14
     ;;
+  probe)  # issue 4 (c)'s copy/check paths for a big request, and N=64 with workers in front of a loop-scheduler engine
+    timeout 120 python3 bench/h2d_paths.py --out "$out/h2d_paths" 2>&1 | tail -8
+    timeout 420 python3 bench/serve.py --device cuda --duration 3 --clients "${CLIENTS:-1,64}" --skip c \
+      --frontends "${FRONTENDS:-0,8}" --out "$out/serve_probe" 2>&1 | tee "$out/serve_probe.log" | tail -24
+    ;;
   speculative)
     timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8
     ;;
-  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|speculative" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|probe|speculative" >&2; exit 2 ;;
 esac

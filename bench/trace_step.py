@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -40,6 +41,27 @@ _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 
 # -- the server side (--serve): wrap a few methods, dump the stamps at exit --------------------------
+
+def _serve_echo(trace_out: str) -> int:
+    """The bytes echo (gdn_client._echo) with a stamp when its handler has a request and one when
+    it has the reply: the echo's two transport legs, to set beside ours."""
+    from gdn_client import _echo
+
+    stamps: dict[str, list[int]] = {"echo in": [], "echo out": []}
+    reply = _echo._reply
+
+    def traced(request: bytes) -> bytes:
+        stamps["echo in"].append(time.monotonic_ns())
+        out = reply(request)
+        stamps["echo out"].append(time.monotonic_ns())
+        return out
+
+    _echo._reply = traced
+    atexit.register(lambda: Path(trace_out).write_text(json.dumps(stamps)))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    _echo.main(["--host", "127.0.0.1", "--port", "0"])
+    return 0
+
 
 def _serve(trace_out: str, flags: list[str], fake_device: str | None, serial_copies: bool) -> int:
     from gdn_server import cli, scheduler, servicer
@@ -126,6 +148,23 @@ async def _echo_client(address: str, request_bytes: int, reply_bytes: int, warmu
     return await _client_run(_EchoWorker(cfg, address, request_bytes, reply_bytes), warmup, steps)
 
 
+@contextlib.contextmanager
+def _started(cmd: list[str]):
+    """Starts a server child process; yields its address; stops it (its stamps are written at exit)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    try:
+        for line in proc.stdout:
+            m = _LISTENING.search(line)
+            if m:
+                yield f"{m.group(1)}:{m.group(2)}"
+                break
+        else:
+            raise RuntimeError(f"{cmd[2:4]} did not start")
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 def _pct(values_ns: list[int] | np.ndarray) -> tuple[float, float]:
     a = np.asarray(values_ns, dtype=np.float64) / 1e3
     return float(np.percentile(a, 50)), float(np.percentile(a, 90))
@@ -135,6 +174,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--trace-out", help=argparse.SUPPRESS)
+    p.add_argument("--serve-echo", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", default="--preset qwen3-next --devices 0")
     p.add_argument("--server-flags", default="")
@@ -148,10 +188,10 @@ def main() -> None:
                    help="serve with bench/frontend.py's host-only backend (any machine), scheduler on this")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args, rest = p.parse_known_args()
+    if args.serve_echo:
+        sys.exit(_serve_echo(args.trace_out))
     if args.serve:
         sys.exit(_serve(args.trace_out, rest, args.fake_device, args.serial_copies))
-
-    from gdn_client.loadtest import echo_server
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -160,21 +200,10 @@ def main() -> None:
            "--device", args.device, "--max-sessions", str(max(8, args.batch)), "--log-level", "WARNING", *args.model.split(),
            *args.server_flags.split(), *(["--fake-device", args.fake_device] if args.fake_device else []),
            *(["--serial-copies"] if args.serial_copies else [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    try:
-        target = None
-        for line in proc.stdout:
-            m = _LISTENING.search(line)
-            if m:
-                target = f"{m.group(1)}:{m.group(2)}"
-                break
-        if target is None:
-            raise RuntimeError("server did not start")
+    with _started(cmd) as target:
         times, request_bytes, reply_bytes = asyncio.run(_gdn_client(target, args.warmup, args.steps, args.batch, args.mode))
-    finally:
-        proc.terminate()
-        proc.wait(60)
-    with echo_server() as address:
+    echo_trace = out / "trace_echo.json"
+    with _started([sys.executable, __file__, "--serve-echo", "--trace-out", str(echo_trace)]) as address:
         echo_times = asyncio.run(_echo_client(address, request_bytes, reply_bytes, args.warmup, args.steps,
                                                args.mode))
 
@@ -194,15 +223,25 @@ def main() -> None:
         rows.append({"from": a, "to": b, "p50_us": p50, "p90_us": p90})
     total = _pct(got - sent)
     echo = _pct([t1 - t0 for t0, t1 in echo_times])
+    # the echo's legs: its handler's stamps, after the warm-up (it served only this client)
+    echo_stamps = {k: np.asarray(v[w:w + n], dtype=np.int64) for k, v in json.loads(echo_trace.read_text()).items()}
+    e_sent = np.asarray([t[0] for t in echo_times], dtype=np.int64)
+    e_got = np.asarray([t[1] for t in echo_times], dtype=np.int64)
+    echo_rows = []
+    for (a, ta), (b, tb) in zip([("client sent", e_sent), ("echo in", echo_stamps["echo in"]), ("echo out", echo_stamps["echo out"])],
+                                [("echo in", echo_stamps["echo in"]), ("echo out", echo_stamps["echo out"]), ("client has reply", e_got)]):
+        p50, p90 = _pct(tb - ta)
+        echo_rows.append({"from": a, "to": b, "p50_us": p50, "p90_us": p90})
     lines = ["| segment | p50 us | p90 us |", "|---|---|---|"]
     lines += [f"| {r['from']} -> {r['to']} | {r['p50_us']:.1f} | {r['p90_us']:.1f} |" for r in rows]
-    lines += [f"| **round trip (ours)** | {total[0]:.1f} | {total[1]:.1f} |",
-              f"| **round trip (echo, same bytes)** | {echo[0]:.1f} | {echo[1]:.1f} |"]
+    lines += [f"| **round trip (ours)** | {total[0]:.1f} | {total[1]:.1f} |"]
+    lines += [f"| echo: {r['from']} -> {r['to']} | {r['p50_us']:.1f} | {r['p90_us']:.1f} |" for r in echo_rows]
+    lines += [f"| **round trip (echo, same bytes)** | {echo[0]:.1f} | {echo[1]:.1f} |"]
     table = "\n".join(lines)
     print(table)
     (out / "trace_step.md").write_text(table + "\n")
     (out / "trace_step.json").write_text(json.dumps({
-        "args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "segments": rows,
+        "args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "segments": rows, "echo_segments": echo_rows,
         "round_trip_us": {"p50": total[0], "p90": total[1]}, "echo_round_trip_us": {"p50": echo[0], "p90": echo[1]},
         "request_bytes": request_bytes, "reply_bytes": reply_bytes,
     }, indent=1))
