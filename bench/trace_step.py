@@ -101,7 +101,7 @@ def _serve(trace_out: str, flags: list[str], fake_device: str | None, serial_cop
     around(cpu.CpuBackend, "submit", after="submitted")
     around(scheduler.Scheduler, "_finish", before="finish", after="answered",
            when=lambda self, in_flight: bool(in_flight))
-    around(servicer, "decode_response_wire", before="reply")
+    around(servicer, "_reply", before="reply")
     atexit.register(lambda: Path(trace_out).write_text(json.dumps(stamps)))
     if fake_device is not None:  # bench/frontend.py's server: CUDA's host work, a 60 us "device"
         sys.path.insert(0, str(Path(__file__).resolve().parent))

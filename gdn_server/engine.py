@@ -93,7 +93,7 @@ async def serve_engine(settings: EngineSettings) -> None:
         max_sessions=settings.max_sessions, speculative_sessions=settings.speculative_sessions,
         scheduler=SchedulerConfig(**settings.scheduler), scale=settings.scale, grace_s=settings.grace_s,
         session_idle_timeout_s=settings.session_idle_timeout_s,
-    ))
+    ), replies_here=False)  # replies go back to the workers as link frames
     refresher = None
     if settings.metrics_dir:  # PROMETHEUS_MULTIPROC_DIR is set for us: the families go to files
         app.engine_metrics = EngineMetrics(registry=None)

@@ -114,6 +114,10 @@ class Scheduler:
         self.on_dispatch: Callable[[float], None] | None = None  # (queue wait s) per request sent to the device
         # called after each round of answers (e.g. to write buffered replies with one system call)
         self.after_answers: list[Callable[[], None]] = []
+        # where this process's gRPC servicer sends the replies (gdn_server.servicer.encode_decode_response):
+        # each is then encoded straight from the backend's output buffer, one copy of the output
+        # instead of one into a bytes object and another into the reply. None: answers carry bytes.
+        self.encode_reply: Callable[[DecodeResult], tuple[bytes, int]] | None = None
         self._pending: deque[_DecodeItem | _ControlItem] = deque()
         self._pending_rows = 0
         self._cv = threading.Condition()
@@ -562,8 +566,11 @@ class Scheduler:
             self.stats.device_s += device_s
             if self.on_launch is not None:
                 self.on_launch(batch.rows, max(started - m.item.enqueued for m in members), device_s)
-            # one copy of the whole output, sliced per request (a numpy round trip each costs more)
-            whole = out.view(torch.int16).numpy().tobytes()
+            encode = self.encode_reply
+            if encode is None:  # one copy of the whole output, sliced per request
+                whole = out.view(torch.int16).numpy().tobytes()
+            else:  # the backend's buffer, reused by a later launch: read here, never kept
+                whole = memoryview(out.view(torch.uint8).reshape(-1).numpy())
             row_bytes = len(whole) // batch.rows
             single = len(members) == 1
             self.stats.requests += len(members)  # counted before the answers, as GetStats may follow one
@@ -572,8 +579,13 @@ class Scheduler:
             for m in members:
                 rows = len(m.sessions)
                 data = whole if single else whole[m.first_row * row_bytes : (m.first_row + rows) * row_bytes]
+                result = DecodeResult(data, (rows, batch.tokens, *tail), m.positions, m.item.work.request_id)
+                if encode is not None:
+                    wire, at = encode(result)
+                    data = memoryview(wire)[at : at + len(data)]  # the output's copy in the reply
+                    result = DecodeResult(data, result.shape, result.positions, result.request_id, wire)
                 m.record.out = data  # what a retry of this step is answered from, for each of its sessions
-                m.item.done(DecodeResult(data, (rows, batch.tokens, *tail), m.positions, m.item.work.request_id))
+                m.item.done(result)
 
     def _roll_back(self, member: _Admitted) -> None:
         """Undoes the position advance of a step whose backend call failed after dispatch."""

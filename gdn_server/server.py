@@ -27,7 +27,7 @@ from gdn_server.metrics import EngineMetrics, Metrics, MetricsInterceptor
 from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
 from gdn_server.security import AuthInterceptor, RejectMalformed, SecurityConfig, load_tokens, server_credentials
-from gdn_server.servicer import GdnDecodeServicer
+from gdn_server.servicer import GdnDecodeServicer, encode_decode_response
 from gdn_server.sessions import OwnerQuota, SessionTable
 from gdn_server.snapshot import device_snapshot_dirs, load_snapshots, save_snapshot
 from gdn_server.weights import GateParams
@@ -73,7 +73,9 @@ class GdnApp:
     health: HealthServicer | None = None  # set by start_server
 
 
-def build_app(settings: ServerSettings) -> GdnApp:
+def build_app(settings: ServerSettings, replies_here: bool = True) -> GdnApp:
+    """The server's parts. `replies_here`: this process's servicer answers decode steps (an
+    engine's go back over its link instead), so its schedulers encode the replies."""
     backends = make_backends(
         settings.device, settings.devices, settings.shape, settings.gates, settings.max_sessions, settings.scale,
         speculative_sessions=settings.speculative_sessions,
@@ -85,7 +87,10 @@ def build_app(settings: ServerSettings) -> GdnApp:
         sessions = SessionTable(
             backend.max_sessions, settings.shape.num_layers, range(backend.home_rows, backend.pool_rows), quota
         )
-        shards.append(Shard(index, backend, sessions, Scheduler(backend, sessions, settings.scheduler)))
+        scheduler = Scheduler(backend, sessions, settings.scheduler)
+        if replies_here:
+            scheduler.encode_reply = encode_decode_response
+        shards.append(Shard(index, backend, sessions, scheduler))
     placement = Placement(shards)
     servicer = GdnDecodeServicer(settings.shape, placement, shards[0].backend.name)
     app = GdnApp(settings, placement, servicer)

@@ -64,7 +64,7 @@ def decode_response(result: DecodeResult) -> gdn_pb2.DecodeResponse:
     o = reply.o
     o.dtype = gdn_pb2.BF16
     o.shape.extend(result.shape)
-    o.data = result.out
+    o.data = bytes(result.out)  # protobuf takes bytes, not a view
     return reply
 
 
@@ -73,27 +73,35 @@ _DATA_TAG = b"\x1a"  # Tensor.data: field 3, length-delimited
 
 
 def decode_response_wire(result: DecodeResult) -> bytes:
-    """`decode_response(result).SerializeToString()`, byte for byte, with one copy of the output.
+    """`decode_response(result).SerializeToString()`, byte for byte, with one copy of the output."""
+    return encode_decode_response(result)[0]
+
+
+def encode_decode_response(result: DecodeResult) -> tuple[bytes, int]:
+    """`decode_response_wire(result)` and the offset of the output bytes in it.
 
     The message route copies the output bytes three times (into the message, into upb's encode
     buffer, into the serialized bytes: 6 MiB of memory traffic for a B=256 reply); here protobuf
     serializes only the small fields and one join writes the output after them, in the order upb
-    writes fields (by number: o first, and in o dtype, shape, then data).
+    writes fields (by number: o first, and in o dtype, shape, then data). The output may be any
+    buffer (the scheduler encodes straight from the device's pinned output, Scheduler.encode_reply).
     """
     head = gdn_pb2.Tensor(dtype=gdn_pb2.BF16, shape=result.shape).SerializeToString()
     rest = gdn_pb2.DecodeResponse(positions=result.positions, request_id=result.request_id).SerializeToString()
     data = result.out
-    if not data:  # proto3 leaves an empty bytes field out
-        return _O_TAG + encode_varint(len(head)) + head + rest
+    if not len(data):  # proto3 leaves an empty bytes field out
+        wire = _O_TAG + encode_varint(len(head)) + head + rest
+        return wire, len(wire)
     data_len = encode_varint(len(data))
     o_len = encode_varint(len(head) + 1 + len(data_len) + len(data))
-    return b"".join((_O_TAG, o_len, head, _DATA_TAG, data_len, data, rest))
+    wire = b"".join((_O_TAG, o_len, head, _DATA_TAG, data_len, data, rest))
+    return wire, len(wire) - len(rest) - len(data)
 
 
 def _reply(result: DecodeResult) -> gdn_pb2.DecodeResponse | Serialized:
     """The reply to a successful decode, already serialized where the call's handler passes that on."""
     if serialized_responses_ok():
-        return Serialized(decode_response_wire(result))
+        return Serialized(result.wire if result.wire is not None else decode_response_wire(result))
     return decode_response(result)
 
 

@@ -34,10 +34,10 @@ class StepRecord:
 
     __slots__ = ("tokens", "rows", "out")
 
-    def __init__(self, tokens: int, rows: int, out: bytes | None = None) -> None:
+    def __init__(self, tokens: int, rows: int, out: bytes | memoryview | None = None) -> None:
         self.tokens = tokens  # T of the step
         self.rows = rows  # B of the request
-        self.out = out  # the whole request's output bytes; None while it still runs
+        self.out = out  # the whole request's output bytes (or a view into its reply); None while it runs
 
 
 class LastStep:
@@ -59,7 +59,7 @@ class LastStep:
         return self.record.rows
 
     @property
-    def out(self) -> bytes | None:
+    def out(self) -> bytes | memoryview | None:
         return self.record.out
 
 

@@ -80,12 +80,16 @@ class DecodeWork:
 
 @dataclass(frozen=True)
 class DecodeResult:
-    """The answer to one DecodeWork: bf16 o [B, T, HV, V] as raw little-endian bytes."""
+    """The answer to one DecodeWork: bf16 o [B, T, HV, V] as raw little-endian bytes (or a
+    read-only view of them)."""
 
-    out: bytes
+    out: bytes | memoryview
     shape: tuple[int, ...]
     positions: tuple[int, ...]
     request_id: str = ""
+    # the whole DecodeResponse in its wire form, where the scheduler encoded it (Scheduler.encode_reply);
+    # `out` is then a view into it
+    wire: bytes | None = None
 
 
 @dataclass
