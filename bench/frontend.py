@@ -21,12 +21,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import gdn_server  # noqa: E402,F401  (before torch: it sets OpenMP's passive waits, as in gdn-server)
+import gdn_server  # noqa: E402,F401,I001  (before torch: it sets OpenMP's passive waits, as in gdn-server)
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_path import HostStagingRing  # noqa: E402  (same folder: the engine benchmark's staging ring)
-from gdn_server.backends.base import PendingStep
+from gdn_server.backends.base import NonFiniteInputs, PendingStep, unchecked_inputs_errors
 from gdn_server.backends.cpu import CpuBackend
 from gdn_server.config import ModelShape, SchedulerConfig
 from gdn_server.placement import Placement, Shard
@@ -72,6 +72,10 @@ class HostOnlyBackend(CpuBackend):
 
     def submit(self, batch: StepBatch) -> PendingStep:
         _, out = self._staging.stage(batch)
+        if not all(w.finite_checked for w in batch.works):  # as CudaBackend does (on its staged copy)
+            errors = unchecked_inputs_errors(batch)
+            if errors:
+                raise NonFiniteInputs(errors)
         return _Waiting(out)
 
 

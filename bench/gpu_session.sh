@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|probe|speculative   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|speculative   (each part fits in one 10-minute call)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
 # (serve): the --scheduler-runs-on values too.
 # Logs and results go to $OUT (or bench/results).
@@ -69,8 +69,14 @@ case "${1:-}" in
     timeout 420 python3 bench/serve.py --device cuda --duration 3 --clients "${CLIENTS:-1,64}" --skip c \
       --frontends "${FRONTENDS:-0,8}" --out "$out/serve_probe" 2>&1 | tee "$out/serve_probe.log" | tail -24
     ;;
+  tracebigthreads)  # (c) with torch's pool at OMP_NUM_THREADS=${THREADS:-4 8} (the host default is one per core)
+    for n in ${THREADS:-4 8}; do
+      OMP_NUM_THREADS=$n timeout 150 python3 bench/trace_step.py --device cuda --batch 256 --mode unary --steps 200 \
+        --warmup 20 --out "$out/trace_big_t$n" 2>&1 | grep -E "in -> queued|round -> submitted|finish -> answered|round trip"
+    done
+    ;;
   speculative)
     timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8
     ;;
-  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|probe|speculative" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|speculative" >&2; exit 2 ;;
 esac

@@ -36,7 +36,10 @@ from pathlib import Path
 
 import numpy as np
 
-STAGES = ("parse", "parsed", "in", "queued", "round", "submitted", "finish", "answered", "reply")
+STAGES = ("parse", "parsed", "in", "queued", "round", "submit", "filled", "checked", "submitted", "finish", "answered",
+          "reply")
+# inside the CUDA backend's submit; "checked" only where validation left the NaN/Inf check to it
+OPTIONAL = ("submit", "filled", "checked")
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 
@@ -96,7 +99,9 @@ def _serve(trace_out: str, flags: list[str], fake_device: str | None, serial_cop
     around(protowire, "parse_decode_request", before="parse", after="parsed")
     around(servicer.GdnDecodeServicer, "_start_decode", before="in", after="queued")
     around(scheduler.Scheduler, "_launch", before="round", when=lambda self, items, *a, **k: bool(items))
-    around(cuda.CudaBackend, "submit", after="submitted")
+    around(cuda.CudaBackend, "submit", before="submit", after="submitted")
+    around(cuda, "_fill_staging", after="filled")
+    around(cuda, "_staged_nonfinite", after="checked")
     from gdn_server.backends import cpu
     around(cpu.CpuBackend, "submit", after="submitted")
     around(scheduler.Scheduler, "_finish", before="finish", after="answered",
@@ -211,12 +216,13 @@ def main() -> None:
     n = args.steps
     # the server saw the warm-up steps first (and a CloseSession round after ours)
     w = args.warmup
+    stamps = {s: v for s, v in stamps.items() if s not in OPTIONAL or len(v) >= w + n}
     server = {s: np.asarray(v[w:w + n], dtype=np.int64) for s, v in stamps.items()}
     if any(len(v) < n for v in server.values()):
         raise RuntimeError(f"missing stamps: { {s: len(v) for s, v in stamps.items()} }")
     sent = np.asarray([t[0] for t in times], dtype=np.int64)
     got = np.asarray([t[1] for t in times], dtype=np.int64)
-    points = [("client sent", sent), *((s, server[s]) for s in STAGES), ("client has reply", got)]
+    points = [("client sent", sent), *((s, server[s]) for s in STAGES if s in server), ("client has reply", got)]
     rows = []
     for (a, ta), (b, tb) in zip(points, points[1:]):
         p50, p90 = _pct(tb - ta)

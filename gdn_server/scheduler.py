@@ -37,10 +37,11 @@ from typing import Any, Callable
 
 import torch
 
-from gdn_server.backends.base import Backend
+from gdn_server.backends.base import Backend, NonFiniteInputs
 from gdn_server.config import SchedulerConfig
 from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
 from gdn_server.sessions import LastStep, Provisional, Session, SessionTable, StepRecord
+from gdn_server.validation import check_finite
 from gdn_server.work import DecodeResult, DecodeWork, StepBatch
 
 log = logging.getLogger(__name__)
@@ -404,6 +405,15 @@ class Scheduler:
                 continue
             if admitted is None:
                 continue  # answered (error or retry) already
+            if not work.finite_checked and (work.speculative or any(s.provisional or s.scratch_current for s in admitted)):
+                # routing this step changes session records (a commit, scratch rows): check its
+                # inputs now, so that one the backend would refuse changes nothing (rare: big and
+                # speculative); the backend checks plain steps' inputs where they are staged
+                try:
+                    check_finite(work.bf16_bytes)
+                except GdnError as e:
+                    item.done(e)
+                    continue
             try:
                 member = self._route(item, admitted)
             except GdnError as e:
@@ -456,6 +466,8 @@ class Scheduler:
                 return sessions
             if retries != len(sessions):
                 raise FailedPrecondition("positions mix a retry of the last step with a new step in one request")
+            if not work.finite_checked:  # a retry is refused for bad inputs as a first try would be
+                check_finite(work.bf16_bytes)
             item.done(self._replay(work, sessions))
             return None
         except GdnError as e:
@@ -512,6 +524,21 @@ class Scheduler:
         started = time.monotonic()
         try:
             pending = self.backend.submit(batch)
+        except NonFiniteInputs as e:  # nothing ran: answer the culprits, launch the others again
+            keep = []
+            for index, m in enumerate(members):
+                error = e.errors.get(index)
+                if error is None:
+                    keep.append(m)
+                else:  # routed without touching session records (_launch checked those that would)
+                    m.item.done(error)
+            if keep:
+                rest = StepBatch(batch.tokens)
+                for m in keep:
+                    m.first_row = rest.rows
+                    rest.add(m.item.work, m.read_rows, m.write_rows)
+                self._submit(rest, keep, in_flight)
+            return
         except Exception as e:  # a backend failure fails this batch only; the server stays up
             log.exception("backend call failed (%d rows)", batch.rows)
             for m in members:

@@ -117,6 +117,9 @@ class DecodeRpcs:
 
     shape: ModelShape
     metrics = None  # gdn_server.metrics.RpcMetrics, when counted in this process
+    # big bf16 requests leave their NaN/Inf check to the backend (validation.DEFERRED_CHECK_BYTES);
+    # only where that backend is in this process: a front-end worker checks everything itself
+    defer_finite_check = False
 
     def _start_decode(self, request: gdn_pb2.DecodeRequest) -> asyncio.Future:
         """Validates one decode request and queues it; returns the future of its DecodeResult.
@@ -126,7 +129,7 @@ class DecodeRpcs:
         raise NotImplementedError
 
     def _validated(self, request: gdn_pb2.DecodeRequest) -> DecodeWork:
-        work = decode_work_from_request(request, self.shape)
+        work = decode_work_from_request(request, self.shape, self.defer_finite_check)
         identity = current_identity()
         if identity is not None:  # every session must be this caller's
             work = dataclasses.replace(work, owner=identity)
@@ -205,6 +208,8 @@ class DecodeRpcs:
 
 
 class GdnDecodeServicer(DecodeRpcs, gdn_pb2_grpc.GdnDecodeServicer):
+    defer_finite_check = True  # its schedulers' backends are in this process
+
     def __init__(self, shape: ModelShape, placement: Placement, backend_name: str) -> None:
         self.shape = shape
         self.placement = placement

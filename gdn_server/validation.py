@@ -18,10 +18,19 @@ from gdn_server.errors import InvalidArgument
 from gdn_server.work import INPUT_NAMES, DecodeWork
 
 MAX_SESSION_ID_LEN = 128
+# bf16 inputs of at least this many bytes in all may leave their NaN/Inf check to the backend
+# (`defer_finite_check`): it reads them once they sit in its staging buffer, still in cache from
+# the copy there, instead of once more from memory here. Below it the check is cheap either way.
+DEFERRED_CHECK_BYTES = 1 << 20
 
 
-def decode_work_from_request(req: gdn_pb2.DecodeRequest, shape: ModelShape) -> DecodeWork:
-    """Validates a DecodeRequest against the model shape; raises InvalidArgument with a precise reason."""
+def decode_work_from_request(
+    req: gdn_pb2.DecodeRequest, shape: ModelShape, defer_finite_check: bool = False
+) -> DecodeWork:
+    """Validates a DecodeRequest against the model shape; raises InvalidArgument with a precise reason.
+
+    With `defer_finite_check`, bf16 inputs of DEFERRED_CHECK_BYTES or more are not checked for
+    NaN/Inf here: the work says so (`finite_checked=False`) and the backend checks them."""
     L = shape.num_layers
     if req.layer >= L:
         raise InvalidArgument(f"layer {req.layer} out of range: the model has {L} layers (0..{L - 1})")
@@ -56,10 +65,12 @@ def decode_work_from_request(req: gdn_pb2.DecodeRequest, shape: ModelShape) -> D
 
     _check_dims(dims, B, bool(req.speculative), shape)
     tensors = {}
+    finite_checked = True
     if all_bf16:
-        bad = first_nonfinite(raw, gdn_pb2.BF16)
-        if bad is not None:
-            raise InvalidArgument(f"{INPUT_NAMES[bad]} has NaN or Inf values")
+        if defer_finite_check and sum(map(len, raw)) >= DEFERRED_CHECK_BYTES:
+            finite_checked = False
+        else:
+            check_finite(raw)
     else:  # f16/f32 (or a mix): tensors now, each checked for NaN/Inf
         for name, msg, d, data in zip(INPUT_NAMES, messages, dims, raw):
             try:
@@ -78,8 +89,15 @@ def decode_work_from_request(req: gdn_pb2.DecodeRequest, shape: ModelShape) -> D
         speculative=bool(req.speculative),
     )
     if all_bf16:
-        return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims))
+        return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), finite_checked=finite_checked)
     return DecodeWork(**common, **tensors)
+
+
+def check_finite(raw: "tuple[bytes | memoryview, ...] | list[bytes | memoryview]") -> None:
+    """InvalidArgument naming the first of q, k, v, a, b (their bf16 bytes) with a NaN or Inf."""
+    bad = first_nonfinite(raw, gdn_pb2.BF16)
+    if bad is not None:
+        raise InvalidArgument(f"{INPUT_NAMES[bad]} has NaN or Inf values")
 
 
 def _check_dims(dims: list[tuple[int, ...]], B: int, speculative: bool, shape: ModelShape) -> int:

@@ -57,6 +57,9 @@ class DecodeWork:
     bf16_bytes: tuple[bytes | memoryview, ...] | None = None
     # shapes of q, k, v, a, b; needed only when the tensors are not given (built from bf16_bytes)
     input_dims: tuple[tuple[int, ...], ...] | None = None
+    # False: validation left the NaN/Inf check of the inputs to the backend, which does it before
+    # the step touches any state (big bf16 requests: gdn_server.validation.DEFERRED_CHECK_BYTES)
+    finite_checked: bool = True
 
     def __post_init__(self) -> None:
         d = self.__dict__

@@ -15,8 +15,32 @@ from abc import ABC, abstractmethod
 import torch
 
 from gdn_server.config import ModelShape
+from gdn_server.errors import InvalidArgument
+from gdn_server.validation import check_finite
 from gdn_server.weights import GateParams
 from gdn_server.work import StepBatch
+
+
+class NonFiniteInputs(Exception):
+    """Raised by `Backend.submit` before it changes any state: requests of the batch whose inputs
+    were left unchecked (`DecodeWork.finite_checked`) hold a NaN or Inf. `errors` maps the index
+    of each such request in `batch.works` to its InvalidArgument."""
+
+    def __init__(self, errors: dict[int, InvalidArgument]) -> None:
+        super().__init__(f"{len(errors)} request(s) with NaN or Inf inputs")
+        self.errors = errors
+
+
+def unchecked_inputs_errors(batch: StepBatch) -> dict[int, InvalidArgument]:
+    """The NaN/Inf check of a batch's unchecked requests, on their bytes as they came."""
+    errors = {}
+    for index, work in enumerate(batch.works):
+        if not work.finite_checked:
+            try:
+                check_finite(work.bf16_bytes)
+            except InvalidArgument as e:
+                errors[index] = e
+    return errors
 
 
 def default_speculative_sessions(max_sessions: int) -> int:
@@ -79,7 +103,10 @@ class Backend(ABC):
 
     @abstractmethod
     def submit(self, batch: StepBatch) -> PendingStep:
-        """Starts one decode step over all rows of `batch` (distinct pool slots, one T)."""
+        """Starts one decode step over all rows of `batch` (distinct pool slots, one T).
+
+        Requests whose inputs validation did not check (`DecodeWork.finite_checked` False) are
+        checked first: any NaN or Inf raises NonFiniteInputs, and nothing has run."""
 
     @abstractmethod
     def reset_session(self, session_slot: int) -> None:

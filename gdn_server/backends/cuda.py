@@ -17,14 +17,16 @@ torch math on the GPU instead.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 
-from gdn_server.backends.base import Backend, PendingStep
-from gdn_server.backends.staging import Plan as _Plan, carve as _carve, fill as _fill_staging, make_plan
+from gdn_server.backends.base import Backend, NonFiniteInputs, PendingStep
+from gdn_server.backends.staging import INPUTS, Plan as _Plan, carve as _carve, fill as _fill_staging, make_plan
 from gdn_server.backends.torch_math import gdn_step_fp32
 from gdn_server.config import ModelShape
+from gdn_server.errors import InvalidArgument
 from gdn_server.weights import GateParams
 from gdn_server.work import StepBatch
 
@@ -85,6 +87,38 @@ class _Views:
     dev_all: torch.Tensor
     out_dev: torch.Tensor
     out_host: torch.Tensor
+
+
+def _staged_nonfinite(batch: StepBatch, plan: _Plan, views: _Views) -> dict[int, InvalidArgument]:
+    """The NaN/Inf check of requests validation left unchecked, on their copies in the staging
+    buffer: just written there, so read from cache rather than from memory again.
+
+    The whole batch first, q to v as one span where nothing lies between them (K = V = 128:
+    every row is a multiple of ALIGN bytes), then a and b; only if that finds a NaN or Inf,
+    each unchecked request and input on its own, to answer the culprits."""
+    e = plan.entries
+    q_at, k_at, v_at = e["q"][0], e["k"][0], e["v"][0]
+    if k_at == q_at + e["q"][3] and v_at == k_at + e["k"][3]:
+        spans = [views.host_all[q_at : v_at + e["v"][3]].view(torch.bfloat16), views.host["a"], views.host["b"]]
+    else:
+        spans = [views.host[name] for name in INPUTS]
+    if all(_finite(x) for x in spans):
+        return {}
+    errors, row = {}, 0
+    for index, work in enumerate(batch.works):
+        n = len(work.session_ids)
+        if not work.finite_checked:
+            bad = next((name for name in INPUTS if not _finite(views.host[name][row : row + n])), None)
+            if bad is not None:
+                errors[index] = InvalidArgument(f"{bad} has NaN or Inf values")
+        row += n
+    return errors
+
+
+def _finite(x: torch.Tensor) -> bool:
+    """No NaN or Inf in `x` (one min/max pass: NaN makes both NaN, an Inf one of them infinite)."""
+    low, high = torch.aminmax(x)
+    return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
 class _CudaStep(PendingStep):
@@ -184,6 +218,10 @@ class CudaBackend(Backend):
         # 1. requests -> pinned staging: a memcpy per request and input for bf16 requests, a
         #    casting copy for f16/f32 ones; no per-row work
         _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
+        if not all(w.finite_checked for w in batch.works):
+            errors = _staged_nonfinite(batch, plan, views)
+            if errors:
+                raise NonFiniteInputs(errors)  # before anything is queued on the device
         in_place = batch.in_place
         graph = staging.graphs.get((R, T)) if in_place else None
         with torch.cuda.stream(self.stream):

@@ -121,3 +121,48 @@ def test_small_launches_replay_graphs_bit_identical_to_direct_launches():
     assert used_graph >= cuda.RING
     assert torch.equal(graphed.state_pool.view(torch.int16), direct.state_pool.view(torch.int16))
     assert graphed.state_pool.abs().sum() > 0
+
+
+def test_unchecked_inputs_are_checked_in_staging_before_anything_runs():
+    """Requests validation left unchecked (big bf16 ones): the backend finds the NaN/Inf in its
+    staging copy, names each culprit and input, and the state pool is untouched; without a
+    culprit the same batch runs and agrees with the CPU backend."""
+    from gdn_server.backends.base import NonFiniteInputs
+
+    shape = ModelShape(num_layers=2, num_q_heads=16, num_v_heads=32)
+    gates = random_gate_params(shape, seed=3)
+    gpu = CudaBackend(shape, gates, max_sessions=16)
+    cpu = CpuBackend(shape, gates, max_sessions=16)
+    gpu.warmup()
+    gen = torch.Generator().manual_seed(4)
+    for rows_each in ((1, 2, 3), (40, 1, 60)):  # small launches (graphs) and a big one
+        inputs = [random_inputs(n, 1, 16, 32, gen=gen, dtype=torch.bfloat16) for n in rows_each]
+
+        def batch_of(culprits: dict[int, str]) -> StepBatch:
+            batch, first = StepBatch(1), 0
+            for r, x in enumerate(inputs):
+                x = {k: v.clone() for k, v in x.items()}
+                if r in culprits:
+                    x[culprits[r]].view(-1)[-1] = float("nan") if r % 2 else float("-inf")
+                raw = tuple(x[n].view(torch.int16).numpy().tobytes() for n in "qkvab")
+                ids = tuple(f"r{r}s{i}" for i in range(len(x["q"])))
+                work = DecodeWork(1, ids, bf16_bytes=raw, input_dims=tuple(tuple(x[n].shape) for n in "qkvab"),
+                                  finite_checked=False)
+                batch.add(work, [(first + i) % 16 * 2 + 1 for i in range(len(ids))])
+                first += len(ids)
+            return batch
+
+        before = gpu.state_pool.clone()
+        try:
+            gpu.submit(batch_of({0: "k", 2: "b"}))
+        except NonFiniteInputs as e:
+            assert {i: str(err) for i, err in e.errors.items()} == {0: "k has NaN or Inf values",
+                                                                     2: "b has NaN or Inf values"}
+        else:
+            raise AssertionError("a NaN and an Inf went unnoticed")
+        gpu.synchronize()
+        assert torch.equal(gpu.state_pool, before)
+        if sum(rows_each) <= 16:  # distinct slots: the batch can run as it is
+            out = gpu.submit(batch_of({})).result().clone()
+            ref = cpu.submit(batch_of({})).result()
+            assert rel_err(out, ref.float()) < 1e-2

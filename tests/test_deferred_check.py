@@ -1,0 +1,110 @@
+"""Big bf16 requests leave their NaN/Inf check to the backend (validation.DEFERRED_CHECK_BYTES):
+the backend checks them before the step runs, the scheduler answers the culprits with
+INVALID_ARGUMENT and runs the rest of the batch, and no state or position moves for them.
+In-process with the CPU backend, and against a real server with a request of over 1 MiB."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
+from gdn_server.backends.cpu import CpuBackend
+from gdn_server.config import ModelShape, SchedulerConfig
+from gdn_server.errors import InvalidArgument
+from gdn_server.scheduler import Scheduler
+from gdn_server.sessions import SessionTable
+from gdn_server.validation import DEFERRED_CHECK_BYTES, decode_work_from_request
+from gdn_server.weights import random_gate_params
+from gdn_server.work import INPUT_NAMES, DecodeWork
+from servers import start_server
+from util import decode_request, random_inputs
+
+SHAPE = ModelShape(num_layers=2, num_q_heads=1, num_v_heads=2)
+TIMEOUT = 60
+
+
+def _bf16_work(session_ids: tuple[str, ...], layer: int, seed: int, nan_in: str | None = None,
+               checked: bool = False) -> DecodeWork:
+    """A bf16 DecodeWork as validation makes it, its check left to the backend unless `checked`."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, HV, K = len(session_ids), SHAPE.num_q_heads, SHAPE.num_v_heads, SHAPE.head_dim_k
+    dims = ((B, 1, H, K), (B, 1, H, K), (B, 1, HV, K), (B, 1, HV), (B, 1, HV))
+    tensors = [torch.randn(*d, generator=g).to(torch.bfloat16) for d in dims]
+    if nan_in is not None:
+        tensors[INPUT_NAMES.index(nan_in)].view(-1)[-1] = float("nan")
+    raw = tuple(t.view(torch.int16).numpy().tobytes() for t in tensors)
+    return DecodeWork(layer, session_ids, positions=(0,) * B, bf16_bytes=raw, input_dims=dims, finite_checked=checked)
+
+
+def test_the_scheduler_answers_unchecked_culprits_and_runs_the_rest_of_their_batch():
+    backend = CpuBackend(SHAPE, random_gate_params(SHAPE, 0), 8)
+    sessions = SessionTable(8, SHAPE.num_layers, range(backend.home_rows, backend.pool_rows))
+    ids = [sessions.create().id for _ in range(5)]
+    scheduler = Scheduler(backend, sessions, SchedulerConfig())
+    before = backend.state_pool.clone()
+    works = [
+        _bf16_work((ids[0],), 1, 1),
+        _bf16_work((ids[1], ids[2]), 1, 2, nan_in="v"),
+        _bf16_work((ids[3],), 1, 3, checked=True),
+        _bf16_work((ids[4],), 1, 4, nan_in="b"),
+    ]
+    answers: list = [None] * len(works)
+    for i, w in enumerate(works):
+        scheduler.submit_decode(w, lambda r, i=i: answers.__setitem__(i, r))
+    scheduler._finish(scheduler.run_round([]))  # one batch of all four, answered
+    assert isinstance(answers[1], InvalidArgument) and str(answers[1]) == "v has NaN or Inf values"
+    assert isinstance(answers[3], InvalidArgument) and str(answers[3]) == "b has NaN or Inf values"
+    assert [a.positions for a in (answers[0], answers[2])] == [(1,), (1,)]
+    for i, sid in enumerate(ids):
+        s = sessions.get(sid)
+        moved = not torch.equal(backend.state_pool[s.pool_slot(1)], before[s.pool_slot(1)])
+        assert s.positions[1] == (1 if i in (0, 3) else 0)
+        assert moved == (i in (0, 3)), sid
+        assert (1 in s.last_steps) == (i in (0, 3))
+
+
+def test_only_big_bf16_requests_defer_their_check():
+    shape = ModelShape(num_layers=1, num_q_heads=16, num_v_heads=32)
+    per_row = 2 * (2 * 16 * 128 + 32 * 128 + 2 * 32)
+    for rows, deferred in ((DEFERRED_CHECK_BYTES // per_row, False), (DEFERRED_CHECK_BYTES // per_row + 1, True)):
+        x = random_inputs(rows, 1, 16, 32, gen=torch.Generator().manual_seed(rows), dtype=torch.bfloat16)
+        req = decode_request(0, [f"s{i}" for i in range(rows)], x)
+        assert decode_work_from_request(req, shape, defer_finite_check=True).finite_checked is not deferred
+        assert decode_work_from_request(req, shape).finite_checked  # never without being asked
+
+
+@pytest.fixture(scope="module")
+def wide_server():
+    """Qwen3-Next's head counts on one layer: 64 rows of inputs are just over 1 MiB."""
+    with start_server("--layers", "1", "--q-heads", "16", "--v-heads", "32", "--max-sessions", "80") as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("culprit", ["q", "v", "b"])
+def test_a_big_request_with_nan_is_invalid_argument_and_changes_nothing(wide_server, culprit):
+    channel = grpc.insecure_channel(wide_server.address, options=[("grpc.max_send_message_length", 64 << 20)])
+    stub = gdn_pb2_grpc.GdnDecodeStub(channel)
+    sids = [stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=TIMEOUT).session_id for _ in range(70)]
+    gen = torch.Generator().manual_seed(5)
+    good = random_inputs(70, 1, 16, 32, gen=gen, dtype=torch.bfloat16)
+    bad = {k: v.clone() for k, v in good.items()}
+    bad[culprit][37, 0].view(-1)[0] = float("inf")
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Decode(decode_request(0, sids, bad, positions=[0] * 70), timeout=TIMEOUT)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == f"{culprit} has NaN or Inf values"
+    # nothing moved: the same request without the Inf is a first step, and its outputs are the
+    # outputs of a fresh server's first step on those inputs
+    reply = stub.Decode(decode_request(0, sids, good, positions=[0] * 70), timeout=TIMEOUT)
+    assert list(reply.positions) == [1] * 70
+    with start_server("--layers", "1", "--q-heads", "16", "--v-heads", "32", "--max-sessions", "80") as fresh:
+        ch2 = grpc.insecure_channel(fresh.address, options=[("grpc.max_send_message_length", 64 << 20)])
+        stub2 = gdn_pb2_grpc.GdnDecodeStub(ch2)
+        sids2 = [stub2.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=TIMEOUT).session_id for _ in range(70)]
+        reply2 = stub2.Decode(decode_request(0, sids2, good, positions=[0] * 70), timeout=TIMEOUT)
+        ch2.close()
+    assert reply.o.data == reply2.o.data
+    for sid in sids:
+        stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=sid), timeout=TIMEOUT)
+    channel.close()
