@@ -5,6 +5,7 @@ CudaBackend.submit (staging memcpys + H2D + launch + D2H, host time), result() (
 an empty event record + synchronize (the floor of any wait). Median of many calls.
 
     python bench/backend_step.py --out bench/results
+    python bench/backend_step.py --pieces 256      # one request of 256 sessions: each host call of submit
 """
 from __future__ import annotations
 
@@ -37,7 +38,11 @@ def main() -> None:
     p.add_argument("--rows", default="1,8,64,256")
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    p.add_argument("--pieces", type=int, default=0, help="time each host call of submit for one request of this many sessions")
     args = p.parse_args()
+    if args.pieces:
+        _pieces(args.pieces, args.calls)
+        return
     shape = PRESETS["qwen3-next"]
     backend = CudaBackend(shape, random_gate_params(shape, 0), max_sessions=512, device="cuda:0")
     backend.warmup()
@@ -74,6 +79,56 @@ def main() -> None:
     print("| rows | submit (host) us | wait us | total us |\n|---|---|---|---|")
     for r in results:
         print(f"| {r['rows']} | {r['submit_us']:.1f} | {r['wait_us']:.1f} | {r['total_us']:.1f} |")
+
+
+def _pieces(B: int, calls: int) -> None:
+    """Host time of each step of CudaBackend.submit for one bf16 request of B sessions, as a big
+    unary request (issue 4 (c)) reaches it: fill, the deferred NaN/Inf check, the H2D copy call,
+    the kernel launch, the D2H copy call, the event record."""
+    from gdn_server.backends import cuda
+
+    shape = PRESETS["qwen3-next"]
+    backend = CudaBackend(shape, random_gate_params(shape, 0), max_sessions=512, device="cuda:0")
+    backend.warmup()
+    H, HV, K = shape.num_q_heads, shape.num_v_heads, shape.head_dim_k
+    x = {n: torch.randn(B, 1, *s).bfloat16() for n, s in
+         (("q", (H, K)), ("k", (H, K)), ("v", (HV, K)), ("a", (HV,)), ("b", (HV,)))}
+    raw = tuple(x[n].view(torch.int16).numpy().tobytes() for n in "qkvab")
+    work = DecodeWork(0, tuple(map(str, range(B))), positions=None, bf16_bytes=raw,
+                      input_dims=tuple(tuple(x[n].shape) for n in "qkvab"), finite_checked=False)
+    batch = StepBatch(1)
+    batch.add(work, [r * shape.num_layers for r in range(B)])
+    names = ("fill", "check", "h2d call", "kernel call", "d2h call", "event record", "device wait")
+    times: dict[str, list[float]] = {n: [] for n in names}
+    plan = backend._plan(B, 1)
+    for i in range(calls + 20):
+        staging = backend._staging_for(plan)
+        views = staging.views_for(plan, (B, 1))
+        t = [time.perf_counter()]
+        cuda._fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
+        t.append(time.perf_counter())
+        assert not cuda._staged_nonfinite(batch, plan, views)
+        t.append(time.perf_counter())
+        with torch.cuda.stream(backend.stream):
+            views.dev_all.copy_(views.host_all, non_blocking=True)
+            t.append(time.perf_counter())
+            dev = views.dev
+            backend._kernel(backend.state_pool, dev["slots"], dev["layers"], dev["q"], dev["k"], dev["v"], dev["a"],
+                            dev["b"], backend.A_log, backend.dt_bias, views.out_dev, scale=backend.scale)
+            t.append(time.perf_counter())
+            views.out_host.copy_(views.out_dev, non_blocking=True)
+            t.append(time.perf_counter())
+            staging.done.record(backend.stream)
+            t.append(time.perf_counter())
+        staging.done.synchronize()
+        t.append(time.perf_counter())
+        if i >= 20:
+            for n, a, b in zip(names, t, t[1:]):
+                times[n].append(b - a)
+    print(f"B={B}: host pinned buffer is_pinned={views.host_all.is_pinned()}")
+    print("| step of submit | p50 us |\n|---|---|")
+    for n in names:
+        print(f"| {n} | {1e6 * statistics.median(times[n]):.1f} |")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|speculative   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|speculative   (each part fits in one 10-minute call)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
 # (serve): the --scheduler-runs-on values too.
 # Logs and results go to $OUT (or bench/results).
@@ -75,8 +75,11 @@ case "${1:-}" in
         --warmup 20 --out "$out/trace_big_t$n" 2>&1 | grep -E "in -> queued|round -> submitted|finish -> answered|round trip"
     done
     ;;
+  cpusplit)  # CPU per step, thread by thread, of the server and the load process: ours and the echo
+    timeout 400 python3 bench/cpu_split.py --device cuda --clients "${CLIENTS:-1,64}" --duration 4 --out "$out" 2>&1 | tail -8
+    ;;
   speculative)
     timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8
     ;;
-  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|speculative" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|speculative" >&2; exit 2 ;;
 esac

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from gdn_server.config import PRESETS, SCHEDULER_RUNS_ON, ModelShape, SchedulerConfig
+from gdn_server.config import DEVICE_WAIT, PRESETS, SCHEDULER_RUNS_ON, ModelShape, SchedulerConfig
 from gdn_server.security import SecurityConfig
 from gdn_server.server import ServerSettings, build_app, serve
 from gdn_server.snapshot import SnapshotError
@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where batches are formed and answered: 'loop' (on the gRPC event loop, polling the "
                         "device: no thread hand-offs), 'thread' (a thread per device), or 'auto' (loop for a "
                         "GPU backend, thread for the CPU one, whose steps compute on the host)")
+    p.add_argument("--device-wait", choices=DEVICE_WAIT, default=SchedulerConfig.device_wait,
+                   help="with the scheduler on the loop, how it learns a launch is done: 'poll' (once per loop "
+                        "iteration), 'thread' (a waiter thread wakes the loop), or 'auto' (poll while one request "
+                        "is in flight, the thread once launches carry several)")
     p.add_argument("--state-dir", default=None,
                    help="save every session here on SIGTERM/SIGINT and restore them on start (default: off)")
     p.add_argument("--session-idle-timeout-s", type=float, default=None,
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         max_sessions=args.max_sessions,
         speculative_sessions=args.speculative_sessions,
         scheduler=SchedulerConfig(args.max_batch_rows, args.max_queue_delay_us, args.max_queue_rows,
-                                  args.scheduler_runs_on),
+                                  args.scheduler_runs_on, args.device_wait),
         scale=args.scale,
         grace_s=args.drain_timeout_s,
         shutdown_delay_s=args.shutdown_delay_s,

@@ -58,10 +58,19 @@ class SchedulerConfig:
     # backends whose steps run on a device), "thread" (a thread of its own: for backends that
     # compute on the host) or "auto" (loop when the backend is asynchronous, else thread)
     runs_on: str = "auto"
+    # with rounds on the event loop, how the loop learns that a launch has finished: "poll" (an
+    # event query once per loop iteration: the loop never sleeps while a launch runs), "thread"
+    # (a waiter thread blocks on the launch and wakes the loop) or "auto" (poll while the loop
+    # serves one request at a time, where the thread's wake-up would be latency; the thread once
+    # launches carry several requests, where polling takes the loop's time from them)
+    device_wait: str = "auto"
 
     def __post_init__(self) -> None:
         if self.runs_on not in SCHEDULER_RUNS_ON:
             raise ValueError(f"runs_on must be one of {', '.join(SCHEDULER_RUNS_ON)}, got {self.runs_on!r}")
+        if self.device_wait not in DEVICE_WAIT:
+            raise ValueError(f"device_wait must be one of {', '.join(DEVICE_WAIT)}, got {self.device_wait!r}")
 
 
 SCHEDULER_RUNS_ON = ("auto", "loop", "thread")
+DEVICE_WAIT = ("auto", "poll", "thread")

@@ -23,12 +23,15 @@ Where rounds run (`SchedulerConfig.runs_on`):
   arrives; while a launch is on the device the loop keeps serving gRPC and polls the launch
   (`PendingStep.ready`) once per loop iteration, so it never blocks on the device. One thread
   does everything: no hand-off (a wake-up and a GIL switch, each way) per request, which is
-  most of a step's latency at low load (bench/NOTES.md).
+  most of a step's latency at low load (bench/NOTES.md). Under load (launches carrying several
+  requests) a waiter thread blocks on the launch instead and wakes the loop, which then spends
+  no iterations polling (SchedulerConfig.device_wait).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -134,6 +137,11 @@ class Scheduler:
         self._round_scheduled = False
         self._round_items: list[_DecodeItem | _ControlItem] = []  # taken by the round now running
         self._drained = threading.Event()
+        # SchedulerConfig.device_wait's waiter thread, started on first use, and the launch it waits for
+        self._waiter: threading.Thread | None = None
+        self._waiter_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting_on: Any = None
+        self._waited: Any = None  # the last launch the waiter's wait returned for
 
     # -- called from any thread -------------------------------------------------------------
     def start(self) -> None:
@@ -284,9 +292,50 @@ class Scheduler:
             self._fail_pending(GdnError(f"internal scheduler error: {e}"))
             again = bool(self._in_flight)
         if again:
-            self._schedule_round(poll=True)  # polls the device once per loop iteration; I/O runs in between
+            # the waiter's own post comes when the launch it waits for ends; one it has already
+            # waited for that still is not ready (its wait failed) is polled
+            if self._waits_on_thread() and self._in_flight[0][0] is not self._waited:
+                self._hand_to_waiter(self._in_flight[0][0])
+            else:
+                self._schedule_round(poll=True)  # polls the device once per loop iteration; I/O runs in between
         elif self._stopping:
             self._drained.set()
+
+    def _waits_on_thread(self) -> bool:
+        """Whether the loop leaves the wait for its oldest launch to the waiter thread instead of
+        polling it (SchedulerConfig.device_wait). Only when the launch is all there is to come
+        back for: queued work that could launch now keeps the loop polling."""
+        in_flight = self._in_flight
+        if not in_flight or (self._pending and len(in_flight) < LOOP_MAX_IN_FLIGHT and self._barrier is None):
+            return False
+        mode = self.config.device_wait
+        if mode == "auto":  # several requests in flight: the loop has their clients to serve meanwhile
+            return len(in_flight) > 1 or len(in_flight[0][2]) > 1
+        return mode == "thread"
+
+    def _hand_to_waiter(self, step: Any) -> None:
+        if self._waiting_on is step:  # already waited for: its end posts the next round
+            return
+        self._waiting_on = step
+        if self._waiter is None:
+            self._waiter = threading.Thread(target=self._wait_for_launches, name="gdn-device-wait", daemon=True)
+            self._waiter.start()
+        self._waiter_queue.put(step)
+
+    def _wait_for_launches(self) -> None:
+        """The waiter thread: blocks on each launch handed to it (without the GIL), then posts a
+        round to the loop, which answers it."""
+        while True:
+            step = self._waiter_queue.get()
+            try:
+                step.wait()
+            except Exception:  # the round that answers the launch reports its failure
+                pass
+            self._waited = step
+            try:
+                self._schedule_round()
+            except RuntimeError:  # the loop is closed: the server is gone
+                return
 
     def _advance(self) -> bool:
         """Answers the launches the device has finished, runs a waiting control item once nothing

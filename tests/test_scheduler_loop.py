@@ -4,10 +4,12 @@ raises), and the same answers as the scheduler on its thread."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
+from gdn_server.backends.base import PendingStep
 from gdn_server.backends.cpu import CpuBackend
 from gdn_server.config import ModelShape, SchedulerConfig
 from gdn_server.errors import GdnError
@@ -19,11 +21,38 @@ from gdn_server.work import DecodeWork
 SHAPE = ModelShape(num_layers=2, num_q_heads=1, num_v_heads=2)
 
 
-def _scheduler() -> tuple[Scheduler, list[str]]:
-    backend = CpuBackend(SHAPE, random_gate_params(SHAPE, 0), 4)
+class _SlowStep(PendingStep):
+    """A launch that takes a few milliseconds, as one on a device does: not ready at first."""
+
+    def __init__(self, inner: PendingStep) -> None:
+        self._inner = inner
+        self._done_at = time.monotonic() + 0.003
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self._done_at
+
+    def wait(self) -> None:
+        time.sleep(max(0.0, self._done_at - time.monotonic()))
+
+    def result(self) -> torch.Tensor:
+        self.wait()
+        return self._inner.result()
+
+
+class _DeviceLikeBackend(CpuBackend):
+    """The CPU backend's math behind launches that finish later, as CudaBackend's do."""
+
+    asynchronous = True
+
+    def submit(self, batch):
+        return _SlowStep(super().submit(batch))
+
+
+def _scheduler(device_wait: str = "auto", backend_type: type = CpuBackend) -> tuple[Scheduler, list[str]]:
+    backend = backend_type(SHAPE, random_gate_params(SHAPE, 0), 4)
     sessions = SessionTable(4, SHAPE.num_layers, range(backend.home_rows, backend.pool_rows))
     ids = [sessions.create().id for _ in range(3)]
-    return Scheduler(backend, sessions, SchedulerConfig(runs_on="loop")), ids
+    return Scheduler(backend, sessions, SchedulerConfig(runs_on="loop", device_wait=device_wait)), ids
 
 
 def _work(session_id: str, layer: int, seed: int) -> DecodeWork:
@@ -88,6 +117,67 @@ def test_a_round_that_raises_answers_the_queued_work():
     assert isinstance(result, GdnError) and "internal scheduler error" in str(result)
 
 
-def test_runs_on_is_checked():
+def test_runs_on_and_device_wait_are_checked():
     with pytest.raises(ValueError, match="runs_on"):
         SchedulerConfig(runs_on="gpu")
+    with pytest.raises(ValueError, match="device_wait"):
+        SchedulerConfig(device_wait="spin")
+
+
+def test_every_device_wait_answers_alike_and_auto_uses_the_waiter_only_under_load():
+    """Launches that take milliseconds: polled once per loop iteration, waited for by the waiter
+    thread, or (auto) polled while one request is in flight and waited for once several are. The
+    answers are the same; the waiter thread exists only where it was used."""
+    outs, waited = {}, {}
+    for mode in ("poll", "thread", "auto"):
+        scheduler, ids = _scheduler(mode, _DeviceLikeBackend)
+        results = asyncio.run(_run_steps(scheduler, ids, on_loop=True))
+        assert all(not isinstance(r, BaseException) for r in results), results
+        outs[mode] = [(r.out, r.positions) for r in results]
+        waited[mode] = scheduler._waiter is not None
+    assert outs["poll"] == outs["thread"] == outs["auto"]
+    assert waited == {"poll": False, "thread": True, "auto": True}  # _run_steps queues 12 requests at once
+
+    async def one_at_a_time(scheduler, ids):
+        loop = asyncio.get_running_loop()
+        scheduler.start_on(loop)
+        for step in range(3):
+            fut = loop.create_future()
+            scheduler.submit_decode(_work(ids[0], 0, step), fut.set_result)
+            assert not isinstance(await asyncio.wait_for(fut, 10), BaseException)
+        scheduler.stop()
+
+    scheduler, ids = _scheduler("auto", _DeviceLikeBackend)
+    asyncio.run(one_at_a_time(scheduler, ids))
+    assert scheduler._waiter is None  # one request per launch: polled, no thread hand-off
+
+
+def test_a_launch_whose_wait_returns_early_is_polled_to_its_end():
+    """The waiter thread's wait can end before the launch does (a failed wait): the loop then
+    polls that launch instead of waiting for a post that will not come."""
+
+    class _EarlyWait(_SlowStep):
+        def wait(self) -> None:
+            raise RuntimeError("the wait failed")
+
+        def result(self) -> torch.Tensor:
+            _SlowStep.wait(self)
+            return self._inner.result()
+
+    class _Backend(_DeviceLikeBackend):
+        def submit(self, batch):
+            return _EarlyWait(CpuBackend.submit(self, batch))
+
+    async def one_step(scheduler, ids):
+        loop = asyncio.get_running_loop()
+        scheduler.start_on(loop)
+        fut = loop.create_future()
+        scheduler.submit_decode(_work(ids[0], 0, 1), fut.set_result)
+        result = await asyncio.wait_for(fut, 5)  # a launch nobody polls would never be answered
+        scheduler.stop()
+        return result
+
+    scheduler, ids = _scheduler("thread", _Backend)
+    result = asyncio.run(one_step(scheduler, ids))
+    assert not isinstance(result, BaseException), result
+    assert scheduler._waiter is not None

@@ -58,6 +58,10 @@ class PendingStep(ABC):
         """True once `result()` would not block (a scheduler on an event loop polls this)."""
         return True
 
+    def wait(self) -> None:
+        """Blocks until `result()` would not block, without holding the GIL where it can."""
+        self.result()
+
 
 class DoneStep(PendingStep):
     """A step that completed synchronously."""

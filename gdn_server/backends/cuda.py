@@ -122,9 +122,10 @@ def _finite(x: torch.Tensor) -> bool:
 
 
 class _CudaStep(PendingStep):
-    def __init__(self, staging: _Staging, out: torch.Tensor) -> None:
+    def __init__(self, staging: _Staging, out: torch.Tensor, device: torch.device) -> None:
         self._staging = staging
         self._out = out
+        self._device = device
 
     def result(self) -> torch.Tensor:
         self._staging.done.synchronize()
@@ -132,6 +133,11 @@ class _CudaStep(PendingStep):
 
     def ready(self) -> bool:
         return self._staging.done.query()
+
+    def wait(self) -> None:
+        # called on the scheduler's waiter thread, whose current device is nobody's choice
+        with torch.cuda.device(self._device):
+            self._staging.done.synchronize()
 
 
 class CudaBackend(Backend):
@@ -230,7 +236,7 @@ class CudaBackend(Backend):
             else:
                 self._device_steps(views, in_place)
             staging.done.record(self.stream)
-        return _CudaStep(staging, views.out_host)
+        return _CudaStep(staging, views.out_host, self.device)
 
     def _device_steps(self, views: _Views, in_place: bool) -> None:
         """A launch's device work, on the current stream, from a filled staging set."""
