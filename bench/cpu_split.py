@@ -2,6 +2,7 @@
 
     python bench/cpu_split.py --device cuda --clients 1,64          # a real gdn-server on the GPU
     python bench/cpu_split.py --fake-device --clients 64            # bench/frontend.py's server, any machine
+    python bench/cpu_split.py --clients 64 --server-flags "--device-wait poll"   # A/B a server flag
 
 For each clients value: gdn-loadtest's own client code drives a fresh server for --duration
 seconds (streams, T=1, qwen3-next on the GPU), then the bytes echo of the same sizes, while this
@@ -16,16 +17,14 @@ import argparse
 import asyncio
 import json
 import os
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gdn_client.loadtest import LoadConfig, run_echo, run_load  # noqa: E402
+from listening import start_listening  # noqa: E402  (this folder)
 
-_LISTENING = re.compile(r"listening on (\S+):(\d+)")
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -53,19 +52,6 @@ def _groups(pid: int, before: dict, after: dict) -> dict[str, float]:
     return spent
 
 
-def _start(cmd: list[str], timeout: float = 300) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + timeout
-    for line in proc.stdout:
-        m = _LISTENING.search(line)
-        if m:
-            return proc, f"{m.group(1)}:{m.group(2)}"
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise RuntimeError(f"{cmd} did not start")
-
-
 def _measure(pid: int, run) -> tuple[object, dict, dict, float]:
     me = os.getpid()
     s0, l0, t0 = _threads(pid), _threads(me), time.perf_counter()
@@ -80,6 +66,7 @@ def main() -> None:
     p.add_argument("--fake-device", action="store_true", help="bench/frontend.py's host-only server instead")
     p.add_argument("--clients", default="1,64")
     p.add_argument("--duration", type=float, default=4.0)
+    p.add_argument("--server-flags", default="", help="more gdn-server flags (not with --fake-device)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = p.parse_args()
     here = Path(__file__).resolve().parent
@@ -87,12 +74,13 @@ def main() -> None:
         server_cmd = [sys.executable, str(here / "frontend.py"), "--serve", "--port", "0"]
     else:
         server_cmd = [sys.executable, "-m", "gdn_server", "--host", "127.0.0.1", "--port", "0", "--device", args.device,
-                      "--preset", "qwen3-next", "--max-sessions", "512", "--log-level", "WARNING"]
+                      "--preset", "qwen3-next", "--max-sessions", "512", "--log-level", "WARNING",
+                      *args.server_flags.split()]
     rows = []
-    echo, echo_address = _start([sys.executable, "-m", "gdn_client._echo", "--port", "0"])
+    echo, echo_address = start_listening([sys.executable, "-m", "gdn_client._echo", "--port", "0"])
     try:
         for n in (int(c) for c in args.clients.split(",")):
-            server, target = _start(server_cmd)
+            server, target = start_listening(server_cmd)
             try:
                 cfg = LoadConfig(target=target, clients=n, duration=args.duration, progress=False)
                 ours, s, l, wall = _measure(server.pid, lambda: asyncio.run(run_load(cfg)))

@@ -76,7 +76,8 @@ case "${1:-}" in
     done
     ;;
   cpusplit)  # CPU per step, thread by thread, of the server and the load process: ours and the echo
-    timeout 400 python3 bench/cpu_split.py --device cuda --clients "${CLIENTS:-1,64}" --duration 4 --out "$out" 2>&1 | tail -8
+    timeout 400 python3 bench/cpu_split.py --device cuda --clients "${CLIENTS:-1,64}" --duration 4 \
+      --server-flags "${SERVER_FLAGS:-}" --out "$out" 2>&1 | tail -8
     ;;
   speculative)
     timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8

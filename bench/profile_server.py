@@ -22,21 +22,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from listening import wait_listening  # this folder (python bench/profile_server.py puts it on sys.path)
 
-_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
 _WARMUP_FRAMES = ("warmup", "compile", "start_server")  # stacks of the server's start, not of serving
-
-
-def _wait_listening(proc: subprocess.Popen, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        m = _LISTENING.search(line)
-        if m:
-            return f"{m.group(1)}:{m.group(2)}"
-        if time.monotonic() > deadline:
-            break
-    raise RuntimeError("server did not start")
 
 
 def summarize(raw: Path, top: int = 30) -> str:
@@ -71,7 +60,7 @@ def profile_point(args: argparse.Namespace, py_spy: str, clients: int, out: Path
     proc = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     wrapped = None
     try:
-        target = _wait_listening(proc, 600)
+        target = wait_listening(proc, 600)
         load = subprocess.Popen([sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--clients",
                                  str(clients), "--duration", str(args.duration), "--no-progress"])
         time.sleep(1.0)
@@ -84,7 +73,7 @@ def profile_point(args: argparse.Namespace, py_spy: str, clients: int, out: Path
             proc.wait(30)
             wrapped = subprocess.Popen([py_spy, *spy_flags, "--", *server_cmd], stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True, bufsize=1)
-            target = _wait_listening(wrapped, 600)
+            target = wait_listening(wrapped, 600)
             subprocess.run([sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--clients",
                             str(clients), "--duration", str(args.duration), "--no-progress"], timeout=args.duration + 120)
             wrapped.send_signal(signal.SIGINT)  # py-spy forwards it, then writes its file

@@ -19,29 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from listening import start_listening  # this folder (python bench/serve.py puts it on sys.path)
 
-_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
 
 
 def start_server(args: argparse.Namespace, *extra: str) -> tuple[subprocess.Popen, str]:
     sizing = [] if args.max_sessions is None else ["--max-sessions", str(args.max_sessions)]
     cmd = [sys.executable, "-m", "gdn_server", "--host", "127.0.0.1", "--port", "0", "--device", args.device,
            *args.model.split(), *sizing, "--log-level", "WARNING", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    deadline = time.monotonic() + 600
-    for line in proc.stdout:
-        m = _LISTENING.search(line)
-        if m:
-            return proc, f"{m.group(1)}:{m.group(2)}"
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise RuntimeError(f"server did not start: {' '.join(cmd)}")
+    return start_listening(cmd)
 
 
 def stop(proc: subprocess.Popen) -> None:

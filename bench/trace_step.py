@@ -14,7 +14,9 @@ sizes. Prints the median and p90 of each segment and writes trace_step.json.
 
 Segments: client send -> the request's bytes reach the DecodeRequest parser ("parse") -> parsed
 ("parsed") -> the servicer has it ("in") -> validated and queued
-("queued") -> its round starts ("round") -> the backend's submit returned ("submitted") ->
+("queued") -> its round starts ("round") -> [CUDA backend: submit called ("submit") -> inputs
+staged ("filled") -> the NaN/Inf check validation left to it done ("checked"), big requests only]
+-> the backend's submit returned ("submitted") ->
 the round that answers it starts ("finish") -> futures settled ("answered") -> the stream's
 writer has its reply bytes ("reply") -> client has the reply.
 """
@@ -27,20 +29,19 @@ import contextlib
 import functools
 import json
 import os
-import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+
 import numpy as np
+from listening import start_listening  # this folder (python bench/trace_step.py puts it on sys.path)
 
 STAGES = ("parse", "parsed", "in", "queued", "round", "submit", "filled", "checked", "submitted", "finish", "answered",
           "reply")
 # inside the CUDA backend's submit; "checked" only where validation left the NaN/Inf check to it
 OPTIONAL = ("submit", "filled", "checked")
-_LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 
 # -- the server side (--serve): wrap a few methods, dump the stamps at exit --------------------------
@@ -156,15 +157,9 @@ async def _echo_client(address: str, request_bytes: int, reply_bytes: int, warmu
 @contextlib.contextmanager
 def _started(cmd: list[str]):
     """Starts a server child process; yields its address; stops it (its stamps are written at exit)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    proc, address = start_listening(cmd)
     try:
-        for line in proc.stdout:
-            m = _LISTENING.search(line)
-            if m:
-                yield f"{m.group(1)}:{m.group(2)}"
-                break
-        else:
-            raise RuntimeError(f"{cmd[2:4]} did not start")
+        yield address
     finally:
         proc.terminate()
         proc.wait(60)

@@ -1,0 +1,33 @@
+"""Starting a server as a child process and reading its address from the line every server of
+ours prints once it serves (gdn-server, the echo floor, the bench servers): `listening on HOST:PORT`.
+
+Shared by the bench scripts (each runs with this folder on sys.path, as `python bench/x.py` does).
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+
+LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+def wait_listening(proc: subprocess.Popen, timeout: float = 600) -> str:
+    """HOST:PORT from `proc`'s output (a text pipe), read up to the listening line; the process is
+    killed and RuntimeError raised if it ends or `timeout` passes first."""
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        m = LISTENING.search(line)
+        if m:
+            return f"{m.group(1)}:{m.group(2)}"
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise RuntimeError(f"server did not start: {' '.join(map(str, proc.args))}")
+
+
+def start_listening(cmd: list[str], timeout: float = 600) -> tuple[subprocess.Popen, str]:
+    """Starts `cmd` (its stderr joined to stdout) and waits for its listening line."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    return proc, wait_listening(proc, timeout)
