@@ -19,8 +19,9 @@ from gdn_server.work import INPUT_NAMES, DecodeWork
 
 MAX_SESSION_ID_LEN = 128
 # bf16 inputs of at least this many bytes in all may leave their NaN/Inf check to the backend
-# (`defer_finite_check`): it reads them once they sit in its staging buffer, still in cache from
-# the copy there, instead of once more from memory here. Below it the check is cheap either way.
+# (`defer_finite_check`), which reads them where it has just staged them: one pass over the
+# request's bytes fewer on the event loop (H200, B=256: validation 633 -> 162 us, the staged
+# check 208 us; bench/NOTES.md). Below it the check is cheap either way.
 DEFERRED_CHECK_BYTES = 1 << 20
 
 

@@ -91,7 +91,7 @@ class _Views:
 
 def _staged_nonfinite(batch: StepBatch, plan: _Plan, views: _Views) -> dict[int, InvalidArgument]:
     """The NaN/Inf check of requests validation left unchecked, on their copies in the staging
-    buffer: just written there, so read from cache rather than from memory again.
+    buffer, just written there (the event loop's validation skipped its own pass over them).
 
     The whole batch first, q to v as one span where nothing lies between them (K = V = 128:
     every row is a multiple of ALIGN bytes), then a and b; only if that finds a NaN or Inf,
