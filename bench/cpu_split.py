@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gdn_client.loadtest import LoadConfig, run_echo, run_load  # noqa: E402
 from listening import start_listening  # noqa: E402  (this folder)
+from serve import start_server  # noqa: E402  (this folder: the serving bench's gdn-server command)
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -63,24 +64,21 @@ def _measure(pid: int, run) -> tuple[object, dict, dict, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--model", default="--preset qwen3-next --devices 0", help="server shape flags (one GPU)")
+    p.add_argument("--max-sessions", type=int, default=512)
     p.add_argument("--fake-device", action="store_true", help="bench/frontend.py's host-only server instead")
     p.add_argument("--clients", default="1,64")
     p.add_argument("--duration", type=float, default=4.0)
     p.add_argument("--server-flags", default="", help="more gdn-server flags (not with --fake-device)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = p.parse_args()
-    here = Path(__file__).resolve().parent
-    if args.fake_device:
-        server_cmd = [sys.executable, str(here / "frontend.py"), "--serve", "--port", "0"]
-    else:
-        server_cmd = [sys.executable, "-m", "gdn_server", "--host", "127.0.0.1", "--port", "0", "--device", args.device,
-                      "--preset", "qwen3-next", "--max-sessions", "512", "--log-level", "WARNING",
-                      *args.server_flags.split()]
+    fake_server = [sys.executable, str(Path(__file__).resolve().parent / "frontend.py"), "--serve", "--port", "0"]
     rows = []
     echo, echo_address = start_listening([sys.executable, "-m", "gdn_client._echo", "--port", "0"])
     try:
         for n in (int(c) for c in args.clients.split(",")):
-            server, target = start_listening(server_cmd)
+            server, target = (start_listening(fake_server) if args.fake_device
+                              else start_server(args, *args.server_flags.split()))
             try:
                 cfg = LoadConfig(target=target, clients=n, duration=args.duration, progress=False)
                 ours, s, l, wall = _measure(server.pid, lambda: asyncio.run(run_load(cfg)))

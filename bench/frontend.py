@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import subprocess
 import sys
 import time
@@ -26,7 +25,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_path import HostStagingRing  # noqa: E402  (same folder: the engine benchmark's staging ring)
-from gdn_server.backends.base import NonFiniteInputs, PendingStep, unchecked_inputs_errors
+from listening import start_listening  # noqa: E402  (same folder)
+from gdn_server.backends.base import PendingStep, check_unchecked_inputs
 from gdn_server.backends.cpu import CpuBackend
 from gdn_server.config import ModelShape, SchedulerConfig
 from gdn_server.placement import Placement, Shard
@@ -72,10 +72,7 @@ class HostOnlyBackend(CpuBackend):
 
     def submit(self, batch: StepBatch) -> PendingStep:
         _, out = self._staging.stage(batch)
-        if not all(w.finite_checked for w in batch.works):  # as CudaBackend does (on its staged copy)
-            errors = unchecked_inputs_errors(batch)
-            if errors:
-                raise NonFiniteInputs(errors)
+        check_unchecked_inputs(batch)  # as CudaBackend does (on its staged copy)
         return _Waiting(out)
 
 
@@ -104,15 +101,8 @@ def main() -> None:
     if args.serve:
         run_server(args.port, sessions=600, runs_on=args.runs_on)
         return
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", "--port", "0", "--runs-on", args.runs_on], stdout=subprocess.PIPE, text=True)
+    proc, target = start_listening([sys.executable, __file__, "--serve", "--port", "0", "--runs-on", args.runs_on])
     try:
-        for line in proc.stdout:
-            m = re.search(r"listening on (\S+):(\d+)", line)
-            if m:
-                target = f"{m.group(1)}:{m.group(2)}"
-                break
-        else:
-            raise RuntimeError("the server did not start")
         subprocess.run([sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--clients", args.clients,
                         "--duration", str(args.duration), "--no-progress", *args.load.split()], check=True, timeout=600)
     finally:

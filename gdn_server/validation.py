@@ -98,11 +98,16 @@ def check_finite(raw: "tuple[bytes | memoryview, ...] | list[bytes | memoryview]
     """InvalidArgument naming the first of q, k, v, a, b (their bf16 bytes) with a NaN or Inf."""
     bad = first_nonfinite(raw, gdn_pb2.BF16)
     if bad is not None:
-        raise InvalidArgument(f"{INPUT_NAMES[bad]} has NaN or Inf values")
+        raise nonfinite_input(INPUT_NAMES[bad])
 
 
-def _check_dims(dims: list[tuple[int, ...]], B: int, speculative: bool, shape: ModelShape) -> int:
-    """Checks the five input shapes against B and the model; returns T."""
+def nonfinite_input(name: str) -> InvalidArgument:
+    """The error for input `name` (q, k, v, a or b) holding a NaN or Inf, wherever it is found."""
+    return InvalidArgument(f"{name} has NaN or Inf values")
+
+
+def _check_dims(dims: list[tuple[int, ...]], B: int, speculative: bool, shape: ModelShape) -> None:
+    """Checks the five input shapes against B and the model."""
     H, HV, K, V = shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v
     q = dims[0]
     if len(q) != 4:
@@ -116,4 +121,3 @@ def _check_dims(dims: list[tuple[int, ...]], B: int, speculative: bool, shape: M
     for name, got, want in zip(INPUT_NAMES, dims, expected):
         if got != want:
             raise InvalidArgument(f"{name} must have shape {list(want)} (B={B}, T={T}), got {list(got)}")
-    return T

@@ -31,8 +31,9 @@ class NonFiniteInputs(Exception):
         self.errors = errors
 
 
-def unchecked_inputs_errors(batch: StepBatch) -> dict[int, InvalidArgument]:
-    """The NaN/Inf check of a batch's unchecked requests, on their bytes as they came."""
+def check_unchecked_inputs(batch: StepBatch) -> None:
+    """The NaN/Inf check of a batch's unchecked requests, on their bytes as they came: raises
+    NonFiniteInputs naming each culprit (nothing to do when validation checked them all)."""
     errors = {}
     for index, work in enumerate(batch.works):
         if not work.finite_checked:
@@ -40,7 +41,8 @@ def unchecked_inputs_errors(batch: StepBatch) -> dict[int, InvalidArgument]:
                 check_finite(work.bf16_bytes)
             except InvalidArgument as e:
                 errors[index] = e
-    return errors
+    if errors:
+        raise NonFiniteInputs(errors)
 
 
 def default_speculative_sessions(max_sessions: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from gdn_server.backends.base import Backend, DoneStep, NonFiniteInputs, PendingStep, unchecked_inputs_errors
+from gdn_server.backends.base import Backend, DoneStep, PendingStep, check_unchecked_inputs
 from gdn_server.backends.torch_math import gdn_step_fp32
 from gdn_server.config import ModelShape
 from gdn_server.weights import GateParams
@@ -26,10 +26,7 @@ class CpuBackend(Backend):
         self.dt_bias = gates.dt_bias.float().contiguous()
 
     def submit(self, batch: StepBatch) -> PendingStep:
-        if not all(w.finite_checked for w in batch.works):
-            errors = unchecked_inputs_errors(batch)
-            if errors:
-                raise NonFiniteInputs(errors)
+        check_unchecked_inputs(batch)
         slots = torch.tensor(batch.slots, dtype=torch.long)
         layers = torch.tensor(batch.layers, dtype=torch.long)
         state = self.state_pool.index_select(0, slots).float()

@@ -17,16 +17,17 @@ torch math on the GPU instead.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
 
+from gdn_client.wire import all_finite
 from gdn_server.backends.base import Backend, NonFiniteInputs, PendingStep
 from gdn_server.backends.staging import INPUTS, Plan as _Plan, carve as _carve, fill as _fill_staging, make_plan
 from gdn_server.backends.torch_math import gdn_step_fp32
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
+from gdn_server.validation import nonfinite_input
 from gdn_server.weights import GateParams
 from gdn_server.work import StepBatch
 
@@ -102,23 +103,17 @@ def _staged_nonfinite(batch: StepBatch, plan: _Plan, views: _Views) -> dict[int,
         spans = [views.host_all[q_at : v_at + e["v"][3]].view(torch.bfloat16), views.host["a"], views.host["b"]]
     else:
         spans = [views.host[name] for name in INPUTS]
-    if all(_finite(x) for x in spans):
+    if all(all_finite(x) for x in spans):
         return {}
     errors, row = {}, 0
     for index, work in enumerate(batch.works):
         n = len(work.session_ids)
         if not work.finite_checked:
-            bad = next((name for name in INPUTS if not _finite(views.host[name][row : row + n])), None)
+            bad = next((name for name in INPUTS if not all_finite(views.host[name][row : row + n])), None)
             if bad is not None:
-                errors[index] = InvalidArgument(f"{bad} has NaN or Inf values")
+                errors[index] = nonfinite_input(bad)
         row += n
     return errors
-
-
-def _finite(x: torch.Tensor) -> bool:
-    """No NaN or Inf in `x` (one min/max pass: NaN makes both NaN, an Inf one of them infinite)."""
-    low, high = torch.aminmax(x)
-    return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
 class _CudaStep(PendingStep):
