@@ -13,6 +13,14 @@ if [[ -d .whl ]]; then  # runtime packages the image lacks (grpcio-health-checki
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONUNBUFFERED=1
+# gdn_server._native for this host's python3 (the repo runs from PYTHONPATH here, no pip install);
+# without it the server runs its Python parse and checks (slower), and says nothing: so say it here
+if ! python3 -c "import gdn_server._native" 2>/dev/null; then
+  gcc -O3 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" gdn_server/_native.c \
+    -o "gdn_server/_native$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" \
+    || echo "gdn_server._native not built: the Python parse and checks run"
+fi
+python3 -c "from gdn_server import protowire; print('native decode path:', protowire.native is not None)"
 case "${1:-}" in
   tests)
     nvidia-smi -L

@@ -10,9 +10,16 @@ tensors' `data` fields out, lets protobuf parse the small rest (ids, positions, 
 hands the data out as read-only memoryviews of the received bytes. Whatever it does not expect
 (a tensor field twice, which protobuf merges; group wire types) goes to protobuf whole, so both
 parsers agree on every input (tests/test_protowire.py checks that with hypothesis).
+
+Where the native module is built (gdn_server/_native.c; GDN_NATIVE=0 turns it off), every
+DecodeRequest is parsed by it instead, in one C call, into a ParsedDecodeRequest: at the ~10k
+requests a second of a busy server, upb's per-field attribute reads were a large share of the
+event loop's time (bench/NOTES.md). It too leaves what it does not expect to protobuf.
 """
 from __future__ import annotations
 
+import os
+from operator import itemgetter
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -25,6 +32,19 @@ DECODE_METHODS = ("/gdn.v1.GdnDecode/Decode", "/gdn.v1.GdnDecode/DecodeStream")
 _TENSOR_FIELDS = {3: "q", 4: "k", 5: "v", 6: "a", 7: "b"}  # DecodeRequest's Tensor fields
 _TENSOR_DATA = 3  # Tensor.data
 _LENGTH_DELIMITED = 2
+
+
+def _load_native() -> Any:
+    if os.environ.get("GDN_NATIVE", "1") == "0":
+        return None
+    try:
+        from gdn_server import _native
+    except ImportError:  # not built here (no compiler at install time): the Python code runs
+        return None
+    return _native
+
+
+native = _load_native()  # gdn_server._native, or None
 
 
 class _Unexpected(Exception):
@@ -104,9 +124,53 @@ class DecodeRequestView:
         return self._message.HasField(name)
 
 
-def parse_decode_request(data: bytes, big: int = BIG_MESSAGE_BYTES) -> gdn_pb2.DecodeRequest | DecodeRequestView:
+_ABSENT = TensorView(0, (), b"")  # what protobuf reads for a tensor field the message lacks
+
+
+class ParsedDecodeRequest(tuple):
+    """A DecodeRequest as the native parser returns it: (layer, session_ids, positions,
+    request_id, speculative, tensors), each tensor (dtype, shape, data) or None. It reads like
+    the protobuf message wherever the server reads one (validation, the servicer), and
+    gdn_server.validation checks it in C (`check_bf16_step`)."""
+
+    __slots__ = ()
+    layer = property(itemgetter(0))
+    session_ids = property(itemgetter(1))
+    positions = property(itemgetter(2))
+    request_id = property(itemgetter(3))
+    speculative = property(itemgetter(4))
+
+    def HasField(self, name: str) -> bool:  # noqa: N802 (protobuf's name)
+        index = _TENSOR_INDEX.get(name)
+        if index is None:
+            raise ValueError(f"DecodeRequest has no message field {name!r}")
+        return self[5][index] is not None
+
+    def __getattr__(self, name: str) -> Any:  # q, k, v, a, b
+        index = _TENSOR_INDEX.get(name)
+        if index is None:
+            raise AttributeError(name)
+        tensor = self[5][index]
+        return _ABSENT if tensor is None else TensorView(*tensor)
+
+
+_TENSOR_INDEX = {name: field - 3 for field, name in _TENSOR_FIELDS.items()}
+
+
+def parse_decode_request(
+    data: bytes, big: int = BIG_MESSAGE_BYTES
+) -> gdn_pb2.DecodeRequest | DecodeRequestView | ParsedDecodeRequest:
     """`DecodeRequest.FromString(data)`, with the tensors' bytes not copied when `data` has at
     least `big` bytes. Raises what protobuf raises for bytes that are not a DecodeRequest."""
+    if native is not None and type(data) is bytes:
+        fields = native.parse_decode_request(data, big)
+        if fields is not None:
+            return ParsedDecodeRequest(fields)
+    return parse_decode_request_python(data, big)
+
+
+def parse_decode_request_python(data: bytes, big: int = BIG_MESSAGE_BYTES) -> gdn_pb2.DecodeRequest | DecodeRequestView:
+    """`parse_decode_request` without the native module (and where it leaves a message to protobuf)."""
     if len(data) < big:
         return gdn_pb2.DecodeRequest.FromString(data)
     try:

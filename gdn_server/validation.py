@@ -8,13 +8,20 @@ the raw bytes (memoryviews of the received message for big requests, gdn_server.
 backend copies them into its staging buffer as they are; the CPU backend's tensors are built from
 them when it reads them.
 Requests with f16/f32 inputs become tensors here.
+
+A request the native parser read (protowire.ParsedDecodeRequest) is checked by the native
+module first, in one call; what it does not pass (invalid, or not all bf16) goes through the
+Python checks below, which name the problem.
 """
 from __future__ import annotations
+
+import functools
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_client.wire import WireFormatError, check_layout, first_nonfinite, tensor_from_parts
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
+from gdn_server.protowire import DecodeRequestView, ParsedDecodeRequest, native
 from gdn_server.work import INPUT_NAMES, DecodeWork
 
 MAX_SESSION_ID_LEN = 128
@@ -26,12 +33,16 @@ DEFERRED_CHECK_BYTES = 1 << 20
 
 
 def decode_work_from_request(
-    req: gdn_pb2.DecodeRequest, shape: ModelShape, defer_finite_check: bool = False
+    req: "gdn_pb2.DecodeRequest | DecodeRequestView | ParsedDecodeRequest", shape: ModelShape, defer_finite_check: bool = False
 ) -> DecodeWork:
     """Validates a DecodeRequest against the model shape; raises InvalidArgument with a precise reason.
 
     With `defer_finite_check`, bf16 inputs of DEFERRED_CHECK_BYTES or more are not checked for
     NaN/Inf here: the work says so (`finite_checked=False`) and the backend checks them."""
+    if type(req) is ParsedDecodeRequest:
+        work = _checked_natively(req, shape, defer_finite_check)
+        if work is not None:
+            return work
     L = shape.num_layers
     if req.layer >= L:
         raise InvalidArgument(f"layer {req.layer} out of range: the model has {L} layers (0..{L - 1})")
@@ -92,6 +103,33 @@ def decode_work_from_request(
     if all_bf16:
         return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), finite_checked=finite_checked)
     return DecodeWork(**common, **tensors)
+
+
+def _checked_natively(req: ParsedDecodeRequest, shape: ModelShape, defer_finite_check: bool) -> DecodeWork | None:
+    """The DecodeWork of a valid all-bf16 request, checked in C; None for the Python checks."""
+    verdict = native.check_bf16_step(req, _limits(shape), DEFERRED_CHECK_BYTES)
+    if not verdict:
+        return None
+    layer, session_ids, positions, request_id, speculative, tensors = req
+    raw = tuple([t[2] for t in tensors])
+    finite_checked = True
+    if verdict == 2:  # DEFERRED_CHECK_BYTES or more: not checked in C
+        if defer_finite_check:
+            finite_checked = False
+        else:
+            check_finite(raw)
+    return DecodeWork(
+        layer=layer, session_ids=session_ids, positions=positions or None, request_id=request_id,
+        speculative=speculative, bf16_bytes=raw, input_dims=tuple([t[1] for t in tensors]),
+        finite_checked=finite_checked,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _limits(shape: ModelShape) -> tuple[int, ...]:
+    """The model's limits as `check_bf16_step` takes them."""
+    return (shape.num_layers, shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v,
+            shape.max_tokens_per_step, shape.max_speculative_tokens, MAX_SESSION_ID_LEN)
 
 
 def check_finite(raw: "tuple[bytes | memoryview, ...] | list[bytes | memoryview]") -> None:

@@ -1,5 +1,6 @@
-"""The serving path's DecodeRequest parser (gdn_server.protowire) against protobuf's: the
-same fields from every message, errors for the same bytes, and tensor data left uncopied."""
+"""The serving path's DecodeRequest parsers (gdn_server.protowire: the Python one, and the native
+one where it is built) against protobuf's: the same fields from every message, errors for the
+same bytes, and tensor data left uncopied."""
 from __future__ import annotations
 
 import pytest
@@ -8,9 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_server.protowire import DecodeRequestView, parse_decode_request
+from gdn_server import protowire
+from gdn_server.protowire import DecodeRequestView, ParsedDecodeRequest, parse_decode_request, parse_decode_request_python
 
 NAMES = ("q", "k", "v", "a", "b")
+PARSERS = [pytest.param(parse_decode_request_python, id="python")]
+if protowire.native is not None:
+    PARSERS.append(pytest.param(parse_decode_request, id="native"))
 
 
 def _fields(req) -> dict:
@@ -41,22 +46,25 @@ requests = st.builds(
 )
 
 
+@pytest.mark.parametrize("parse", PARSERS)
 @settings(max_examples=300, deadline=None)
-@given(requests, st.lists(requests, max_size=2), st.randoms(use_true_random=False))
-def test_same_fields_as_protobuf(request, more, rnd):
+@given(request=requests, more=st.lists(requests, max_size=2), rnd=st.randoms(use_true_random=False))
+def test_same_fields_as_protobuf(parse, request, more, rnd):
     """Any message, including concatenations (protobuf merges them: a tensor field twice) and
     fields in any order."""
     pieces = [request.SerializeToString(), *(m.SerializeToString() for m in more)]
     rnd.shuffle(pieces)
     data = b"".join(pieces)
     want = gdn_pb2.DecodeRequest.FromString(data)
-    got = parse_decode_request(data, big=0)
+    got = parse(data, big=0)
     assert _fields(got) == _fields(want)
 
 
+@pytest.mark.parametrize("parse", PARSERS)
 @settings(max_examples=500, deadline=None)
-@given(requests, st.integers(0, 10**6), st.binary(min_size=1, max_size=8), st.sampled_from(["cut", "insert", "flip"]))
-def test_damaged_bytes_fail_or_parse_as_protobuf_does(request, at, junk, how):
+@given(request=requests, at=st.integers(0, 10**6), junk=st.binary(min_size=1, max_size=8),
+       how=st.sampled_from(["cut", "insert", "flip"]))
+def test_damaged_bytes_fail_or_parse_as_protobuf_does(parse, request, at, junk, how):
     data = request.SerializeToString()
     i = at % (len(data) + 1)
     if how == "cut":
@@ -71,29 +79,34 @@ def test_damaged_bytes_fail_or_parse_as_protobuf_does(request, at, junk, how):
     except DecodeError:
         want = None
     try:
-        got = _fields(parse_decode_request(data, big=0))
+        got = _fields(parse(data, big=0))
     except DecodeError:
         got = None
     assert got == want
 
 
-def test_big_tensors_are_views_of_the_message():
+@pytest.mark.parametrize("parse", PARSERS)
+def test_big_tensors_are_views_of_the_message(parse):
     q = gdn_pb2.Tensor(dtype=gdn_pb2.BF16, shape=[256, 1, 16, 128], data=bytes(range(256)) * 4096)
     req = gdn_pb2.DecodeRequest(layer=3, session_ids=[f"s{i}" for i in range(256)], q=q, request_id="r")
     data = req.SerializeToString()
-    got = parse_decode_request(data)  # over BIG_MESSAGE_BYTES
-    assert isinstance(got, DecodeRequestView)
+    got = parse(data)  # over BIG_MESSAGE_BYTES
+    assert isinstance(got, (DecodeRequestView, ParsedDecodeRequest))
     assert isinstance(got.q.data, memoryview) and got.q.data.readonly and got.q.data.obj is data
     assert _fields(got) == _fields(req)
-    small = gdn_pb2.DecodeRequest(layer=1, session_ids=["a"]).SerializeToString()
-    assert isinstance(parse_decode_request(small), gdn_pb2.DecodeRequest)  # small ones: protobuf's own
+    small = gdn_pb2.DecodeRequest(layer=1, session_ids=["a"], q=q).SerializeToString()[:1000]
+    small_q = parse(gdn_pb2.DecodeRequest(layer=1, session_ids=["a"], q=gdn_pb2.Tensor(data=b"xy")).SerializeToString()).q
+    assert type(small_q.data) is bytes  # small ones: copied out, as protobuf does
+    with pytest.raises(DecodeError):
+        parse(small)  # cut inside q
 
 
-def test_truncated_big_message_is_a_decode_error():
+@pytest.mark.parametrize("parse", PARSERS)
+def test_truncated_big_message_is_a_decode_error(parse):
     q = gdn_pb2.Tensor(dtype=gdn_pb2.BF16, shape=[1], data=bytes(300_000))
     data = gdn_pb2.DecodeRequest(q=q).SerializeToString()
     with pytest.raises(DecodeError):
-        parse_decode_request(data[:-10])
+        parse(data[:-10])
 
 
 # -- through a real server: a big step answers exactly as the same rows in small steps ----------

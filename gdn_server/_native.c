@@ -1,0 +1,405 @@
+/* gdn_server._native: the per-request work of the decode path that Python does slowly.
+
+   Two functions, each for one module's job, each answering only the common case and leaving
+   everything else to the Python code it speeds up (which stays the reference and gives every
+   error its message):
+
+   parse_decode_request(data, zero_copy_from) -> tuple | None
+       gdn_server.protowire: a serialized DecodeRequest as
+       (layer, session_ids, positions, request_id, speculative, (q, k, v, a, b)), each tensor
+       (dtype, shape, data) or None when absent. data is bytes, or a read-only memoryview of
+       `data` when the message has at least `zero_copy_from` bytes. None where protobuf's own
+       parser must decide: a truncated or malformed message, a tensor field twice (protobuf
+       merges them), groups, a known field with an unexpected wire type, invalid UTF-8,
+       out-of-range scalars.
+
+   check_bf16_step(parsed, limits, finite_max_bytes) -> int
+       gdn_server.validation: 1 when the parsed request is a valid all-BF16 step for the model
+       and its inputs hold no NaN/Inf; 2 when it is valid but its inputs (finite_max_bytes or
+       more in all) were not checked for NaN/Inf; 0 otherwise (invalid, or not all BF16: the
+       Python validation decides and names the problem). limits is (num_layers, H, HV, K, V,
+       max_tokens_per_step, max_speculative_tokens, max_session_id_len).
+
+   Both are pure functions of their arguments; tests/test_native.py runs them against the
+   Python code on generated and damaged messages. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_DIMS 8 /* more dims than any valid tensor has: such a request goes to protobuf */
+#define N_TENSORS 5
+#define BF16 1
+
+enum { WIRE_VARINT = 0, WIRE_I64 = 1, WIRE_LEN = 2, WIRE_I32 = 5 };
+
+/* -- wire format ------------------------------------------------------------------------- */
+
+/* A varint of at most 10 bytes that fits 64 bits; 0 on success. */
+static int read_varint(const uint8_t **pos, const uint8_t *end, uint64_t *out) {
+    const uint8_t *p = *pos;
+    uint64_t value = 0;
+    for (int shift = 0; shift < 64 && p < end; shift += 7) {
+        uint8_t byte = *p++;
+        if (shift == 63 && byte > 1) return -1; /* would overflow 64 bits */
+        value |= (uint64_t)(byte & 0x7F) << shift;
+        if (byte < 0x80) {
+            *pos = p;
+            *out = value;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* The value of a length-delimited field: [*start, *start + *len) inside [p, end). */
+static int read_len(const uint8_t **pos, const uint8_t *end, const uint8_t **start, Py_ssize_t *len) {
+    uint64_t n;
+    if (read_varint(pos, end, &n) != 0 || n > (uint64_t)(end - *pos)) return -1;
+    *start = *pos;
+    *len = (Py_ssize_t)n;
+    *pos += n;
+    return 0;
+}
+
+/* Steps over an unknown field's value (groups are left to protobuf). */
+static int skip_value(const uint8_t **pos, const uint8_t *end, int wire) {
+    uint64_t ignored;
+    const uint8_t *start;
+    Py_ssize_t len;
+    switch (wire) {
+    case WIRE_VARINT: return read_varint(pos, end, &ignored);
+    case WIRE_I64:
+        if (end - *pos < 8) return -1;
+        *pos += 8;
+        return 0;
+    case WIRE_LEN: return read_len(pos, end, &start, &len);
+    case WIRE_I32:
+        if (end - *pos < 4) return -1;
+        *pos += 4;
+        return 0;
+    default: return -1;
+    }
+}
+
+typedef struct {
+    int present;
+    uint64_t dtype;
+    int64_t shape[MAX_DIMS];
+    int ndim;
+    const uint8_t *data;
+    Py_ssize_t nbytes;
+} Tensor;
+
+static int parse_tensor(const uint8_t *p, const uint8_t *end, Tensor *t) {
+    memset(t, 0, sizeof *t);
+    t->present = 1;
+    t->data = p; /* any address: nbytes 0 */
+    while (p < end) {
+        uint64_t key, value;
+        if (read_varint(&p, end, &key) != 0) return -1;
+        int field = (int)(key >> 3), wire = (int)(key & 7);
+        if (key >> 3 > 0x1FFFFFFF || field == 0) return -1;
+        if (field == 1) { /* dtype: an enum, which protobuf keeps as an int32 (larger: its call) */
+            if (wire != WIRE_VARINT || read_varint(&p, end, &value) != 0 || value > 0x7FFFFFFF) return -1;
+            t->dtype = value;
+        } else if (field == 2 && wire == WIRE_VARINT) { /* shape, unpacked */
+            if (read_varint(&p, end, &value) != 0 || t->ndim == MAX_DIMS) return -1;
+            t->shape[t->ndim++] = (int64_t)value;
+        } else if (field == 2 && wire == WIRE_LEN) { /* shape, packed */
+            const uint8_t *q;
+            Py_ssize_t len;
+            if (read_len(&p, end, &q, &len) != 0) return -1;
+            const uint8_t *q_end = q + len;
+            while (q < q_end) {
+                if (read_varint(&q, q_end, &value) != 0 || t->ndim == MAX_DIMS) return -1;
+                t->shape[t->ndim++] = (int64_t)value;
+            }
+        } else if (field == 2) {
+            return -1;
+        } else if (field == 3) { /* data: the last one wins */
+            if (wire != WIRE_LEN || read_len(&p, end, &t->data, &t->nbytes) != 0) return -1;
+        } else if (skip_value(&p, end, wire) != 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *tensor_tuple(const Tensor *t, PyObject *message, PyObject **view, const uint8_t *base) {
+    if (!t->present) Py_RETURN_NONE;
+    PyObject *shape = PyTuple_New(t->ndim);
+    if (shape == NULL) return NULL;
+    for (int i = 0; i < t->ndim; i++) {
+        PyObject *dim = PyLong_FromLongLong(t->shape[i]);
+        if (dim == NULL) {
+            Py_DECREF(shape);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(shape, i, dim);
+    }
+    PyObject *data;
+    if (view != NULL) { /* a slice of the message's memoryview: no copy */
+        if (*view == NULL && (*view = PyMemoryView_FromObject(message)) == NULL) {
+            Py_DECREF(shape);
+            return NULL;
+        }
+        Py_ssize_t start = t->data - base;
+        data = PySequence_GetSlice(*view, start, start + t->nbytes);
+    } else {
+        data = PyBytes_FromStringAndSize((const char *)t->data, t->nbytes);
+    }
+    if (data == NULL) {
+        Py_DECREF(shape);
+        return NULL;
+    }
+    return Py_BuildValue("(KNN)", (unsigned long long)t->dtype, shape, data);
+}
+
+/* A UTF-8 string field as str; NULL without an exception set when it is not valid UTF-8. */
+static PyObject *utf8(const uint8_t *s, Py_ssize_t n) {
+    PyObject *str = PyUnicode_DecodeUTF8((const char *)s, n, "strict");
+    if (str == NULL && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) PyErr_Clear();
+    return str;
+}
+
+static PyObject *parse_decode_request(PyObject *self, PyObject *args) {
+    PyObject *message;
+    Py_ssize_t zero_copy_from;
+    if (!PyArg_ParseTuple(args, "Sn", &message, &zero_copy_from)) return NULL;
+    const uint8_t *base = (const uint8_t *)PyBytes_AS_STRING(message);
+    const uint8_t *p = base, *end = base + PyBytes_GET_SIZE(message);
+
+    uint64_t layer = 0, speculative = 0;
+    const uint8_t *request_id = p;
+    Py_ssize_t request_id_len = 0;
+    Tensor tensors[N_TENSORS];
+    memset(tensors, 0, sizeof tensors);
+    PyObject *ids = PyList_New(0), *positions = PyList_New(0);
+    PyObject *result = NULL, *view = NULL, *rid = NULL, *tensor_items = NULL;
+    if (ids == NULL || positions == NULL) goto done;
+
+    while (p < end) {
+        uint64_t key, value;
+        if (read_varint(&p, end, &key) != 0 || key >> 3 > 0x1FFFFFFF || key >> 3 == 0) goto fallback;
+        int field = (int)(key >> 3), wire = (int)(key & 7);
+        const uint8_t *start;
+        Py_ssize_t len;
+        switch (field) {
+        case 1: /* layer, uint32 */
+            if (wire != WIRE_VARINT || read_varint(&p, end, &value) != 0 || value > 0xFFFFFFFFu) goto fallback;
+            layer = value;
+            break;
+        case 2: { /* session_ids */
+            if (wire != WIRE_LEN || read_len(&p, end, &start, &len) != 0) goto fallback;
+            PyObject *sid = utf8(start, len);
+            if (sid == NULL) goto fallback_or_error;
+            int failed = PyList_Append(ids, sid);
+            Py_DECREF(sid);
+            if (failed) goto done;
+            break;
+        }
+        case 3: case 4: case 5: case 6: case 7: { /* q, k, v, a, b */
+            Tensor *t = &tensors[field - 3];
+            if (wire != WIRE_LEN || t->present || read_len(&p, end, &start, &len) != 0) goto fallback;
+            if (parse_tensor(start, start + len, t) != 0) goto fallback;
+            break;
+        }
+        case 8: /* positions, uint64: packed or not */
+            if (wire == WIRE_VARINT) {
+                if (read_varint(&p, end, &value) != 0) goto fallback;
+                PyObject *n = PyLong_FromUnsignedLongLong(value);
+                if (n == NULL || PyList_Append(positions, n) != 0) {
+                    Py_XDECREF(n);
+                    goto done;
+                }
+                Py_DECREF(n);
+            } else if (wire == WIRE_LEN) {
+                if (read_len(&p, end, &start, &len) != 0) goto fallback;
+                const uint8_t *q = start, *q_end = start + len;
+                while (q < q_end) {
+                    if (read_varint(&q, q_end, &value) != 0) goto fallback;
+                    PyObject *n = PyLong_FromUnsignedLongLong(value);
+                    if (n == NULL || PyList_Append(positions, n) != 0) {
+                        Py_XDECREF(n);
+                        goto done;
+                    }
+                    Py_DECREF(n);
+                }
+            } else {
+                goto fallback;
+            }
+            break;
+        case 9: /* request_id: the last one wins */
+            if (wire != WIRE_LEN || read_len(&p, end, &request_id, &request_id_len) != 0) goto fallback;
+            break;
+        case 10: /* speculative, bool */
+            if (wire != WIRE_VARINT || read_varint(&p, end, &value) != 0 || value > 1) goto fallback;
+            speculative = value;
+            break;
+        default:
+            if (skip_value(&p, end, wire) != 0) goto fallback;
+        }
+    }
+
+    rid = utf8(request_id, request_id_len);
+    if (rid == NULL) goto fallback_or_error;
+    tensor_items = PyTuple_New(N_TENSORS);
+    if (tensor_items == NULL) goto done;
+    int zero_copy = PyBytes_GET_SIZE(message) >= zero_copy_from;
+    for (int i = 0; i < N_TENSORS; i++) {
+        PyObject *item = tensor_tuple(&tensors[i], message, zero_copy ? &view : NULL, base);
+        if (item == NULL) goto done;
+        PyTuple_SET_ITEM(tensor_items, i, item);
+    }
+    PyObject *id_tuple = PyList_AsTuple(ids), *pos_tuple = PyList_AsTuple(positions);
+    if (id_tuple && pos_tuple) {
+        result = Py_BuildValue("(kNNOOO)", (unsigned long)layer, id_tuple, pos_tuple, rid,
+                               speculative ? Py_True : Py_False, tensor_items);
+    } else {
+        Py_XDECREF(id_tuple);
+        Py_XDECREF(pos_tuple);
+    }
+    goto done;
+
+fallback_or_error:
+    if (PyErr_Occurred()) goto done; /* out of memory: raise it */
+fallback:
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    Py_XDECREF(ids);
+    Py_XDECREF(positions);
+    Py_XDECREF(view);
+    Py_XDECREF(rid);
+    Py_XDECREF(tensor_items);
+    return result;
+}
+
+/* -- validation -------------------------------------------------------------------------- */
+
+/* 1 when some bf16 value of data[0:nbytes] is NaN or Inf (its exponent all ones). */
+static int has_nonfinite_bf16(const uint8_t *data, Py_ssize_t nbytes) {
+    Py_ssize_t n = nbytes / 2;
+    uint16_t hit = 0;
+    for (Py_ssize_t i = 0; i < n; i++) { /* no early exit: the compiler vectorizes it */
+        uint16_t word;
+        memcpy(&word, data + 2 * i, 2);
+        hit |= (uint16_t)((word & 0x7F80) == 0x7F80);
+    }
+    return hit != 0;
+}
+
+/* The dims `got` (a tuple of ints) equal `want`. */
+static int dims_equal(PyObject *got, const long long *want, int ndim) {
+    if (!PyTuple_Check(got) || PyTuple_GET_SIZE(got) != ndim) return 0;
+    for (int i = 0; i < ndim; i++) {
+        int overflow;
+        long long d = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(got, i), &overflow);
+        if (d == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (overflow || d != want[i]) return 0;
+    }
+    return 1;
+}
+
+static PyObject *check_bf16_step(PyObject *self, PyObject *args) {
+    PyObject *parsed;
+    long long L, H, HV, K, V, max_T, max_spec_T, max_id_len;
+    Py_ssize_t finite_max_bytes;
+    if (!PyArg_ParseTuple(args, "O!(LLLLLLLL)n", &PyTuple_Type, &parsed, &L, &H, &HV, &K, &V, &max_T,
+                          &max_spec_T, &max_id_len, &finite_max_bytes))
+        return NULL;
+    if (PyTuple_GET_SIZE(parsed) != 6) {
+        PyErr_SetString(PyExc_ValueError, "not a parse_decode_request result");
+        return NULL;
+    }
+    PyObject *ids = PyTuple_GET_ITEM(parsed, 1), *positions = PyTuple_GET_ITEM(parsed, 2);
+    PyObject *tensors = PyTuple_GET_ITEM(parsed, 5);
+    long long layer = PyLong_AsLongLong(PyTuple_GET_ITEM(parsed, 0));
+    if (layer == -1 && PyErr_Occurred()) return NULL;
+    int speculative = PyTuple_GET_ITEM(parsed, 4) == Py_True;
+    if (!PyTuple_Check(ids) || !PyTuple_Check(positions) || !PyTuple_Check(tensors) ||
+        PyTuple_GET_SIZE(tensors) != N_TENSORS)
+        return PyLong_FromLong(0);
+
+    if (layer < 0 || layer >= L) return PyLong_FromLong(0);
+    Py_ssize_t B = PyTuple_GET_SIZE(ids);
+    if (B == 0) return PyLong_FromLong(0);
+    for (Py_ssize_t i = 0; i < B; i++) {
+        PyObject *sid = PyTuple_GET_ITEM(ids, i);
+        if (!PyUnicode_Check(sid)) return PyLong_FromLong(0);
+        Py_ssize_t n = PyUnicode_GET_LENGTH(sid);
+        if (n == 0 || n > max_id_len) return PyLong_FromLong(0);
+    }
+    if (B > 1) { /* distinct ids */
+        PyObject *distinct = PySet_New(ids);
+        if (distinct == NULL) return NULL;
+        Py_ssize_t n = PySet_GET_SIZE(distinct);
+        Py_DECREF(distinct);
+        if (n != B) return PyLong_FromLong(0);
+    }
+    if (PyTuple_GET_SIZE(positions) != 0 && PyTuple_GET_SIZE(positions) != B) return PyLong_FromLong(0);
+
+    /* every tensor present and BF16; q's T decides the rest */
+    PyObject *dims[N_TENSORS], *data[N_TENSORS];
+    for (int i = 0; i < N_TENSORS; i++) {
+        PyObject *t = PyTuple_GET_ITEM(tensors, i);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 3) return PyLong_FromLong(0);
+        int overflow;
+        long long dtype = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(t, 0), &overflow);
+        if (overflow || dtype != BF16) return PyLong_FromLong(0);
+        dims[i] = PyTuple_GET_ITEM(t, 1);
+        data[i] = PyTuple_GET_ITEM(t, 2);
+    }
+    if (!PyTuple_Check(dims[0]) || PyTuple_GET_SIZE(dims[0]) != 4) return PyLong_FromLong(0);
+    int overflow;
+    long long T = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(dims[0], 1), &overflow);
+    if (overflow || T < 1 || T > (speculative ? max_spec_T : max_T)) return PyLong_FromLong(0);
+    const long long want[N_TENSORS][4] = {
+        {B, T, H, K}, {B, T, H, K}, {B, T, HV, V}, {B, T, HV, 0}, {B, T, HV, 0},
+    };
+    const int ndims[N_TENSORS] = {4, 4, 4, 3, 3};
+    Py_buffer views[N_TENSORS];
+    int held = 0, verdict = 0;
+    Py_ssize_t total = 0;
+    for (int i = 0; i < N_TENSORS; i++) {
+        if (!dims_equal(dims[i], want[i], ndims[i])) goto release;
+        if (PyObject_GetBuffer(data[i], &views[i], PyBUF_SIMPLE) != 0) goto release_error;
+        held++;
+        long long numel = 1;
+        for (int d = 0; d < ndims[i]; d++) numel *= want[i][d];
+        if (views[i].len != 2 * numel) goto release;
+        total += views[i].len;
+    }
+    verdict = 2;
+    if (total < finite_max_bytes) {
+        verdict = 1; /* below the limit the check is a few microseconds: the GIL stays held */
+        for (int i = 0; i < N_TENSORS && verdict; i++)
+            if (has_nonfinite_bf16(views[i].buf, views[i].len)) verdict = 0;
+    }
+release:
+    for (int i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    return PyLong_FromLong(verdict);
+release_error:
+    for (int i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"parse_decode_request", parse_decode_request, METH_VARARGS,
+     "parse_decode_request(data: bytes, zero_copy_from: int) -> tuple | None"},
+    {"check_bf16_step", check_bf16_step, METH_VARARGS,
+     "check_bf16_step(parsed: tuple, limits: tuple, finite_max_bytes: int) -> int"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "gdn_server._native",
+    "The decode path's per-request parsing and checks in C (the Python code is the reference).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

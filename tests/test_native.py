@@ -1,0 +1,179 @@
+"""The native decode path (gdn_server/_native.c) against the Python code it stands in for: the same
+DecodeWork, or the same InvalidArgument, for valid requests and for requests a little wrong in
+every way validation knows (tests/test_protowire.py does the same for the parser's fields)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gdn_client.proto.gdn.v1 import gdn_pb2
+from gdn_server import protowire
+from gdn_server.config import ModelShape
+from gdn_server.errors import InvalidArgument
+from gdn_server.protowire import ParsedDecodeRequest, parse_decode_request, parse_decode_request_python
+from gdn_server.validation import DEFERRED_CHECK_BYTES, decode_work_from_request
+
+SHAPE = ModelShape(num_layers=3, num_q_heads=2, num_v_heads=4, head_dim_k=128, head_dim_v=128)
+H, HV, K, V = SHAPE.num_q_heads, SHAPE.num_v_heads, SHAPE.head_dim_k, SHAPE.head_dim_v
+native_only = pytest.mark.skipif(protowire.native is None, reason="gdn_server._native is not built here")
+
+
+def test_native_module_is_built():
+    """A checkout installed with `make test` has it (setuptools builds it); GDN_NATIVE=0 turns it off."""
+    if os.environ.get("GDN_NATIVE", "1") == "0":
+        assert protowire.native is None
+    else:
+        assert protowire.native is not None, "gdn_server._native did not build: is a C compiler installed?"
+
+
+def _outcome(req, defer: bool):
+    try:
+        work = decode_work_from_request(req, SHAPE, defer)
+    except InvalidArgument as e:
+        return ("invalid", str(e))
+    raw = None if work.bf16_bytes is None else tuple(bytes(b) for b in work.bf16_bytes)
+    tensors = None
+    if work.bf16_bytes is None:
+        tensors = tuple((t.dtype, tuple(t.shape), t.float().numpy().tobytes()) for t in (work.q, work.k, work.v, work.a, work.b))
+    return ("ok", work.layer, work.session_ids, work.positions, work.request_id, work.speculative, raw,
+            work.input_dims, work.finite_checked, tensors)
+
+
+_DTYPES = {gdn_pb2.BF16: torch.bfloat16, gdn_pb2.F16: torch.float16, gdn_pb2.F32: torch.float32}
+
+
+@st.composite
+def near_valid_requests(draw) -> bytes:
+    """A valid request of SHAPE, then, drawn at random, one or more things wrong with it."""
+    B = draw(st.integers(1, 4))
+    speculative = draw(st.booleans())
+    T = draw(st.integers(1, SHAPE.max_speculative_tokens if speculative else SHAPE.max_tokens_per_step))
+    ids = [f"s{i}" for i in range(B)]
+    positions = list(range(B)) if draw(st.booleans()) else []
+    req = gdn_pb2.DecodeRequest(layer=draw(st.integers(0, SHAPE.num_layers - 1)), request_id=draw(st.text(max_size=6)),
+                                speculative=speculative)
+    gen = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    dims = {"q": [B, T, H, K], "k": [B, T, H, K], "v": [B, T, HV, V], "a": [B, T, HV], "b": [B, T, HV]}
+    for name in ("q", "k", "v", "a", "b"):
+        dtype = draw(st.sampled_from([gdn_pb2.BF16] * 6 + [gdn_pb2.F16, gdn_pb2.F32]))
+        data = torch.from_numpy(gen.standard_normal(int(np.prod(dims[name])), dtype=np.float32)).to(_DTYPES[dtype])
+        getattr(req, name).CopyFrom(gdn_pb2.Tensor(dtype=dtype, shape=dims[name], data=data.numpy().tobytes()
+                                                    if dtype != gdn_pb2.BF16 else data.view(torch.int16).numpy().tobytes()))
+    for fault in draw(st.lists(st.sampled_from(FAULTS), max_size=2)):
+        fault(req, draw, B, T)
+    req.session_ids.extend(ids if not req.session_ids else [])
+    req.positions.extend(positions if not req.positions else [])
+    return req.SerializeToString()
+
+
+def _wrong_layer(req, draw, B, T):
+    req.layer = draw(st.sampled_from([SHAPE.num_layers, SHAPE.num_layers + 1, 2**32 - 1]))
+
+
+def _bad_ids(req, draw, B, T):
+    ids = [f"s{i}" for i in range(B)]
+    ids[draw(st.integers(0, B - 1))] = draw(st.sampled_from(["", "x" * 129, "é" * 128, "s0"]))
+    req.session_ids.extend(ids if draw(st.booleans()) else [])
+    if not req.session_ids:
+        req.session_ids.append("")  # an empty id alone
+
+
+def _bad_dims(req, draw, B, T):
+    t = getattr(req, draw(st.sampled_from("qkvab")))
+    dims = list(t.shape)
+    how = draw(st.sampled_from(["grow", "drop", "add", "zero", "negative", "T"]))
+    if len(dims) < 2:  # a missing tensor, or one already cut
+        how = "add"
+    if how == "grow":
+        dims[draw(st.integers(0, len(dims) - 1))] += 1
+    elif how == "drop":
+        dims.pop()
+    elif how == "add":
+        dims.append(1)
+    elif how == "zero":
+        dims[draw(st.integers(0, len(dims) - 1))] = 0
+    elif how == "negative":
+        dims[0] = -B
+    else:
+        dims[1] = draw(st.sampled_from([0, SHAPE.max_speculative_tokens + 1, 2**40]))
+    del t.shape[:]
+    t.shape.extend(dims)
+
+
+def _short_data(req, draw, B, T):
+    t = getattr(req, draw(st.sampled_from("qkvab")))
+    if t.data:
+        t.data = t.data[: draw(st.integers(0, len(t.data) - 1))]
+
+
+def _nonfinite(req, draw, B, T):
+    t = getattr(req, draw(st.sampled_from("qkvab")))
+    if t.dtype != gdn_pb2.BF16 or len(t.data) < 2:
+        return
+    data = bytearray(t.data)
+    at = 2 * draw(st.integers(0, len(data) // 2 - 1))
+    word = draw(st.sampled_from([0x7F80, 0xFF80, 0x7FC0, 0xFFFF, 0x7F81]))  # Inf, -Inf, NaNs
+    data[at:at + 2] = word.to_bytes(2, "little")
+    t.data = bytes(data)
+
+
+def _bad_dtype(req, draw, B, T):
+    getattr(req, draw(st.sampled_from("qkvab"))).dtype = draw(st.sampled_from([0, 7]))
+
+
+def _missing(req, draw, B, T):
+    req.ClearField(draw(st.sampled_from("qkvab")))
+
+
+def _positions(req, draw, B, T):
+    req.positions.extend(range(draw(st.sampled_from([B + 1, max(B - 1, 1) if B > 1 else 2]))))
+
+
+FAULTS = [_wrong_layer, _bad_ids, _bad_dims, _short_data, _nonfinite, _bad_dtype, _missing, _positions]
+
+
+@native_only
+@settings(max_examples=400, deadline=None)
+@given(data=near_valid_requests(), defer=st.booleans())
+def test_native_validation_agrees_with_python(data, defer):
+    native_req = parse_decode_request(data)
+    python_req = parse_decode_request_python(data)
+    assert _outcome(native_req, defer) == _outcome(python_req, defer)
+
+
+@native_only
+def test_valid_bf16_steps_take_the_native_path():
+    """Not a check that can pass by falling back: the common request is parsed and checked in C."""
+    B, T = 3, 1
+    gen = torch.Generator().manual_seed(1)
+    req = gdn_pb2.DecodeRequest(layer=2, session_ids=["a", "b", "c"], positions=[4, 5, 6], request_id="r1")
+    for name, dims in (("q", [B, T, H, K]), ("k", [B, T, H, K]), ("v", [B, T, HV, V]), ("a", [B, T, HV]), ("b", [B, T, HV])):
+        x = torch.randn(dims, generator=gen).bfloat16()
+        getattr(req, name).CopyFrom(gdn_pb2.Tensor(dtype=gdn_pb2.BF16, shape=dims, data=x.view(torch.int16).numpy().tobytes()))
+    parsed = parse_decode_request(req.SerializeToString())
+    assert type(parsed) is ParsedDecodeRequest
+    assert protowire.native.check_bf16_step(parsed, (3, H, HV, K, V, 4, 8, 128), DEFERRED_CHECK_BYTES) == 1
+    assert protowire.native.check_bf16_step(parsed, (3, H, HV, K, V, 4, 8, 128), 16) == 2  # over the check's limit
+    assert protowire.native.check_bf16_step(parsed, (2, H, HV, K, V, 4, 8, 128), DEFERRED_CHECK_BYTES) == 0  # layer 2 of 2
+    work = decode_work_from_request(parsed, SHAPE)
+    assert (work.layer, work.session_ids, work.positions, work.request_id) == (2, ("a", "b", "c"), (4, 5, 6), "r1")
+    assert torch.equal(work.v, torch.frombuffer(bytearray(req.v.data), dtype=torch.bfloat16).view(B, T, HV, V))
+
+
+@native_only
+def test_big_bf16_step_leaves_its_finite_check_to_the_backend_only_when_deferred():
+    B = DEFERRED_CHECK_BYTES // (2 * (2 * H * K + HV * V + 2 * HV)) + 1
+    req = gdn_pb2.DecodeRequest(layer=0, session_ids=[f"s{i}" for i in range(B)])
+    for name, dims in (("q", [B, 1, H, K]), ("k", [B, 1, H, K]), ("v", [B, 1, HV, V]), ("a", [B, 1, HV]), ("b", [B, 1, HV])):
+        getattr(req, name).CopyFrom(gdn_pb2.Tensor(dtype=gdn_pb2.BF16, shape=dims, data=bytes(2 * int(np.prod(dims)))))
+    req.v.data = req.v.data[:-2] + (0x7F80).to_bytes(2, "little")  # Inf, the last value
+    parsed = parse_decode_request(req.SerializeToString())
+    assert type(parsed) is ParsedDecodeRequest and isinstance(parsed.q.data, memoryview)
+    assert decode_work_from_request(parsed, SHAPE, defer_finite_check=True).finite_checked is False
+    with pytest.raises(InvalidArgument, match="v has NaN or Inf"):
+        decode_work_from_request(parsed, SHAPE, defer_finite_check=False)
