@@ -1,8 +1,8 @@
 /* gdn_server._native: the per-request work of the decode path that Python does slowly.
 
-   Two functions, each for one module's job, each answering only the common case and leaving
-   everything else to the Python code it speeds up (which stays the reference and gives every
-   error its message):
+   Each function serves one module's job and stands in for Python code that stays the
+   reference; the first two answer only the common case and leave everything else (and every
+   error's message) to that code:
 
    parse_decode_request(data, zero_copy_from) -> tuple | None
        gdn_server.protowire: a serialized DecodeRequest as
@@ -20,8 +20,18 @@
        Python validation decides and names the problem). limits is (num_layers, H, HV, K, V,
        max_tokens_per_step, max_speculative_tokens, max_session_id_len).
 
-   Both are pure functions of their arguments; tests/test_native.py runs them against the
-   Python code on generated and damaged messages. */
+   encode_decode_response(data, shape, positions, request_id) -> (bytes, int)
+       gdn_server.servicer: a DecodeResponse with o = bf16 `data` of `shape`, byte for byte what
+       protobuf serializes, and the offset of the output bytes in it.
+
+   fill_bf16(dst, places, works, max_piece_bytes) -> list[int]
+       gdn_server.backends.staging: copies each DecodeWork's bf16 inputs into the staging buffer
+       `dst` (input i of the request whose first row is r at places[i][0] + r * places[i][1]);
+       returns the indices of the works it left to the caller (no bf16 bytes, or an input of
+       max_piece_bytes or more, which the caller copies on several threads).
+
+   All are pure functions of their arguments (fill_bf16 writes only into dst);
+   tests/test_native.py runs each against the Python code it stands in for. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -388,17 +398,196 @@ release_error:
     return NULL;
 }
 
+/* -- replies ------------------------------------------------------------------------------ */
+
+static Py_ssize_t varint_size(uint64_t v) {
+    Py_ssize_t n = 1;
+    while (v > 0x7F) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
+static uint8_t *put_varint(uint8_t *p, uint64_t v) {
+    while (v > 0x7F) {
+        *p++ = (uint8_t)(v & 0x7F) | 0x80;
+        v >>= 7;
+    }
+    *p++ = (uint8_t)v;
+    return p;
+}
+
+/* The values of a tuple of ints as uint64 (int64 two's complement for negatives, as protobuf
+   writes an int64); -1 with an exception when one is not an int or out of range. */
+static int tuple_u64(PyObject *tuple, uint64_t *out, Py_ssize_t n, int is_signed) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(tuple, i);
+        if (is_signed) {
+            long long v = PyLong_AsLongLong(item);
+            if (v == -1 && PyErr_Occurred()) return -1;
+            out[i] = (uint64_t)v;
+        } else {
+            unsigned long long v = PyLong_AsUnsignedLongLong(item);
+            if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+            out[i] = v;
+        }
+    }
+    return 0;
+}
+
+static Py_ssize_t packed_size(const uint64_t *v, Py_ssize_t n) {
+    Py_ssize_t size = 0;
+    for (Py_ssize_t i = 0; i < n; i++) size += varint_size(v[i]);
+    return size;
+}
+
+static PyObject *encode_decode_response(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    PyObject *shape, *positions, *request_id;
+    if (!PyArg_ParseTuple(args, "y*O!O!U", &data, &PyTuple_Type, &shape, &PyTuple_Type, &positions, &request_id))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n_dims = PyTuple_GET_SIZE(shape), n_pos = PyTuple_GET_SIZE(positions), rid_len;
+    uint64_t *values = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n_dims + n_pos + 1));
+    const char *rid = PyUnicode_AsUTF8AndSize(request_id, &rid_len);
+    if (values == NULL || rid == NULL) {
+        if (values == NULL) PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t *dims = values, *pos = values + n_dims;
+    if (tuple_u64(shape, dims, n_dims, 1) != 0 || tuple_u64(positions, pos, n_pos, 0) != 0) goto done;
+
+    /* o: dtype (BF16), shape (packed), data; then positions (packed), request_id: field order */
+    Py_ssize_t dims_size = packed_size(dims, n_dims), pos_size = packed_size(pos, n_pos);
+    Py_ssize_t o_size = 2 + (n_dims ? 1 + varint_size(dims_size) + dims_size : 0) +
+                        (data.len ? 1 + varint_size(data.len) + data.len : 0);
+    Py_ssize_t total = 1 + varint_size(o_size) + o_size + (n_pos ? 1 + varint_size(pos_size) + pos_size : 0) +
+                       (rid_len ? 1 + varint_size(rid_len) + rid_len : 0);
+    PyObject *wire = PyBytes_FromStringAndSize(NULL, total);
+    if (wire == NULL) goto done;
+    uint8_t *start = (uint8_t *)PyBytes_AS_STRING(wire), *p = start;
+    *p++ = 0x0A; /* DecodeResponse.o */
+    p = put_varint(p, o_size);
+    *p++ = 0x08; /* Tensor.dtype = BF16 */
+    *p++ = BF16;
+    if (n_dims) {
+        *p++ = 0x12; /* Tensor.shape */
+        p = put_varint(p, dims_size);
+        for (Py_ssize_t i = 0; i < n_dims; i++) p = put_varint(p, dims[i]);
+    }
+    Py_ssize_t at = total; /* no data: the end, as the Python encoder says */
+    if (data.len) {
+        *p++ = 0x1A; /* Tensor.data */
+        p = put_varint(p, data.len);
+        at = p - start;
+        memcpy(p, data.buf, data.len);
+        p += data.len;
+    }
+    if (n_pos) {
+        *p++ = 0x12; /* DecodeResponse.positions */
+        p = put_varint(p, pos_size);
+        for (Py_ssize_t i = 0; i < n_pos; i++) p = put_varint(p, pos[i]);
+    }
+    if (rid_len) {
+        *p++ = 0x1A; /* DecodeResponse.request_id */
+        p = put_varint(p, rid_len);
+        memcpy(p, rid, rid_len);
+    }
+    result = Py_BuildValue("(Nn)", wire, at);
+done:
+    PyMem_Free(values);
+    PyBuffer_Release(&data);
+    return result;
+}
+
+/* -- staging ------------------------------------------------------------------------------ */
+
+static PyObject *fill_bf16(PyObject *self, PyObject *args) {
+    Py_buffer dst;
+    PyObject *places, *works;
+    Py_ssize_t max_piece;
+    if (!PyArg_ParseTuple(args, "w*O!O!n", &dst, &PyTuple_Type, &places, &PyList_Type, &works, &max_piece))
+        return NULL;
+    PyObject *left = PyList_New(0);
+    Py_ssize_t offset[N_TENSORS], per_row[N_TENSORS];
+    if (left == NULL) goto fail;
+    if (PyTuple_GET_SIZE(places) != N_TENSORS) {
+        PyErr_SetString(PyExc_ValueError, "places: one (offset, bytes per row) for each of q, k, v, a, b");
+        goto fail;
+    }
+    for (int i = 0; i < N_TENSORS; i++)
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(places, i), "nn", &offset[i], &per_row[i])) goto fail;
+
+    Py_ssize_t row = 0;
+    for (Py_ssize_t w = 0; w < PyList_GET_SIZE(works); w++) {
+        PyObject *work = PyList_GET_ITEM(works, w);
+        PyObject *ids = PyObject_GetAttrString(work, "session_ids");
+        if (ids == NULL) goto fail;
+        Py_ssize_t rows = PyObject_Length(ids);
+        Py_DECREF(ids);
+        PyObject *raw = PyObject_GetAttrString(work, "bf16_bytes");
+        if (rows < 0 || raw == NULL) {
+            Py_XDECREF(raw);
+            goto fail;
+        }
+        Py_buffer pieces[N_TENSORS];
+        int held = 0, copy = raw != Py_None && PyTuple_Check(raw) && PyTuple_GET_SIZE(raw) == N_TENSORS;
+        for (int i = 0; copy && i < N_TENSORS; i++) {
+            if (PyObject_GetBuffer(PyTuple_GET_ITEM(raw, i), &pieces[i], PyBUF_SIMPLE) != 0) {
+                for (int j = 0; j < held; j++) PyBuffer_Release(&pieces[j]);
+                Py_DECREF(raw);
+                goto fail;
+            }
+            held++;
+            if (pieces[i].len >= max_piece) copy = 0;
+            else if (offset[i] + row * per_row[i] + pieces[i].len > dst.len) {
+                PyErr_SetString(PyExc_ValueError, "a request's input does not fit the staging buffer");
+                for (int j = 0; j < held; j++) PyBuffer_Release(&pieces[j]);
+                Py_DECREF(raw);
+                goto fail;
+            }
+        }
+        if (copy) {
+            for (int i = 0; i < N_TENSORS; i++)
+                memcpy((uint8_t *)dst.buf + offset[i] + row * per_row[i], pieces[i].buf, pieces[i].len);
+        } else {
+            PyObject *index = PyLong_FromSsize_t(w);
+            if (index == NULL || PyList_Append(left, index) != 0) {
+                Py_XDECREF(index);
+                for (int j = 0; j < held; j++) PyBuffer_Release(&pieces[j]);
+                Py_DECREF(raw);
+                goto fail;
+            }
+            Py_DECREF(index);
+        }
+        for (int j = 0; j < held; j++) PyBuffer_Release(&pieces[j]);
+        Py_DECREF(raw);
+        row += rows;
+    }
+    PyBuffer_Release(&dst);
+    return left;
+fail:
+    Py_XDECREF(left);
+    PyBuffer_Release(&dst);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"parse_decode_request", parse_decode_request, METH_VARARGS,
      "parse_decode_request(data: bytes, zero_copy_from: int) -> tuple | None"},
     {"check_bf16_step", check_bf16_step, METH_VARARGS,
      "check_bf16_step(parsed: tuple, limits: tuple, finite_max_bytes: int) -> int"},
+    {"encode_decode_response", encode_decode_response, METH_VARARGS,
+     "encode_decode_response(data: buffer, shape: tuple, positions: tuple, request_id: str) -> (bytes, int)"},
+    {"fill_bf16", fill_bf16, METH_VARARGS,
+     "fill_bf16(dst: writable buffer, places: tuple, works: list, max_piece_bytes: int) -> list[int]"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "gdn_server._native",
-    "The decode path's per-request parsing and checks in C (the Python code is the reference).", -1, methods,
+    "The decode path's per-request work in C (the Python code it stands in for is the reference).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

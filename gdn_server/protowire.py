@@ -18,13 +18,13 @@ event loop's time (bench/NOTES.md). It too leaves what it does not expect to pro
 """
 from __future__ import annotations
 
-import os
 from operator import itemgetter
 from typing import Any
 
 from google.protobuf.message import DecodeError
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
+from gdn_server.native import module as native  # gdn_server._native, or None
 
 BIG_MESSAGE_BYTES = 256 << 10
 # the serving methods whose requests this parses (RejectMalformed's `parsers`)
@@ -32,19 +32,6 @@ DECODE_METHODS = ("/gdn.v1.GdnDecode/Decode", "/gdn.v1.GdnDecode/DecodeStream")
 _TENSOR_FIELDS = {3: "q", 4: "k", 5: "v", 6: "a", 7: "b"}  # DecodeRequest's Tensor fields
 _TENSOR_DATA = 3  # Tensor.data
 _LENGTH_DELIMITED = 2
-
-
-def _load_native() -> Any:
-    if os.environ.get("GDN_NATIVE", "1") == "0":
-        return None
-    try:
-        from gdn_server import _native
-    except ImportError:  # not built here (no compiler at install time): the Python code runs
-        return None
-    return _native
-
-
-native = _load_native()  # gdn_server._native, or None
 
 
 class _Unexpected(Exception):

@@ -19,6 +19,7 @@ from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError
 from gdn_server.lifecycle import commit_speculation, export_session, fork_session, import_session
 from gdn_server.placement import Placement, Shard
+from gdn_server.native import module as native
 from gdn_server.protowire import encode_varint
 from gdn_server.rpc_wrap import Serialized, serialized_responses_ok
 from gdn_server.security import current_identity
@@ -78,7 +79,15 @@ def decode_response_wire(result: DecodeResult) -> bytes:
 
 
 def encode_decode_response(result: DecodeResult) -> tuple[bytes, int]:
-    """`decode_response_wire(result)` and the offset of the output bytes in it.
+    """`decode_response_wire(result)` and the offset of the output bytes in it: in C where the
+    native module is built (one allocation, one copy of the output), else in Python."""
+    if native is not None:
+        return native.encode_decode_response(result.out, result.shape, tuple(result.positions), result.request_id)
+    return encode_decode_response_python(result)
+
+
+def encode_decode_response_python(result: DecodeResult) -> tuple[bytes, int]:
+    """`encode_decode_response` without the native module.
 
     The message route copies the output bytes three times (into the message, into upb's encode
     buffer, into the serialized bytes: 6 MiB of memory traffic for a B=256 reply); here protobuf

@@ -21,7 +21,8 @@ from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_client.wire import WireFormatError, check_layout, first_nonfinite, tensor_from_parts
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
-from gdn_server.protowire import DecodeRequestView, ParsedDecodeRequest, native
+from gdn_server.native import module as native
+from gdn_server.protowire import DecodeRequestView, ParsedDecodeRequest
 from gdn_server.work import INPUT_NAMES, DecodeWork
 
 MAX_SESSION_ID_LEN = 128
@@ -118,10 +119,9 @@ def _checked_natively(req: ParsedDecodeRequest, shape: ModelShape, defer_finite_
             finite_checked = False
         else:
             check_finite(raw)
-    return DecodeWork(
-        layer=layer, session_ids=session_ids, positions=positions or None, request_id=request_id,
-        speculative=speculative, bf16_bytes=raw, input_dims=tuple([t[1] for t in tensors]),
-        finite_checked=finite_checked,
+    return DecodeWork.of_bf16(
+        layer, session_ids, positions or None, request_id, speculative, raw, tuple([t[1] for t in tensors]),
+        finite_checked,
     )
 
 

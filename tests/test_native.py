@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server import protowire
+from gdn_server.native import module as native_module
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
 from gdn_server.protowire import ParsedDecodeRequest, parse_decode_request, parse_decode_request_python
@@ -20,15 +21,15 @@ from gdn_server.validation import DEFERRED_CHECK_BYTES, decode_work_from_request
 
 SHAPE = ModelShape(num_layers=3, num_q_heads=2, num_v_heads=4, head_dim_k=128, head_dim_v=128)
 H, HV, K, V = SHAPE.num_q_heads, SHAPE.num_v_heads, SHAPE.head_dim_k, SHAPE.head_dim_v
-native_only = pytest.mark.skipif(protowire.native is None, reason="gdn_server._native is not built here")
+native_only = pytest.mark.skipif(native_module is None, reason="gdn_server._native is not built here")
 
 
 def test_native_module_is_built():
     """A checkout installed with `make test` has it (setuptools builds it); GDN_NATIVE=0 turns it off."""
     if os.environ.get("GDN_NATIVE", "1") == "0":
-        assert protowire.native is None
+        assert native_module is None
     else:
-        assert protowire.native is not None, "gdn_server._native did not build: is a C compiler installed?"
+        assert native_module is not None, "gdn_server._native did not build: is a C compiler installed?"
 
 
 def _outcome(req, defer: bool):
@@ -157,9 +158,9 @@ def test_valid_bf16_steps_take_the_native_path():
         getattr(req, name).CopyFrom(gdn_pb2.Tensor(dtype=gdn_pb2.BF16, shape=dims, data=x.view(torch.int16).numpy().tobytes()))
     parsed = parse_decode_request(req.SerializeToString())
     assert type(parsed) is ParsedDecodeRequest
-    assert protowire.native.check_bf16_step(parsed, (3, H, HV, K, V, 4, 8, 128), DEFERRED_CHECK_BYTES) == 1
-    assert protowire.native.check_bf16_step(parsed, (3, H, HV, K, V, 4, 8, 128), 16) == 2  # over the check's limit
-    assert protowire.native.check_bf16_step(parsed, (2, H, HV, K, V, 4, 8, 128), DEFERRED_CHECK_BYTES) == 0  # layer 2 of 2
+    assert native_module.check_bf16_step(parsed, (3, H, HV, K, V, 4, 8, 128), DEFERRED_CHECK_BYTES) == 1
+    assert native_module.check_bf16_step(parsed, (3, H, HV, K, V, 4, 8, 128), 16) == 2  # over the check's limit
+    assert native_module.check_bf16_step(parsed, (2, H, HV, K, V, 4, 8, 128), DEFERRED_CHECK_BYTES) == 0  # layer 2 of 2
     work = decode_work_from_request(parsed, SHAPE)
     assert (work.layer, work.session_ids, work.positions, work.request_id) == (2, ("a", "b", "c"), (4, 5, 6), "r1")
     assert torch.equal(work.v, torch.frombuffer(bytearray(req.v.data), dtype=torch.bfloat16).view(B, T, HV, V))
@@ -177,3 +178,73 @@ def test_big_bf16_step_leaves_its_finite_check_to_the_backend_only_when_deferred
     assert decode_work_from_request(parsed, SHAPE, defer_finite_check=True).finite_checked is False
     with pytest.raises(InvalidArgument, match="v has NaN or Inf"):
         decode_work_from_request(parsed, SHAPE, defer_finite_check=False)
+
+
+def test_of_bf16_builds_what_the_dataclass_does():
+    from gdn_server.work import DecodeWork
+
+    raw = tuple(bytes(2 * n) for n in (4, 4, 8, 2, 2))
+    dims = ((1, 2, 1, 2), (1, 2, 1, 2), (1, 2, 1, 4), (1, 2, 1), (1, 2, 1))
+    args = dict(layer=1, session_ids=("s",), positions=(3,), request_id="r", speculative=True, bf16_bytes=raw,
+                input_dims=dims, finite_checked=False)
+    fast, slow = DecodeWork.of_bf16(**args), DecodeWork(**args)
+    assert fast.__dict__ == slow.__dict__ and fast.tokens == 2 and fast.rows == 1
+    assert torch.equal(fast.v, slow.v) and fast.owner is None
+
+
+@native_only
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.integers(0, 5), tail=st.lists(st.integers(0, 300), min_size=1, max_size=3),
+    positions=st.lists(st.integers(0, 2**64 - 1), max_size=5), request_id=st.text(max_size=20),
+    view=st.booleans(),
+)
+def test_native_reply_is_protobufs_bytes(rows, tail, positions, request_id, view):
+    from gdn_server.servicer import decode_response, encode_decode_response, encode_decode_response_python
+    from gdn_server.work import DecodeResult
+
+    shape = (rows, *tail)
+    out = bytes(np.random.default_rng(rows).integers(0, 256, 2 * int(np.prod(shape)), dtype=np.uint8))
+    result = DecodeResult(memoryview(out) if view else out, shape, tuple(positions), request_id)
+    wire, at = encode_decode_response(result)
+    assert (wire, at) == encode_decode_response_python(result)
+    assert wire == decode_response(result).SerializeToString()
+    assert wire[at : at + len(out)] == out
+
+
+@native_only
+@settings(max_examples=100, deadline=None)
+@given(rows=st.lists(st.integers(1, 3), min_size=1, max_size=6), kinds=st.lists(st.sampled_from(["bf16", "f32", "big"]), min_size=6, max_size=6))
+def test_native_fill_matches_python(rows, kinds):
+    """Small bf16 requests are copied in C; f32 and big ones are left to the Python copies."""
+    import gdn_server.backends.staging as staging
+    from gdn_server.work import DecodeWork, StepBatch
+
+    shape = ModelShape(num_layers=2, num_q_heads=1, num_v_heads=2, head_dim_k=128, head_dim_v=128)
+    gen = torch.Generator().manual_seed(sum(rows))
+    batch = StepBatch(tokens=1)
+    for i, (n, kind) in enumerate(zip(rows, kinds)):
+        dims = ((n, 1, 1, 128), (n, 1, 1, 128), (n, 1, 2, 128), (n, 1, 2), (n, 1, 2))
+        xs = [torch.randn(d, generator=gen).bfloat16() for d in dims]
+        ids = tuple(f"w{i}r{r}" for r in range(n))
+        if kind == "f32":
+            work = DecodeWork(layer=0, session_ids=ids, q=xs[0].float(), k=xs[1].float(), v=xs[2].float(),
+                              a=xs[3].float(), b=xs[4].float())
+        else:
+            raw = tuple(x.view(torch.int16).numpy().tobytes() for x in xs)
+            work = DecodeWork.of_bf16(0, ids, None, "", False, raw, dims, True)
+        batch.add(work, list(range(batch.rows, batch.rows + n)))
+    plan = staging.make_plan(shape, batch.rows, 1)
+    bufs = []
+    for use_native, big in ((False, staging.PARALLEL_COPY_BYTES), (True, 300 if "big" in kinds else staging.PARALLEL_COPY_BYTES)):
+        buf = torch.zeros(plan.total, dtype=torch.uint8)
+        host_bytes = buf.numpy()
+        views = {name: staging.carve(buf, plan.entries[name]) for name in staging.INPUTS}
+        saved_native, saved_big = staging.native, staging.PARALLEL_COPY_BYTES
+        staging.native, staging.PARALLEL_COPY_BYTES = (native_module if use_native else None), big
+        try:
+            staging.fill(batch, plan, memoryview(host_bytes), host_bytes, views)
+        finally:
+            staging.native, staging.PARALLEL_COPY_BYTES = saved_native, saved_big
+        bufs.append(buf)
+    assert torch.equal(bufs[0], bufs[1])

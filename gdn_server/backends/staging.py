@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from gdn_server.config import ModelShape
+from gdn_server.native import module as native
 from gdn_server.work import StepBatch
 
 ALIGN = 128  # bytes; keeps every carved view 16-byte aligned for the kernel's vector loads
@@ -78,10 +79,33 @@ def fill(
     R = batch.rows
     entries = plan.entries
     # (byte offset, bytes per row) of each input: a request's bytes go at offset + first row * per row
-    places = [(entries[name][0], entries[name][3] // R) for name in INPUTS]
-    row = 0
-    for work in batch.works:
+    places = tuple([(entries[name][0], entries[name][3] // R) for name in INPUTS])
+    works = batch.works
+    if native is not None:  # the small bf16 requests in one C call; the rest below
+        left = native.fill_bf16(host_mem, places, works, PARALLEL_COPY_BYTES)
+        if left:
+            _fill_works(batch, set(left), places, host_mem, host_bytes, host_views)
+    else:
+        _fill_works(batch, None, places, host_mem, host_bytes, host_views)
+    for name, values in (("slots", batch.slots), ("layers", batch.layers)) + (
+        () if batch.in_place else (("out_slots", batch.out_slots),)
+    ):
+        offset, _, _, nbytes = entries[name]
+        host_bytes[offset : offset + nbytes].view(np.int32)[:] = values
+
+
+def _fill_works(
+    batch: StepBatch, which: set[int] | None, places: tuple, host_mem: memoryview, host_bytes: np.ndarray,
+    host_views: dict[str, torch.Tensor],
+) -> None:
+    """`fill`'s copies of the works whose indices are in `which` (all when None)."""
+    first_row = 0
+    for index, work in enumerate(batch.works):
+        row = first_row
         n = len(work.session_ids)
+        first_row += n
+        if which is not None and index not in which:
+            continue
         raw = work.bf16_bytes
         if raw is not None:
             for (offset, per_row), data in zip(places, raw):
@@ -94,9 +118,3 @@ def fill(
         else:
             for name, part in zip(INPUTS, (work.q, work.k, work.v, work.a, work.b)):
                 host_views[name][row : row + n].copy_(part)
-        row += n
-    for name, values in (("slots", batch.slots), ("layers", batch.layers)) + (
-        () if batch.in_place else (("out_slots", batch.out_slots),)
-    ):
-        offset, _, _, nbytes = entries[name]
-        host_bytes[offset : offset + nbytes].view(np.int32)[:] = values

@@ -1,0 +1,20 @@
+"""gdn_server._native, the decode path's per-request work in C (gdn_server/_native.c), where it
+was built: `module` is it, or None. Each user keeps the Python code it stands in for, which runs
+where the module is not built (no C compiler at install time) or with GDN_NATIVE=0."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def _load() -> Any:
+    if os.environ.get("GDN_NATIVE", "1") == "0":
+        return None
+    try:
+        from gdn_server import _native
+    except ImportError:  # not built here: the Python code runs
+        return None
+    return _native
+
+
+module = _load()
