@@ -24,16 +24,24 @@
        gdn_server.servicer: a DecodeResponse with o = bf16 `data` of `shape`, byte for byte what
        protobuf serializes, and the offset of the output bytes in it.
 
+   encode_decode_response(..., threads) copies an output over `threads` threads (big replies).
+
    fill_bf16(dst, places, works, max_piece_bytes) -> list[int]
        gdn_server.backends.staging: copies each DecodeWork's bf16 inputs into the staging buffer
        `dst` (input i of the request whose first row is r at places[i][0] + r * places[i][1]);
-       returns the indices of the works it left to the caller (no bf16 bytes, or an input of
-       max_piece_bytes or more, which the caller copies on several threads).
+       returns the indices of the works it left to the caller: no bf16 bytes, an input of
+       max_piece_bytes or more, or inputs not yet checked for NaN/Inf (finite_checked False).
+
+   copy_bf16_spans(dst, spans, threads) -> list[bool]
+       gdn_server.backends.staging: copies each (offset, src, check) span into dst at offset,
+       all of them split over `threads` threads without the GIL, and says for each span with
+       `check` whether it holds a bf16 NaN or Inf (found in the same pass as the copy).
 
    All are pure functions of their arguments (fill_bf16 writes only into dst);
    tests/test_native.py runs each against the Python code it stands in for. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -398,6 +406,135 @@ release_error:
     return NULL;
 }
 
+/* -- copies of big buffers, on several threads ------------------------------------------- */
+
+#define MAX_COPY_THREADS 16
+
+typedef struct {
+    uint8_t *dst;
+    const uint8_t *src;
+    Py_ssize_t len;
+    int check; /* look for bf16 NaN/Inf while copying */
+} Span;
+
+typedef struct {
+    const Span *spans;
+    Py_ssize_t n_spans;
+    Py_ssize_t begin, end; /* this thread's bytes, counted over all spans back to back */
+    uint8_t *found;        /* per span: a NaN/Inf seen in this thread's part */
+} CopyPart;
+
+/* Copies src to dst (len bytes, even) and says whether a bf16 word of it is NaN or Inf: one read
+   of the source for both, where a copy then a check would read the bytes twice. */
+static int copy_checking(uint8_t *dst, const uint8_t *src, Py_ssize_t len) {
+    Py_ssize_t n = len / 2;
+    uint16_t hit = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint16_t word;
+        memcpy(&word, src + 2 * i, 2);
+        memcpy(dst + 2 * i, &word, 2);
+        hit |= (uint16_t)((word & 0x7F80) == 0x7F80);
+    }
+    return hit != 0;
+}
+
+static void *copy_part(void *arg) {
+    CopyPart *part = arg;
+    Py_ssize_t at = 0; /* where span i starts, over all spans */
+    for (Py_ssize_t i = 0; i < part->n_spans && at < part->end; i++) {
+        const Span *sp = &part->spans[i];
+        Py_ssize_t lo = part->begin > at ? part->begin - at : 0;
+        Py_ssize_t hi = part->end - at < sp->len ? part->end - at : sp->len;
+        if (lo < hi) {
+            if (sp->check) {
+                if (copy_checking(sp->dst + lo, sp->src + lo, hi - lo)) part->found[i] = 1;
+            } else {
+                memcpy(sp->dst + lo, sp->src + lo, hi - lo);
+            }
+        }
+        at += sp->len;
+    }
+    return NULL;
+}
+
+/* Runs the spans' copies split evenly (at even byte counts) over `threads` threads, this one
+   included; ORs what each part found into found[]. Call without the GIL. Where a thread cannot
+   be started, this thread does its part. */
+static void copy_spans(const Span *spans, Py_ssize_t n_spans, int threads, uint8_t *found) {
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < n_spans; i++) total += spans[i].len;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_COPY_THREADS) threads = MAX_COPY_THREADS;
+    CopyPart parts[MAX_COPY_THREADS];
+    pthread_t ids[MAX_COPY_THREADS];
+    int started[MAX_COPY_THREADS] = {0};
+    uint8_t *flags = calloc((size_t)threads * (size_t)(n_spans ? n_spans : 1), 1);
+    if (flags == NULL) threads = 1; /* no room for per-thread flags: one part, found[] directly */
+    Py_ssize_t step = (total / threads + 1) & ~(Py_ssize_t)1;
+    for (int t = 0; t < threads; t++) {
+        Py_ssize_t begin = step * t, end = t == threads - 1 ? total : step * (t + 1);
+        if (begin > total) begin = total;
+        if (end > total) end = total;
+        parts[t] = (CopyPart){spans, n_spans, begin, end, flags ? flags + (size_t)t * n_spans : found};
+        if (t > 0) started[t] = pthread_create(&ids[t], NULL, copy_part, &parts[t]) == 0;
+    }
+    copy_part(&parts[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else copy_part(&parts[t]);
+    }
+    if (flags != NULL) {
+        for (int t = 0; t < threads; t++)
+            for (Py_ssize_t i = 0; i < n_spans; i++) found[i] |= flags[(size_t)t * n_spans + i];
+        free(flags);
+    }
+}
+
+static PyObject *copy_bf16_spans(PyObject *self, PyObject *args) {
+    Py_buffer dst;
+    PyObject *spans_in;
+    int threads;
+    if (!PyArg_ParseTuple(args, "w*O!i", &dst, &PyList_Type, &spans_in, &threads)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(spans_in), held = 0;
+    Span *spans = PyMem_Calloc(n ? n : 1, sizeof(Span));
+    Py_buffer *srcs = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    uint8_t *found = PyMem_Calloc(n ? n : 1, 1);
+    PyObject *result = NULL;
+    if (spans == NULL || srcs == NULL || found == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t offset;
+        PyObject *src;
+        int check;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(spans_in, i), "nOp", &offset, &src, &check)) goto done;
+        if (PyObject_GetBuffer(src, &srcs[i], PyBUF_SIMPLE) != 0) goto done;
+        held++;
+        if (offset < 0 || srcs[i].len % 2 || offset + srcs[i].len > dst.len) {
+            PyErr_SetString(PyExc_ValueError, "a span does not fit the buffer (or has an odd length)");
+            goto done;
+        }
+        spans[i] = (Span){(uint8_t *)dst.buf + offset, srcs[i].buf, srcs[i].len, check};
+    }
+    Py_BEGIN_ALLOW_THREADS
+    copy_spans(spans, n, threads, found);
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        PyObject *flag = found[i] ? Py_True : Py_False;
+        Py_INCREF(flag);
+        PyList_SET_ITEM(result, i, flag);
+    }
+done:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&srcs[i]);
+    PyMem_Free(spans);
+    PyMem_Free(srcs);
+    PyMem_Free(found);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 /* -- replies ------------------------------------------------------------------------------ */
 
 static Py_ssize_t varint_size(uint64_t v) {
@@ -445,7 +582,9 @@ static Py_ssize_t packed_size(const uint64_t *v, Py_ssize_t n) {
 static PyObject *encode_decode_response(PyObject *self, PyObject *args) {
     Py_buffer data;
     PyObject *shape, *positions, *request_id;
-    if (!PyArg_ParseTuple(args, "y*O!O!U", &data, &PyTuple_Type, &shape, &PyTuple_Type, &positions, &request_id))
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "y*O!O!U|i", &data, &PyTuple_Type, &shape, &PyTuple_Type, &positions, &request_id,
+                          &threads))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t n_dims = PyTuple_GET_SIZE(shape), n_pos = PyTuple_GET_SIZE(positions), rid_len;
@@ -481,7 +620,15 @@ static PyObject *encode_decode_response(PyObject *self, PyObject *args) {
         *p++ = 0x1A; /* Tensor.data */
         p = put_varint(p, data.len);
         at = p - start;
-        memcpy(p, data.buf, data.len);
+        if (threads > 1 && data.len % 2 == 0) { /* a big output: its copy split over threads */
+            Span span = {p, data.buf, data.len, 0};
+            uint8_t found = 0;
+            Py_BEGIN_ALLOW_THREADS
+            copy_spans(&span, 1, threads, &found);
+            Py_END_ALLOW_THREADS
+        } else {
+            memcpy(p, data.buf, data.len);
+        }
         p += data.len;
     }
     if (n_pos) {
@@ -531,8 +678,15 @@ static PyObject *fill_bf16(PyObject *self, PyObject *args) {
             Py_XDECREF(raw);
             goto fail;
         }
+        PyObject *checked = PyObject_GetAttrString(work, "finite_checked");
+        if (checked == NULL) {
+            Py_DECREF(raw);
+            goto fail;
+        }
+        int finite_checked = PyObject_IsTrue(checked);
+        Py_DECREF(checked);
         Py_buffer pieces[N_TENSORS];
-        int held = 0, copy = raw != Py_None && PyTuple_Check(raw) && PyTuple_GET_SIZE(raw) == N_TENSORS;
+        int held = 0, copy = finite_checked == 1 && raw != Py_None && PyTuple_Check(raw) && PyTuple_GET_SIZE(raw) == N_TENSORS;
         for (int i = 0; copy && i < N_TENSORS; i++) {
             if (PyObject_GetBuffer(PyTuple_GET_ITEM(raw, i), &pieces[i], PyBUF_SIMPLE) != 0) {
                 for (int j = 0; j < held; j++) PyBuffer_Release(&pieces[j]);
@@ -580,6 +734,8 @@ static PyMethodDef methods[] = {
      "check_bf16_step(parsed: tuple, limits: tuple, finite_max_bytes: int) -> int"},
     {"encode_decode_response", encode_decode_response, METH_VARARGS,
      "encode_decode_response(data: buffer, shape: tuple, positions: tuple, request_id: str) -> (bytes, int)"},
+    {"copy_bf16_spans", copy_bf16_spans, METH_VARARGS,
+     "copy_bf16_spans(dst: writable buffer, spans: list[(offset, src, check)], threads: int) -> list[bool]"},
     {"fill_bf16", fill_bf16, METH_VARARGS,
      "fill_bf16(dst: writable buffer, places: tuple, works: list, max_piece_bytes: int) -> list[int]"},
     {NULL, NULL, 0, NULL},

@@ -6,6 +6,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+# Copies of at least THREADED_COPY_BYTES (a big request's inputs into the staging buffer, a big
+# reply's output) are split over COPY_THREADS threads by the native module. The H200 host's B=256
+# step took the same time with torch's pool at 4, 8 or 16 threads (bench/NOTES.md).
+THREADED_COPY_BYTES = 512 << 10
+COPY_THREADS = min(8, os.cpu_count() or 1)
+
 
 def _load() -> Any:
     if os.environ.get("GDN_NATIVE", "1") == "0":

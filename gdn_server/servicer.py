@@ -19,6 +19,7 @@ from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError
 from gdn_server.lifecycle import commit_speculation, export_session, fork_session, import_session
 from gdn_server.placement import Placement, Shard
+from gdn_server.native import COPY_THREADS, THREADED_COPY_BYTES
 from gdn_server.native import module as native
 from gdn_server.protowire import encode_varint
 from gdn_server.rpc_wrap import Serialized, serialized_responses_ok
@@ -82,7 +83,9 @@ def encode_decode_response(result: DecodeResult) -> tuple[bytes, int]:
     """`decode_response_wire(result)` and the offset of the output bytes in it: in C where the
     native module is built (one allocation, one copy of the output), else in Python."""
     if native is not None:
-        return native.encode_decode_response(result.out, result.shape, tuple(result.positions), result.request_id)
+        out = result.out
+        threads = COPY_THREADS if len(out) >= THREADED_COPY_BYTES else 1
+        return native.encode_decode_response(out, result.shape, tuple(result.positions), result.request_id, threads)
     return encode_decode_response_python(result)
 
 

@@ -197,16 +197,25 @@ def test_of_bf16_builds_what_the_dataclass_does():
 @given(
     rows=st.integers(0, 5), tail=st.lists(st.integers(0, 300), min_size=1, max_size=3),
     positions=st.lists(st.integers(0, 2**64 - 1), max_size=5), request_id=st.text(max_size=20),
-    view=st.booleans(),
+    view=st.booleans(), threaded=st.booleans(),
 )
-def test_native_reply_is_protobufs_bytes(rows, tail, positions, request_id, view):
+def test_native_reply_is_protobufs_bytes(rows, tail, positions, request_id, view, threaded):
+    import gdn_server.servicer as servicer
     from gdn_server.servicer import decode_response, encode_decode_response, encode_decode_response_python
     from gdn_server.work import DecodeResult
+
+    if threaded:  # every output counts as big: copied on several threads
+        saved = servicer.THREADED_COPY_BYTES, servicer.COPY_THREADS
+        servicer.THREADED_COPY_BYTES, servicer.COPY_THREADS = 0, 3
 
     shape = (rows, *tail)
     out = bytes(np.random.default_rng(rows).integers(0, 256, 2 * int(np.prod(shape)), dtype=np.uint8))
     result = DecodeResult(memoryview(out) if view else out, shape, tuple(positions), request_id)
-    wire, at = encode_decode_response(result)
+    try:
+        wire, at = encode_decode_response(result)
+    finally:
+        if threaded:
+            servicer.THREADED_COPY_BYTES, servicer.COPY_THREADS = saved
     assert (wire, at) == encode_decode_response_python(result)
     assert wire == decode_response(result).SerializeToString()
     assert wire[at : at + len(out)] == out
@@ -214,37 +223,90 @@ def test_native_reply_is_protobufs_bytes(rows, tail, positions, request_id, view
 
 @native_only
 @settings(max_examples=100, deadline=None)
-@given(rows=st.lists(st.integers(1, 3), min_size=1, max_size=6), kinds=st.lists(st.sampled_from(["bf16", "f32", "big"]), min_size=6, max_size=6))
-def test_native_fill_matches_python(rows, kinds):
-    """Small bf16 requests are copied in C; f32 and big ones are left to the Python copies."""
+@given(
+    rows=st.lists(st.integers(1, 3), min_size=1, max_size=6),
+    kinds=st.lists(st.sampled_from(["bf16", "f32", "unchecked", "bad"]), min_size=6, max_size=6),
+    small_limits=st.booleans(), threads=st.integers(1, 4),
+)
+def test_native_fill_matches_python(rows, kinds, small_limits, threads):
+    """Small checked bf16 requests are copied in one C call; unchecked ones (some with a NaN or
+    Inf: "bad") are checked as they are copied, and f32 ones are left to torch: the buffer is the
+    Python fill's, and the culprits are those the staged-copy check names."""
     import gdn_server.backends.staging as staging
     from gdn_server.work import DecodeWork, StepBatch
 
     shape = ModelShape(num_layers=2, num_q_heads=1, num_v_heads=2, head_dim_k=128, head_dim_v=128)
     gen = torch.Generator().manual_seed(sum(rows))
-    batch = StepBatch(tokens=1)
+    batch, want_found = StepBatch(tokens=1), {}
     for i, (n, kind) in enumerate(zip(rows, kinds)):
         dims = ((n, 1, 1, 128), (n, 1, 1, 128), (n, 1, 2, 128), (n, 1, 2), (n, 1, 2))
         xs = [torch.randn(d, generator=gen).bfloat16() for d in dims]
+        if kind == "bad":
+            culprit = i % 5
+            xs[culprit].view(-1)[n] = float("nan") if i % 2 else float("-inf")
+            xs[4].view(-1)[0] = float("inf")  # a later input too: the first is named
+            want_found[i] = "qkvab"[culprit]
         ids = tuple(f"w{i}r{r}" for r in range(n))
         if kind == "f32":
             work = DecodeWork(layer=0, session_ids=ids, q=xs[0].float(), k=xs[1].float(), v=xs[2].float(),
                               a=xs[3].float(), b=xs[4].float())
         else:
             raw = tuple(x.view(torch.int16).numpy().tobytes() for x in xs)
-            work = DecodeWork.of_bf16(0, ids, None, "", False, raw, dims, True)
+            work = DecodeWork.of_bf16(0, ids, None, "", False, raw, dims, kind == "bf16")
         batch.add(work, list(range(batch.rows, batch.rows + n)))
     plan = staging.make_plan(shape, batch.rows, 1)
-    bufs = []
-    for use_native, big in ((False, staging.PARALLEL_COPY_BYTES), (True, 300 if "big" in kinds else staging.PARALLEL_COPY_BYTES)):
+    bufs, founds = [], []
+    for use_native in (False, True):
         buf = torch.zeros(plan.total, dtype=torch.uint8)
         host_bytes = buf.numpy()
         views = {name: staging.carve(buf, plan.entries[name]) for name in staging.INPUTS}
-        saved_native, saved_big = staging.native, staging.PARALLEL_COPY_BYTES
-        staging.native, staging.PARALLEL_COPY_BYTES = (native_module if use_native else None), big
+        saved = staging.native, staging.PARALLEL_COPY_BYTES, staging.THREADED_COPY_BYTES, staging.COPY_THREADS
+        staging.native = native_module if use_native else None
+        if small_limits:  # pieces count as big: copied on `threads` threads
+            staging.PARALLEL_COPY_BYTES, staging.THREADED_COPY_BYTES, staging.COPY_THREADS = 300, 300, threads
         try:
-            staging.fill(batch, plan, memoryview(host_bytes), host_bytes, views)
+            founds.append(staging.fill(batch, plan, memoryview(host_bytes), host_bytes, views))
         finally:
-            staging.native, staging.PARALLEL_COPY_BYTES = saved_native, saved_big
+            staging.native, staging.PARALLEL_COPY_BYTES, staging.THREADED_COPY_BYTES, staging.COPY_THREADS = saved
         bufs.append(buf)
     assert torch.equal(bufs[0], bufs[1])
+    assert founds[0] is None and founds[1] == want_found
+
+
+@native_only
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(0, 3000), min_size=1, max_size=6), threads=st.integers(1, 9),
+       bad=st.lists(st.integers(0, 10**6), max_size=3), checks=st.lists(st.booleans(), min_size=6, max_size=6))
+def test_copy_bf16_spans(lengths, threads, bad, checks):
+    rng = np.random.default_rng(sum(lengths))
+    srcs = [bytearray(rng.standard_normal(n, dtype=np.float32).astype(np.float32).view(np.uint32).__rshift__(16)
+                      .astype(np.uint16).tobytes()) for n in lengths]
+    for at in bad:  # a NaN or Inf somewhere
+        i = at % len(srcs)
+        if srcs[i]:
+            j = 2 * (at % (len(srcs[i]) // 2))
+            srcs[i][j:j + 2] = (0x7F80 | (at & 0x8000) | (at % 3)).to_bytes(2, "little")
+    offsets, end = [], 7 * 2  # spans apart, with gaps the copy must not touch
+    for src in srcs:
+        offsets.append(end)
+        end += len(src) + 6
+    dst = bytearray(b"\xee" * (end + 10))
+    spans = [(off, bytes(src), check) for off, src, check in zip(offsets, srcs, checks)]
+    found = native_module.copy_bf16_spans(dst, spans, threads)
+    want = bytearray(b"\xee" * (end + 10))
+    for off, src, _ in spans:
+        want[off:off + len(src)] = src
+    assert dst == want
+    words = [np.frombuffer(src, dtype=np.uint16) for src in srcs]
+    assert found == [bool(check and ((w & 0x7F80) == 0x7F80).any()) for w, check in zip(words, checks)]
+
+
+@native_only
+def test_copy_bf16_spans_refuses_what_does_not_fit():
+    dst = bytearray(16)
+    with pytest.raises(ValueError):
+        native_module.copy_bf16_spans(dst, [(10, b"12345678", False)], 2)
+    with pytest.raises(ValueError):
+        native_module.copy_bf16_spans(dst, [(0, b"123", False)], 2)
+    with pytest.raises(TypeError):
+        native_module.copy_bf16_spans(b"read-only", [(0, b"12", False)], 2)

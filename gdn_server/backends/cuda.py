@@ -218,9 +218,12 @@ class CudaBackend(Backend):
 
         # 1. requests -> pinned staging: a memcpy per request and input for bf16 requests, a
         #    casting copy for f16/f32 ones; no per-row work
-        _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
+        found = _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
         if not all(w.finite_checked for w in batch.works):
-            errors = _staged_nonfinite(batch, plan, views)
+            if found is None:  # the fill did not check them (no native module): check the staged copy
+                errors = _staged_nonfinite(batch, plan, views)
+            else:
+                errors = {index: nonfinite_input(name) for index, name in found.items()}
             if errors:
                 raise NonFiniteInputs(errors)  # before anything is queued on the device
         in_place = batch.in_place

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from gdn_server.config import ModelShape
+from gdn_server.native import COPY_THREADS, THREADED_COPY_BYTES
 from gdn_server.native import module as native
 from gdn_server.work import StepBatch
 
@@ -68,23 +69,27 @@ def carve(buf: torch.Tensor, entry: tuple) -> torch.Tensor:
 
 def fill(
     batch: StepBatch, plan: Plan, host_mem: memoryview, host_bytes: np.ndarray, host_views: dict[str, torch.Tensor]
-) -> None:
+) -> dict[int, str] | None:
     """Copies `batch` into a staging buffer laid out by `plan`: a memcpy per request and input for
     bf16 requests (their raw bytes), a casting copy for the others, then the int32 index arrays.
 
     `host_mem` and `host_bytes` are the buffer as a memoryview and a uint8 numpy array (slice
     assignment into a memoryview is the cheapest copy Python has); `host_views` the plan's tensor
     views of it, used only by requests that did not come as bf16.
+
+    With the native module, the inputs of requests not yet checked for NaN/Inf
+    (`finite_checked` False) are checked as they are copied, and the result says which hold one:
+    {work index: first such input's name}. Without it the result is None: the caller checks the
+    staged copy.
     """
     R = batch.rows
     entries = plan.entries
     # (byte offset, bytes per row) of each input: a request's bytes go at offset + first row * per row
     places = tuple([(entries[name][0], entries[name][3] // R) for name in INPUTS])
-    works = batch.works
-    if native is not None:  # the small bf16 requests in one C call; the rest below
-        left = native.fill_bf16(host_mem, places, works, PARALLEL_COPY_BYTES)
-        if left:
-            _fill_works(batch, set(left), places, host_mem, host_bytes, host_views)
+    found = None
+    if native is not None:  # the small checked bf16 requests in one C call; the rest below
+        left = native.fill_bf16(host_mem, places, batch.works, PARALLEL_COPY_BYTES)
+        found = _fill_natively(batch, set(left), places, host_mem, host_views) if left else {}
     else:
         _fill_works(batch, None, places, host_mem, host_bytes, host_views)
     for name, values in (("slots", batch.slots), ("layers", batch.layers)) + (
@@ -92,6 +97,40 @@ def fill(
     ):
         offset, _, _, nbytes = entries[name]
         host_bytes[offset : offset + nbytes].view(np.int32)[:] = values
+    return found
+
+
+def _fill_natively(
+    batch: StepBatch, which: set[int], places: tuple, host_mem: memoryview, host_views: dict[str, torch.Tensor]
+) -> dict[int, str]:
+    """`fill`'s copies of the works `fill_bf16` left: bf16 ones in one `copy_bf16_spans` call
+    (several threads for big ones, checking the unchecked as they are copied), others by torch."""
+    spans, owners = [], []  # owners[i]: (work index, input name) of spans[i] when it is checked
+    first_row = 0
+    for index, work in enumerate(batch.works):
+        row = first_row
+        n = len(work.session_ids)
+        first_row += n
+        if index not in which:
+            continue
+        raw = work.bf16_bytes
+        if raw is None:
+            for name, part in zip(INPUTS, (work.q, work.k, work.v, work.a, work.b)):
+                host_views[name][row : row + n].copy_(part)
+            continue
+        check = not work.finite_checked
+        for name, (offset, per_row), data in zip(INPUTS, places, raw):
+            spans.append((offset + row * per_row, data, check))
+            owners.append((index, name))
+    if not spans:
+        return {}
+    big = sum(len(span[1]) for span in spans) >= THREADED_COPY_BYTES
+    hits = native.copy_bf16_spans(host_mem, spans, COPY_THREADS if big else 1)
+    found: dict[int, str] = {}
+    for hit, (index, name) in zip(hits, owners):
+        if hit and index not in found:  # spans run q to b: the first is the one to name
+            found[index] = name
+    return found
 
 
 def _fill_works(
