@@ -18,7 +18,12 @@ from __future__ import annotations
 import functools
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_client.wire import WireFormatError, check_layout, first_nonfinite, tensor_from_parts
+from gdn_client.wire import (
+    WireFormatError,
+    check_layout,
+    first_nonfinite,
+    tensor_from_parts,
+)
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
 from gdn_server.native import module as native

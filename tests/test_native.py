@@ -12,11 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_server import protowire
-from gdn_server.native import module as native_module
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
-from gdn_server.protowire import ParsedDecodeRequest, parse_decode_request, parse_decode_request_python
+from gdn_server.native import module as native_module
+from gdn_server.protowire import (
+    ParsedDecodeRequest,
+    parse_decode_request,
+    parse_decode_request_python,
+)
 from gdn_server.validation import DEFERRED_CHECK_BYTES, decode_work_from_request
 
 SHAPE = ModelShape(num_layers=3, num_q_heads=2, num_v_heads=4, head_dim_k=128, head_dim_v=128)
@@ -201,7 +204,11 @@ def test_of_bf16_builds_what_the_dataclass_does():
 )
 def test_native_reply_is_protobufs_bytes(rows, tail, positions, request_id, view, threaded):
     import gdn_server.servicer as servicer
-    from gdn_server.servicer import decode_response, encode_decode_response, encode_decode_response_python
+    from gdn_server.servicer import (
+        decode_response,
+        encode_decode_response,
+        encode_decode_response_python,
+    )
     from gdn_server.work import DecodeResult
 
     if threaded:  # every output counts as big: copied on several threads
