@@ -317,3 +317,35 @@ def test_copy_bf16_spans_refuses_what_does_not_fit():
         native_module.copy_bf16_spans(dst, [(0, b"123", False)], 2)
     with pytest.raises(TypeError):
         native_module.copy_bf16_spans(b"read-only", [(0, b"12", False)], 2)
+
+
+def test_servers_with_and_without_the_native_module_answer_alike():
+    """A real server on the Python path (GDN_NATIVE=0) and one on the native path: the same
+    replies byte for byte over a stream of good steps, and the same errors for bad ones."""
+    import grpc
+
+    from gdn_client.proto.gdn.v1 import gdn_pb2_grpc
+    from servers import start_server
+    from util import decode_request, random_inputs
+
+    B, T = 3, 2
+    gen = torch.Generator().manual_seed(11)
+    steps = [random_inputs(B, T, H, HV, gen=gen, dtype=torch.bfloat16) for _ in range(3)]
+    bad = {n: x.clone() for n, x in steps[0].items()}
+    bad["k"][1, 0, 0, 5] = float("nan")
+    answers = []
+    for native_flag in ("0", "1"):
+        with start_server("--layers", "3", "--q-heads", str(H), "--v-heads", str(HV),
+                          env={"GDN_NATIVE": native_flag}) as srv, grpc.insecure_channel(srv.address) as ch:
+            stub = gdn_pb2_grpc.GdnDecodeStub(ch)
+            ids = [stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=30).session_id for _ in range(B)]
+            requests = [decode_request(layer, ids, x, positions=[i // 3 * T] * B, request_id=f"r{i}")
+                        for i, (layer, x) in enumerate((layer, x) for x in steps for layer in range(3))]
+            requests.insert(4, decode_request(1, ids, bad, positions=[0] * B, request_id="bad"))  # an error reply
+            replies = list(stub.DecodeStream(iter(requests), timeout=60))
+            got = [r.SerializeToString() for r in replies]
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Decode(decode_request(7, ids, steps[0]), timeout=30)
+            answers.append((got, err.value.code(), err.value.details()))
+    assert answers[0] == answers[1]
+    assert b"k has NaN or Inf" in answers[0][0][4] and answers[0][1] == grpc.StatusCode.INVALID_ARGUMENT
