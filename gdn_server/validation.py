@@ -18,12 +18,7 @@ from __future__ import annotations
 import functools
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_client.wire import (
-    WireFormatError,
-    check_layout,
-    first_nonfinite,
-    tensor_from_parts,
-)
+from gdn_client.wire import WireFormatError, check_layout, first_nonfinite, tensor_from_parts
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
 from gdn_server.native import module as native
@@ -39,7 +34,8 @@ DEFERRED_CHECK_BYTES = 1 << 20
 
 
 def decode_work_from_request(
-    req: "gdn_pb2.DecodeRequest | DecodeRequestView | ParsedDecodeRequest", shape: ModelShape, defer_finite_check: bool = False
+    req: gdn_pb2.DecodeRequest | DecodeRequestView | ParsedDecodeRequest, shape: ModelShape,
+    defer_finite_check: bool = False,
 ) -> DecodeWork:
     """Validates a DecodeRequest against the model shape; raises InvalidArgument with a precise reason.
 
