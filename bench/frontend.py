@@ -32,7 +32,7 @@ from gdn_server.config import ModelShape, SchedulerConfig
 from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
 from gdn_server.server import GdnApp, ServerSettings, serve
-from gdn_server.servicer import GdnDecodeServicer
+from gdn_server.servicer import GdnDecodeServicer, encode_decode_reply
 from gdn_server.sessions import SessionTable
 from gdn_server.tuning import tune_malloc
 from gdn_server.weights import random_gate_params
@@ -82,7 +82,9 @@ def run_server(port: int, sessions: int, runs_on: str = "auto") -> None:
     gates = random_gate_params(shape, 0)
     backend = HostOnlyBackend(shape, gates, sessions, speculative_sessions=0)
     table = SessionTable(sessions, shape.num_layers)
-    placement = Placement([Shard(0, backend, table, Scheduler(backend, table, SchedulerConfig(runs_on=runs_on)))])
+    scheduler = Scheduler(backend, table, SchedulerConfig(runs_on=runs_on))
+    scheduler.encode_reply = encode_decode_reply  # replies encoded from the output buffer, as gdn-server's are
+    placement = Placement([Shard(0, backend, table, scheduler)])
     settings = ServerSettings(shape=shape, gates=gates, port=port, device="cpu")
     app = GdnApp(settings, placement, GdnDecodeServicer(shape, placement, backend.name))
     asyncio.run(serve(app))

@@ -55,14 +55,22 @@ Done = Callable[[Any], None]  # called once, on the scheduler's thread, with a r
 LOOP_MAX_IN_FLIGHT = 4
 
 
-@dataclass
 class _DecodeItem:
-    work: DecodeWork | None  # None until `make_work` has run, on the scheduler thread
-    done: Done
-    rows: int
-    cancelled: Callable[[], bool] | None = None
-    enqueued: float = field(default_factory=time.monotonic)
-    make_work: Callable[[], DecodeWork] | None = None
+    """A queued decode request. A plain slotted class, not a dataclass: one is made per request on
+    the event loop, and a dataclass's __init__ with a default factory costs several times more."""
+
+    __slots__ = ("work", "done", "rows", "cancelled", "enqueued", "make_work")
+
+    def __init__(
+        self, work: DecodeWork | None, done: Done, rows: int, cancelled: Callable[[], bool] | None = None,
+        make_work: Callable[[], DecodeWork] | None = None,
+    ) -> None:
+        self.work = work  # None until `make_work` has run, on the scheduler thread
+        self.done = done
+        self.rows = rows
+        self.cancelled = cancelled
+        self.enqueued = time.monotonic()
+        self.make_work = make_work
 
 
 @dataclass
@@ -71,18 +79,21 @@ class _ControlItem:
     done: Done
 
 
-@dataclass
 class _Admitted:
-    """A request in a batch: its sessions and where its rows sit in the backend call."""
+    """A request in a batch: its sessions and where its rows sit in the backend call (slotted, as
+    _DecodeItem: one per request per launch)."""
 
-    item: _DecodeItem
-    sessions: list[Session]
-    first_row: int
-    read_rows: list[int] = field(default_factory=list)  # pool row each session's state is read from
-    write_rows: list[int] = field(default_factory=list)  # pool row each session's new state goes to
-    released: list[int] = field(default_factory=list)  # scratch rows free once this step is queued
-    record: StepRecord | None = None  # set when submitted: the step each session's LastStep points at
-    positions: tuple[int, ...] = ()  # each session's count at the layer after this step (the reply's)
+    __slots__ = ("item", "sessions", "first_row", "read_rows", "write_rows", "released", "record", "positions")
+
+    def __init__(self, item: _DecodeItem, sessions: list[Session], first_row: int) -> None:
+        self.item = item
+        self.sessions = sessions
+        self.first_row = first_row
+        self.read_rows: list[int] = []  # pool row each session's state is read from
+        self.write_rows: list[int] = []  # pool row each session's new state goes to
+        self.released: list[int] = []  # scratch rows free once this step is queued
+        self.record: StepRecord | None = None  # set when submitted: the step each session's LastStep points at
+        self.positions: tuple[int, ...] = ()  # each session's count at the layer after this step (the reply's)
 
 
 class _NotReady(Exception):
@@ -118,10 +129,14 @@ class Scheduler:
         self.on_dispatch: Callable[[float], None] | None = None  # (queue wait s) per request sent to the device
         # called after each round of answers (e.g. to write buffered replies with one system call)
         self.after_answers: list[Callable[[], None]] = []
-        # where this process's gRPC servicer sends the replies (gdn_server.servicer.encode_decode_response):
-        # each is then encoded straight from the backend's output buffer, one copy of the output
-        # instead of one into a bytes object and another into the reply. None: answers carry bytes.
-        self.encode_reply: Callable[[DecodeResult], tuple[bytes, int]] | None = None
+        # where this process's gRPC servicer sends the replies (gdn_server.servicer.encode_decode_reply:
+        # (output, shape, positions, request_id) -> (wire, offset of the output in it)): each is
+        # then encoded straight from the backend's output buffer, one copy of the output instead
+        # of one into a bytes object and another into the reply. None: answers carry bytes.
+        self.encode_reply: Callable[[Any, tuple, tuple, str], tuple[bytes, int]] | None = None
+        # the byte view of each output tensor the backend has handed back (its pinned buffers are
+        # reused, launch after launch): made once per tensor instead of three torch calls per launch
+        self._out_bytes: dict[int, tuple[torch.Tensor, memoryview]] = {}
         self._pending: deque[_DecodeItem | _ControlItem] = deque()
         self._pending_rows = 0
         self._cv = threading.Condition()
@@ -205,7 +220,8 @@ class Scheduler:
                 refused = None
                 self._pending.append(item)
                 self._pending_rows += rows
-                self._cv.notify()
+                if self._loop is None:  # only the scheduler thread waits on the condition
+                    self._cv.notify()
                 post = self._loop is not None and not self._round_scheduled
                 if post:
                     self._round_scheduled = True
@@ -646,7 +662,7 @@ class Scheduler:
             if encode is None:  # one copy of the whole output, sliced per request
                 whole = out.view(torch.int16).numpy().tobytes()
             else:  # the backend's buffer, reused by a later launch: read here, never kept
-                whole = memoryview(out.view(torch.uint8).reshape(-1).numpy())
+                whole = self._bytes_of(out)
             row_bytes = len(whole) // batch.rows
             single = len(members) == 1
             self.stats.requests += len(members)  # counted before the answers, as GetStats may follow one
@@ -655,13 +671,24 @@ class Scheduler:
             for m in members:
                 rows = len(m.sessions)
                 data = whole if single else whole[m.first_row * row_bytes : (m.first_row + rows) * row_bytes]
-                result = DecodeResult(data, (rows, batch.tokens, *tail), m.positions, m.item.work.request_id)
+                shape, request_id = (rows, batch.tokens, *tail), m.item.work.request_id
+                wire = None
                 if encode is not None:
-                    wire, at = encode(result)
+                    wire, at = encode(data, shape, m.positions, request_id)
                     data = memoryview(wire)[at : at + len(data)]  # the output's copy in the reply
-                    result = DecodeResult(data, result.shape, result.positions, result.request_id, wire)
                 m.record.out = data  # what a retry of this step is answered from, for each of its sessions
-                m.item.done(result)
+                m.item.done(DecodeResult(data, shape, m.positions, request_id, wire))
+
+    def _bytes_of(self, out: torch.Tensor) -> memoryview:
+        """The bytes of the backend's output tensor `out`, a view (cached per tensor object)."""
+        cached = self._out_bytes.get(id(out))
+        if cached is not None and cached[0] is out:
+            return cached[1]
+        if len(self._out_bytes) >= 512:  # a bound: backends keep a few hundred output views at most
+            self._out_bytes.clear()
+        view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
+        self._out_bytes[id(out)] = (out, view)
+        return view
 
     def _roll_back(self, member: _Admitted) -> None:
         """Undoes the position advance of a step whose backend call failed after dispatch."""

@@ -27,7 +27,7 @@ from gdn_server.metrics import EngineMetrics, Metrics, MetricsInterceptor
 from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
 from gdn_server.security import AuthInterceptor, RejectMalformed, SecurityConfig, load_tokens, server_credentials
-from gdn_server.servicer import GdnDecodeServicer, encode_decode_response
+from gdn_server.servicer import GdnDecodeServicer, encode_decode_reply
 from gdn_server.sessions import OwnerQuota, SessionTable
 from gdn_server.snapshot import device_snapshot_dirs, load_snapshots, save_snapshot
 from gdn_server.weights import GateParams
@@ -89,7 +89,7 @@ def build_app(settings: ServerSettings, replies_here: bool = True) -> GdnApp:
         )
         scheduler = Scheduler(backend, sessions, settings.scheduler)
         if replies_here:
-            scheduler.encode_reply = encode_decode_response
+            scheduler.encode_reply = encode_decode_reply
         shards.append(Shard(index, backend, sessions, scheduler))
     placement = Placement(shards)
     servicer = GdnDecodeServicer(settings.shape, placement, shards[0].backend.name)

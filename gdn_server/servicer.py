@@ -82,11 +82,16 @@ def decode_response_wire(result: DecodeResult) -> bytes:
 def encode_decode_response(result: DecodeResult) -> tuple[bytes, int]:
     """`decode_response_wire(result)` and the offset of the output bytes in it: in C where the
     native module is built (one allocation, one copy of the output), else in Python."""
+    return encode_decode_reply(result.out, result.shape, result.positions, result.request_id)
+
+
+def encode_decode_reply(out: Any, shape: tuple, positions: tuple, request_id: str) -> tuple[bytes, int]:
+    """`encode_decode_response` of a result's parts (the scheduler's `encode_reply`: it answers
+    with the DecodeResult it builds from the wire)."""
     if native is not None:
-        out = result.out
         threads = COPY_THREADS if len(out) >= THREADED_COPY_BYTES else 1
-        return native.encode_decode_response(out, result.shape, tuple(result.positions), result.request_id, threads)
-    return encode_decode_response_python(result)
+        return native.encode_decode_response(out, shape, tuple(positions), request_id, threads)
+    return encode_decode_response_python(DecodeResult(out, shape, tuple(positions), request_id))
 
 
 def encode_decode_response_python(result: DecodeResult) -> tuple[bytes, int]:
