@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import grpc
+import pytest
 import torch
 
 from servers import start_server
@@ -123,11 +124,19 @@ def test_small_launches_replay_graphs_bit_identical_to_direct_launches():
     assert graphed.state_pool.abs().sum() > 0
 
 
-def test_unchecked_inputs_are_checked_in_staging_before_anything_runs():
-    """Requests validation left unchecked (big bf16 ones): the backend finds the NaN/Inf in its
-    staging copy, names each culprit and input, and the state pool is untouched; without a
-    culprit the same batch runs and agrees with the CPU backend."""
+@pytest.mark.parametrize("native_fill", [True, False], ids=["fill-checks", "staged-check"])
+def test_unchecked_inputs_are_checked_in_staging_before_anything_runs(native_fill, monkeypatch):
+    """Requests validation left unchecked (big bf16 ones): the backend finds the NaN/Inf as it
+    copies them into staging (the native module) or in its staging copy (without it), names each
+    culprit and input, and the state pool is untouched; without a culprit the same batch runs and
+    agrees with the CPU backend."""
+    import gdn_server.backends.staging as staging
     from gdn_server.backends.base import NonFiniteInputs
+
+    if native_fill and staging.native is None:
+        pytest.skip("gdn_server._native is not built here")
+    if not native_fill:
+        monkeypatch.setattr(staging, "native", None)
 
     shape = ModelShape(num_layers=2, num_q_heads=16, num_v_heads=32)
     gates = random_gate_params(shape, seed=3)
