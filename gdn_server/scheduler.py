@@ -134,9 +134,6 @@ class Scheduler:
         # then encoded straight from the backend's output buffer, one copy of the output instead
         # of one into a bytes object and another into the reply. None: answers carry bytes.
         self.encode_reply: Callable[[Any, tuple, tuple, str], tuple[bytes, int]] | None = None
-        # the byte view of each output tensor the backend has handed back (its pinned buffers are
-        # reused, launch after launch): made once per tensor instead of three torch calls per launch
-        self._out_bytes: dict[int, tuple[torch.Tensor, memoryview]] = {}
         self._pending: deque[_DecodeItem | _ControlItem] = deque()
         self._pending_rows = 0
         self._cv = threading.Condition()
@@ -662,7 +659,7 @@ class Scheduler:
             if encode is None:  # one copy of the whole output, sliced per request
                 whole = out.view(torch.int16).numpy().tobytes()
             else:  # the backend's buffer, reused by a later launch: read here, never kept
-                whole = self._bytes_of(out)
+                whole = memoryview(out.view(torch.uint8).reshape(-1).numpy())
             row_bytes = len(whole) // batch.rows
             single = len(members) == 1
             self.stats.requests += len(members)  # counted before the answers, as GetStats may follow one
@@ -678,17 +675,6 @@ class Scheduler:
                     data = memoryview(wire)[at : at + len(data)]  # the output's copy in the reply
                 m.record.out = data  # what a retry of this step is answered from, for each of its sessions
                 m.item.done(DecodeResult(data, shape, m.positions, request_id, wire))
-
-    def _bytes_of(self, out: torch.Tensor) -> memoryview:
-        """The bytes of the backend's output tensor `out`, a view (cached per tensor object)."""
-        cached = self._out_bytes.get(id(out))
-        if cached is not None and cached[0] is out:
-            return cached[1]
-        if len(self._out_bytes) >= 512:  # a bound: backends keep a few hundred output views at most
-            self._out_bytes.clear()
-        view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
-        self._out_bytes[id(out)] = (out, view)
-        return view
 
     def _roll_back(self, member: _Admitted) -> None:
         """Undoes the position advance of a step whose backend call failed after dispatch."""
