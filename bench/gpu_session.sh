@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|speculative   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|copythreads|speculative   (each part fits in one 10-minute call)
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
@@ -84,6 +84,9 @@ case "${1:-}" in
       OMP_NUM_THREADS=$n timeout 150 python3 bench/trace_step.py --device cuda --batch 256 --mode unary --steps 200 \
         --warmup 20 --out "$out/trace_big_t$n" 2>&1 | grep -E "in -> queued|round -> submitted|finish -> answered|round trip"
     done
+    ;;
+  copythreads)  # the native module's threaded copies: thread hand-off, a B=256 request's inputs, a 2 MiB reply
+    timeout 120 python3 bench/copy_threads.py --json "$out/copy_threads.json" 2>&1 | tee "$out/copy_threads.md"
     ;;
   pack)  # the device tool returns at most 8 files from $OUT: one archive instead (tar xzf results.tgz here)
     tar czf /tmp/gdn_results.tgz -C "$out" . && find "$out" -mindepth 1 -delete && mv /tmp/gdn_results.tgz "$out/results.tgz"

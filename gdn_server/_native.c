@@ -457,17 +457,63 @@ static void *copy_part(void *arg) {
     return NULL;
 }
 
+/* The copy threads live between calls: starting and joining a thread costs tens of microseconds
+   on a virtual machine (bench/copy_threads.py: ~28 us each on the CPU box), as much as the
+   share of a copy it would take. Workers block on a condition between jobs (no CPU); jobs run
+   one at a time (`job` lock); worker i runs part i of a job that has more than i parts. */
+static struct {
+    pthread_mutex_t job;   /* held by a caller for its whole job */
+    pthread_mutex_t state; /* guards the fields below */
+    pthread_cond_t posted; /* a new job (generation changed) */
+    pthread_cond_t ended;  /* a worker finished its part */
+    int workers;           /* started so far: parts 1..workers */
+    unsigned long generation;
+    CopyPart *parts;
+    int n_parts;
+    int pending; /* workers' parts of this job not finished yet */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          0, 0, NULL, 0, 0};
+static unsigned long pool_start_generation[MAX_COPY_THREADS];
+
+static void *pool_worker(void *arg) {
+    int index = (int)(intptr_t)arg;
+    pthread_mutex_lock(&pool.state);
+    unsigned long seen = pool_start_generation[index]; /* the generation before its first job */
+    for (;;) {
+        while (pool.generation == seen) pthread_cond_wait(&pool.posted, &pool.state);
+        seen = pool.generation;
+        if (index < pool.n_parts) {
+            CopyPart *part = &pool.parts[index];
+            pthread_mutex_unlock(&pool.state);
+            copy_part(part);
+            pthread_mutex_lock(&pool.state);
+            if (--pool.pending == 0) pthread_cond_signal(&pool.ended);
+        }
+    }
+    return NULL;
+}
+
+/* In a forked child the workers do not exist and the locks may be held by parent threads. */
+static void pool_after_fork_in_child(void) {
+    pthread_mutex_init(&pool.job, NULL);
+    pthread_mutex_init(&pool.state, NULL);
+    pthread_cond_init(&pool.posted, NULL);
+    pthread_cond_init(&pool.ended, NULL);
+    pool.workers = 0;
+    pool.parts = NULL;
+    pool.n_parts = pool.pending = 0;
+}
+
 /* Runs the spans' copies split evenly (at even byte counts) over `threads` threads, this one
-   included; ORs what each part found into found[]. Call without the GIL. Where a thread cannot
-   be started, this thread does its part. */
+   included (the others from the pool, started the first time they are needed); ORs what each
+   part found into found[]. Call without the GIL. Parts no worker could take (a thread that
+   could not be started) run on this thread. */
 static void copy_spans(const Span *spans, Py_ssize_t n_spans, int threads, uint8_t *found) {
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < n_spans; i++) total += spans[i].len;
     if (threads < 1) threads = 1;
     if (threads > MAX_COPY_THREADS) threads = MAX_COPY_THREADS;
     CopyPart parts[MAX_COPY_THREADS];
-    pthread_t ids[MAX_COPY_THREADS];
-    int started[MAX_COPY_THREADS] = {0};
     uint8_t *flags = calloc((size_t)threads * (size_t)(n_spans ? n_spans : 1), 1);
     if (flags == NULL) threads = 1; /* no room for per-thread flags: one part, found[] directly */
     Py_ssize_t step = (total / threads + 1) & ~(Py_ssize_t)1;
@@ -476,12 +522,35 @@ static void copy_spans(const Span *spans, Py_ssize_t n_spans, int threads, uint8
         if (begin > total) begin = total;
         if (end > total) end = total;
         parts[t] = (CopyPart){spans, n_spans, begin, end, flags ? flags + (size_t)t * n_spans : found};
-        if (t > 0) started[t] = pthread_create(&ids[t], NULL, copy_part, &parts[t]) == 0;
     }
-    copy_part(&parts[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(ids[t], NULL);
-        else copy_part(&parts[t]);
+    if (threads == 1) {
+        copy_part(&parts[0]);
+    } else {
+        pthread_mutex_lock(&pool.job);
+        while (pool.workers < threads - 1) { /* generation only changes under `job`: read it here */
+            int index = pool.workers + 1;
+            pthread_t id;
+            pool_start_generation[index] = pool.generation;
+            if (pthread_create(&id, NULL, pool_worker, (void *)(intptr_t)index) != 0) break;
+            pthread_detach(id);
+            pool.workers++;
+        }
+        int helpers = pool.workers < threads - 1 ? pool.workers : threads - 1;
+        pthread_mutex_lock(&pool.state);
+        pool.parts = parts;
+        pool.n_parts = helpers + 1;
+        pool.pending = helpers;
+        pool.generation++;
+        pthread_cond_broadcast(&pool.posted);
+        pthread_mutex_unlock(&pool.state);
+        copy_part(&parts[0]);
+        for (int t = helpers + 1; t < threads; t++) copy_part(&parts[t]);
+        pthread_mutex_lock(&pool.state);
+        while (pool.pending > 0) pthread_cond_wait(&pool.ended, &pool.state);
+        pool.parts = NULL;
+        pool.n_parts = 0;
+        pthread_mutex_unlock(&pool.state);
+        pthread_mutex_unlock(&pool.job);
     }
     if (flags != NULL) {
         for (int t = 0; t < threads; t++)
@@ -747,4 +816,8 @@ static struct PyModuleDef module = {
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    static int registered = 0;
+    if (!registered && pthread_atfork(NULL, NULL, pool_after_fork_in_child) == 0) registered = 1;
+    return PyModule_Create(&module);
+}

@@ -4,6 +4,7 @@ every way validation knows (tests/test_protowire.py does the same for the parser
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -349,3 +350,48 @@ def test_servers_with_and_without_the_native_module_answer_alike():
             answers.append((got, err.value.code(), err.value.details()))
     assert answers[0] == answers[1]
     assert b"k has NaN or Inf" in answers[0][0][4] and answers[0][1] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@native_only
+def test_threaded_copies_from_many_threads_at_once_and_after_fork():
+    """The copy threads are kept between calls: calls from several Python threads at once (two
+    schedulers, say) each get their own bytes right, and a forked child (its parent's copy threads
+    do not exist there) copies without hanging."""
+    import os
+    import threading
+
+    rng = np.random.default_rng(5)
+    srcs = [(rng.standard_normal(50_000, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+            for _ in range(6)]
+    srcs[3] = srcs[3][:1000] + (0x7FC0).to_bytes(2, "little") + srcs[3][1002:]  # a NaN in one
+
+    def copy_and_check(threads: int) -> bool:
+        dst = bytearray(sum(map(len, srcs)))
+        offsets = np.cumsum([0, *map(len, srcs[:-1])]).tolist()
+        found = native_module.copy_bf16_spans(dst, [(o, s, True) for o, s in zip(offsets, srcs)], threads)
+        return bytes(dst) == b"".join(srcs) and found == [False, False, False, True, False, False]
+
+    assert copy_and_check(4)  # the pool exists from here on
+    results = []
+    workers = [threading.Thread(target=lambda t=t: results.extend(copy_and_check(t) for _ in range(20)))
+               for t in (1, 2, 3, 4, 8, 8)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=60)
+    assert not any(w.is_alive() for w in workers) and len(results) == 120 and all(results)
+
+    pid = os.fork()
+    if pid == 0:  # the child: exit status says whether its threaded copy was right
+        os._exit(0 if copy_and_check(4) else 1)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("a threaded copy hung in a forked child")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
