@@ -181,6 +181,14 @@ static PyObject *utf8(const uint8_t *s, Py_ssize_t n) {
     return str;
 }
 
+/* Appends the uint64 `value` to `list` as an int; -1 with an exception set on failure. */
+static int append_u64(PyObject *list, uint64_t value) {
+    PyObject *n = PyLong_FromUnsignedLongLong(value);
+    int failed = n == NULL || PyList_Append(list, n) != 0;
+    Py_XDECREF(n);
+    return failed ? -1 : 0;
+}
+
 static PyObject *parse_decode_request(PyObject *self, PyObject *args) {
     PyObject *message;
     Py_ssize_t zero_copy_from;
@@ -226,23 +234,13 @@ static PyObject *parse_decode_request(PyObject *self, PyObject *args) {
         case 8: /* positions, uint64: packed or not */
             if (wire == WIRE_VARINT) {
                 if (read_varint(&p, end, &value) != 0) goto fallback;
-                PyObject *n = PyLong_FromUnsignedLongLong(value);
-                if (n == NULL || PyList_Append(positions, n) != 0) {
-                    Py_XDECREF(n);
-                    goto done;
-                }
-                Py_DECREF(n);
+                if (append_u64(positions, value) != 0) goto done;
             } else if (wire == WIRE_LEN) {
                 if (read_len(&p, end, &start, &len) != 0) goto fallback;
                 const uint8_t *q = start, *q_end = start + len;
                 while (q < q_end) {
                     if (read_varint(&q, q_end, &value) != 0) goto fallback;
-                    PyObject *n = PyLong_FromUnsignedLongLong(value);
-                    if (n == NULL || PyList_Append(positions, n) != 0) {
-                        Py_XDECREF(n);
-                        goto done;
-                    }
-                    Py_DECREF(n);
+                    if (append_u64(positions, value) != 0) goto done;
                 }
             } else {
                 goto fallback;
@@ -296,14 +294,17 @@ done:
 
 /* -- validation -------------------------------------------------------------------------- */
 
-/* 1 when some bf16 value of data[0:nbytes] is NaN or Inf (its exponent all ones). */
+/* 1 for a bf16 word that is NaN or Inf: its exponent bits all ones. */
+static inline uint16_t nonfinite_bf16(uint16_t word) { return (uint16_t)((word & 0x7F80) == 0x7F80); }
+
+/* 1 when some bf16 value of data[0:nbytes] is NaN or Inf. */
 static int has_nonfinite_bf16(const uint8_t *data, Py_ssize_t nbytes) {
     Py_ssize_t n = nbytes / 2;
     uint16_t hit = 0;
     for (Py_ssize_t i = 0; i < n; i++) { /* no early exit: the compiler vectorizes it */
         uint16_t word;
         memcpy(&word, data + 2 * i, 2);
-        hit |= (uint16_t)((word & 0x7F80) == 0x7F80);
+        hit |= nonfinite_bf16(word);
     }
     return hit != 0;
 }
@@ -433,7 +434,7 @@ static int copy_checking(uint8_t *dst, const uint8_t *src, Py_ssize_t len) {
         uint16_t word;
         memcpy(&word, src + 2 * i, 2);
         memcpy(dst + 2 * i, &word, 2);
-        hit |= (uint16_t)((word & 0x7F80) == 0x7F80);
+        hit |= nonfinite_bf16(word);
     }
     return hit != 0;
 }

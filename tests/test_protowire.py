@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_server import protowire  # noqa: F401
 from gdn_server.native import module as native_module
 from gdn_server.protowire import DecodeRequestView, ParsedDecodeRequest, parse_decode_request, parse_decode_request_python
 

@@ -91,7 +91,7 @@ def fill(
         left = native.fill_bf16(host_mem, places, batch.works, PARALLEL_COPY_BYTES)
         found = _fill_natively(batch, set(left), places, host_mem, host_views) if left else {}
     else:
-        _fill_works(batch, None, places, host_mem, host_bytes, host_views)
+        _fill_in_python(batch, places, host_mem, host_bytes, host_views)
     for name, values in (("slots", batch.slots), ("layers", batch.layers)) + (
         () if batch.in_place else (("out_slots", batch.out_slots),)
     ):
@@ -133,18 +133,13 @@ def _fill_natively(
     return found
 
 
-def _fill_works(
-    batch: StepBatch, which: set[int] | None, places: tuple, host_mem: memoryview, host_bytes: np.ndarray,
-    host_views: dict[str, torch.Tensor],
+def _fill_in_python(
+    batch: StepBatch, places: tuple, host_mem: memoryview, host_bytes: np.ndarray, host_views: dict[str, torch.Tensor]
 ) -> None:
-    """`fill`'s copies of the works whose indices are in `which` (all when None)."""
-    first_row = 0
-    for index, work in enumerate(batch.works):
-        row = first_row
+    """`fill`'s copies without the native module."""
+    row = 0
+    for work in batch.works:
         n = len(work.session_ids)
-        first_row += n
-        if which is not None and index not in which:
-            continue
         raw = work.bf16_bytes
         if raw is not None:
             for (offset, per_row), data in zip(places, raw):
@@ -157,3 +152,4 @@ def _fill_works(
         else:
             for name, part in zip(INPUTS, (work.q, work.k, work.v, work.a, work.b)):
                 host_views[name][row : row + n].copy_(part)
+        row += n
