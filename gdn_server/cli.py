@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with the scheduler on the loop, how it learns a launch is done: 'poll' (once per loop "
                         "iteration), 'thread' (a waiter thread wakes the loop), or 'auto' (poll while one request "
                         "is in flight, the thread once launches carry several)")
+    p.add_argument("--busy-poll-us", type=int, default=SchedulerConfig.busy_poll_us,
+                   help="with the scheduler on the loop, after answering keep polling for the next request this "
+                        "long instead of sleeping: lower latency at low load for a CPU core while clients keep "
+                        "the server busy (0: off)")
     p.add_argument("--state-dir", default=None,
                    help="save every session here on SIGTERM/SIGINT and restore them on start (default: off)")
     p.add_argument("--session-idle-timeout-s", type=float, default=None,
@@ -111,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.max_queue_delay_us < 0:
         parser.error("--max-queue-delay-us must be >= 0")
+    if args.busy_poll_us < 0:
+        parser.error("--busy-poll-us must be >= 0")
     if args.speculative_sessions is not None and args.speculative_sessions < 0:
         parser.error("--speculative-sessions must be >= 0")
     devices = None
@@ -153,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         max_sessions=args.max_sessions,
         speculative_sessions=args.speculative_sessions,
         scheduler=SchedulerConfig(args.max_batch_rows, args.max_queue_delay_us, args.max_queue_rows,
-                                  args.scheduler_runs_on, args.device_wait),
+                                  args.scheduler_runs_on, args.device_wait, args.busy_poll_us),
         scale=args.scale,
         grace_s=args.drain_timeout_s,
         shutdown_delay_s=args.shutdown_delay_s,

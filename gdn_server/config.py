@@ -64,12 +64,18 @@ class SchedulerConfig:
     # serves one request at a time, where the thread's wake-up would be latency; the thread once
     # launches carry several requests, where polling takes the loop's time from them)
     device_wait: str = "auto"
+    # with rounds on the event loop: after answering, the loop keeps polling (never sleeps) this
+    # long for the next request; costs a core while clients keep it busy (gdn_server.busy_poll).
+    # 0: the loop sleeps whenever it is idle
+    busy_poll_us: int = 1000
 
     def __post_init__(self) -> None:
         if self.runs_on not in SCHEDULER_RUNS_ON:
             raise ValueError(f"runs_on must be one of {', '.join(SCHEDULER_RUNS_ON)}, got {self.runs_on!r}")
         if self.device_wait not in DEVICE_WAIT:
             raise ValueError(f"device_wait must be one of {', '.join(DEVICE_WAIT)}, got {self.device_wait!r}")
+        if self.busy_poll_us < 0:
+            raise ValueError(f"busy_poll_us must be >= 0, got {self.busy_poll_us}")
 
 
 SCHEDULER_RUNS_ON = ("auto", "loop", "thread")

@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server.backends import make_backends
+from gdn_server.busy_poll import LoopSpinner
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape, SchedulerConfig
 from gdn_server.protowire import decode_request_parsers
 from gdn_server.lifecycle import evict_idle, idle_sessions
@@ -165,6 +166,9 @@ def start_scheduler(shard: Shard, loop: asyncio.AbstractEventLoop) -> None:
         runs_on = "loop" if shard.backend.asynchronous else "thread"
     if runs_on == "loop":
         shard.scheduler.start_on(loop)
+        busy_poll_us = shard.scheduler.config.busy_poll_us
+        if busy_poll_us:
+            shard.scheduler.after_answers.append(LoopSpinner.of(loop, busy_poll_us / 1e6).touch)
     else:
         shard.scheduler.start()
     log.debug("device %d: scheduler runs on the %s", shard.index, "event loop" if runs_on == "loop" else "a thread")

@@ -25,6 +25,7 @@ def test_bad_command_lines_fail_with_a_reason(tmp_path):
         ("--preset", "qwen3-next", "--layers", "3"): "cannot be combined",
         ("--preset", "qwen3-next", "--weights", str(tmp_path / "missing.safetensors")): "--weights",
         ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--max-sessions", "0"): "--max-sessions",
+        ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--busy-poll-us", "-1"): "--busy-poll-us",
     }
     for args, reason in cases.items():
         result = _run_cli("--device", "cpu", "--port", "0", *args)

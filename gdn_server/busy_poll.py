@@ -1,0 +1,60 @@
+"""Busy polling: the event loop keeps running for a while after it answers, instead of sleeping.
+
+A client that steps one session through its layers sends its next request right after each
+reply. Between the two, an idle event loop blocks in epoll; the next request then finds a thread
+that has to be woken and caches gone cold, and the whole step runs slower (bench/NOTES.md: at one
+client, p50 0.55 -> 0.32 ms on the 2-core CPU box with a host-only backend; the host work of the
+same step run hot takes a fraction of what it takes cold). The kernel's `net.core.busy_poll` does
+the same for sockets.
+
+`LoopSpinner.touch()` (the scheduler calls it after each round of answers) keeps a callback on
+the loop's ready queue for `window_s`, so every loop iteration polls its sockets with a zero
+timeout. Past the window with nothing answered, the loop sleeps again: an idle server costs no
+CPU. While it spins it costs one core, which is why it is only for schedulers on the event loop
+(a GPU backend; a thread scheduler computing on the host would compete with the spinning loop
+for the GIL) and can be turned off (`--busy-poll-us 0`).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+
+_SPINNERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, "LoopSpinner"] = weakref.WeakKeyDictionary()
+
+
+class LoopSpinner:
+    """Keeps `loop` from sleeping for `window_s` after each `touch()`. Use on the loop's thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, window_s: float) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self._loop = loop
+        self.window_s = window_s
+        self._until = 0.0
+        self.spinning = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop, window_s: float) -> "LoopSpinner":
+        """The loop's spinner (one per loop, shared by every scheduler on it: one spin callback,
+        not one per device); its window is the longest asked for."""
+        spinner = _SPINNERS.get(loop)
+        if spinner is None:
+            spinner = _SPINNERS[loop] = cls(loop, window_s)
+        spinner.window_s = max(spinner.window_s, window_s)
+        return spinner
+
+    def touch(self) -> None:
+        """Something was answered: keep polling for the next request for another window."""
+        self._until = time.monotonic() + self.window_s
+        if not self.spinning:
+            self.spinning = True
+            self._loop.call_soon(self._spin)
+
+    def _spin(self) -> None:
+        # a ready callback makes the loop's next select use a zero timeout: the loop polls its
+        # sockets (and the device, through the scheduler's own callbacks) without sleeping
+        if time.monotonic() < self._until:
+            self._loop.call_soon(self._spin)
+        else:
+            self.spinning = False
