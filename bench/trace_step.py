@@ -98,7 +98,7 @@ def _serve(trace_out: str, flags: list[str], fake_device: str | None, serial_cop
     from gdn_server import protowire
 
     around(protowire, "parse_decode_request", before="parse", after="parsed")
-    around(servicer.GdnDecodeServicer, "_start_decode", before="in", after="queued")
+    around(servicer.GdnDecodeServicer, "_submit_decode", before="in", after="queued")
     around(scheduler.Scheduler, "_launch", before="round", when=lambda self, items, *a, **k: bool(items))
     around(cuda.CudaBackend, "submit", before="submit", after="submitted")
     around(cuda, "_fill_staging", after="filled")

@@ -7,7 +7,9 @@ keeps going. The event loop never waits on the device: the scheduler thread sett
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import functools
 import logging
 import threading
 from typing import Any, AsyncIterator, Callable
@@ -145,6 +147,18 @@ class DecodeRpcs:
         finds."""
         raise NotImplementedError
 
+    def _submit_decode(
+        self, request: gdn_pb2.DecodeRequest, done: Callable[[Any], None], cancelled: Callable[[], bool]
+    ) -> asyncio.Future | None:
+        """`_start_decode` without a future of its own (DecodeStream answers a slot per request):
+        `done` gets the DecodeResult or GdnError, on any thread; once `cancelled()` is true the
+        request is dropped before the device. Returns a future that the caller cancels when it
+        gives up, where the way of running the request has one. Raises GdnError for what
+        validation finds."""
+        fut = self._start_decode(request)
+        fut.add_done_callback(functools.partial(_settle_into, done))
+        return fut
+
     def _validated(self, request: gdn_pb2.DecodeRequest) -> DecodeWork:
         work = decode_work_from_request(request, self.shape, self.defer_finite_check)
         identity = current_identity()
@@ -180,48 +194,139 @@ class DecodeRpcs:
         self, request_iterator: AsyncIterator[gdn_pb2.DecodeRequest], context
     ) -> AsyncIterator[gdn_pb2.DecodeResponse | Serialized]:
         # A reader task validates and queues up to MAX_STREAM_IN_FLIGHT requests ahead of their
-        # replies, so one stream is pipelined; this generator answers them in request order. Each
-        # message costs a future and a queue slot, no task of its own.
-        replies: asyncio.Queue = asyncio.Queue(maxsize=MAX_STREAM_IN_FLIGHT)
-        end = object()
+        # replies, so one stream is pipelined; this generator answers them in request order. Per
+        # message: a slot the scheduler answers into, and one wake-up of this generator when the
+        # oldest slot is answered (no future, queue or wake-up per request besides).
+        stream = _ReplyStream(asyncio.get_running_loop())
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
+                    answer = _Answer(stream, request.request_id)
+                    stream.answers.append(answer)
                     try:
-                        pending: asyncio.Future | GdnError = self._start_decode(request)
+                        answer.future = self._submit_decode(request, answer, stream.is_closed)
                     except GdnError as e:
-                        pending = e
-                    await replies.put((request.request_id, pending))
+                        answer(e)
+                    except BaseException:
+                        stream.answers.pop()  # never to be answered: the writer must not wait for it
+                        raise
+                    if len(stream.answers) >= MAX_STREAM_IN_FLIGHT:
+                        await stream.room()
             except Exception as e:  # the stream broke: let the writer end the RPC
-                await replies.put(e)
+                stream.finish(e)
                 return
-            await replies.put(end)
+            stream.finish(None)
 
         reader = asyncio.ensure_future(read())
         try:
+            answers = stream.answers
             while True:
-                item = await replies.get()
-                if item is end:
+                if answers and answers[0].result is not _PENDING:
+                    answer = answers.popleft()
+                    stream.made_room()
+                    yield self._stream_reply(answer)
+                elif not answers and stream.ended:
+                    if stream.error is not None:
+                        raise stream.error
                     break
-                if isinstance(item, BaseException):
-                    raise item
-                request_id, pending = item
-                try:
-                    if isinstance(pending, GdnError):
-                        raise pending
-                    reply = _reply(await pending)
-                    self._count("DecodeStream", grpc.StatusCode.OK)
-                except GdnError as e:
-                    self._count("DecodeStream", e.code)
-                    reply = error_response(request_id, e)
-                yield reply
+                else:
+                    await stream.next_answer()
         finally:
+            stream.closed = True  # queued requests are dropped before the device (the scheduler's `cancelled`)
             reader.cancel()
-            while not replies.empty():  # drop answers nobody will read (before the device, if not yet there)
-                pending = replies.get_nowait()
-                if isinstance(pending, tuple) and isinstance(pending[1], asyncio.Future):
-                    pending[1].cancel()
+            for answer in stream.answers:
+                if answer.future is not None:
+                    answer.future.cancel()
+
+    def _stream_reply(self, answer: "_Answer") -> gdn_pb2.DecodeResponse | Serialized:
+        result = answer.result
+        if isinstance(result, GdnError):
+            self._count("DecodeStream", result.code)
+            return error_response(answer.request_id, result)
+        if isinstance(result, BaseException):
+            raise result
+        self._count("DecodeStream", grpc.StatusCode.OK)
+        return _reply(result)
+
+
+_PENDING = object()  # an _Answer's result before the answer
+
+
+def _settle_into(done: Callable[[Any], None], fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        error = fut.exception()
+        done(error if error is not None else fut.result())
+
+
+class _Answer:
+    """One request of a DecodeStream: called with its DecodeResult or error (the scheduler's
+    `done`, from any thread), it keeps the first answer and wakes the stream's writer when the
+    oldest request has its answer."""
+
+    __slots__ = ("stream", "request_id", "result", "future")
+
+    def __init__(self, stream: "_ReplyStream", request_id: str) -> None:
+        self.stream = stream
+        self.request_id = request_id
+        self.result: Any = _PENDING
+        self.future: asyncio.Future | None = None  # cancelled if the stream ends first (where there is one)
+
+    def __call__(self, result: Any) -> None:
+        stream = self.stream
+        if threading.get_ident() != stream.loop_thread:
+            stream.loop.call_soon_threadsafe(self, result)
+            return
+        if self.result is _PENDING:
+            self.result = result
+            answers = stream.answers
+            if answers and answers[0] is self:
+                stream.wake_writer()
+
+
+class _ReplyStream:
+    """A DecodeStream's requests in flight, oldest first, and the reader's and writer's waits."""
+
+    __slots__ = ("loop", "loop_thread", "answers", "ended", "error", "closed", "_writer_waits", "_reader_waits")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.loop_thread = threading.get_ident()
+        self.answers: collections.deque[_Answer] = collections.deque()
+        self.ended = False  # the reader is done: no more requests
+        self.error: BaseException | None = None  # why the reading broke, if it did
+        self.closed = False  # the RPC is over
+        self._writer_waits: asyncio.Future | None = None
+        self._reader_waits: asyncio.Future | None = None
+
+    def is_closed(self) -> bool:
+        return self.closed
+
+    def finish(self, error: BaseException | None) -> None:
+        self.ended, self.error = True, error
+        self.wake_writer()
+
+    def next_answer(self) -> asyncio.Future:
+        """For the writer: resolves when the oldest request is answered, or the reading ends."""
+        fut = self._writer_waits = self.loop.create_future()
+        return fut
+
+    def wake_writer(self) -> None:
+        fut, self._writer_waits = self._writer_waits, None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def room(self) -> asyncio.Future:
+        """For the reader: resolves when fewer than MAX_STREAM_IN_FLIGHT requests are in flight."""
+        fut = self._reader_waits = self.loop.create_future()
+        return fut
+
+    def made_room(self) -> None:
+        fut = self._reader_waits
+        if fut is not None and len(self.answers) < MAX_STREAM_IN_FLIGHT:
+            self._reader_waits = None
+            if not fut.done():
+                fut.set_result(None)
 
 
 class GdnDecodeServicer(DecodeRpcs, gdn_pb2_grpc.GdnDecodeServicer):
@@ -242,11 +347,15 @@ class GdnDecodeServicer(DecodeRpcs, gdn_pb2_grpc.GdnDecodeServicer):
 
     def _start_decode(self, request: gdn_pb2.DecodeRequest) -> asyncio.Future:
         # A cancelled future (client gone, deadline passed) is dropped before the device.
+        fut, done = settle_on(asyncio.get_running_loop())
+        self._submit_decode(request, done, fut.cancelled)
+        return fut
+
+    def _submit_decode(self, request: gdn_pb2.DecodeRequest, done: Callable[[Any], None],
+                       cancelled: Callable[[], bool]) -> None:
         work = self._validated(request)
         shard = self.placement.shard_for(work.session_ids)
-        fut, done = settle_on(asyncio.get_running_loop())
-        shard.scheduler.submit_decode(work, done, cancelled=fut.cancelled)
-        return fut
+        shard.scheduler.submit_decode(work, done, cancelled=cancelled)
 
     # -- RPCs -------------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):

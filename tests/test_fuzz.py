@@ -400,3 +400,46 @@ def test_queue_bound_and_cancelled_requests():
         reply = stub.Decode(decode_request(1, [sids[0]], x2, positions=[0]), timeout=30)
         assert list(reply.positions) == [2]
         assert s.proc.poll() is None
+
+
+def test_a_stream_pipelines_past_its_read_ahead_and_answers_in_order():
+    """More requests in flight on one DecodeStream than it reads ahead (MAX_STREAM_IN_FLIGHT):
+    the reader waits for room, and every reply comes back, in request order, with its position;
+    a bad request in the middle is answered in its place without ending the stream."""
+    from gdn_server.servicer import MAX_STREAM_IN_FLIGHT
+
+    n = 2 * MAX_STREAM_IN_FLIGHT + 20
+    with start_server(*SMALL_MODEL) as s, grpc.insecure_channel(s.address) as ch:
+        stub = gdn_pb2_grpc.GdnDecodeStub(ch)
+        sid = stub.CreateSession(gdn_pb2.CreateSessionRequest()).session_id
+        reqs = []
+        for i in range(n):
+            req = decode_request(i % L, [sid], random_inputs(1, 1, H, HV), positions=[i // L])
+            req.request_id = f"r{i}"
+            reqs.append(req)
+        bad = n // 2  # one more request, in the middle: a session that does not exist
+        reqs.insert(bad, decode_request(0, ["no-such-session"], random_inputs(1, 1, H, HV)))
+        reqs[bad].request_id = "bad"
+        replies = list(stub.DecodeStream(iter(reqs), timeout=60))
+    assert [r.request_id for r in replies] == [f"r{i}" for i in range(bad)] + ["bad"] + [f"r{i}" for i in range(bad, n)]
+    assert replies[bad].error_code == C.NOT_FOUND.value[0]
+    ok = replies[:bad] + replies[bad + 1 :]
+    assert all(r.error_code == 0 for r in ok)
+    assert [list(r.positions) for r in ok] == [[i // L + 1] for i in range(n)]
+
+
+def test_a_cancelled_stream_drops_its_queued_requests_before_the_device():
+    """A DecodeStream cancelled while its requests wait in the scheduler's queue: none of them
+    is applied (the session's count is unchanged), and the server goes on serving."""
+    with start_server(*SMALL_MODEL, "--max-queue-delay-us", "600000") as s, grpc.insecure_channel(s.address) as ch:
+        stub = gdn_pb2_grpc.GdnDecodeStub(ch)
+        sid = stub.CreateSession(gdn_pb2.CreateSessionRequest()).session_id
+        reqs = [decode_request(layer, [sid], random_inputs(1, 1, H, HV), positions=[0]) for layer in range(L)]
+        call = stub.DecodeStream(iter(reqs), timeout=60)
+        time.sleep(0.2)  # read and queued, still waiting for the batch
+        call.cancel()
+        time.sleep(0.8)  # past the scheduler's wait: the queued requests have been looked at
+        for layer in range(L):  # position 0 still: nothing of the cancelled stream was applied
+            reply = stub.Decode(decode_request(layer, [sid], random_inputs(1, 1, H, HV), positions=[0]), timeout=30)
+            assert list(reply.positions) == [1]
+        assert s.proc.poll() is None
