@@ -18,12 +18,12 @@ import asyncio
 import contextlib
 import contextvars
 import inspect
-from typing import Any, AsyncContextManager, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncContextManager, AsyncIterator, Callable
 
 import grpc
 
 Around = Callable[[Any], AsyncContextManager[Any]]  # (servicer context) -> async context manager
-MapRequest = Callable[[Any, Any], Awaitable[Any]]  # (request message, servicer context) -> message
+MapRequest = Callable[[Any, Any], Any]  # (request message, servicer context) -> message (plain, not async: one per message)
 
 
 class Serialized:
@@ -82,7 +82,7 @@ def wrap_handler(
             return request_or_iterator
         if streaming_requests:
             return _mapped(request_or_iterator, context, map_request)
-        return await map_request(request_or_iterator, context)
+        return map_request(request_or_iterator, context)
 
     if not handler.response_streaming:
 
@@ -120,7 +120,7 @@ def wrap_handler(
 
 async def _mapped(requests, context, map_request: MapRequest) -> AsyncIterator[Any]:
     async for message in requests:
-        yield await map_request(message, context)
+        yield map_request(message, context)
 
 
 def final_code(context, error: BaseException | None) -> grpc.StatusCode:

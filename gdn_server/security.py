@@ -234,7 +234,7 @@ class RejectMalformed(grpc.aio.ServerInterceptor):
             except Exception as e:  # DecodeError, or whatever a generated parser raises
                 return _Malformed(e)
 
-        async def check(message, context):
+        def check(message, context):
             if isinstance(message, _Malformed):
                 raise InvalidArgument(f"malformed request message: {message.error}")
             return message

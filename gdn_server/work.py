@@ -97,18 +97,29 @@ class DecodeWork:
         return self._tokens
 
 
-@dataclass(frozen=True)
 class DecodeResult:
     """The answer to one DecodeWork: bf16 o [B, T, HV, V] as raw little-endian bytes (or a
-    read-only view of them)."""
+    read-only view of them). A plain slotted class, not a frozen dataclass: one is made per
+    answered request, and a frozen dataclass's __init__ costs several times more. Not changed
+    once made."""
 
-    out: bytes | memoryview
-    shape: tuple[int, ...]
-    positions: tuple[int, ...]
-    request_id: str = ""
-    # the whole DecodeResponse in its wire form, where the scheduler encoded it (Scheduler.encode_reply);
-    # `out` is then a view into it
-    wire: bytes | None = None
+    __slots__ = ("out", "shape", "positions", "request_id", "wire")
+
+    def __init__(
+        self, out: bytes | memoryview, shape: tuple[int, ...], positions: tuple[int, ...], request_id: str = "",
+        wire: bytes | None = None,
+    ) -> None:
+        self.out = out
+        self.shape = shape
+        self.positions = positions
+        self.request_id = request_id
+        # the whole DecodeResponse in its wire form, where the scheduler encoded it
+        # (Scheduler.encode_reply); `out` is then a view into it
+        self.wire = wire
+
+    def __repr__(self) -> str:
+        return (f"DecodeResult(out=<{len(self.out)} bytes>, shape={self.shape}, positions={self.positions}, "
+                f"request_id={self.request_id!r})")
 
 
 @dataclass
