@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--busy-poll-us", type=int, default=SchedulerConfig.busy_poll_us,
                    help="with the scheduler on the loop, after answering keep polling for the next request this "
                         "long instead of sleeping: lower latency at low load for a CPU core while clients keep "
-                        "the server busy (0: off)")
+                        "the server busy (default 0: off)")
     p.add_argument("--state-dir", default=None,
                    help="save every session here on SIGTERM/SIGINT and restore them on start (default: off)")
     p.add_argument("--session-idle-timeout-s", type=float, default=None,

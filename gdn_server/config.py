@@ -66,8 +66,9 @@ class SchedulerConfig:
     device_wait: str = "auto"
     # with rounds on the event loop: after answering, the loop keeps polling (never sleeps) this
     # long for the next request; costs a core while clients keep it busy (gdn_server.busy_poll).
-    # 0: the loop sleeps whenever it is idle
-    busy_poll_us: int = 1000
+    # 0 (default): the loop sleeps whenever it is idle. Off by default: on the H200 host it
+    # changed nothing (bench/NOTES.md), on the CPU box it halved one client's latency
+    busy_poll_us: int = 0
 
     def __post_init__(self) -> None:
         if self.runs_on not in SCHEDULER_RUNS_ON:
