@@ -37,6 +37,7 @@ from gdn_server.server import (
     GdnApp, ServerSettings, build_app, close_shards, drain_shards, grpc_server, save_shards, set_serving, start_shards,
 )
 from gdn_server.weights import load_gate_params
+from gdn_server.tuning import freeze_startup_objects
 
 log = logging.getLogger("gdn_server.engine")
 
@@ -115,6 +116,7 @@ async def serve_engine(settings: EngineSettings) -> None:
             shard.index, shard.backend.device_name, shard.backend.name, shard.sessions.capacity,
             shape.num_layers, shard.backend.pool_bytes / 2**20,
         )
+    freeze_startup_objects()  # see gdn_server/tuning.py
     print("ready", flush=True)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the router reads one line; later output is logs
 

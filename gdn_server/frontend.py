@@ -42,6 +42,7 @@ from gdn_server.security import (
 )
 from gdn_server.servicer import DecodeRpcs
 from gdn_server.work import DecodeResult, DecodeWork
+from gdn_server.tuning import freeze_startup_objects
 
 log = logging.getLogger("gdn_server.frontend")
 
@@ -350,6 +351,7 @@ async def serve_frontend(settings: FrontendSettings) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
+    freeze_startup_objects()  # see gdn_server/tuning.py
     print("ready", flush=True)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the router reads one line; later output is logs
     engine_gone = [asyncio.ensure_future(link.closed.wait()) for link in links]

@@ -53,6 +53,7 @@ from gdn_server.metrics import Metrics
 from gdn_server.security import ForwardedIdentity, RejectMalformed, current_identity
 from gdn_server.server import ServerSettings, add_health_and_reflection, max_message_bytes, set_serving
 from gdn_server.snapshot import device_snapshot_dir, device_snapshot_dirs
+from gdn_server.tuning import freeze_startup_objects
 
 log = logging.getLogger("gdn_server.router")
 
@@ -439,6 +440,7 @@ async def serve_router(settings: ServerSettings) -> int:
         await set_serving(health, True)
         log.info("%d front-end workers (pids %s), engines for devices %s (pids %s)", workers.count, workers.pids,
                  list(indices), [e.proc.pid for e in engines])
+        freeze_startup_objects()  # see gdn_server/tuning.py
         print(f"listening on {settings.host}:{port}", flush=True)
         code = await _run_until_stopped(settings, health, engine_pool)
     except BaseException:

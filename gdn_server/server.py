@@ -32,6 +32,7 @@ from gdn_server.servicer import GdnDecodeServicer, encode_decode_reply
 from gdn_server.sessions import OwnerQuota, SessionTable
 from gdn_server.snapshot import device_snapshot_dirs, load_snapshots, save_snapshot
 from gdn_server.weights import GateParams
+from gdn_server.tuning import freeze_startup_objects
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +272,7 @@ async def serve(app: GdnApp) -> None:
     host = app.settings.host
     if app.metrics is not None and app.metrics.port is not None:
         print(f"metrics on http://{host}:{app.metrics.port}/metrics", flush=True)
+    freeze_startup_objects()  # see gdn_server/tuning.py
     print(f"listening on {host}:{port}", flush=True)
     for shard in app.placement:
         log.info(
