@@ -38,7 +38,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import torch
 
 from gdn_server.backends.base import Backend, NonFiniteInputs
 from gdn_server.config import SchedulerConfig
@@ -641,7 +640,8 @@ class Scheduler:
     def _finish(self, in_flight: list) -> None:
         for pending, batch, members, started in in_flight:
             try:
-                out = pending.result()
+                # the backend's buffer, reused by a later launch: read here, never kept
+                whole = pending.result_bytes()
             except Exception as e:
                 log.exception("backend step failed (%d rows)", batch.rows)
                 for m in members:
@@ -657,9 +657,7 @@ class Scheduler:
                 self.on_launch(batch.rows, max(started - m.item.enqueued for m in members), device_s)
             encode = self.encode_reply
             if encode is None:  # one copy of the whole output, sliced per request
-                whole = out.view(torch.int16).numpy().tobytes()
-            else:  # the backend's buffer, reused by a later launch: read here, never kept
-                whole = memoryview(out.view(torch.uint8).reshape(-1).numpy())
+                whole = bytes(whole)
             row_bytes = len(whole) // batch.rows
             single = len(members) == 1
             self.stats.requests += len(members)  # counted before the answers, as GetStats may follow one

@@ -62,13 +62,15 @@ class _Staging:
         views = self._views.get(key)
         if views is None:
             out = (plan.out_shape, torch.bfloat16)
+            out_host = self.out_host[: plan.out_bytes]
             views = _Views(
                 host={name: _carve(self.host, e) for name, e in plan.entries.items()},
                 dev={name: _carve(self.dev, e) for name, e in plan.entries.items()},
                 host_all=self.host[: plan.total],
                 dev_all=self.dev[: plan.total],
                 out_dev=self.out_dev[: plan.out_bytes].view(torch.bfloat16).view(out[0]),
-                out_host=self.out_host[: plan.out_bytes].view(torch.bfloat16).view(out[0]),
+                out_host=out_host.view(torch.bfloat16).view(out[0]),
+                out_host_bytes=memoryview(out_host.numpy()),
             )
             self._views[key] = views
         return views
@@ -88,6 +90,7 @@ class _Views:
     dev_all: torch.Tensor
     out_dev: torch.Tensor
     out_host: torch.Tensor
+    out_host_bytes: memoryview  # out_host's bytes, what the scheduler reads replies from
 
 
 def _staged_nonfinite(batch: StepBatch, plan: _Plan, views: _Views) -> dict[int, InvalidArgument]:
@@ -117,14 +120,18 @@ def _staged_nonfinite(batch: StepBatch, plan: _Plan, views: _Views) -> dict[int,
 
 
 class _CudaStep(PendingStep):
-    def __init__(self, staging: _Staging, out: torch.Tensor, device: torch.device) -> None:
+    def __init__(self, staging: _Staging, views: _Views, device: torch.device) -> None:
         self._staging = staging
-        self._out = out
+        self._views = views
         self._device = device
 
     def result(self) -> torch.Tensor:
         self._staging.done.synchronize()
-        return self._out
+        return self._views.out_host
+
+    def result_bytes(self) -> memoryview:
+        self._staging.done.synchronize()
+        return self._views.out_host_bytes
 
     def ready(self) -> bool:
         return self._staging.done.query()
@@ -234,7 +241,7 @@ class CudaBackend(Backend):
             else:
                 self._device_steps(views, in_place)
             staging.done.record(self.stream)
-        return _CudaStep(staging, views.out_host, self.device)
+        return _CudaStep(staging, views, self.device)
 
     def _device_steps(self, views: _Views, in_place: bool) -> None:
         """A launch's device work, on the current stream, from a filled staging set."""

@@ -172,6 +172,9 @@ def test_unchecked_inputs_are_checked_in_staging_before_anything_runs(native_fil
         gpu.synchronize()
         assert torch.equal(gpu.state_pool, before)
         if sum(rows_each) <= 16:  # distinct slots: the batch can run as it is
-            out = gpu.submit(batch_of({})).result().clone()
+            pending = gpu.submit(batch_of({}))
+            out = pending.result().clone()
+            # the bytes the scheduler answers from: the same output, through the view made once
+            assert bytes(pending.result_bytes()) == out.view(torch.uint8).reshape(-1).numpy().tobytes()
             ref = cpu.submit(batch_of({})).result()
             assert rel_err(out, ref.float()) < 1e-2
