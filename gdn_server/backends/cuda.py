@@ -278,6 +278,12 @@ class CudaBackend(Backend):
         for idx, staging in enumerate(self._ring):
             if staging is None:
                 self._ring[idx] = self._new_staging()
+        # and every staging set's views for one-token launches of up to rows_hint rows: building
+        # them on first use (~20 torch calls per (R, T) and set) was 3% of the event loop's
+        # samples over the first seconds of load at 64 clients (bench/NOTES.md, profile_v2)
+        for staging in self._ring:
+            for rows in range(1, self._rows_hint + 1):
+                staging.views_for(self._plan(rows, 1), (rows, 1))
         if not self.use_kernel:
             return
         from gdn_server.kernels import compile_variant
