@@ -3,7 +3,7 @@
 A client that steps one session through its layers sends its next request right after each
 reply. Between the two, an idle event loop blocks in epoll; the next request then finds a thread
 that has to be woken and caches gone cold, and the whole step runs slower (bench/NOTES.md: at one
-client, p50 0.55 -> 0.32 ms on the 2-core CPU box with a host-only backend; the host work of the
+client, p50 0.55 -> 0.31 ms on the 2-core CPU box with a host-only backend; the host work of the
 same step run hot takes a fraction of what it takes cold). The kernel's `net.core.busy_poll` does
 the same for sockets. Where the wake-up is not what makes a step slow it gains nothing: on the
 H200 host one client's p50 stayed 0.77-0.79 ms, so it is off unless asked for.

@@ -36,8 +36,8 @@ from gdn_server.snapshot import SnapshotError
 from gdn_server.server import (
     GdnApp, ServerSettings, build_app, close_shards, drain_shards, grpc_server, save_shards, set_serving, start_shards,
 )
-from gdn_server.weights import load_gate_params
 from gdn_server.tuning import freeze_startup_objects
+from gdn_server.weights import load_gate_params
 
 log = logging.getLogger("gdn_server.engine")
 

@@ -41,8 +41,8 @@ from gdn_server.security import (
     server_credentials,
 )
 from gdn_server.servicer import DecodeRpcs
-from gdn_server.work import DecodeResult, DecodeWork
 from gdn_server.tuning import freeze_startup_objects
+from gdn_server.work import DecodeResult, DecodeWork
 
 log = logging.getLogger("gdn_server.frontend")
 

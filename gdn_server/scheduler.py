@@ -38,7 +38,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-
 from gdn_server.backends.base import Backend, NonFiniteInputs
 from gdn_server.config import SchedulerConfig
 from gdn_server.errors import FailedPrecondition, GdnError, Unavailable

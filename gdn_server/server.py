@@ -31,8 +31,8 @@ from gdn_server.security import AuthInterceptor, RejectMalformed, SecurityConfig
 from gdn_server.servicer import GdnDecodeServicer, encode_decode_reply
 from gdn_server.sessions import OwnerQuota, SessionTable
 from gdn_server.snapshot import device_snapshot_dirs, load_snapshots, save_snapshot
-from gdn_server.weights import GateParams
 from gdn_server.tuning import freeze_startup_objects
+from gdn_server.weights import GateParams
 
 log = logging.getLogger(__name__)
 

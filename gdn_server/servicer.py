@@ -2,7 +2,8 @@
 
 It stays thin. Domain errors (`GdnError`) become status codes here and only here: unary RPCs abort
 with the code, DecodeStream answers the failing request with `error_code`/`error_message` and
-keeps going. The event loop never waits on the device: the scheduler thread settles futures.
+keeps going. The event loop never waits on the device: the scheduler answers each request
+through a callback (a future's for a unary call, the stream's slot for a DecodeStream message).
 """
 from __future__ import annotations
 
