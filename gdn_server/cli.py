@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
 from gdn_server.config import DEVICE_WAIT, PRESETS, SCHEDULER_RUNS_ON, ModelShape, SchedulerConfig
+from gdn_server.event_loop import EVENT_LOOPS
+from gdn_server.event_loop import run as run_loop
 from gdn_server.security import SecurityConfig
 from gdn_server.server import ServerSettings, build_app, serve
 from gdn_server.snapshot import SnapshotError
@@ -57,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with the scheduler on the loop, after answering keep polling for the next request this "
                         "long instead of sleeping: lower latency at low load for a CPU core while clients keep "
                         "the server busy (default 0: off)")
+    p.add_argument("--event-loop", choices=EVENT_LOOPS, default="auto",
+                   help="the asyncio loop every server process runs on: 'uvloop' (its loop machinery in C), "
+                        "'asyncio' (the standard one), or 'auto' (uvloop where installed; default)")
     p.add_argument("--state-dir", default=None,
                    help="save every session here on SIGTERM/SIGINT and restore them on start (default: off)")
     p.add_argument("--session-idle-timeout-s", type=float, default=None,
@@ -168,12 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         state_dir=args.state_dir,
         session_idle_timeout_s=args.session_idle_timeout_s,
         frontends=args.frontends,
+        event_loop=args.event_loop,
     )
     if settings.frontends:  # workers, a router, and one engine process per device
         from gdn_server.router import serve_router
 
         try:
-            return asyncio.run(serve_router(settings))
+            return run_loop(serve_router(settings), settings.event_loop)
         except (ValueError, RuntimeError, OSError) as e:
             log.error("cannot serve: %s", e)
             return 2
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot start: %s", e)
         return 2
     try:
-        asyncio.run(serve(app))
+        run_loop(serve(app), settings.event_loop)
     except (OSError, RuntimeError) as e:
         log.error("cannot serve: %s", e)
         return 2

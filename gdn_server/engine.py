@@ -30,6 +30,7 @@ import grpc
 from gdn_server.child_process import JsonSettings, start_child
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape, SchedulerConfig
 from gdn_server.engine_link import EngineLink
+from gdn_server.event_loop import run as run_loop
 from gdn_server.metrics import GAUGE_REFRESH_S, EngineMetrics
 from gdn_server.security import ForwardedIdentity, RejectMalformed
 from gdn_server.snapshot import SnapshotError
@@ -66,6 +67,7 @@ class EngineSettings(JsonSettings):
     load_dirs: list[str] = field(default_factory=list)  # snapshots to restore on start
     metrics_dir: str | None = None  # prometheus multiprocess files (None: metrics off)
     log_level: str = "INFO"
+    event_loop: str = "auto"  # gdn_server.event_loop
 
 
 def list_sessions_handler(app: GdnApp) -> grpc.GenericRpcHandler:
@@ -156,7 +158,7 @@ async def _stop_when_orphaned(stop: asyncio.Event) -> None:
 def main() -> int:
     settings = start_child(EngineSettings, "engine[{device_index}]")
     try:
-        asyncio.run(serve_engine(settings))
+        run_loop(serve_engine(settings), settings.event_loop)
     except SnapshotError as e:  # (a RuntimeError) the sessions could not be written or read
         log.error("%s", e)
         return 1

@@ -40,6 +40,7 @@ from gdn_server.security import (
     IDENTITY_METADATA, AuthInterceptor, RejectMalformed, SecurityConfig, current_identity, load_tokens,
     server_credentials,
 )
+from gdn_server.event_loop import run as run_loop
 from gdn_server.servicer import DecodeRpcs
 from gdn_server.tuning import freeze_startup_objects
 from gdn_server.work import DecodeResult, DecodeWork
@@ -70,6 +71,7 @@ class FrontendSettings(JsonSettings):
     # where RPC metrics go (prometheus_client multiprocess mode; the router sets
     # PROMETHEUS_MULTIPROC_DIR to it for us); None: metrics are off
     metrics_dir: str | None = None
+    event_loop: str = "auto"  # gdn_server.event_loop
 
 
 class EngineLinkClient:
@@ -374,7 +376,7 @@ async def serve_frontend(settings: FrontendSettings) -> int:
 def main() -> int:
     settings = start_child(FrontendSettings, "frontend[{index}]")
     try:
-        return asyncio.run(serve_frontend(settings))
+        return run_loop(serve_frontend(settings), settings.event_loop)
     except OSError as e:
         log.error("front end %d cannot serve: %s", settings.index, e)
         return 2

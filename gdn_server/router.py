@@ -428,7 +428,7 @@ async def serve_router(settings: ServerSettings) -> int:
                 link_paths=[e.link_path for e in engines], shape=dataclasses.asdict(settings.shape),
                 security=dataclasses.asdict(sec), max_message_bytes=limit, grace_s=settings.grace_s,
                 log_level=logging.getLevelName(logging.getLogger("gdn_server").getEffectiveLevel()),
-                metrics_dir=metrics_dir,
+                metrics_dir=metrics_dir, event_loop=settings.event_loop,
             )
 
         workers = FrontendPool(settings.frontends, worker_settings)
@@ -492,6 +492,7 @@ def _engine_settings(settings: ServerSettings, device: str, engine: Engine, indi
         session_idle_timeout_s=settings.session_idle_timeout_s, save_dir=save_dir, load_dirs=load_dirs,
         metrics_dir=metrics_dir,
         log_level=logging.getLevelName(logging.getLogger("gdn_server").getEffectiveLevel()),
+        event_loop=settings.event_loop,
     )
 
 

@@ -58,6 +58,7 @@ class ServerSettings:
     state_dir: str | None = None  # sessions are saved here on shutdown and restored on start
     session_idle_timeout_s: float | None = None  # evict sessions unused this long (None: never)
     frontends: int = 0  # gRPC worker processes in front of one engine process per device (gdn_server.router)
+    event_loop: str = "auto"  # every process's asyncio loop (gdn_server.event_loop)
 
 
 @dataclass
@@ -274,6 +275,7 @@ async def serve(app: GdnApp) -> None:
         print(f"metrics on http://{host}:{app.metrics.port}/metrics", flush=True)
     freeze_startup_objects()  # see gdn_server/tuning.py
     print(f"listening on {host}:{port}", flush=True)
+    log.info("event loop: %s", type(loop).__module__.split(".")[0])
     for shard in app.placement:
         log.info(
             "device %d (%s): backend %s, %d sessions x %d layers, pool %.1f MiB",
