@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frontends", type=int, default=0,
                    help="gRPC front-end worker processes: they parse, validate and answer requests, and hand "
                         "decode steps to one engine process per device, which owns its state pool (0: serve "
-                        "everything in this process; a GPU host serving many clients wants several, see the README)")
+                        "everything in this process; they pay off with several GPUs, see the README)")
     ops = p.add_argument_group("operations")
     ops.add_argument("--metrics-port", type=int, default=None,
                      help="serve Prometheus /metrics on --host at this port; 0 takes a free one (default: off)")
