@@ -10,7 +10,11 @@
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
-if [[ -d .whl ]]; then  # runtime packages the image lacks (grpcio-health-checking, grpcio-reflection)
+# Runtime packages the image lacks, as cp312 wheels in .whl/ (git-ignored; carry it): grpcio-health-checking
+# and grpcio-reflection 1.84.0, uvloop 0.23.0 (without it the server runs on asyncio's loop and says so
+# in its log). Fetch them here with: python3 -m pip download --no-deps --only-binary=:all: --python-version
+# 3.12 --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl NAME==VERSION
+if [[ -d .whl ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
@@ -23,6 +27,7 @@ if ! python3 -c "import gdn_server._native" 2>/dev/null; then
     || echo "gdn_server._native not built: the Python parse and checks run"
 fi
 python3 -c "from gdn_server import protowire; print('native decode path:', protowire.native is not None)"
+python3 -c "from gdn_server.event_loop import loop_name; print('event loop (--event-loop auto):', loop_name('auto'))"
 case "${1:-}" in
   tests)
     nvidia-smi -L
