@@ -6,7 +6,7 @@ import logging
 import sys
 
 from gdn_server.config import DEVICE_WAIT, PRESETS, SCHEDULER_RUNS_ON, ModelShape, SchedulerConfig
-from gdn_server.event_loop import EVENT_LOOPS
+from gdn_server.event_loop import EVENT_LOOPS, loop_factory
 from gdn_server.event_loop import run as run_loop
 from gdn_server.security import SecurityConfig
 from gdn_server.server import ServerSettings, build_app, serve
@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-queue-delay-us must be >= 0")
     if args.busy_poll_us < 0:
         parser.error("--busy-poll-us must be >= 0")
+    try:
+        loop_factory(args.event_loop)  # --event-loop uvloop without uvloop: say so before anything starts
+    except RuntimeError as e:
+        parser.error(str(e))
     if args.speculative_sessions is not None and args.speculative_sessions < 0:
         parser.error("--speculative-sessions must be >= 0")
     devices = None

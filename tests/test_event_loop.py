@@ -41,3 +41,22 @@ def test_a_server_serves_streams_on_either_loop(choice):
         replies = list(stub.DecodeStream(iter(reqs), timeout=60))
         assert [list(r.positions) for r in replies] == [[1]] * 3
         assert any(f"event loop: {choice}" in line for line in s.log), s.log[-5:]
+
+
+def test_asking_for_uvloop_without_it_fails_at_once_with_a_reason():
+    """`--event-loop uvloop` where uvloop cannot be imported: exit 2 and why, before any start-up;
+    `auto` then runs on asyncio's loop."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['uvloop'] = None\n"  # makes `import uvloop` fail
+        "from gdn_server.event_loop import loop_name\n"
+        "assert loop_name('auto') == 'asyncio'\n"
+        "from gdn_server.cli import main\n"
+        "sys.exit(main(['--device', 'cpu', '--port', '0', '--layers', '1', '--q-heads', '1', '--v-heads', '1',"
+        " '--event-loop', 'uvloop']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert "uvloop is not installed" in out.stderr
