@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|copythreads|speculative   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|copythreads|speculative   (each part fits in one 10-minute call)
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
@@ -90,6 +90,14 @@ case "${1:-}" in
         --warmup 20 --out "$out/trace_big_t$n" 2>&1 | grep -E "in -> queued|round -> submitted|finish -> answered|round trip"
     done
     ;;
+  loops)  # N=64 on uvloop (the default), on asyncio's loop, and the echo floor on uvloop too (cpu_split each)
+    for case in "uvloop::" "asyncio:--event-loop asyncio:" "uvloop_echo_uvloop::1"; do
+      IFS=: read -r name flags echo_uvloop <<< "$case"
+      mkdir -p "$out/loops_$name"
+      GDN_ECHO_UVLOOP=$echo_uvloop timeout 200 python3 bench/cpu_split.py --device cuda --clients "${CLIENTS:-64}" \
+        --duration 4 --server-flags "$flags" --out "$out/loops_$name" 2>&1 | tail -3 | sed "s/^/$name /"
+    done
+    ;;
   copythreads)  # the native module's threaded copies: thread hand-off, a B=256 request's inputs, a 2 MiB reply
     timeout 120 python3 bench/copy_threads.py --json "$out/copy_threads.json" 2>&1 | tee "$out/copy_threads.md"
     ;;
@@ -104,5 +112,5 @@ case "${1:-}" in
   speculative)
     timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8
     ;;
-  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|speculative" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|copythreads|speculative|pack" >&2; exit 2 ;;
 esac

@@ -9,12 +9,18 @@ truncated or zero-padded). That lets the load tool reproduce a decode step's siz
     python -m gdn_client._echo --host 127.0.0.1 --port 0     # prints "listening on HOST:PORT"
 
 `bench/echo_server.py` runs the same thing from a checkout.
+
+The floor runs on asyncio's own loop, as a plain gRPC service would. `--uvloop` (or
+GDN_ECHO_UVLOOP=1 in the environment, which reaches the echo that gdn-loadtest --echo starts)
+runs it on uvloop instead: the floor a service on uvloop would have, to tell how much of
+gdn-server's gain from uvloop (`--event-loop`) any service would get.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import struct
 from typing import AsyncIterator
@@ -85,7 +91,15 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="gRPC bytes echo server (the floor for gdn-loadtest --echo)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--uvloop", action="store_true", default=os.environ.get("GDN_ECHO_UVLOOP") == "1",
+                   help="run on uvloop instead of asyncio's loop (also GDN_ECHO_UVLOOP=1)")
     args = p.parse_args(argv)
+    if not args.uvloop:
+        asyncio.run(serve(args.host, args.port))
+        return
+    import uvloop  # only for this reference point: not a dependency of the client library
+
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     asyncio.run(serve(args.host, args.port))
 
 

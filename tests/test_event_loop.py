@@ -60,3 +60,27 @@ def test_asking_for_uvloop_without_it_fails_at_once_with_a_reason():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, (out.returncode, out.stderr)
     assert "uvloop is not installed" in out.stderr
+
+
+@pytest.mark.parametrize("env, argv, expected", [
+    ({}, [], "asyncio"), ({}, ["--uvloop"], "uvloop"), ({"GDN_ECHO_UVLOOP": "1"}, [], "uvloop"),
+])
+def test_the_echo_floor_runs_on_asyncios_loop_unless_asked(monkeypatch, env, argv, expected):
+    """The echo floor is a plain gRPC service (asyncio's loop); --uvloop or GDN_ECHO_UVLOOP=1 (how
+    bench/gpu_session.sh's `loops` part reaches the echo gdn-loadtest starts) put it on uvloop."""
+    import gdn_client._echo as echo
+
+    seen = []
+
+    async def fake_serve(host: str, port: int) -> None:
+        seen.append(await _loop_module())
+
+    monkeypatch.setattr(echo, "serve", fake_serve)
+    monkeypatch.delenv("GDN_ECHO_UVLOOP", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    try:
+        echo.main(argv)
+    finally:
+        asyncio.set_event_loop_policy(None)
+    assert seen == [expected]
