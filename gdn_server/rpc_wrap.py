@@ -23,7 +23,8 @@ from typing import Any, AsyncContextManager, AsyncIterator, Callable
 import grpc
 
 Around = Callable[[Any], AsyncContextManager[Any]]  # (servicer context) -> async context manager
-MapRequest = Callable[[Any, Any], Any]  # (request message, servicer context) -> message (plain, not async: one per message)
+# (request message, servicer context) -> message; a plain call, not a coroutine: it runs per message
+MapRequest = Callable[[Any, Any], Any]
 
 
 class Serialized:
