@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server.child_process import JsonSettings, start_child
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape
+from gdn_server.event_loop import run as run_loop
 from gdn_server.protowire import decode_request_parsers
 from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
 from gdn_server.metrics import MetricsInterceptor, RpcMetrics
@@ -40,7 +41,6 @@ from gdn_server.security import (
     IDENTITY_METADATA, AuthInterceptor, RejectMalformed, SecurityConfig, current_identity, load_tokens,
     server_credentials,
 )
-from gdn_server.event_loop import run as run_loop
 from gdn_server.servicer import DecodeRpcs
 from gdn_server.tuning import freeze_startup_objects
 from gdn_server.work import DecodeResult, DecodeWork

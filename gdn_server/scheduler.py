@@ -35,7 +35,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from gdn_server.backends.base import Backend, NonFiniteInputs
