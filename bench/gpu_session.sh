@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|copythreads|speculative   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|copythreads|speculative   (each part fits in one 10-minute call)
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
@@ -98,6 +98,25 @@ case "${1:-}" in
         --duration 4 --server-flags "$flags" --out "$out/loops_$name" 2>&1 | tail -3 | sed "s/^/$name /"
     done
     ;;
+  ab)  # N=64 cpu_split of a base checkout (BASE, default .ab_base: its gdn_server, gdn_client, bench; carry it)
+        # and of this tree, alternately (ROUNDS, default 2), in one call: an A/B on one host
+    base=${BASE:-.ab_base}
+    [[ -d $base/gdn_server ]] || { echo "ab: no base checkout at $base" >&2; exit 2; }
+    cp gdn_server/_native*.so "$base/gdn_server/" 2>/dev/null || true
+    out_abs=$(cd "$out" && pwd)
+    for round in $(seq 1 "${ROUNDS:-2}"); do
+      for side in base new; do
+        mkdir -p "$out/ab_${side}_$round"
+        if [[ $side == base ]]; then
+          (cd "$base" && PYTHONPATH="$PWD:$PYTHONPATH" timeout 200 python3 bench/cpu_split.py --device cuda \
+            --clients "${CLIENTS:-64}" --duration 4 --server-flags "${SERVER_FLAGS:-}" --out "$out_abs/ab_${side}_$round" 2>&1)
+        else
+          timeout 200 python3 bench/cpu_split.py --device cuda --clients "${CLIENTS:-64}" --duration 4 \
+            --server-flags "${SERVER_FLAGS:-}" --out "$out/ab_${side}_$round" 2>&1
+        fi | tail -2 | sed "s/^/$side $round /"
+      done
+    done
+    ;;
   copythreads)  # the native module's threaded copies: thread hand-off, a B=256 request's inputs, a 2 MiB reply
     timeout 120 python3 bench/copy_threads.py --json "$out/copy_threads.json" 2>&1 | tee "$out/copy_threads.md"
     ;;
@@ -112,5 +131,5 @@ case "${1:-}" in
   speculative)
     timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8
     ;;
-  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|copythreads|speculative|pack" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|copythreads|speculative|pack" >&2; exit 2 ;;
 esac

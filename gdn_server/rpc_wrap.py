@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import contextvars
 import inspect
-from typing import Any, AsyncContextManager, AsyncIterator, Callable
+from typing import Any, AsyncContextManager, Callable
 
 import grpc
 
@@ -82,7 +82,7 @@ def wrap_handler(
         if map_request is None:
             return request_or_iterator
         if streaming_requests:
-            return _mapped(request_or_iterator, context, map_request)
+            return _MappedRequests(request_or_iterator, context, map_request)
         return map_request(request_or_iterator, context)
 
     if not handler.response_streaming:
@@ -98,7 +98,9 @@ def wrap_handler(
     elif inspect.iscoroutinefunction(behavior):  # reader/writer API: writes with context.write
 
         async def wrapped(request_or_iterator, context):
-            # not set: context.write serializes with the handler's serializer only in some grpc versions
+            # grpc.aio's context.write serializes with the handler's response serializer (grpcio >= 1.84,
+            # our floor): the one built below, which passes Serialized through
+            _SERIALIZED_OK.set(True)
             async with around(context):
                 await behavior(await prepare(request_or_iterator, context), context)
 
@@ -119,9 +121,33 @@ def wrap_handler(
     )
 
 
-async def _mapped(requests, context, map_request: MapRequest) -> AsyncIterator[Any]:
-    async for message in requests:
-        yield map_request(message, context)
+class _MappedRequests:
+    """A streaming call's requests, each through `map_request`, read with `context.read()`.
+
+    Not an async generator over grpc's own request iterator (itself an async generator over
+    `context.read()`): that stacked two generator resumptions on every message of every stream.
+    The behaviour must read only through this object (grpc.aio forbids mixing `context.read()` with
+    iterating the request iterator); a second wrapping adds its map to this one's instead of
+    stacking another reader."""
+
+    __slots__ = ("_context", "_maps")
+
+    def __init__(self, requests: Any, context: Any, map_request: MapRequest) -> None:
+        inner = requests._maps if type(requests) is _MappedRequests else ()
+        self._context = context
+        self._maps = (*inner, map_request)
+
+    def __aiter__(self) -> "_MappedRequests":
+        return self
+
+    async def __anext__(self) -> Any:
+        context = self._context
+        message = await context.read()
+        if message is grpc.aio.EOF:
+            raise StopAsyncIteration
+        for map_request in self._maps:
+            message = map_request(message, context)
+        return message
 
 
 def final_code(context, error: BaseException | None) -> grpc.StatusCode:

@@ -191,13 +191,13 @@ class DecodeRpcs:
             await context.abort(e.code, e.message)
         return _reply(result)
 
-    async def DecodeStream(
-        self, request_iterator: AsyncIterator[gdn_pb2.DecodeRequest], context
-    ) -> AsyncIterator[gdn_pb2.DecodeResponse | Serialized]:
+    async def DecodeStream(self, request_iterator: AsyncIterator[gdn_pb2.DecodeRequest], context) -> None:
         # A reader task validates and queues up to MAX_STREAM_IN_FLIGHT requests ahead of their
-        # replies, so one stream is pipelined; this generator answers them in request order. Per
-        # message: a slot the scheduler answers into, and one wake-up of this generator when the
-        # oldest slot is answered (no future, queue or wake-up per request besides).
+        # replies, so one stream is pipelined; this coroutine answers them in request order. Per
+        # message: a slot the scheduler answers into, and one wake-up of this coroutine when the
+        # oldest slot is answered (no future, queue or wake-up per request besides). Replies go
+        # out with context.write (grpc.aio's reader/writer API), not as an async generator's
+        # items: grpc would resume the generator, and each wrapping of the handler's, per reply.
         stream = _ReplyStream(asyncio.get_running_loop())
 
         async def read() -> None:
@@ -226,7 +226,7 @@ class DecodeRpcs:
                 if answers and answers[0].result is not _PENDING:
                     answer = answers.popleft()
                     stream.made_room()
-                    yield self._stream_reply(answer)
+                    await context.write(self._stream_reply(answer))
                 elif not answers and stream.ended:
                     if stream.error is not None:
                         raise stream.error
