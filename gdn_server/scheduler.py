@@ -134,7 +134,10 @@ class Scheduler:
         self.encode_reply: Callable[[Any, tuple, tuple, str], tuple[bytes, int]] | None = None
         self._pending: deque[_DecodeItem | _ControlItem] = deque()
         self._pending_rows = 0
-        self._cv = threading.Condition()
+        # the condition's own lock, taken directly where nothing waits or is notified: `with` on a
+        # Lock is one C call, on a Condition a Python-level __enter__ and __exit__ per request
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._stopping = False
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="gdn-scheduler", daemon=True)
@@ -164,7 +167,8 @@ class Scheduler:
         self._loop_thread = threading.get_ident()
 
     def submit_decode(self, work: DecodeWork, done: Done, cancelled: Callable[[], bool] | None = None) -> None:
-        self._enqueue(_DecodeItem(work, done, work.rows, cancelled), work.rows)
+        rows = len(work.session_ids)
+        self._enqueue(_DecodeItem(work, done, rows, cancelled), rows)
 
     def submit_decode_later(
         self, make_work: Callable[[], DecodeWork], rows: int, done: Done, cancelled: Callable[[], bool] | None = None
@@ -205,7 +209,7 @@ class Scheduler:
 
     def _enqueue(self, item: _DecodeItem | _ControlItem, rows: int) -> None:
         post = False  # whether this call posts the loop's next round
-        with self._cv:
+        with self._lock:
             if not self._accepting:
                 refused: GdnError | None = Unavailable("the server is shutting down")
             elif rows and self._pending_rows and self._pending_rows + rows > self.config.max_queue_rows:
@@ -294,7 +298,7 @@ class Scheduler:
 
     # -- on the event loop -------------------------------------------------------------------
     def _loop_round(self) -> None:
-        with self._cv:
+        with self._lock:
             self._round_scheduled = False
         try:
             again = self._advance()
@@ -451,7 +455,7 @@ class Scheduler:
             work = item.work
             ids = work.session_ids
             n = len(ids)
-            if busy.intersection(ids) or (rows and rows + n > max_rows):
+            if not busy.isdisjoint(ids) or (rows and rows + n > max_rows):
                 busy.update(ids)
                 deferred.append(item)
                 continue
@@ -498,8 +502,7 @@ class Scheduler:
         the item was answered here (an error, or a retry of the last step)."""
         work = item.work
         try:
-            get = self.sessions.get
-            sessions = [get(sid) for sid in work.session_ids]
+            sessions = list(map(self.sessions.get, work.session_ids))
             owner = work.owner
             for s in sessions:
                 if s.owner != owner:
@@ -608,24 +611,26 @@ class Scheduler:
                 m.item.done(GdnError(f"backend failure: {e}"))
             return
         now = time.monotonic()
-        stats, on_dispatch = self.stats, self.on_dispatch
+        on_dispatch = self.on_dispatch
+        tokens = batch.tokens  # every request of a batch has this T
+        queue_wait = 0.0
         for m in members:  # the step is queued on the device: later requests see the new positions
             item = m.item
             work = item.work
-            stats.queue_wait_s += now - item.enqueued
+            queue_wait += now - item.enqueued
             if on_dispatch is not None:
                 on_dispatch(started - item.enqueued)
-            layer, tokens = work.layer, work.tokens
+            layer, speculative = work.layer, work.speculative
             m.record = record = StepRecord(tokens, len(m.sessions))
             after = []
             for row, s in enumerate(m.sessions):
                 positions = s.positions
                 before = positions[layer]
-                positions[layer] = before + tokens
-                after.append(before + tokens)
+                positions[layer] = after_step = before + tokens
+                after.append(after_step)
                 s.last_steps[layer] = LastStep(before, record, row)
                 s.last_used = now
-                if work.speculative:
+                if speculative:
                     s.provisional[work.layer] = Provisional(
                         row=m.write_rows[row], read_row=m.read_rows[row], tokens=work.tokens, count_before=before,
                         inputs=tuple(t[row : row + 1] for t in (work.q, work.k, work.v, work.a, work.b)),
@@ -634,6 +639,7 @@ class Scheduler:
             # rows superseded by this step: any later launch on the stream may write them again
             for released in m.released:
                 self.sessions.give_scratch(released)
+        self.stats.queue_wait_s += queue_wait
         in_flight.append((pending, batch, members, started))
 
     def _finish(self, in_flight: list) -> None:
