@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|copythreads|speculative   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|delay|copythreads|speculative   (each part fits in one 10-minute call)
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
@@ -117,6 +117,12 @@ case "${1:-}" in
       done
     done
     ;;
+  delay)  # N=64 (part a only) at each --max-queue-delay-us of DELAYS: rows per launch against throughput
+    for d in ${DELAYS:-0 50 150}; do
+      timeout 150 python3 bench/serve.py --device cuda --duration 3 --clients "${CLIENTS:-64}" --skip b,c \
+        --server-flags "--max-queue-delay-us $d" --out "$out/delay_$d" 2>&1 | tail -1 | sed "s/^/delay $d us /"
+    done
+    ;;
   copythreads)  # the native module's threaded copies: thread hand-off, a B=256 request's inputs, a 2 MiB reply
     timeout 120 python3 bench/copy_threads.py --json "$out/copy_threads.json" 2>&1 | tee "$out/copy_threads.md"
     ;;
@@ -131,5 +137,5 @@ case "${1:-}" in
   speculative)
     timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8
     ;;
-  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|copythreads|speculative|pack" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|delay|copythreads|speculative|pack" >&2; exit 2 ;;
 esac

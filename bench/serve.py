@@ -63,6 +63,7 @@ def main() -> None:
                    help="comma list of --scheduler-runs-on values (auto, loop, thread), each run side by side")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--skip", default="", help="comma list of parts to skip: a,b,c")
+    p.add_argument("--server-flags", default="", help="more gdn-server flags for every part, e.g. '--max-queue-delay-us 50'")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,7 +84,7 @@ def main() -> None:
         for name, server_flags, load_flags in parts:
             if name[0] in skip:
                 continue
-            proc, target = start_server(args, *server_flags, "--frontends", str(frontends),
+            proc, target = start_server(args, *server_flags, *args.server_flags.split(), "--frontends", str(frontends),
                                         "--scheduler-runs-on", runs_on)
             try:
                 run = loadtest(target, out / f"serve_{name[0]}_f{frontends}_{runs_on}.json", *load_flags)
