@@ -13,14 +13,14 @@ THREADED_COPY_BYTES = 512 << 10
 COPY_THREADS = min(8, os.cpu_count() or 1)
 
 
-def _load() -> Any:
+def _load() -> tuple[Any, str]:
     if os.environ.get("GDN_NATIVE", "1") == "0":
-        return None
+        return None, "turned off (GDN_NATIVE=0)"
     try:
         from gdn_server import _native
     except ImportError:  # not built here: the Python code runs
-        return None
-    return _native
+        return None, "not built"
+    return _native, "loaded"
 
 
-module = _load()
+module, state = _load()  # state: "loaded", "not built" or "turned off (GDN_NATIVE=0)"

@@ -4,6 +4,8 @@ every way validation knows (tests/test_protowire.py does the same for the parser
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -395,3 +397,44 @@ def test_threaded_copies_from_many_threads_at_once_and_after_fork():
             raise AssertionError("a threaded copy hung in a forked child")
         time.sleep(0.05)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+_NATIVE_STATE_LOG = """
+import logging, sys
+class _HideNative:  # as if no C compiler had been there at install time
+    def find_spec(self, name, path=None, target=None):
+        if name == "gdn_server._native":
+            raise ImportError("hidden by the test")
+if sys.argv[1] == "hidden":
+    sys.meta_path.insert(0, _HideNative())
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
+from gdn_server import server
+server._log_native_state()
+"""
+
+
+@pytest.mark.parametrize(
+    ("case", "env", "expected"),
+    [
+        ("hidden", {}, "WARNING gdn_server._native is not built"),
+        ("plain", {"GDN_NATIVE": "0"}, "INFO native decode path turned off (GDN_NATIVE=0)"),
+    ],
+)
+def test_server_says_when_the_python_decode_path_runs(case, env, expected):
+    """A server without the C module runs at about half the throughput; its log says so at start
+    (a warning where the module is missing, a plain line where GDN_NATIVE=0 asked for it)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _NATIVE_STATE_LOG, case], capture_output=True, text=True, check=False,
+                         timeout=120, env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(expected), out.stdout
+
+
+@native_only
+def test_server_says_the_native_decode_path_runs():
+    out = subprocess.run([sys.executable, "-c", _NATIVE_STATE_LOG, "plain"], capture_output=True, text=True, check=False,
+                         timeout=120, env={k: v for k, v in os.environ.items() if k != "GDN_NATIVE"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("INFO native decode path: gdn_server._native"), out.stdout
