@@ -63,7 +63,8 @@ def main() -> None:
                    help="comma list of --scheduler-runs-on values (auto, loop, thread), each run side by side")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--skip", default="", help="comma list of parts to skip: a,b,c")
-    p.add_argument("--server-flags", default="", help="more gdn-server flags for every part, e.g. '--max-queue-delay-us 50'")
+    p.add_argument("--server-flags", default="",
+                   help="more gdn-server flags for every part, e.g. '--max-queue-delay-us 50'")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

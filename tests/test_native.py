@@ -434,7 +434,8 @@ def test_server_says_when_the_python_decode_path_runs(case, env, expected):
 
 @native_only
 def test_server_says_the_native_decode_path_runs():
-    out = subprocess.run([sys.executable, "-c", _NATIVE_STATE_LOG, "plain"], capture_output=True, text=True, check=False,
-                         timeout=120, env={k: v for k, v in os.environ.items() if k != "GDN_NATIVE"})
+    env = {k: v for k, v in os.environ.items() if k != "GDN_NATIVE"}
+    out = subprocess.run([sys.executable, "-c", _NATIVE_STATE_LOG, "plain"], capture_output=True, text=True,
+                         check=False, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("INFO native decode path: gdn_server._native"), out.stdout
