@@ -423,11 +423,8 @@ server._log_native_state()
 def test_server_says_when_the_python_decode_path_runs(case, env, expected):
     """A server without the C module runs at about half the throughput; its log says so at start
     (a warning where the module is missing, a plain line where GDN_NATIVE=0 asked for it)."""
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", _NATIVE_STATE_LOG, case], capture_output=True, text=True, check=False,
-                         timeout=120, env={**os.environ, **env})
+    out = subprocess.run([sys.executable, "-c", _NATIVE_STATE_LOG, case], capture_output=True, text=True,
+                         check=False, timeout=120, env={**os.environ, **env})
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(expected), out.stdout
 
