@@ -5,7 +5,7 @@
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
-# (serve): the --scheduler-runs-on values too.
+# (serve): the --scheduler-runs-on values too; ROUNDS (serve, ab): each load point that many times, alternating.
 # Logs and results go to $OUT (or bench/results).
 set -uo pipefail
 out=${OUT:-bench/results}
@@ -44,7 +44,7 @@ case "${1:-}" in
     timeout 270 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py 2>&1 | tail -3
     ;;
   serve)
-    timeout 540 python3 bench/serve.py --device cuda --duration 3 --frontends "${FRONTENDS:-0,4}" \
+    timeout 540 python3 bench/serve.py --device cuda --duration 3 --frontends "${FRONTENDS:-0,4}" --rounds "${ROUNDS:-1}" \
       --runs-on "${RUNS_ON:-auto}" --out "$out" 2>&1 \
       | tee "$out/serve.log" | tail -30
     ;;

@@ -63,6 +63,8 @@ def main() -> None:
                    help="comma list of --scheduler-runs-on values (auto, loop, thread), each run side by side")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--skip", default="", help="comma list of parts to skip: a,b,c")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="each load point this many times, ours and the echo's alternately (gdn-loadtest --rounds)")
     p.add_argument("--server-flags", default="",
                    help="more gdn-server flags for every part, e.g. '--max-queue-delay-us 50'")
     args = p.parse_args()
@@ -70,9 +72,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
     results: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "parts": []}
-    common = ["--mode", "stream", "--tokens", "1", "--duration", str(args.duration)]
+    common = ["--mode", "stream", "--tokens", "1", "--duration", str(args.duration), "--rounds", str(args.rounds)]
     big = ["--clients", "1", "--batch", str(args.batch_sessions), "--mode", "unary", "--tokens", "1",
-           "--duration", str(args.duration)]
+           "--duration", str(args.duration), "--rounds", str(args.rounds)]
 
     variants = [(int(f), r) for f in args.frontends.split(",") for r in args.runs_on.split(",")]
     for i, (frontends, runs_on) in enumerate(variants):
@@ -103,16 +105,16 @@ def summarize(results: dict) -> str:
     lines = ["| part | frontends | scheduler | clients | B | steps/s | p50 ms | p99 ms | rows/launch | device us/launch | "
              "echo steps/s | echo p50 ms | % of echo |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    echo = {}
+    echo = {}  # the echo run that followed each of ours (same clients, B and round); part b has none
     for part in results["parts"]:
         for r in part["runs"]:
             if r["kind"] == "echo":
-                echo[(r["clients"], r["batch"])] = r
+                echo[(r["clients"], r["batch"], r.get("round", 0))] = r
     for part in results["parts"]:
         for r in part["runs"]:
             if r["kind"] != "gdn":
                 continue
-            e = echo.get((r["clients"], r["batch"]))
+            e = echo.get((r["clients"], r["batch"], r.get("round", 0)))
             srv = r.get("server") or {}
             launches = srv.get("launches") or 0
             dev_us = 1e6 * srv.get("device_seconds", 0.0) / launches if launches else float("nan")
@@ -124,6 +126,11 @@ def summarize(results: dict) -> str:
                 + (f"{e['steps_per_s']:,.0f} | {e['latency_ms']['p50']:.3f} | {100 * r['steps_per_s'] / e['steps_per_s']:.0f}% |"
                    if e else "- | - | - |")
             )
+    for part in results["parts"]:
+        for point in part.get("pct_of_echo", []):
+            if len(point["rounds"]) > 1:
+                lines.append(f"\n{part['part']} x{point['clients']}: median {point['median']:.0f}% of echo over "
+                             f"{len(point['rounds'])} rounds ({', '.join(f'{v:.0f}' for v in point['rounds'])})")
     return "\n".join(lines)
 
 

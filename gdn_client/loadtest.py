@@ -11,7 +11,10 @@ drawn and encoded once per client before timing (a few sets, rotated); requests 
 prints one row per clients value: steps/s, tokens*layers/s (= steps/s * B * T), p50/p90/p99
 latency, errors, the server's mean rows per kernel launch over the run (GetStats delta), and with
 ``--echo`` the same load against a bytes echo server with identical message sizes
-(`gdn_client._echo`, started as a subprocess) and our throughput as a percentage of it.
+(`gdn_client._echo`, started as a subprocess) and our throughput as a percentage of it. Each echo
+run follows the run of ours it is compared with. ``--rounds K`` repeats each pair K times,
+alternating, and adds a line per clients value with the median of the K percentages: a host's
+echo rate moves by 10-20% from one run to the next, and so does a single percentage.
 
 Latency is what both kinds of client have in common: from handing a ready request to gRPC until
 its reply's bytes are in. Building the next request (our client adds each step's header to
@@ -29,6 +32,7 @@ import json
 import logging
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -93,6 +97,7 @@ class RunResult:
     server: dict[str, Any] | None = None
     error_samples: list[str] = field(default_factory=list)
     latencies_ms: list[float] = field(default_factory=list, repr=False)
+    round: int = 0  # which of --rounds this run belongs to (its echo run has the same)
 
     def summary(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -450,13 +455,12 @@ def format_table(results: Sequence[RunResult]) -> str:
     """A plain-text table, one row per run; echo rows carry our throughput as % of them."""
     header = ["kind", "mode", "clients", "B", "T", "steps", "steps/s", "tok*layers/s",
               "p50 ms", "p90 ms", "p99 ms", "errors", "rows/launch", "% of echo"]
-    ours = {(r.mode, r.clients): r for r in results if r.kind == "gdn"}
+    shares = pct_of_echo(results)
     rows = []
     for r in results:
         lat = r.latency_ms
-        pct = ""
-        if r.kind == "echo" and (r.mode, r.clients) in ours and r.steps_per_s:
-            pct = f"{100.0 * ours[(r.mode, r.clients)].steps_per_s / r.steps_per_s:.1f}%"
+        share = shares.get((r.mode, r.clients, r.round)) if r.kind == "echo" else None
+        pct = "" if share is None else f"{share:.1f}%"
         rows.append([
             r.kind, r.mode, str(r.clients), str(r.batch), str(r.tokens), str(r.steps),
             f"{r.steps_per_s:,.1f}", f"{r.token_layers_per_s:,.1f}",
@@ -466,7 +470,31 @@ def format_table(results: Sequence[RunResult]) -> str:
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    for (mode, clients), values in pct_of_echo_by_point(results).items():
+        if len(values) > 1:
+            lines.append(f"{mode} x{clients}: median {statistics.median(values):.1f}% of echo over "
+                         f"{len(values)} rounds ({', '.join(f'{v:.1f}' for v in values)})")
     return "\n".join(lines)
+
+
+def pct_of_echo(results: Sequence[RunResult]) -> dict[tuple[str, int, int], float]:
+    """Our steps/s as % of the echo's, per (mode, clients, round): each echo run against the run
+    of ours it followed."""
+    ours = {(r.mode, r.clients, r.round): r for r in results if r.kind == "gdn"}
+    shares = {}
+    for r in results:
+        key = (r.mode, r.clients, r.round)
+        if r.kind == "echo" and key in ours and r.steps_per_s:
+            shares[key] = 100.0 * ours[key].steps_per_s / r.steps_per_s
+    return shares
+
+
+def pct_of_echo_by_point(results: Sequence[RunResult]) -> dict[tuple[str, int], list[float]]:
+    """Every round's % of echo, per (mode, clients), in round order."""
+    by_point: dict[tuple[str, int], list[float]] = {}
+    for (mode, clients, _), share in sorted(pct_of_echo(results).items(), key=lambda kv: kv[0][2]):
+        by_point.setdefault((mode, clients), []).append(share)
+    return by_point
 
 
 def write_plots(results: Sequence[RunResult], directory: Path) -> list[Path]:
@@ -504,7 +532,8 @@ def write_plots(results: Sequence[RunResult], directory: Path) -> list[Path]:
         if not r.latencies_ms:
             continue
         lat = np.sort(np.asarray(r.latencies_ms))
-        ax.plot(lat, np.arange(1, lat.size + 1) / lat.size, label=f"{r.kind} {r.mode} x{r.clients}")
+        label = f"{r.kind} {r.mode} x{r.clients}" + (f" round {r.round}" if r.round else "")
+        ax.plot(lat, np.arange(1, lat.size + 1) / lat.size, label=label)
     ax.set_xscale("log")
     ax.set_xlabel("latency per step (ms)")
     ax.set_ylabel("fraction of steps")
@@ -551,31 +580,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--timeout", type=float, default=30.0, help="per-call deadline (s)")
     p.add_argument("--echo", action="store_true", help="also run the same load against a bytes echo server")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run each clients value this many times (with --echo: ours then the echo's, alternately)")
     p.add_argument("--json", type=Path, default=None, help="write results to this JSON file")
     p.add_argument("--plot", type=Path, default=None, help="write PNG charts into this folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
-async def _run_all(args: argparse.Namespace) -> list[RunResult]:
+async def _run_all(args: argparse.Namespace, echo_address: str | None) -> list[RunResult]:
+    """Per clients value and round: our run, then (with an echo address) the echo's run of the
+    same message sizes right after it, so each pair sees the host in the same state."""
     results: list[RunResult] = []
     for n in args.clients:
-        cfg = LoadConfig(
-            target=args.target, clients=n, mode=args.mode, batch=args.batch, tokens=args.tokens,
-            layers_per_token=args.layers_per_token, requests=args.requests, duration=args.duration,
-            dtype=args.dtype, seed=args.seed, timeout=args.timeout, progress=not args.no_progress,
-        )
-        results.append(await run_load(cfg))
-    return results
-
-
-async def _run_echo_all(args: argparse.Namespace, ours: Sequence[RunResult], address: str) -> list[RunResult]:
-    results = []
-    for r in ours:
-        cfg = LoadConfig(target=address, clients=r.clients, mode=args.mode, batch=args.batch, tokens=args.tokens,
-                         requests=args.requests, duration=args.duration, timeout=args.timeout,
-                         progress=not args.no_progress)
-        results.append(await run_echo(cfg, address, r.request_bytes, r.reply_bytes, r.layers_per_token))
+        for round_index in range(args.rounds):
+            cfg = LoadConfig(
+                target=args.target, clients=n, mode=args.mode, batch=args.batch, tokens=args.tokens,
+                layers_per_token=args.layers_per_token, requests=args.requests, duration=args.duration,
+                dtype=args.dtype, seed=args.seed, timeout=args.timeout, progress=not args.no_progress,
+            )
+            ours = dataclasses.replace(await run_load(cfg), round=round_index)
+            results.append(ours)
+            if echo_address is None:
+                continue
+            echo_cfg = dataclasses.replace(cfg, target=echo_address, layers_per_token=None, dtype="bf16", seed=0)
+            echo = await run_echo(echo_cfg, echo_address, ours.request_bytes, ours.reply_bytes, ours.layers_per_token)
+            results.append(dataclasses.replace(echo, round=round_index))
     return results
 
 
@@ -587,14 +617,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.duration is None and args.requests is None:
         args.duration = 10.0
-    if args.batch < 1 or args.tokens < 1:
-        print("gdn-loadtest: --batch and --tokens must be >= 1", file=sys.stderr)
+    if args.batch < 1 or args.tokens < 1 or args.rounds < 1:
+        print("gdn-loadtest: --batch, --tokens and --rounds must be >= 1", file=sys.stderr)
         return 2
     try:
-        results = asyncio.run(_run_all(args))
-        if args.echo:
-            with echo_server() as address:
-                results += asyncio.run(_run_echo_all(args, results, address))
+        with echo_server() if args.echo else contextlib.nullcontext() as address:
+            results = asyncio.run(_run_all(args, address))
     except GdnError as err:
         print(f"gdn-loadtest: {err}", file=sys.stderr)
         return 1
@@ -603,14 +631,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sample in r.error_samples:
             print(f"  {r.kind} x{r.clients} error: {sample}", file=sys.stderr)
     if args.json is not None:
-        ours = {(r.mode, r.clients): r for r in results if r.kind == "gdn"}
+        shares = pct_of_echo(results)
         doc = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-               "runs": []}
+               "runs": [], "pct_of_echo": []}
         for r in results:
             d = r.summary()
-            if r.kind == "echo" and r.steps_per_s and (r.mode, r.clients) in ours:
-                d["gdn_pct_of_echo"] = 100.0 * ours[(r.mode, r.clients)].steps_per_s / r.steps_per_s
+            share = shares.get((r.mode, r.clients, r.round)) if r.kind == "echo" else None
+            if share is not None:
+                d["gdn_pct_of_echo"] = share
             doc["runs"].append(d)
+        for (mode, clients), values in pct_of_echo_by_point(results).items():
+            doc["pct_of_echo"].append({"mode": mode, "clients": clients, "rounds": values,
+                                       "median": statistics.median(values)})
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=2))
     if args.plot is not None:

@@ -42,6 +42,32 @@ def test_stream_with_echo_json_and_plots(small_server, tmp_path):
     assert (tmp_path / "plots" / "latency_cdf.png").stat().st_size > 0
 
 
+def test_rounds_alternate_ours_and_the_echo_and_report_the_median(small_server, tmp_path, capsys):
+    """--rounds 3 --echo: ours then the echo, three times per clients value, each echo run compared
+    with the run of ours just before it, and the median of the three percentages reported."""
+    out = tmp_path / "rounds.json"
+    rc = loadtest.main([
+        "--target", small_server.address, "--clients", "2", "--requests", "20", "--echo", "--rounds", "3",
+        "--json", str(out), "--no-progress",
+    ])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    runs = doc["runs"]
+    assert [(r["kind"], r["round"]) for r in runs] == [
+        ("gdn", 0), ("echo", 0), ("gdn", 1), ("echo", 1), ("gdn", 2), ("echo", 2)]
+    shares = [100.0 * g["steps_per_s"] / e["steps_per_s"] for g, e in zip(runs[::2], runs[1::2])]
+    assert [e["gdn_pct_of_echo"] for e in runs[1::2]] == pytest.approx(shares)
+    (point,) = doc["pct_of_echo"]
+    assert point["clients"] == 2 and point["rounds"] == pytest.approx(shares)
+    assert point["median"] == pytest.approx(sorted(shares)[1])
+    assert f"median {sorted(shares)[1]:.1f}% of echo over 3 rounds" in capsys.readouterr().out
+
+
+def test_rounds_must_be_positive(small_server, capsys):
+    assert loadtest.main(["--target", small_server.address, "--rounds", "0", "--no-progress"]) == 2
+    assert "--rounds" in capsys.readouterr().err
+
+
 def test_unary_console_script(small_server, tmp_path):
     out = tmp_path / "unary.json"
     proc = subprocess.run(
