@@ -19,8 +19,8 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
-from gdn_server.backends import make_backends
 from gdn_server import native
+from gdn_server.backends import make_backends
 from gdn_server.busy_poll import LoopSpinner
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape, SchedulerConfig
 from gdn_server.protowire import decode_request_parsers
