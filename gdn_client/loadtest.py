@@ -513,7 +513,9 @@ def write_plots(results: Sequence[RunResult], directory: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, rs in by_kind.items():
             rs = sorted(rs, key=lambda r: r.clients)
-            ax.plot([r.clients for r in rs], [r.steps_per_s for r in rs], marker="o", label=label)
+            repeated = len({r.clients for r in rs}) < len(rs)  # --rounds: a point per round, no line
+            ax.plot([r.clients for r in rs], [r.steps_per_s for r in rs], marker="o", label=label,
+                    linestyle="none" if repeated else "-")
         ax.set_xscale("log", base=2)
         ticks = sorted({r.clients for r in results})
         ax.set_xticks(ticks, [str(t) for t in ticks])
