@@ -5,6 +5,7 @@ import argparse
 import logging
 import sys
 
+from gdn_server import native
 from gdn_server.config import DEVICE_WAIT, PRESETS, SCHEDULER_RUNS_ON, ModelShape, SchedulerConfig
 from gdn_server.event_loop import EVENT_LOOPS, loop_factory
 from gdn_server.event_loop import run as run_loop
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         frontends=args.frontends,
         event_loop=args.event_loop,
     )
+    native.log_state(log)  # every process of this install parses and copies the same way
     if settings.frontends:  # workers, a router, and one engine process per device
         from gdn_server.router import serve_router
 

@@ -3,6 +3,7 @@ was built: `module` is it, or None. Each user keeps the Python code it stands in
 where the module is not built (no C compiler at install time) or with GDN_NATIVE=0."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -24,3 +25,18 @@ def _load() -> tuple[Any, str]:
 
 
 module, state = _load()  # state: "loaded", "not built" or "turned off (GDN_NATIVE=0)"
+
+
+def log_state(log: logging.Logger) -> None:
+    """Says whether the decode path's C module runs: without it every request's parse, checks and
+    copies run in Python, at roughly half the steps per second (the H200 host, 2026-11-30:
+    bench/results/evloop_v1_python_path against serve_v18), which nothing else would show."""
+    if state == "loaded":
+        log.info("native decode path: gdn_server._native")
+    elif state == "not built":
+        log.warning(
+            "gdn_server._native is not built: the decode path's parse, checks and copies run in Python, "
+            "at roughly half the throughput (install with a C compiler present, e.g. pip install .)"
+        )
+    else:
+        log.info("native decode path %s: the Python code runs", state)

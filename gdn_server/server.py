@@ -19,7 +19,6 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
-from gdn_server import native
 from gdn_server.backends import make_backends
 from gdn_server.busy_poll import LoopSpinner
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape, SchedulerConfig
@@ -263,21 +262,6 @@ def close_shards(app: GdnApp) -> None:
         app.metrics.close()
 
 
-def _log_native_state() -> None:
-    """Says whether the decode path's C module runs: without it every request's parse, checks and
-    copies run in Python, at roughly half the steps per second (the H200 host, 2026-11-30:
-    bench/results/evloop_v1_python_path against serve_v18), which nothing else would show."""
-    if native.state == "loaded":
-        log.info("native decode path: gdn_server._native")
-    elif native.state == "not built":
-        log.warning(
-            "gdn_server._native is not built: the decode path's parse, checks and copies run in Python, "
-            "at roughly half the throughput (install with a C compiler present, e.g. pip install .)"
-        )
-    else:
-        log.info("native decode path %s: the Python code runs", native.state)
-
-
 async def serve(app: GdnApp) -> None:
     """Runs until SIGTERM or SIGINT, then stops gracefully."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # see config.py
@@ -292,7 +276,6 @@ async def serve(app: GdnApp) -> None:
     freeze_startup_objects()  # see gdn_server/tuning.py
     print(f"listening on {host}:{port}", flush=True)
     log.info("event loop: %s", type(loop).__module__.split(".")[0])
-    _log_native_state()
     for shard in app.placement:
         log.info(
             "device %d (%s): backend %s, %d sessions x %d layers, pool %.1f MiB",
