@@ -94,12 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--uvloop", action="store_true", default=os.environ.get("GDN_ECHO_UVLOOP") == "1",
                    help="run on uvloop instead of asyncio's loop (also GDN_ECHO_UVLOOP=1)")
     args = p.parse_args(argv)
-    if not args.uvloop:
-        asyncio.run(serve(args.host, args.port))
-        return
-    import uvloop  # only for this reference point: not a dependency of the client library
+    if args.uvloop:
+        import uvloop  # only for this reference point: not a dependency of the client library
 
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     asyncio.run(serve(args.host, args.port))
 
 

@@ -605,8 +605,8 @@ async def _run_all(args: argparse.Namespace, echo_address: str | None) -> list[R
             results.append(ours)
             if echo_address is None:
                 continue
-            echo_cfg = dataclasses.replace(cfg, target=echo_address, layers_per_token=None, dtype="bf16", seed=0)
-            echo = await run_echo(echo_cfg, echo_address, ours.request_bytes, ours.reply_bytes, ours.layers_per_token)
+            echo = await run_echo(dataclasses.replace(cfg, target=echo_address), echo_address, ours.request_bytes,
+                                  ours.reply_bytes, ours.layers_per_token)
             results.append(dataclasses.replace(echo, round=round_index))
     return results
 
