@@ -39,9 +39,14 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--pieces", type=int, default=0, help="time each host call of submit for one request of this many sessions")
+    p.add_argument("--variants", action="store_true",
+                   help="submit's host time from cold caches: padded graph launches or direct ones, the fill on one thread or the pool")
     args = p.parse_args()
     if args.pieces:
         _pieces(args.pieces, args.calls)
+        return
+    if args.variants:
+        _variants(args.rows, args.calls, Path(args.out))
         return
     shape = PRESETS["qwen3-next"]
     backend = CudaBackend(shape, random_gate_params(shape, 0), max_sessions=512, device="cuda:0")
@@ -50,6 +55,21 @@ def main() -> None:
     results = []
     event = torch.cuda.Event()
     sync_us = _median_us(lambda: (event.record(backend.stream), event.synchronize()), args.calls)
+
+    def enter_stream() -> None:
+        with torch.cuda.stream(backend.stream):
+            pass
+
+    reused = torch.cuda.StreamContext(backend.stream)
+
+    def enter_reused() -> None:
+        with reused:
+            pass
+
+    # what `submit` pays around its launch calls: entering and leaving the backend's stream
+    print(json.dumps({"stream_context_us": _median_us(enter_stream, args.calls),
+                      "reused_stream_context_us": _median_us(enter_reused, args.calls),
+                      "event_record_us": _median_us(lambda: event.record(backend.stream), args.calls)}), flush=True)
     for B in (int(b) for b in args.rows.split(",")):
         batch = StepBatch(1)
         for r in range(B):  # one request per row, as B clients would send them
@@ -79,6 +99,59 @@ def main() -> None:
     print("| rows | submit (host) us | wait us | total us |\n|---|---|---|---|")
     for r in results:
         print(f"| {r['rows']} | {r['submit_us']:.1f} | {r['wait_us']:.1f} | {r['total_us']:.1f} |")
+
+
+def _variants(rows: str, calls: int, out: Path) -> None:
+    """CudaBackend.submit's host time for B one-row requests, each launch's requests fresh and the
+    CPU caches flushed before it (as in the server, where a launch's requests arrived a
+    millisecond or more earlier among much else), for each way of running the launch: padded to
+    its graph bucket or launched directly (GRAPH_BUCKETS), the fill on the event loop's thread or
+    the copy pool (FILL_THREADED_BYTES). The variants take turns launch by launch."""
+    import numpy as np
+
+    from gdn_server.backends import staging
+
+    shape = PRESETS["qwen3-next"]
+    backend = CudaBackend(shape, random_gate_params(shape, 0), max_sessions=512, device="cuda:0")
+    backend.warmup()
+    bucket_max = backend._bucket_max
+    H, HV, K = shape.num_q_heads, shape.num_v_heads, shape.head_dim_k
+    per_row = {"q": H * K * 2, "k": H * K * 2, "v": HV * K * 2, "a": HV * 2, "b": HV * 2}
+    dims = {"q": (1, 1, H, K), "k": (1, 1, H, K), "v": (1, 1, HV, K), "a": (1, 1, HV), "b": (1, 1, HV)}
+    flush = np.zeros(64 << 20, dtype=np.uint8)  # more than the host's L2 and its share of L3
+    rng = np.random.default_rng(0)
+    variants = {"direct, one thread": (0, 1 << 62), "graph, one thread": (bucket_max, 1 << 62),
+                "direct, pool": (0, staging.FILL_THREADED_BYTES), "graph, pool": (bucket_max, staging.FILL_THREADED_BYTES)}
+    saved = staging.FILL_THREADED_BYTES
+    results = []
+    for B in (int(b) for b in rows.split(",")):
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for call in range(calls + 5):
+            for name, (bucket, threaded_from) in variants.items():
+                batch = StepBatch(1)
+                for r in range(B):  # fresh bf16 bytes per request (finite values: small integers' bf16 patterns)
+                    raw = tuple(rng.integers(0x3C00, 0x3F80, size=per_row[n] // 2, dtype=np.uint16).tobytes() for n in "qkvab")
+                    batch.add(DecodeWork.of_bf16(r % shape.num_layers, (str(r),), None, "", False, raw,
+                                                 tuple(dims[n] for n in "qkvab"), True),
+                              [r * shape.num_layers + r % shape.num_layers])
+                flush += 1  # evicts the requests and the staging buffers from the caches
+                backend._bucket_max, staging.FILL_THREADED_BYTES = bucket, threaded_from
+                t0 = time.perf_counter()
+                pending = backend.submit(batch)
+                t1 = time.perf_counter()
+                pending.result_bytes()
+                if call >= 5:
+                    times[name].append(t1 - t0)
+        backend._bucket_max, staging.FILL_THREADED_BYTES = bucket_max, saved
+        row = {"rows": B, **{name: 1e6 * statistics.median(t) for name, t in times.items()}}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "backend_variants.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                                            "results": results}, indent=1))
+    print("| rows | " + " | ".join(f"{v} (us)" for v in variants) + " |\n|---|" + "---|" * len(variants))
+    for r in results:
+        print(f"| {r['rows']} | " + " | ".join(f"{r[v]:.1f}" for v in variants) + " |")
 
 
 def _pieces(B: int, calls: int) -> None:

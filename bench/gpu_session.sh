@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|delay|copythreads|speculative   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|delay|copythreads|speculative|launchvariants   (each part fits in one 10-minute call)
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
@@ -24,7 +24,8 @@ export PYTHONUNBUFFERED=1
 build_native() {  # $1: a checkout's root (its own _native.c)
   local so
   so="$1/gdn_server/_native$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
-  [[ -f $so ]] && return 0
+  # built every call: a warm machine keeps ignored files, and an older build of another _native.c
+  # would otherwise stay in place (2 s)
   gcc -O3 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
     "$1/gdn_server/_native.c" -o "$so" || echo "$1: gdn_server._native not built: the Python parse and checks run"
 }
@@ -62,7 +63,8 @@ case "${1:-}" in
     ;;
   profile)  # py-spy of a one-process CUDA server at N=1 and N=64 (py-spy carried in .tools/)
     PY_SPY=${PY_SPY:-.tools/py-spy} timeout 300 python3 bench/profile_server.py --device cuda --clients "${CLIENTS:-1,64}" \
-      --duration 6 --server-flags "${SERVER_FLAGS:-}" --out "$out/profile" 2>&1 | tail -60
+      --duration "${DURATION:-6}" --server-flags "${SERVER_FLAGS:-}" --spy-flags="${SPY_FLAGS:---nonblocking}" \
+      --out "$out/profile" 2>&1 | tail -60
     ;;
   trace)  # one step's latency, stage by stage, at N=1 (ours and the echo), per --scheduler-runs-on value
     for mode in ${RUNS_ON:-loop thread}; do
@@ -128,6 +130,10 @@ case "${1:-}" in
     ;;
   copythreads)  # the native module's threaded copies: thread hand-off, a B=256 request's inputs, a 2 MiB reply
     timeout 120 python3 bench/copy_threads.py --json "$out/copy_threads.json" 2>&1 | tee "$out/copy_threads.md"
+    ;;
+  launchvariants)  # CudaBackend.submit's host time from cold caches: padded graph launches or direct ones, fill on one thread or the pool
+    timeout 300 python3 bench/backend_step.py --variants --rows "${ROWS:-12,16,27,48,64,100}" --calls 80 --out "$out" 2>&1 \
+      | tee "$out/backend_variants.log" | tail -9
     ;;
   pack)  # the device tool returns at most 8 files from $OUT: one archive instead (tar xzf results.tgz here)
     tar czf /tmp/gdn_results.tgz -C "$out" . && find "$out" -mindepth 1 -delete && mv /tmp/gdn_results.tgz "$out/results.tgz"

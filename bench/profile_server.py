@@ -56,7 +56,7 @@ def profile_point(args: argparse.Namespace, py_spy: str, clients: int, out: Path
                   *args.model.split(), "--max-sessions", str(max(clients, 8)), "--log-level", "WARNING",
                   *args.server_flags.split()]
     raw = out / f"prof_{clients}.txt"
-    spy_flags = ["record", "-r", str(args.rate), "-f", "raw", "-o", str(raw), "--threads", "--nonblocking"]
+    spy_flags = ["record", "-r", str(args.rate), "-f", "raw", "-o", str(raw), "--threads", *args.spy_flags.split()]
     proc = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     wrapped = None
     try:
@@ -97,6 +97,8 @@ def main() -> None:
     p.add_argument("--clients", default="1,64")
     p.add_argument("--duration", type=float, default=6.0)
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    p.add_argument("--spy-flags", default="--nonblocking",
+                   help="more py-spy record flags: '--native' for C frames too (pauses the server per sample)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results") + "/profile")
     args = p.parse_args()
     py_spy = os.environ.get("PY_SPY") or shutil.which("py-spy")
