@@ -26,11 +26,13 @@
 
    encode_decode_response(..., threads) copies an output over `threads` threads (big replies).
 
-   fill_bf16(dst, places, works, max_piece_bytes) -> list[int]
+   fill_bf16(dst, places, works, max_piece_bytes[, threaded_from_bytes, threads]) -> list[int]
        gdn_server.backends.staging: copies each DecodeWork's bf16 inputs into the staging buffer
        `dst` (input i of the request whose first row is r at places[i][0] + r * places[i][1]);
        returns the indices of the works it left to the caller: no bf16 bytes, an input of
        max_piece_bytes or more, or inputs not yet checked for NaN/Inf (finite_checked False).
+       Where the copies add up to threaded_from_bytes or more, they are split over `threads`
+       threads without the GIL.
 
    copy_bf16_spans(dst, spans, threads) -> list[bool]
        gdn_server.backends.staging: copies each (offset, src, check) span into dst at offset,
@@ -723,12 +725,23 @@ done:
 static PyObject *fill_bf16(PyObject *self, PyObject *args) {
     Py_buffer dst;
     PyObject *places, *works;
-    Py_ssize_t max_piece;
-    if (!PyArg_ParseTuple(args, "w*O!O!n", &dst, &PyTuple_Type, &places, &PyList_Type, &works, &max_piece))
+    Py_ssize_t max_piece, threaded_from = PY_SSIZE_T_MAX;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "w*O!O!n|ni", &dst, &PyTuple_Type, &places, &PyList_Type, &works, &max_piece,
+                          &threaded_from, &threads))
         return NULL;
+    Py_ssize_t n_works = PyList_GET_SIZE(works);
     PyObject *left = PyList_New(0);
+    /* every piece's buffer is held until the copies are done: they may run without the GIL */
+    Py_buffer *pieces = PyMem_Calloc(n_works ? n_works * N_TENSORS : 1, sizeof(Py_buffer));
+    Span *spans = PyMem_Calloc(n_works ? n_works * N_TENSORS : 1, sizeof(Span));
+    Py_ssize_t held = 0, n_spans = 0, total = 0;
     Py_ssize_t offset[N_TENSORS], per_row[N_TENSORS];
     if (left == NULL) goto fail;
+    if (pieces == NULL || spans == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
     if (PyTuple_GET_SIZE(places) != N_TENSORS) {
         PyErr_SetString(PyExc_ValueError, "places: one (offset, bytes per row) for each of q, k, v, a, b");
         goto fail;
@@ -737,7 +750,7 @@ static PyObject *fill_bf16(PyObject *self, PyObject *args) {
         if (!PyArg_ParseTuple(PyTuple_GET_ITEM(places, i), "nn", &offset[i], &per_row[i])) goto fail;
 
     Py_ssize_t row = 0;
-    for (Py_ssize_t w = 0; w < PyList_GET_SIZE(works); w++) {
+    for (Py_ssize_t w = 0; w < n_works; w++) {
         PyObject *work = PyList_GET_ITEM(works, w);
         PyObject *ids = PyObject_GetAttrString(work, "session_ids");
         if (ids == NULL) goto fail;
@@ -755,43 +768,62 @@ static PyObject *fill_bf16(PyObject *self, PyObject *args) {
         }
         int finite_checked = PyObject_IsTrue(checked);
         Py_DECREF(checked);
-        Py_buffer pieces[N_TENSORS];
-        int held = 0, copy = finite_checked == 1 && raw != Py_None && PyTuple_Check(raw) && PyTuple_GET_SIZE(raw) == N_TENSORS;
+        Py_ssize_t first = held; /* this work's pieces: pieces[first .. held) */
+        int copy = finite_checked == 1 && raw != Py_None && PyTuple_Check(raw) && PyTuple_GET_SIZE(raw) == N_TENSORS;
         for (int i = 0; copy && i < N_TENSORS; i++) {
-            if (PyObject_GetBuffer(PyTuple_GET_ITEM(raw, i), &pieces[i], PyBUF_SIMPLE) != 0) {
-                for (int j = 0; j < held; j++) PyBuffer_Release(&pieces[j]);
+            if (PyObject_GetBuffer(PyTuple_GET_ITEM(raw, i), &pieces[held], PyBUF_SIMPLE) != 0) {
                 Py_DECREF(raw);
                 goto fail;
             }
-            held++;
-            if (pieces[i].len >= max_piece) copy = 0;
-            else if (offset[i] + row * per_row[i] + pieces[i].len > dst.len) {
+            Py_buffer *piece = &pieces[held++];
+            if (piece->len >= max_piece) copy = 0;
+            else if (offset[i] + row * per_row[i] + piece->len > dst.len) {
                 PyErr_SetString(PyExc_ValueError, "a request's input does not fit the staging buffer");
-                for (int j = 0; j < held; j++) PyBuffer_Release(&pieces[j]);
                 Py_DECREF(raw);
                 goto fail;
             }
         }
+        Py_DECREF(raw);
         if (copy) {
-            for (int i = 0; i < N_TENSORS; i++)
-                memcpy((uint8_t *)dst.buf + offset[i] + row * per_row[i], pieces[i].buf, pieces[i].len);
+            for (int i = 0; i < N_TENSORS; i++) {
+                Py_buffer *piece = &pieces[first + i];
+                spans[n_spans++] = (Span){(uint8_t *)dst.buf + offset[i] + row * per_row[i], piece->buf, piece->len, 0};
+                total += piece->len;
+            }
         } else {
+            while (held > first) PyBuffer_Release(&pieces[--held]); /* left to the caller */
             PyObject *index = PyLong_FromSsize_t(w);
             if (index == NULL || PyList_Append(left, index) != 0) {
                 Py_XDECREF(index);
-                for (int j = 0; j < held; j++) PyBuffer_Release(&pieces[j]);
-                Py_DECREF(raw);
                 goto fail;
             }
             Py_DECREF(index);
         }
-        for (int j = 0; j < held; j++) PyBuffer_Release(&pieces[j]);
-        Py_DECREF(raw);
         row += rows;
     }
+    if (threads > 1 && total >= threaded_from) {
+        /* a launch's worth of requests: split over the copy threads, without the GIL */
+        uint8_t *found = PyMem_Calloc(n_spans ? n_spans : 1, 1);
+        if (found == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        copy_spans(spans, n_spans, threads, found);
+        Py_END_ALLOW_THREADS
+        PyMem_Free(found);
+    } else {
+        for (Py_ssize_t i = 0; i < n_spans; i++) memcpy(spans[i].dst, spans[i].src, spans[i].len);
+    }
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&pieces[i]);
+    PyMem_Free(pieces);
+    PyMem_Free(spans);
     PyBuffer_Release(&dst);
     return left;
 fail:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&pieces[i]);
+    PyMem_Free(pieces);
+    PyMem_Free(spans);
     Py_XDECREF(left);
     PyBuffer_Release(&dst);
     return NULL;
@@ -807,7 +839,8 @@ static PyMethodDef methods[] = {
     {"copy_bf16_spans", copy_bf16_spans, METH_VARARGS,
      "copy_bf16_spans(dst: writable buffer, spans: list[(offset, src, check)], threads: int) -> list[bool]"},
     {"fill_bf16", fill_bf16, METH_VARARGS,
-     "fill_bf16(dst: writable buffer, places: tuple, works: list, max_piece_bytes: int) -> list[int]"},
+     "fill_bf16(dst: writable buffer, places: tuple, works: list, max_piece_bytes: int, threaded_from_bytes: int = "
+     "no limit, threads: int = 1) -> list[int]"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -236,12 +236,14 @@ def test_native_reply_is_protobufs_bytes(rows, tail, positions, request_id, view
 @given(
     rows=st.lists(st.integers(1, 3), min_size=1, max_size=6),
     kinds=st.lists(st.sampled_from(["bf16", "f32", "unchecked", "bad"]), min_size=6, max_size=6),
-    small_limits=st.booleans(), threads=st.integers(1, 4),
+    small_limits=st.booleans(), threads=st.integers(1, 4), fill_threaded=st.booleans(), padding=st.integers(0, 3),
 )
-def test_native_fill_matches_python(rows, kinds, small_limits, threads):
-    """Small checked bf16 requests are copied in one C call; unchecked ones (some with a NaN or
-    Inf: "bad") are checked as they are copied, and f32 ones are left to torch: the buffer is the
-    Python fill's, and the culprits are those the staged-copy check names."""
+def test_native_fill_matches_python(rows, kinds, small_limits, threads, fill_threaded, padding):
+    """Small checked bf16 requests are copied in one C call (on `threads` threads where
+    `fill_threaded`); unchecked ones (some with a NaN or Inf: "bad") are checked as they are
+    copied, and f32 ones are left to torch: the buffer is the Python fill's, and the culprits are
+    those the staged-copy check names. A plan with `padding` rows more than the batch (a padded
+    launch) gets slot -1 and layer 0 there."""
     import gdn_server.backends.staging as staging
     from gdn_server.work import DecodeWork, StepBatch
 
@@ -264,23 +266,32 @@ def test_native_fill_matches_python(rows, kinds, small_limits, threads):
             raw = tuple(x.view(torch.int16).numpy().tobytes() for x in xs)
             work = DecodeWork.of_bf16(0, ids, None, "", False, raw, dims, kind == "bf16")
         batch.add(work, list(range(batch.rows, batch.rows + n)))
-    plan = staging.make_plan(shape, batch.rows, 1)
+    plan = staging.make_plan(shape, batch.rows + padding, 1)
     bufs, founds = [], []
     for use_native in (False, True):
         buf = torch.zeros(plan.total, dtype=torch.uint8)
         host_bytes = buf.numpy()
         views = {name: staging.carve(buf, plan.entries[name]) for name in staging.INPUTS}
-        saved = staging.native, staging.PARALLEL_COPY_BYTES, staging.THREADED_COPY_BYTES, staging.COPY_THREADS
+        names = ("native", "PARALLEL_COPY_BYTES", "THREADED_COPY_BYTES", "COPY_THREADS", "FILL_THREADED_BYTES",
+                 "FILL_THREADS")
+        saved = [getattr(staging, name) for name in names]
         staging.native = native_module if use_native else None
         if small_limits:  # pieces count as big: copied on `threads` threads
             staging.PARALLEL_COPY_BYTES, staging.THREADED_COPY_BYTES, staging.COPY_THREADS = 300, 300, threads
+        if fill_threaded:  # the small ones on `threads` threads too, whatever their total
+            staging.FILL_THREADED_BYTES, staging.FILL_THREADS = 0, threads
         try:
             founds.append(staging.fill(batch, plan, memoryview(host_bytes), host_bytes, views))
         finally:
-            staging.native, staging.PARALLEL_COPY_BYTES, staging.THREADED_COPY_BYTES, staging.COPY_THREADS = saved
+            for name, value in zip(names, saved):
+                setattr(staging, name, value)
         bufs.append(buf)
     assert torch.equal(bufs[0], bufs[1])
     assert founds[0] is None and founds[1] == want_found
+    slots = staging.carve(bufs[1], plan.entries["slots"])
+    layers = staging.carve(bufs[1], plan.entries["layers"])
+    assert slots.tolist() == list(range(batch.rows)) + [-1] * padding
+    assert layers.tolist() == [0] * (batch.rows + padding)
 
 
 @native_only

@@ -50,3 +50,19 @@ def test_fill_places_small_big_and_f32_requests_row_by_row():
     assert views["slots"].tolist() == list(range(batch.rows))
     assert views["layers"].tolist() == [1] * batch.rows
     assert np.all(host_bytes[plan.entries["out_slots"][0]:][:4] == 0xAB)  # in place: out_slots left alone
+
+
+def test_launches_pad_to_the_next_graph_bucket():
+    """The CUDA backend's padded launches (gdn_server.backends.cuda.padded_rows): small ones as
+    they are (each has its own graph), bigger ones up to the largest bucket to the next bucket,
+    bigger still as they are."""
+    from gdn_server.backends.cuda import GRAPH_BUCKETS, GRAPH_MAX_ROWS, padded_rows
+
+    assert [padded_rows(r) for r in range(1, GRAPH_MAX_ROWS + 1)] == list(range(1, GRAPH_MAX_ROWS + 1))
+    last = 0
+    for rows in range(GRAPH_MAX_ROWS + 1, GRAPH_BUCKETS[-1] + 1):
+        padded = padded_rows(rows)
+        assert padded in GRAPH_BUCKETS and padded >= rows and padded >= last
+        assert padded == min(b for b in GRAPH_BUCKETS if b >= rows)
+        last = padded
+    assert padded_rows(GRAPH_BUCKETS[-1] + 1) == GRAPH_BUCKETS[-1] + 1

@@ -9,7 +9,8 @@ Per batch, on the backend's own stream:
 `submit` returns at once; `result()` waits for the event. A ring of staging sets lets the scheduler
 assemble batch n+1 while batch n runs: a set is reused only after its previous event completed.
 Small in-place launches (GRAPH_MAX_ROWS rows, T=1) replay steps 2-4 as a CUDA graph captured per
-staging set at warm-up.
+staging set at warm-up; bigger ones up to the largest of GRAPH_BUCKETS are padded to the next
+bucket's rows (padding rows touch no state) and replay that bucket's graph.
 
 Shapes the kernel does not cover (head dims other than 128) run the same pipeline through the
 torch math on the GPU instead.
@@ -41,6 +42,23 @@ RING = 8  # staging sets; more than the batches the scheduler keeps in flight
 # launch through tvm-ffi and a copy. On the H200 at N=1 the launch stage went 196 -> 171 us and
 # the device time per launch 239 -> 164 us (bench/NOTES.md, serve_v8). 0 turns graphs off.
 GRAPH_MAX_ROWS = 8
+# Bigger in-place T=1 launches are padded to the next of these row counts and replay its graph:
+# a direct launch's host calls (H2D copy, kernel through tvm-ffi, D2H copy) took ~80 us per
+# launch on the H200 host (bench/backend_step.py --pieces), 5-6% of the event loop at 64 clients
+# (py-spy, bench/NOTES.md); a replay takes a few. Padding costs only device time (the rows' H2D
+# bytes; their CTAs read and write no state), which is why the steps are ~1.5x apart and end at
+# 128, where the launch calls are a small share of a launch's host work.
+GRAPH_BUCKETS = (12, 16, 24, 32, 48, 64, 96, 128)
+
+
+def padded_rows(rows: int) -> int:
+    """The rows a launch of `rows` rows is staged and run with (its graph bucket, or itself)."""
+    if rows <= GRAPH_MAX_ROWS:
+        return rows
+    for bucket in GRAPH_BUCKETS:
+        if rows <= bucket:
+            return bucket
+    return rows
 
 
 class _Staging:
@@ -102,7 +120,10 @@ def _staged_nonfinite(batch: StepBatch, plan: _Plan, views: _Views) -> dict[int,
     each unchecked request and input on its own, to answer the culprits."""
     e = plan.entries
     q_at, k_at, v_at = e["q"][0], e["k"][0], e["v"][0]
-    if k_at == q_at + e["q"][3] and v_at == k_at + e["k"][3]:
+    R = batch.rows
+    if R < plan.rows:  # a padded launch: its padding rows hold whatever was there, unchecked
+        spans = [views.host[name][:R] for name in INPUTS]
+    elif k_at == q_at + e["q"][3] and v_at == k_at + e["k"][3]:
         spans = [views.host_all[q_at : v_at + e["v"][3]].view(torch.bfloat16), views.host["a"], views.host["b"]]
     else:
         spans = [views.host[name] for name in INPUTS]
@@ -120,18 +141,22 @@ def _staged_nonfinite(batch: StepBatch, plan: _Plan, views: _Views) -> dict[int,
 
 
 class _CudaStep(PendingStep):
-    def __init__(self, staging: _Staging, views: _Views, device: torch.device) -> None:
+    def __init__(self, staging: _Staging, views: _Views, device: torch.device, rows: int, padded: bool) -> None:
         self._staging = staging
         self._views = views
         self._device = device
+        self._rows = rows  # the batch's rows: the first of the launch's (padded) rows
+        self._padded = padded
 
     def result(self) -> torch.Tensor:
         self._staging.done.synchronize()
-        return self._views.out_host
+        out = self._views.out_host
+        return out[: self._rows] if self._padded else out
 
     def result_bytes(self) -> memoryview:
         self._staging.done.synchronize()
-        return self._views.out_host_bytes
+        out = self._views.out_host_bytes
+        return out[: len(out) // len(self._views.out_host) * self._rows] if self._padded else out
 
     def ready(self) -> bool:
         return self._staging.done.query()
@@ -176,6 +201,9 @@ class CudaBackend(Backend):
         self.A_log = gates.A_log.float().contiguous().to(self.device)
         self.dt_bias = gates.dt_bias.float().contiguous().to(self.device)
         self.stream = torch.cuda.Stream(self.device)
+        # entered per launch; made once: torch.cuda.stream() builds a context whose __init__
+        # resolves the device index (~9 us a launch on the H200 host, bench/backend_step.py)
+        self._on_stream = torch.cuda.StreamContext(self.stream)
         self.use_kernel = K == V == 128
         if self.use_kernel:
             from gdn_server.kernels import gdn_decode  # compiles lazily per (T, H, HV)
@@ -187,6 +215,10 @@ class CudaBackend(Backend):
         self._plans: dict[tuple[int, int], _Plan] = {}
         self._next = 0
         self._rows_hint = rows_hint
+        # launches up to this many rows are padded to a graph bucket: buckets past rows_hint
+        # (whose staging views are not made at warm-up) are not used, nor any before warm-up
+        # has captured their graphs (a padded launch without a graph would gain nothing)
+        self._bucket_max = 0
 
     # -- staging plans: where each input of a launch of R rows and T tokens sits ----------------
     def _plan(self, rows: int, tokens: int) -> "_Plan":
@@ -219,9 +251,12 @@ class CudaBackend(Backend):
 
     def submit(self, batch: StepBatch) -> PendingStep:
         R, T = batch.rows, batch.tokens
-        plan = self._plan(R, T)
+        in_place = batch.in_place
+        # a launch a graph bucket covers runs as that bucket's rows (see GRAPH_BUCKETS)
+        rows = padded_rows(R) if in_place and T == 1 and R <= self._bucket_max else R
+        plan = self._plan(rows, T)
         staging = self._staging_for(plan)
-        views = staging.views_for(plan, (R, T))
+        views = staging.views_for(plan, (rows, T))
 
         # 1. requests -> pinned staging: a memcpy per request and input for bf16 requests, a
         #    casting copy for f16/f32 ones; no per-row work
@@ -233,15 +268,14 @@ class CudaBackend(Backend):
                 errors = {index: nonfinite_input(name) for index, name in found.items()}
             if errors:
                 raise NonFiniteInputs(errors)  # before anything is queued on the device
-        in_place = batch.in_place
-        graph = staging.graphs.get((R, T)) if in_place else None
-        with torch.cuda.stream(self.stream):
-            if graph is not None:  # steps 2-4 as captured for this staging set and (R, T)
+        graph = staging.graphs.get((rows, T)) if in_place else None
+        with self._on_stream:
+            if graph is not None:  # steps 2-4 as captured for this staging set and (rows, T)
                 graph.replay()
             else:
                 self._device_steps(views, in_place)
             staging.done.record(self.stream)
-        return _CudaStep(staging, views, self.device)
+        return _CudaStep(staging, views, self.device, R, rows != R)
 
     def _device_steps(self, views: _Views, in_place: bool) -> None:
         """A launch's device work, on the current stream, from a filled staging set."""
@@ -309,9 +343,10 @@ class CudaBackend(Backend):
         see), then the captures, which record and run nothing."""
         if GRAPH_MAX_ROWS < 1:
             return
+        buckets = tuple(b for b in GRAPH_BUCKETS if b <= self._rows_hint) if tokens == 1 else ()
         with torch.cuda.device(self.device):  # a capture records on the current device
             side = torch.cuda.Stream(self.device)
-            for R in range(1, GRAPH_MAX_ROWS + 1):
+            for R in (*range(1, GRAPH_MAX_ROWS + 1), *buckets):
                 plan = self._plan(R, tokens)
                 for i, staging in enumerate(self._ring):
                     views = staging.views_for(plan, (R, tokens))
@@ -331,6 +366,8 @@ class CudaBackend(Backend):
                         finally:
                             graph.capture_end()
                     staging.graphs[(R, tokens)] = graph
+        if buckets:
+            self._bucket_max = buckets[-1]
 
     # -- session operations (called with no step in flight) ----------------------------------
     def _rows(self, session_slot: int) -> slice:

@@ -23,6 +23,13 @@ ALIGN = 128  # bytes; keeps every carved view 16-byte aligned for the kernel's v
 # memcpy across cores); smaller ones by one slice assignment, which costs far less to start.
 # One thread fills pinned memory at a few GB/s: 1.2 ms for a B=256 request on the H200 host.
 PARALLEL_COPY_BYTES = 512 << 10
+# A launch's small requests whose bytes add up to this much are copied by FILL_THREADS threads
+# (the native module's pool, without the GIL). From cold caches, as in the server, on the H200
+# host (bench/backend_step.py --variants): 100 one-row qwen3-next requests (1.6 MB) 847 -> 707 us
+# of CudaBackend.submit; 27 (450 KB) 391 -> 431 us and 48-64 even, where waking the pool costs
+# as much as it saves.
+FILL_THREADED_BYTES = 1 << 20
+FILL_THREADS = min(4, COPY_THREADS)
 INPUTS = ("q", "k", "v", "a", "b")
 
 
@@ -38,6 +45,11 @@ class Plan:
     total: int  # bytes of inputs
     out_shape: tuple[int, ...]
     out_bytes: int
+
+    @property
+    def rows(self) -> int:
+        """Rows the layout has room for: a batch's rows, or more where its launch is padded."""
+        return self.out_shape[0]
 
 
 def make_plan(shape: ModelShape, rows: int, tokens: int) -> Plan:
@@ -72,6 +84,9 @@ def fill(
 ) -> dict[int, str] | None:
     """Copies `batch` into a staging buffer laid out by `plan`: a memcpy per request and input for
     bf16 requests (their raw bytes), a casting copy for the others, then the int32 index arrays.
+    A plan with more rows than the batch (a padded launch) gets padding rows after the batch's:
+    slot and out_slot -1 (the kernel reads and writes no state for them), layer 0, inputs left
+    as they are (unread).
 
     `host_mem` and `host_bytes` are the buffer as a memoryview and a uint8 numpy array (slice
     assignment into a memoryview is the cheapest copy Python has); `host_views` the plan's tensor
@@ -83,20 +98,28 @@ def fill(
     staged copy.
     """
     R = batch.rows
+    room = plan.rows
+    if R > room:
+        raise ValueError(f"a batch of {R} rows does not fit a plan of {room}")
     entries = plan.entries
     # (byte offset, bytes per row) of each input: a request's bytes go at offset + first row * per row
-    places = tuple([(entries[name][0], entries[name][3] // R) for name in INPUTS])
+    places = tuple([(entries[name][0], entries[name][3] // room) for name in INPUTS])
     found = None
     if native is not None:  # the small checked bf16 requests in one C call; the rest below
-        left = native.fill_bf16(host_mem, places, batch.works, PARALLEL_COPY_BYTES)
+        left = native.fill_bf16(host_mem, places, batch.works, PARALLEL_COPY_BYTES, FILL_THREADED_BYTES, FILL_THREADS)
         found = _fill_natively(batch, set(left), places, host_mem, host_views) if left else {}
     else:
         _fill_in_python(batch, places, host_mem, host_bytes, host_views)
-    for name, values in (("slots", batch.slots), ("layers", batch.layers)) + (
-        () if batch.in_place else (("out_slots", batch.out_slots),)
+    for name, values, padding in (("slots", batch.slots, -1), ("layers", batch.layers, 0)) + (
+        () if batch.in_place else (("out_slots", batch.out_slots, -1),)
     ):
         offset, _, _, nbytes = entries[name]
-        host_bytes[offset : offset + nbytes].view(np.int32)[:] = values
+        column = host_bytes[offset : offset + nbytes].view(np.int32)
+        if R == room:
+            column[:] = values
+        else:
+            column[:R] = values
+            column[R:] = padding
     return found
 
 

@@ -92,22 +92,27 @@ def test_server_on_the_gpu_matches_the_reference():
 
 def test_small_launches_replay_graphs_bit_identical_to_direct_launches():
     """After warm-up, in-place T=1 launches of up to GRAPH_MAX_ROWS rows replay a captured graph
-    (per staging set); the outputs and the state pool are bit-identical to a backend that
-    launches directly, over enough launches to go round the staging ring twice."""
+    (per staging set), and bigger ones up to the largest bucket are padded to a bucket's graph;
+    the outputs and the state pool are bit-identical to a backend that launches directly, over
+    enough launches to go round the staging ring twice."""
     from gdn_server.backends import cuda
 
     shape = ModelShape(num_layers=3, num_q_heads=16, num_v_heads=32)
     gates = random_gate_params(shape, seed=3)
-    graphed = CudaBackend(shape, gates, max_sessions=16, speculative_sessions=0)
+    sessions = 48
+    # rows_hint 40: buckets up to 32 are captured, 33..40 launch directly
+    graphed = CudaBackend(shape, gates, max_sessions=sessions, speculative_sessions=0, rows_hint=40)
     graphed.warmup()
     assert all(st.graphs for st in graphed._ring), "warm-up captured no graphs"
-    direct = CudaBackend(shape, gates, max_sessions=16, speculative_sessions=0)  # no warm-up: no graphs
+    assert graphed._bucket_max == 32
+    direct = CudaBackend(shape, gates, max_sessions=sessions, speculative_sessions=0)  # no warm-up: no graphs
     rng = random.Random(4)
     gen = torch.Generator().manual_seed(4)
-    used_graph = 0
+    used_graph = padded = 0
     for launch in range(3 * cuda.RING):
-        R = rng.randint(1, cuda.GRAPH_MAX_ROWS + 2)  # some too big for a graph
-        members = rng.sample(range(16), R)
+        # exact graphs, padded ones (9..32 rows) and direct launches (33+)
+        R = rng.choice([*range(1, cuda.GRAPH_MAX_ROWS + 1), 9, 12, 13, 17, 27, 32, 33, 40])
+        members = rng.sample(range(sessions), R)
         layer = rng.randrange(shape.num_layers)
         x = random_inputs(R, 1, shape.num_q_heads, shape.num_v_heads, gen=gen, dtype=torch.bfloat16)
         raw = tuple(x[n].contiguous().view(torch.int16).numpy().tobytes() for n in "qkvab")
@@ -116,10 +121,15 @@ def test_small_launches_replay_graphs_bit_identical_to_direct_launches():
             batch = StepBatch(1)
             batch.add(DecodeWork(layer, tuple(map(str, members)), positions=None, bf16_bytes=raw, **x),
                       [m * shape.num_layers + layer for m in members])
-            outs.append(backend.submit(batch).result().clone())
-        used_graph += R <= cuda.GRAPH_MAX_ROWS
+            pending = backend.submit(batch)
+            outs.append(pending.result().clone())
+            # what the scheduler answers from: the batch's rows only, padded launch or not
+            assert bytes(pending.result_bytes()) == outs[-1].view(torch.int16).numpy().tobytes()
+        used_graph += R <= 32
+        padded += cuda.GRAPH_MAX_ROWS < R <= 32 and cuda.padded_rows(R) > R
+        assert outs[0].shape[0] == R
         assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), f"launch {launch}, R={R}"
-    assert used_graph >= cuda.RING
+    assert used_graph >= cuda.RING and padded >= 2
     assert torch.equal(graphed.state_pool.view(torch.int16), direct.state_pool.view(torch.int16))
     assert graphed.state_pool.abs().sum() > 0
 
