@@ -141,12 +141,12 @@ def _staged_nonfinite(batch: StepBatch, plan: _Plan, views: _Views) -> dict[int,
 
 
 class _CudaStep(PendingStep):
-    def __init__(self, staging: _Staging, views: _Views, device: torch.device, rows: int, padded: bool) -> None:
+    def __init__(self, staging: _Staging, views: _Views, device: torch.device, rows: int) -> None:
         self._staging = staging
         self._views = views
         self._device = device
         self._rows = rows  # the batch's rows: the first of the launch's (padded) rows
-        self._padded = padded
+        self._padded = rows < len(views.out_host)
 
     def result(self) -> torch.Tensor:
         self._staging.done.synchronize()
@@ -275,7 +275,7 @@ class CudaBackend(Backend):
             else:
                 self._device_steps(views, in_place)
             staging.done.record(self.stream)
-        return _CudaStep(staging, views, self.device, R, rows != R)
+        return _CudaStep(staging, views, self.device, R)
 
     def _device_steps(self, views: _Views, in_place: bool) -> None:
         """A launch's device work, on the current stream, from a filled staging set."""
