@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 
 .PHONY: serve test proto bench-kernel clean
 
-$(VENV)/.installed: pyproject.toml gdn_server/_native.c  # the C source too: an editable install builds it once
+$(VENV)/.installed: pyproject.toml $(wildcard gdn_server/_native*.[ch])  # the C sources too: an editable install builds them once
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")

@@ -21,13 +21,13 @@ fi
 export PYTHONUNBUFFERED=1
 # gdn_server._native for this host's python3 (the repo runs from PYTHONPATH here, no pip install);
 # without it the server runs its Python parse and checks (about half the throughput)
-build_native() {  # $1: a checkout's root (its own _native.c)
+build_native() {  # $1: a checkout's root (its own _native*.c)
   local so
   so="$1/gdn_server/_native$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
   # built every call: a warm machine keeps ignored files, and an older build of another _native.c
   # would otherwise stay in place (2 s)
   gcc -O3 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
-    "$1/gdn_server/_native.c" -o "$so" || echo "$1: gdn_server._native not built: the Python parse and checks run"
+    "$1"/gdn_server/_native*.c -o "$so" || echo "$1: gdn_server._native not built: the Python parse and checks run"
 }
 build_native .
 python3 -c "from gdn_server import protowire; print('native decode path:', protowire.native is not None)"

@@ -40,9 +40,11 @@
        `check` whether it holds a bf16 NaN or Inf (found in the same pass as the copy).
 
    All are pure functions of their arguments (fill_bf16 writes only into dst);
-   tests/test_native.py runs each against the Python code it stands in for. */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+   tests/test_native.py runs each against the Python code it stands in for.
+
+   _native_scheduler.c adds the scheduler's loops over a round's plain steps (admit_plain,
+   submit_plain, finish_plain), which do change the objects they are given. */
+#include "_native.h"
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -853,5 +855,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__native(void) {
     static int registered = 0;
     if (!registered && pthread_atfork(NULL, NULL, pool_after_fork_in_child) == 0) registered = 1;
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && add_scheduler_functions(m) < 0) Py_CLEAR(m);
+    return m;
 }

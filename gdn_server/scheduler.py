@@ -16,6 +16,11 @@ batches, after every earlier step has finished and before any later one starts.
 Pipelining: a backend's `submit` may return before the device is done. The loop submits batch n,
 then finishes batch n-1 (waits for its output and answers it) while n runs.
 
+Plain steps (not speculative, positions as expected, no speculative record at any layer) take
+C loops where gdn_server._native is built (_native_scheduler.c: admission and routing in
+`_launch`, the position bookkeeping in `_submit`, the answers in `_finish`); everything else runs
+the Python below, which stays the reference (tests/test_scheduler_native.py).
+
 Where rounds run (`SchedulerConfig.runs_on`):
 - on a thread of their own (`start`): requests are handed over with a condition variable and
   answered through the `done` callbacks. For backends that compute on the host (the CPU one).
@@ -41,6 +46,7 @@ from typing import Any, Callable
 from gdn_server.backends.base import Backend, NonFiniteInputs
 from gdn_server.config import SchedulerConfig
 from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
+from gdn_server.native import module as native_module
 from gdn_server.sessions import LastStep, Provisional, Session, SessionTable, StepRecord
 from gdn_server.validation import check_finite
 from gdn_server.work import DecodeResult, DecodeWork, StepBatch
@@ -113,7 +119,12 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, backend: Backend, sessions: SessionTable, config: SchedulerConfig = SchedulerConfig()) -> None:
+    def __init__(
+        self, backend: Backend, sessions: SessionTable, config: SchedulerConfig = SchedulerConfig(),
+        native: Any = native_module,
+    ) -> None:
+        """`native`: gdn_server._native, whose loops take a round's plain steps (the common case)
+        in C; None runs every request through the Python (the reference the C is tested against)."""
         if config.max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {config.max_batch_rows}")
         if config.max_queue_rows < 1:
@@ -155,6 +166,8 @@ class Scheduler:
         self._waiter_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting_on: Any = None
         self._waited: Any = None  # the last launch the waiter's wait returned for
+        # the C loops over plain steps (_native_scheduler.c), or None: everything in Python
+        self._native = native if native is not None and hasattr(native, "admit_plain") else None
 
     # -- called from any thread -------------------------------------------------------------
     def start(self) -> None:
@@ -434,16 +447,28 @@ class Scheduler:
         deferred: list[_DecodeItem | _ControlItem] = []
         control: _ControlItem | None = None
         max_rows = self.config.max_batch_rows
-        for idx, item in enumerate(items):
+        fast = self._native.admit_plain if self._native is not None else None
+        if fast is not None:
+            state = (_DecodeItem, self.sessions.by_id, busy, deferred, batches, StepBatch, _Admitted)
+        idx, count = 0, len(items)
+        while idx < count:
+            if fast is not None:
+                # the C takes plain steps as the code below would; it stops at the first item it
+                # leaves to this loop, which takes that one item before handing back
+                idx, rows = fast(items, idx, rows, max_rows, state)
+                if idx == count:
+                    break
+            item = items[idx]
+            idx += 1
             if isinstance(item, _ControlItem):
                 if deferred:  # an earlier request is held back: the barrier stays behind it
-                    deferred.extend(items[idx:])
+                    deferred.extend(items[idx - 1 :])
                     break
                 if quiet and not batches:
                     self._run_control(item)
                     continue
                 control = item  # a barrier: later requests wait until it has run
-                deferred.extend(items[idx + 1 :])
+                deferred.extend(items[idx:])
                 break
             if item.work is None:
                 try:
@@ -451,6 +476,9 @@ class Scheduler:
                 except Exception as e:  # a frame that does not decode: fail this request only
                     log.exception("could not build a queued request")
                     item.done(e if isinstance(e, GdnError) else GdnError(f"malformed request: {e}"))
+                    continue
+                if fast is not None:  # built (the --frontends link's requests): the C may take it now
+                    idx -= 1
                     continue
             work = item.work
             ids = work.session_ids
@@ -614,7 +642,12 @@ class Scheduler:
         on_dispatch = self.on_dispatch
         tokens = batch.tokens  # every request of a batch has this T
         queue_wait = 0.0
-        for m in members:  # the step is queued on the device: later requests see the new positions
+        rest = members
+        if self._native is not None:  # the C does the loop below for plain steps, and leaves the rest
+            queue_wait, rest = self._native.submit_plain(
+                members, tokens, started, now, on_dispatch, StepRecord, LastStep
+            )
+        for m in rest:  # the step is queued on the device: later requests see the new positions
             item = m.item
             work = item.work
             queue_wait += now - item.enqueued
@@ -668,6 +701,9 @@ class Scheduler:
             self.stats.requests += len(members)  # counted before the answers, as GetStats may follow one
             shp = self.backend.shape
             tail = (shp.num_v_heads, shp.head_dim_v)
+            if self._native is not None:  # the loop below, in C
+                self._native.finish_plain(members, whole, row_bytes, batch.tokens, tail, encode, DecodeResult)
+                continue
             for m in members:
                 rows = len(m.sessions)
                 data = whole if single else whole[m.first_row * row_bytes : (m.first_row + rows) * row_bytes]

@@ -1,0 +1,219 @@
+"""The scheduler's C loops for plain steps (gdn_server/_native_scheduler.c) against its Python.
+
+Two identical worlds (CPU backend, session table, scheduler) take the same random rounds: steps
+plain and speculative, retries, wrong positions, unknown sessions, other owners, cancelled
+requests, commits between steps, rounds past max_batch_rows. One scheduler runs plain steps in C,
+the other runs everything in Python. They must launch the same batches, give the same answers in
+the same order and leave the same session records and state pools.
+"""
+from __future__ import annotations
+
+import itertools
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gdn_server import sessions as sessions_module
+from gdn_server.backends.cpu import CpuBackend
+from gdn_server.config import ModelShape, SchedulerConfig
+from gdn_server.errors import GdnError
+from gdn_server.lifecycle import commit_speculation
+from gdn_server.native import module as native_module
+from gdn_server.scheduler import Scheduler
+from gdn_server.servicer import encode_decode_reply
+from gdn_server.sessions import SessionTable
+from gdn_server.weights import random_gate_params
+from gdn_server.work import DecodeResult, DecodeWork
+
+pytestmark = pytest.mark.skipif(
+    native_module is None or not hasattr(native_module, "admit_plain"), reason="gdn_server._native is not built"
+)
+
+SHAPE = ModelShape(num_layers=3, num_q_heads=1, num_v_heads=2, head_dim_k=8, head_dim_v=8)
+SESSIONS = 6
+OWNERS = (None,) * (SESSIONS - 1) + ("alice",)  # the owner of each session; the request's is its first session's
+
+class _World:
+    """A CPU backend, a session table and a scheduler, built the same way every time."""
+
+    def __init__(self, native, max_rows: int, encode: bool) -> None:
+        self.backend = CpuBackend(SHAPE, random_gate_params(SHAPE, 0), SESSIONS, speculative_sessions=2)
+        self.launches: list[tuple] = []
+        submit = self.backend.submit
+
+        def recording_submit(batch):
+            self.launches.append(
+                (batch.tokens, list(batch.slots), list(batch.out_slots), list(batch.layers),
+                 [w.request_id for w in batch.works])
+            )
+            return submit(batch)
+
+        self.backend.submit = recording_submit
+        self.table = SessionTable(SESSIONS, SHAPE.num_layers, range(self.backend.home_rows, self.backend.pool_rows))
+        counter = itertools.count()
+        with mock.patch.object(sessions_module, "new_session_id", lambda: f"s{next(counter)}"):
+            self.ids = [self.table.create(owner=OWNERS[i]).id for i in range(SESSIONS)]
+        self.scheduler = Scheduler(self.backend, self.table, SchedulerConfig(max_batch_rows=max_rows), native=native)
+        if encode:
+            self.scheduler.encode_reply = encode_decode_reply
+        self.answers: list[tuple] = []
+        self.previous: list = []
+
+    def answer(self, request_id: str):
+        def done(result) -> None:
+            if isinstance(result, DecodeResult):
+                self.answers.append(
+                    (request_id, "ok", bytes(result.out), result.shape, result.positions, result.request_id,
+                     None if result.wire is None else bytes(result.wire))
+                )
+            else:
+                kind = type(result).__name__
+                self.answers.append((request_id, kind, str(result) if isinstance(result, GdnError) else repr(result)))
+        return done
+
+    def records(self) -> list:
+        out = []
+        for sid in self.ids:
+            s = self.table.find(sid)
+            if s is None:
+                out.append(None)
+                continue
+            last = {
+                layer: (ls.count_before, ls.row, ls.tokens, ls.rows, None if ls.out is None else bytes(ls.out))
+                for layer, ls in s.last_steps.items()
+            }
+            provisional = {
+                layer: (p.row, p.read_row, p.tokens, p.count_before) for layer, p in s.provisional.items()
+            }
+            out.append((list(s.positions), last, dict(s.scratch_current), provisional))
+        return out
+
+
+def _bf16(seed: int, rows: int, T: int) -> tuple[tuple[bytes, ...], tuple[tuple[int, ...], ...]]:
+    g = torch.Generator().manual_seed(seed)
+    H, HV, K, V = SHAPE.num_q_heads, SHAPE.num_v_heads, SHAPE.head_dim_k, SHAPE.head_dim_v
+    dims = ((rows, T, H, K), (rows, T, H, K), (rows, T, HV, V), (rows, T, HV), (rows, T, HV))
+    raw = tuple(torch.randn(d, generator=g).to(torch.bfloat16).view(torch.int16).numpy().tobytes() for d in dims)
+    return raw, dims
+
+
+_step = st.tuples(
+    st.just("step"),
+    # index SESSIONS: an unknown id (rarely)
+    st.lists(st.sampled_from(tuple(range(SESSIONS)) * 4 + (SESSIONS,)), min_size=1, max_size=3, unique=True),
+    st.integers(0, SHAPE.num_layers - 1),
+    st.sampled_from((1, 1, 1, 2)),  # T
+    st.sampled_from(("right",) * 6 + ("wrong", "retry", "retry", "none")),  # positions sent
+    st.sampled_from((False,) * 4 + (True,)),  # speculative
+    st.sampled_from((0,) * 15 + (1,)),  # 1: sent by another owner than the first session's
+    st.sampled_from((False,) * 15 + (True,)),  # cancelled before its round
+    st.booleans(),  # queued as the --frontends link does: built on the scheduler's thread (make_work)
+)
+_commit = st.tuples(st.just("commit"), st.integers(0, SESSIONS - 1), st.integers(0, 2))
+_rounds = st.lists(
+    st.lists(st.one_of(*(_step,) * 6, _commit), max_size=12), min_size=1, max_size=8
+)
+
+def _queue(world: _World, round_no: int, ops: list) -> None:
+    """Queues one round's operations; positions come from the world's records at the round's start."""
+    expected: dict[tuple[int, int], int] = {}  # (session, layer) -> the position after earlier steps of this round
+    for k, op in enumerate(ops):
+        request_id = f"r{round_no}.{k}"
+        if op[0] == "commit":
+            _, index, accepted = op
+            sid = world.ids[index]
+            world.scheduler.submit_control(
+                lambda sid=sid, accepted=accepted, owner=OWNERS[index]: commit_speculation(
+                    world.table, world.backend, sid, accepted, owner
+                ),
+                world.answer(request_id),
+            )
+            continue
+        _, indices, layer, T, pos_mode, speculative, other_owner, cancelled, later = op
+        ids = tuple(world.ids[i] if i < SESSIONS else "nobody" for i in indices)
+        positions = None
+        if pos_mode != "none":
+            positions = []
+            for i in indices:
+                s = world.table.find(world.ids[i]) if i < SESSIONS else None
+                now = expected.get((i, layer), s.positions[layer] if s is not None else 0)
+                if pos_mode == "wrong":
+                    now += 5
+                elif pos_mode == "retry" and s is not None and layer in s.last_steps:
+                    now = s.last_steps[layer].count_before
+                positions.append(now)
+                expected[(i, layer)] = now + T
+            positions = tuple(positions)
+        raw, dims = _bf16(1000 * round_no + k, len(ids), T)
+        work = DecodeWork.of_bf16(layer, ids, positions, request_id, speculative, raw, dims, True)
+        owner = OWNERS[indices[0]] if indices[0] < SESSIONS else None
+        work.__dict__["owner"] = ("mallory" if owner is None else None) if other_owner else owner
+        gone = (lambda: True) if cancelled else None
+        if later:
+            world.scheduler.submit_decode_later(lambda work=work: work, len(ids), world.answer(request_id), gone)
+        else:
+            world.scheduler.submit_decode(work, world.answer(request_id), cancelled=gone)
+
+
+def _drain(world: _World) -> None:
+    for _ in range(100):
+        world.previous = world.scheduler.run_round(world.previous)
+        if not world.previous and not world.scheduler.queue_depth():
+            return
+    raise AssertionError("the scheduler did not drain")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rounds=_rounds, max_rows=st.sampled_from((1, 3, 64)), encode=st.booleans())
+def test_native_rounds_match_python_rounds(rounds, max_rows, encode):
+    worlds = [_World(native_module, max_rows, encode), _World(None, max_rows, encode)]
+    for round_no, ops in enumerate(rounds):
+        for world in worlds:
+            _queue(world, round_no, ops)
+            world.previous = world.scheduler.run_round(world.previous)
+        native, python = worlds
+        assert native.launches == python.launches
+        assert native.answers == python.answers
+        assert native.records() == python.records()
+    for world in worlds:
+        _drain(world)
+    native, python = worlds
+    assert native.launches == python.launches
+    assert native.answers == python.answers
+    assert native.records() == python.records()
+    assert torch.equal(native.backend.state_pool, python.backend.state_pool)
+    assert _same_counts(native, python)
+
+
+def _same_counts(a: _World, b: _World) -> bool:
+    """SchedulerStats but the timings, which differ between runs."""
+    sa, sb = a.scheduler.stats, b.scheduler.stats
+    return (sa.launches, sa.rows_launched, sa.requests, sa.batches) == (sb.launches, sb.rows_launched, sb.requests, sb.batches)
+
+
+def test_native_rounds_take_plain_steps():
+    """The C loops run for plain steps: a round of plain steps, some built on the scheduler's
+    thread, goes through submit_plain and finish_plain once each and admit_plain once, plus once
+    more for each request built there."""
+    world = _World(native_module, 64, True)
+    calls: dict[str, int] = {}
+
+    class Counting:
+        def __getattr__(self, name):
+            fn = getattr(native_module, name)
+
+            def counted(*args):
+                calls[name] = calls.get(name, 0) + 1
+                return fn(*args)
+            return counted
+
+    world.scheduler._native = Counting()
+    _queue(world, 0, [("step", [i], 0, 1, "right", False, 0, False, i % 2 == 1) for i in range(SESSIONS)])
+    world.previous = world.scheduler.run_round(world.previous)
+    _drain(world)
+    assert calls == {"admit_plain": 1 + SESSIONS // 2, "submit_plain": 1, "finish_plain": 1}
+    assert [a[1] for a in world.answers] == ["ok"] * SESSIONS
+    assert [r[0][0] for r in world.records()] == [1] * SESSIONS
