@@ -61,10 +61,10 @@ case "${1:-}" in
     timeout 300 python3 bench/scale.py --device cuda --duration 4 --frontends "${FRONTENDS:-8}" --device-sets "0,1;0" \
       --clients 512 --no-echo --out "$out/scalecpu" 2>&1 | tail -12
     ;;
-  profile)  # py-spy of a one-process CUDA server at N=1 and N=64 (py-spy carried in .tools/)
+  profile)  # py-spy of a CUDA server at N=1 and N=64 (py-spy carried in .tools/; SPY_ON=load: of the load)
     PY_SPY=${PY_SPY:-.tools/py-spy} timeout 300 python3 bench/profile_server.py --device cuda --clients "${CLIENTS:-1,64}" \
       --duration "${DURATION:-6}" --server-flags "${SERVER_FLAGS:-}" --spy-flags="${SPY_FLAGS:---nonblocking}" \
-      --out "$out/profile" 2>&1 | tail -60
+      --spy-on "${SPY_ON:-server}" --out "$out/profile" 2>&1 | tail -60
     ;;
   trace)  # one step's latency, stage by stage, at N=1 (ours and the echo), per --scheduler-runs-on value
     for mode in ${RUNS_ON:-loop thread}; do

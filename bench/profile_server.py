@@ -34,8 +34,8 @@ def summarize(raw: Path, top: int = 30) -> str:
     inclusive: collections.Counter = collections.Counter()
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if not stack or any(f in stack for f in _WARMUP_FRAMES):
-            continue
+        if not stack or not count.isdigit() or any(f in stack for f in _WARMUP_FRAMES):
+            continue  # a start-up stack, or one py-spy wrote garbled (seen with --subprocesses)
         n = int(count)
         frames = stack.split(";")
         thread = re.sub(r"\(\d+\)", "", frames[0]).strip()
@@ -63,11 +63,18 @@ def profile_point(args: argparse.Namespace, py_spy: str, clients: int, out: Path
         target = wait_listening(proc, 600)
         load = subprocess.Popen([sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--clients",
                                  str(clients), "--duration", str(args.duration), "--no-progress"])
-        time.sleep(1.0)
-        spy = subprocess.run([py_spy, *spy_flags, "-d", str(max(1, int(args.duration) - 2)), "--pid", str(proc.pid)],
-                             capture_output=True, text=True)
+        # the load process imports torch and warms up first: its samples start later
+        lead = 1.0 if args.spy_on == "server" else min(6.0, args.duration / 2)
+        time.sleep(lead)
+        watched = load if args.spy_on == "load" else proc
+        spy = subprocess.run(
+            [py_spy, *spy_flags, "-d", str(max(1, int(args.duration - lead) - 1)), "--pid", str(watched.pid)],
+            capture_output=True, text=True,
+        )
         load.wait(timeout=args.duration + 120)
-        if spy.returncode != 0:  # no ptrace of a sibling here: py-spy starts the server itself
+        if spy.returncode != 0 and args.spy_on == "load":
+            print(f"py-spy could not attach to the load ({spy.stderr.strip()[-200:]})", flush=True)
+        elif spy.returncode != 0:  # no ptrace of a sibling here: py-spy starts the server itself
             print(f"py-spy could not attach ({spy.stderr.strip()[-200:]}); starting the server under it", flush=True)
             proc.terminate()
             proc.wait(30)
@@ -97,6 +104,8 @@ def main() -> None:
     p.add_argument("--clients", default="1,64")
     p.add_argument("--duration", type=float, default=6.0)
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    p.add_argument("--spy-on", choices=("server", "load"), default="server",
+                   help="the process py-spy records: the server, or the gdn-loadtest process driving it")
     p.add_argument("--spy-flags", default="--nonblocking",
                    help="more py-spy record flags: '--native' for C frames too (pauses the server per sample)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results") + "/profile")
