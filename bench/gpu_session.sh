@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|delay|copythreads|speculative|launchvariants   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|schedround|delay|copythreads|speculative|launchvariants   (each part fits in one 10-minute call)
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
@@ -122,6 +122,18 @@ case "${1:-}" in
       done
     done
     ;;
+  schedround)  # bench/scheduler_round.py (the scheduler's CPU per request, no device) of the base and this tree, alternately
+    base=${BASE:-.ab_base}
+    [[ -d $base/gdn_server ]] || { echo "schedround: no base checkout at $base" >&2; exit 2; }
+    build_native "$base"
+    out_abs=$(cd "$out" && pwd)
+    for round in $(seq 1 "${ROUNDS:-3}"); do
+      (cd "$base" && PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout 120 python3 bench/scheduler_round.py --per-round 8,64 \
+        --json "$out_abs/schedround_base_$round.json" 2>&1) | tail -2 | sed "s/^/base $round /"
+      timeout 120 python3 bench/scheduler_round.py --per-round 8,64 --json "$out/schedround_new_$round.json" 2>&1 \
+        | tail -2 | sed "s/^/new $round /"
+    done
+    ;;
   delay)  # N=64 (part a only) at each --max-queue-delay-us of DELAYS: rows per launch against throughput
     for d in ${DELAYS:-0 50 150}; do
       timeout 150 python3 bench/serve.py --device cuda --duration 3 --clients "${CLIENTS:-64}" --skip b,c \
@@ -146,5 +158,5 @@ case "${1:-}" in
   speculative)
     timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8
     ;;
-  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|delay|copythreads|speculative|pack" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|schedround|delay|copythreads|speculative|pack" >&2; exit 2 ;;
 esac
