@@ -26,9 +26,11 @@
        took and the members it left.
 
    finish_plain(members, whole, row_bytes, tokens, tail, encode, result_type) -> None
-       Scheduler._finish's answers for one finished batch: each member's slice of the output
-       `whole`, encoded with encode(data, shape, positions, request_id) -> (wire, offset) where
-       encode is not None, kept as the step's record.out and passed to its item's done().
+       Scheduler._finish's answers for one finished batch, for every member (answers are alike
+       for every kind of step, so nothing is left to the Python): each member's slice of the
+       output `whole`, encoded with encode(data, shape, positions, request_id) -> (wire,
+       offset) where encode is not None, kept as the step's record.out and passed to its
+       item's done().
 
    tests/test_scheduler_native.py runs rounds of every kind through both paths and compares
    the answers and the session records. */

@@ -701,7 +701,7 @@ class Scheduler:
             self.stats.requests += len(members)  # counted before the answers, as GetStats may follow one
             shp = self.backend.shape
             tail = (shp.num_v_heads, shp.head_dim_v)
-            if self._native is not None:  # the loop below, in C
+            if self._native is not None:  # the loop below, in C (every member: answers are alike for every step)
                 self._native.finish_plain(members, whole, row_bytes, batch.tokens, tail, encode, DecodeResult)
                 continue
             for m in members:
