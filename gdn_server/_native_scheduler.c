@@ -42,62 +42,53 @@ static PyObject *s_work, *s_session_ids, *s_speculative, *s_layer, *s_positions,
     *s_layers, *s_works, *s_read_rows, *s_write_rows, *s_item, *s_released, *s_enqueued, *s_sessions,
     *s_record, *s_last_steps, *s_last_used, *s_first_row, *s_request_id, *s_out, *s_done;
 
-/* An item admit_plain leaves to the Python: its sessions, checked, or NULL with no error set
-   when the item is not a plain step (and NULL with an error set when something failed). */
+/* PyObject_IsTrue(obj.name): 1, 0, or -1 with an error set. */
+static int attr_true(PyObject *obj, PyObject *name) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    int truth = value ? PyObject_IsTrue(value) : -1;
+    Py_XDECREF(value);
+    return truth;
+}
+
+/* The sessions of a plain step, checked as Scheduler._admit would; NULL with no error set when
+   the step is not plain (the Python then decides what it is), NULL with an error set when a
+   call failed. */
 static PyObject *plain_sessions(PyObject *work, PyObject *ids, PyObject *by_id, Py_ssize_t layer) {
     PyObject *owner = PyObject_GetAttr(work, s_owner);
     PyObject *positions = owner ? PyObject_GetAttr(work, s_positions) : NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(ids);
     PyObject *sessions = positions ? PyList_New(n) : NULL;
-    if (sessions == NULL) goto fail;
-    if (positions != Py_None && (!PyTuple_Check(positions) || PyTuple_GET_SIZE(positions) != n)) goto not_plain;
+    if (sessions == NULL) goto not_taken;
+    if (positions != Py_None && (!PyTuple_Check(positions) || PyTuple_GET_SIZE(positions) != n)) goto not_taken;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *s = PyDict_GetItemWithError(by_id, PyTuple_GET_ITEM(ids, i)); /* borrowed */
-        if (s == NULL) {
-            if (PyErr_Occurred()) goto fail;
-            goto not_plain; /* unknown: the Python answers NotFound */
-        }
+        if (s == NULL) goto not_taken; /* unknown (no error set): the Python answers NotFound */
         Py_INCREF(s);
         PyList_SET_ITEM(sessions, i, s);
         PyObject *s_own = PyObject_GetAttr(s, s_owner);
-        if (s_own == NULL) goto fail;
+        if (s_own == NULL) goto not_taken;
         int differs = PyObject_RichCompareBool(s_own, owner, Py_NE);
         Py_DECREF(s_own);
-        if (differs < 0) goto fail;
-        if (differs) goto not_plain;
-        PyObject *spec = PyObject_GetAttr(s, s_provisional);
-        int open = spec ? PyObject_IsTrue(spec) : -1;
-        Py_XDECREF(spec);
-        if (open == 0) {
-            spec = PyObject_GetAttr(s, s_scratch_current);
-            open = spec ? PyObject_IsTrue(spec) : -1;
-            Py_XDECREF(spec);
-        }
-        if (open < 0) goto fail;
-        if (open) goto not_plain;
+        if (differs != 0) goto not_taken;
+        int open = attr_true(s, s_provisional);
+        if (open == 0) open = attr_true(s, s_scratch_current);
+        if (open != 0) goto not_taken;
         if (positions == Py_None) continue;
         PyObject *counts = PyObject_GetAttr(s, s_positions);
-        if (counts == NULL) goto fail;
+        if (counts == NULL) goto not_taken;
         int same = 0;
         if (PyList_Check(counts) && layer < PyList_GET_SIZE(counts))
             same = PyObject_RichCompareBool(PyList_GET_ITEM(counts, layer), PyTuple_GET_ITEM(positions, i), Py_EQ);
         Py_DECREF(counts);
-        if (same < 0) goto fail;
-        if (!same) goto not_plain; /* a retry or a wrong position: the Python decides which */
+        if (same != 1) goto not_taken; /* a retry or a wrong position: the Python decides which */
     }
     Py_DECREF(owner);
     Py_DECREF(positions);
     return sessions;
-not_plain:
+not_taken: /* not plain, or a call failed (its error is set) */
     Py_XDECREF(owner);
     Py_XDECREF(positions);
     Py_XDECREF(sessions);
-    return NULL;
-fail:
-    Py_XDECREF(owner);
-    Py_XDECREF(positions);
-    Py_XDECREF(sessions);
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "admit_plain: lost an error");
     return NULL;
 }
 
@@ -167,9 +158,7 @@ static int admit_one(PyObject *item, Py_ssize_t *rows, Py_ssize_t max_rows, PyOb
         taken = PyList_Append(deferred, item) < 0 ? -1 : 1;
         goto done;
     }
-    PyObject *spec = PyObject_GetAttr(work, s_speculative);
-    int speculative = spec ? PyObject_IsTrue(spec) : -1;
-    Py_XDECREF(spec);
+    int speculative = attr_true(work, s_speculative);
     if (speculative != 0) {
         taken = speculative < 0 ? -1 : 0;
         goto done;
@@ -288,9 +277,7 @@ static int submit_one(PyObject *m, PyObject *tokens, Py_ssize_t t, PyObject *now
     work = item ? PyObject_GetAttr(item, s_work) : NULL;
     released = work ? PyObject_GetAttr(m, s_released) : NULL;
     if (released == NULL) goto done;
-    PyObject *spec = PyObject_GetAttr(work, s_speculative);
-    int speculative = spec ? PyObject_IsTrue(spec) : -1;
-    Py_XDECREF(spec);
+    int speculative = attr_true(work, s_speculative);
     Py_ssize_t n_released = speculative == 0 ? PyObject_Length(released) : 0;
     if (speculative < 0 || n_released < 0) goto done;
     if (speculative || n_released) {
