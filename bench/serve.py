@@ -65,6 +65,8 @@ def main() -> None:
     p.add_argument("--skip", default="", help="comma list of parts to skip: a,b,c")
     p.add_argument("--rounds", type=int, default=1,
                    help="each load point this many times, ours and the echo's alternately (gdn-loadtest --rounds)")
+    p.add_argument("--load-processes", type=int, default=1,
+                   help="load processes per run of parts a and b (gdn-loadtest --processes; the echo's too)")
     p.add_argument("--server-flags", default="",
                    help="more gdn-server flags for every part, e.g. '--max-queue-delay-us 50'")
     args = p.parse_args()
@@ -72,7 +74,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
     results: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "parts": []}
-    common = ["--mode", "stream", "--tokens", "1", "--duration", str(args.duration), "--rounds", str(args.rounds)]
+    common = ["--mode", "stream", "--tokens", "1", "--duration", str(args.duration), "--rounds", str(args.rounds),
+              "--processes", str(args.load_processes)]
     big = ["--clients", "1", "--batch", str(args.batch_sessions), "--mode", "unary", "--tokens", "1",
            "--duration", str(args.duration), "--rounds", str(args.rounds)]
 

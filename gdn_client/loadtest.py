@@ -15,6 +15,8 @@ latency, errors, the server's mean rows per kernel launch over the run (GetStats
 run follows the run of ours it is compared with. ``--rounds K`` repeats each pair K times,
 alternating, and adds a line per clients value with the median of the K percentages: a host's
 echo rate moves by 10-20% from one run to the next, and so does a single percentage.
+``--processes P`` spreads each run's clients over P load processes started together (one Python
+process costs ~40-60 us of CPU per step, and near 64 clients can be the bound of a run).
 
 Latency is what both kinds of client have in common: from handing a ready request to gRPC until
 its reply's bytes are in. Building the next request (our client adds each step's header to
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import json
@@ -287,15 +290,18 @@ class _EchoWorker:
 
 
 async def _drive(
-    workers: Sequence[Any], cfg: LoadConfig, label: str, before_measure: Callable[[], Awaitable[None]] | None = None
+    workers: Sequence[Any], cfg: LoadConfig, label: str, before_measure: Callable[[], Awaitable[None]] | None = None,
+    bar: Any = None,
 ) -> tuple[list[_ClientTally], float]:
-    """Opens and warms every worker up with one step, then runs the budget; returns tallies, elapsed."""
+    """Opens and warms every worker up with one step, then runs the budget; returns tallies, elapsed.
+    `bar` (update/refresh/close) replaces the progress bar."""
     await asyncio.gather(*(w.open() for w in workers))
     await asyncio.gather(*(w.exchange() for w in workers))  # warm-up: connections, first launch
     if before_measure is not None:
         await before_measure()
     budget = _Budget(cfg.requests, cfg.duration)
-    bar = _progress(cfg, label)
+    if bar is None:
+        bar = _progress(cfg, label)
     tallies = [_ClientTally() for _ in workers]
 
     async def loop(worker: Any, tally: _ClientTally) -> None:
@@ -374,8 +380,8 @@ async def _server_view(target: str, timeout: float) -> tuple[ModelInfo, Stats]:
     return model_info_from_proto(info), stats_from_proto(stats)
 
 
-async def run_load(cfg: LoadConfig) -> RunResult:
-    """One load run against a gdn server (one clients value)."""
+async def run_load(cfg: LoadConfig, processes: int = 1) -> RunResult:
+    """One load run against a gdn server (one clients value), its clients in `processes` processes."""
     info, _ = await _server_view(cfg.target, cfg.timeout)
     free = info.max_sessions - info.sessions_in_use
     if cfg.clients * cfg.batch > free:
@@ -383,36 +389,225 @@ async def run_load(cfg: LoadConfig) -> RunResult:
             f"{cfg.clients} clients x {cfg.batch} sessions need {cfg.clients * cfg.batch} sessions; "
             f"the server has {free} free (--max-sessions)", grpc.StatusCode.RESOURCE_EXHAUSTED,
         )
-    workers = [_GdnWorker(cfg, info, i) for i in range(cfg.clients)]
     before: Stats | None = None
 
     async def snapshot() -> None:
         nonlocal before
         _, before = await _server_view(cfg.target, cfg.timeout)
 
-    try:
-        tallies, elapsed = await _drive(workers, cfg, f"gdn {cfg.mode} x{cfg.clients}", snapshot)
+    label = f"gdn {cfg.mode} x{cfg.clients}"
+    if processes > 1:
+        tallies, elapsed, sizes = await _spread(cfg, "gdn", processes, {}, label, snapshot)
+        layers, request_bytes, reply_bytes = sizes
         _, after = await _server_view(cfg.target, cfg.timeout)
-    finally:
-        await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+    else:
+        workers = [_GdnWorker(cfg, info, i) for i in range(cfg.clients)]
+        try:
+            tallies, elapsed = await _drive(workers, cfg, label, snapshot)
+            _, after = await _server_view(cfg.target, cfg.timeout)
+        finally:
+            await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+        w0 = workers[0]
+        layers, request_bytes, reply_bytes = w0.layers, w0.request_bytes, w0.reply_bytes
     delta = after.since(before) if before is not None else after
     server = {
         "backend": after.backend, "launches": delta.launches, "rows_launched": delta.rows_launched,
         "requests": delta.requests, "batches": delta.batches, "mean_rows_per_launch": delta.mean_rows_per_launch,
         "device_seconds": delta.device_seconds, "queue_wait_seconds": delta.queue_wait_seconds,
     }
-    w0 = workers[0]
-    return _result("gdn", cfg, w0.layers, tallies, elapsed, w0.request_bytes, w0.reply_bytes, server)
+    return _result("gdn", cfg, layers, tallies, elapsed, request_bytes, reply_bytes, server)
 
 
-async def run_echo(cfg: LoadConfig, address: str, request_bytes: int, reply_bytes: int, layers: int) -> RunResult:
-    """The same load against the echo server."""
-    workers = [_EchoWorker(cfg, address, request_bytes, reply_bytes) for _ in range(cfg.clients)]
+async def run_echo(cfg: LoadConfig, address: str, request_bytes: int, reply_bytes: int, layers: int,
+                   processes: int = 1) -> RunResult:
+    """The same load against the echo server, its clients in `processes` processes."""
+    label = f"echo {cfg.mode} x{cfg.clients}"
+    if processes > 1:
+        sizes = {"request_bytes": request_bytes, "reply_bytes": reply_bytes}
+        tallies, elapsed, _ = await _spread(dataclasses.replace(cfg, target=address), "echo", processes, sizes, label)
+    else:
+        workers = [_EchoWorker(cfg, address, request_bytes, reply_bytes) for _ in range(cfg.clients)]
+        try:
+            tallies, elapsed = await _drive(workers, cfg, label)
+        finally:
+            await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+    return _result("echo", cfg, layers, tallies, elapsed, request_bytes, reply_bytes, None)
+
+
+# -- several load processes (--processes) ----------------------------------------------------------
+# One Python load process costs ~40-60 us of CPU per step (gRPC's stream write and read, asyncio):
+# near 64 clients it, not the server, can be what a run measures (bench/NOTES.md). With
+# --processes P the parent splits the clients over P children (this module with --child). Each
+# child opens and warms up its clients, prints "ready" and waits; the parent takes the server's
+# stats once every child is ready and sends "go" to all, so their measured windows coincide.
+# Children print "progress <steps>" as they run and one "result <json>" line at the end; the
+# parent sums their steps over the longest child's time and pools their latencies.
+
+_CHILD_FLAG = "--child"
+_READY_TIMEOUT_S = 180.0  # a child imports torch and grpc, opens its sessions, warms up
+_PROGRESS_EVERY_S = 0.25
+
+
+def _shares(total: int, parts: int) -> list[int]:
+    """`total` split into at most `parts` near-equal positive shares."""
+    return [n for n in (total // parts + (i < total % parts) for i in range(parts)) if n]
+
+
+async def _spread(
+    cfg: LoadConfig, kind: str, processes: int, extra: dict[str, Any], label: str,
+    before_measure: Callable[[], Awaitable[None]] | None = None,
+) -> tuple[list[_ClientTally], float, tuple[int, int, int]]:
+    """Runs `cfg`'s clients in child processes; returns their tallies (one per child), the
+    longest child's elapsed time and (layers, request bytes, reply bytes) of the steps."""
+    clients = _shares(cfg.clients, processes)
+    requests = None if cfg.requests is None else _shares(cfg.requests, len(clients))
+    if requests is not None and len(requests) < len(clients):  # fewer steps than processes
+        clients = clients[: len(requests)]
+    children: list[asyncio.subprocess.Process] = []
     try:
-        tallies, elapsed = await _drive(workers, cfg, f"echo {cfg.mode} x{cfg.clients}")
+        first = 0
+        for i, n in enumerate(clients):
+            part = dataclasses.replace(cfg, clients=n, progress=False,
+                                       requests=None if requests is None else requests[i])
+            spec = {"kind": kind, "config": dataclasses.asdict(part), "first_index": first, **extra}
+            first += n
+            child = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "gdn_client.loadtest", _CHILD_FLAG,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, limit=1 << 30,
+            )
+            assert child.stdin is not None
+            child.stdin.write(json.dumps(spec).encode() + b"\n")
+            children.append(child)
+        for index, child in enumerate(children):
+            await _expect(child, index, "ready", _READY_TIMEOUT_S)
+        if before_measure is not None:
+            await before_measure()
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.write(b"go\n")
+        bar = _progress(cfg, label)
+        try:
+            results = await asyncio.gather(*(_child_result(c, i, cfg, bar) for i, c in enumerate(children)))
+        finally:
+            bar.close()
+    finally:
+        for child in children:
+            if child.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.kill()
+                await child.wait()
+    tallies = []
+    for r in results:
+        latencies = np.frombuffer(base64.b64decode(r["latencies"]), dtype=np.float64).tolist()
+        tallies.append(_ClientTally(latencies, r["errors"], r["error_samples"]))
+    sizes = (results[0]["layers"], results[0]["request_bytes"], results[0]["reply_bytes"])
+    return tallies, max(r["elapsed"] for r in results), sizes
+
+
+async def _child_line(child: asyncio.subprocess.Process, index: int, timeout: float) -> tuple[str, str]:
+    """The next protocol line of a child as (word, rest); a child that ends or stalls is an error."""
+    assert child.stdout is not None
+    try:
+        line = await asyncio.wait_for(child.stdout.readline(), timeout)
+    except asyncio.TimeoutError:
+        raise GdnError(f"load process {index} said nothing for {timeout:.0f} s",
+                       grpc.StatusCode.DEADLINE_EXCEEDED) from None
+    if not line:
+        code = await child.wait()
+        raise GdnError(f"load process {index} exited ({code}) before its result", grpc.StatusCode.UNKNOWN)
+    word, _, rest = line.decode().strip().partition(" ")
+    if word == "error":  # the child's own GdnError, passed on as it is
+        err = json.loads(rest)
+        raise GdnError(f"load process {index}: {err['message']}", grpc.StatusCode[err["code"]])
+    return word, rest
+
+
+async def _expect(child: asyncio.subprocess.Process, index: int, word: str, timeout: float) -> str:
+    got, rest = await _child_line(child, index, timeout)
+    if got != word:
+        raise GdnError(f"load process {index}: expected {word!r}, got {got!r}")
+    return rest
+
+
+async def _child_result(child: asyncio.subprocess.Process, index: int, cfg: LoadConfig, bar: Any) -> dict:
+    """Reads a child's progress into `bar` until its result; waits for it to exit."""
+    reported = 0
+    while True:
+        word, rest = await _child_line(child, index, cfg.timeout + 30.0)
+        if word == "progress":
+            steps = int(rest)
+            bar.update(steps - reported)
+            reported = steps
+        elif word == "result":
+            await child.wait()
+            return json.loads(rest)
+        else:
+            raise GdnError(f"load process {index}: unexpected line {word!r}")
+
+
+class _LineProgress:
+    """A child's progress sink: the step count on stdout at most every _PROGRESS_EVERY_S."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._next = 0.0
+
+    def update(self, n: int = 1) -> None:
+        self.steps += n
+        now = time.perf_counter()
+        if now >= self._next:
+            self._next = now + _PROGRESS_EVERY_S
+            self.refresh()
+
+    def refresh(self) -> None:
+        print(f"progress {self.steps}", flush=True)
+
+    def close(self) -> None:
+        self.refresh()
+
+
+async def _child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One child's share of a spread run (see _spread)."""
+    cfg = LoadConfig(**spec["config"])
+    first = spec["first_index"]
+    if spec["kind"] == "gdn":
+        info, _ = await _server_view(cfg.target, cfg.timeout)
+        workers: list[Any] = [_GdnWorker(cfg, info, first + i) for i in range(cfg.clients)]
+    else:
+        workers = [_EchoWorker(cfg, cfg.target, spec["request_bytes"], spec["reply_bytes"])
+                   for _ in range(cfg.clients)]
+    loop = asyncio.get_running_loop()
+
+    async def wait_for_go() -> None:
+        print("ready", flush=True)
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if line.strip() != "go":
+            raise GdnError("the parent load process went away", grpc.StatusCode.CANCELLED)
+
+    try:
+        tallies, elapsed = await _drive(workers, cfg, spec["kind"], wait_for_go, bar=_LineProgress())
     finally:
         await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
-    return _result("echo", cfg, layers, tallies, elapsed, request_bytes, reply_bytes, None)
+    w0 = workers[0]
+    latencies = np.array([x for t in tallies for x in t.latencies], dtype=np.float64)
+    return {
+        "elapsed": elapsed, "latencies": base64.b64encode(latencies.tobytes()).decode(),
+        "errors": sum(t.errors for t in tallies), "error_samples": [m for t in tallies for m in t.error_samples][:5],
+        "layers": getattr(w0, "layers", 0), "request_bytes": spec.get("request_bytes", getattr(w0, "request_bytes", 0)),
+        "reply_bytes": w0.reply_bytes,
+    }
+
+
+def _child_main() -> int:
+    """`python -m gdn_client.loadtest --child`: one spec line on stdin, protocol lines on stdout."""
+    spec = json.loads(sys.stdin.readline())
+    try:
+        result = asyncio.run(_child(spec))
+    except GdnError as err:
+        print("error " + json.dumps({"message": str(err.message), "code": err.code.name}), flush=True)
+        return 1
+    print("result " + json.dumps(result), flush=True)
+    return 0
 
 
 # -- echo server subprocess ------------------------------------------------------------------------
@@ -584,6 +779,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--echo", action="store_true", help="also run the same load against a bytes echo server")
     p.add_argument("--rounds", type=int, default=1,
                    help="run each clients value this many times (with --echo: ours then the echo's, alternately)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="spread each run's clients over this many load processes (default 1; one Python "
+                        "process tops out near 20k steps/s, see the README)")
     p.add_argument("--json", type=Path, default=None, help="write results to this JSON file")
     p.add_argument("--plot", type=Path, default=None, help="write PNG charts into this folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -601,12 +799,12 @@ async def _run_all(args: argparse.Namespace, echo_address: str | None) -> list[R
                 layers_per_token=args.layers_per_token, requests=args.requests, duration=args.duration,
                 dtype=args.dtype, seed=args.seed, timeout=args.timeout, progress=not args.no_progress,
             )
-            ours = dataclasses.replace(await run_load(cfg), round=round_index)
+            ours = dataclasses.replace(await run_load(cfg, args.processes), round=round_index)
             results.append(ours)
             if echo_address is None:
                 continue
             echo = await run_echo(dataclasses.replace(cfg, target=echo_address), echo_address, ours.request_bytes,
-                                  ours.reply_bytes, ours.layers_per_token)
+                                  ours.reply_bytes, ours.layers_per_token, args.processes)
             results.append(dataclasses.replace(echo, round=round_index))
     return results
 
@@ -615,12 +813,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # one client process drives both our server and the echo floor: tuned like the servers, it
     # adds no page-fault cost of its own to either side of the comparison
     tune_malloc(logger)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == [_CHILD_FLAG]:  # a load process of a --processes run (see _spread)
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        return _child_main()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.duration is None and args.requests is None:
         args.duration = 10.0
-    if args.batch < 1 or args.tokens < 1 or args.rounds < 1:
-        print("gdn-loadtest: --batch, --tokens and --rounds must be >= 1", file=sys.stderr)
+    if args.batch < 1 or args.tokens < 1 or args.rounds < 1 or args.processes < 1:
+        print("gdn-loadtest: --batch, --tokens, --rounds and --processes must be >= 1", file=sys.stderr)
         return 2
     try:
         with echo_server() if args.echo else contextlib.nullcontext() as address:

@@ -63,6 +63,37 @@ def test_rounds_alternate_ours_and_the_echo_and_report_the_median(small_server, 
     assert f"median {sorted(shares)[1]:.1f}% of echo over 3 rounds" in capsys.readouterr().out
 
 
+def test_processes_split_the_clients_and_sum_their_steps(small_server, tmp_path):
+    """--processes 2: five clients over two load processes, ours and the echo's; the steps of both
+    processes count, the server saw every one of them, and each keeps its own sessions."""
+    out = tmp_path / "spread.json"
+    rc = loadtest.main([
+        "--target", small_server.address, "--clients", "5", "--requests", "81", "--processes", "2",
+        "--batch", "2", "--echo", "--json", str(out), "--no-progress",
+    ])
+    assert rc == 0
+    gdn, echo = _runs(out)
+    assert (gdn["kind"], echo["kind"]) == ("gdn", "echo")
+    for r in (gdn, echo):
+        assert r["clients"] == 5 and r["steps"] == 81 and r["errors"] == 0
+        assert 0 < r["latency_ms"]["p50"] <= r["latency_ms"]["p99"]
+    assert gdn["server"]["requests"] == 81 and gdn["server"]["mean_rows_per_launch"] >= 2
+    assert (echo["request_bytes"], echo["reply_bytes"]) == (gdn["request_bytes"], gdn["reply_bytes"]) != (0, 0)
+    assert gdn["layers_per_token"] == 3
+
+
+def test_a_load_process_that_fails_fails_the_run_with_its_error():
+    """A child that cannot reach its server: its UNAVAILABLE comes back as the run's error."""
+    import asyncio
+
+    import grpc
+
+    cfg = loadtest.LoadConfig(target="127.0.0.1:1", clients=2, requests=4, timeout=5.0, progress=False)
+    with pytest.raises(loadtest.GdnError) as info:
+        asyncio.run(loadtest.run_echo(cfg, "127.0.0.1:1", 64, 32, 1, processes=2))
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE and "load process" in info.value.message
+
+
 def test_rounds_must_be_positive(small_server, capsys):
     assert loadtest.main(["--target", small_server.address, "--rounds", "0", "--no-progress"]) == 2
     assert "--rounds" in capsys.readouterr().err
