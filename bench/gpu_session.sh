@@ -6,7 +6,8 @@
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
 # (serve): the --scheduler-runs-on values too; ROUNDS (serve, ab): each load point that many times, alternating;
-# LOAD_PROCS (serve): load processes per run (gdn-loadtest --processes); SKIP (serve): parts to skip, e.g. b,c.
+# LOAD_PROCS (serve): load processes per run (gdn-loadtest --processes); SKIP (serve): parts to skip, e.g. b,c;
+# CLIENTS (serve, profile): the clients values.
 # Logs and results go to $OUT (or bench/results).
 set -uo pipefail
 out=${OUT:-bench/results}
@@ -50,7 +51,8 @@ case "${1:-}" in
     ;;
   serve)
     timeout 540 python3 bench/serve.py --device cuda --duration 3 --frontends "${FRONTENDS:-0,4}" --rounds "${ROUNDS:-1}" \
-      --runs-on "${RUNS_ON:-auto}" --load-processes "${LOAD_PROCS:-1}" --skip "${SKIP:-}" --out "$out" 2>&1 \
+      --runs-on "${RUNS_ON:-auto}" --load-processes "${LOAD_PROCS:-1}" --skip "${SKIP:-}" --clients "${CLIENTS:-1,8,64,256}" \
+      --out "$out" 2>&1 \
       | tee "$out/serve.log" | tail -30
     ;;
   scale)
