@@ -459,10 +459,9 @@ async def _spread(
 ) -> tuple[list[_ClientTally], float, tuple[int, int, int]]:
     """Runs `cfg`'s clients in child processes; returns their tallies (one per child), the
     longest child's elapsed time and (layers, request bytes, reply bytes) of the steps."""
-    clients = _shares(cfg.clients, processes)
-    requests = None if cfg.requests is None else _shares(cfg.requests, len(clients))
-    if requests is not None and len(requests) < len(clients):  # fewer steps than processes
-        clients = clients[: len(requests)]
+    parts = min(processes, cfg.clients, cfg.clients if cfg.requests is None else max(1, cfg.requests))
+    clients = _shares(cfg.clients, parts)
+    requests = None if cfg.requests is None else _shares(cfg.requests, parts) or [0]
     children: list[asyncio.subprocess.Process] = []
     try:
         first = 0

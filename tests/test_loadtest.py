@@ -80,6 +80,13 @@ def test_processes_split_the_clients_and_sum_their_steps(small_server, tmp_path)
     assert gdn["server"]["requests"] == 81 and gdn["server"]["mean_rows_per_launch"] >= 2
     assert (echo["request_bytes"], echo["reply_bytes"]) == (gdn["request_bytes"], gdn["reply_bytes"]) != (0, 0)
     assert gdn["layers_per_token"] == 3
+    # more processes than steps: every client still runs (fewer processes), each step counted once
+    rc = loadtest.main([
+        "--target", small_server.address, "--clients", "3", "--requests", "2", "--processes", "4",
+        "--json", str(out), "--no-progress",
+    ])
+    (run,) = _runs(out)
+    assert rc == 0 and (run["clients"], run["steps"], run["server"]["requests"]) == (3, 2, 2)
 
 
 def test_a_load_process_that_fails_fails_the_run_with_its_error():
