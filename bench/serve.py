@@ -106,8 +106,8 @@ def main() -> None:
 
 def summarize(results: dict) -> str:
     lines = ["| part | frontends | scheduler | clients | B | steps/s | p50 ms | p99 ms | rows/launch | device us/launch | "
-             "echo steps/s | echo p50 ms | % of echo |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "echo steps/s | echo p50 ms | % of echo | host cores busy, steal (ours; echo) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     echo = {}  # the echo run that followed each of ours (same clients, B and round); part b has none
     for part in results["parts"]:
         for r in part["runs"]:
@@ -128,6 +128,7 @@ def summarize(results: dict) -> str:
                 f"{srv.get('mean_rows_per_launch', float('nan')):.1f} | {dev_us:.0f} | "
                 + (f"{e['steps_per_s']:,.0f} | {e['latency_ms']['p50']:.3f} | {100 * r['steps_per_s'] / e['steps_per_s']:.0f}% |"
                    if e else "- | - | - |")
+                + f" {_host(r)}{'; ' + _host(e) if e else ''} |"
             )
     for part in results["parts"]:
         for point in part.get("pct_of_echo", []):
@@ -135,6 +136,12 @@ def summarize(results: dict) -> str:
                 lines.append(f"\n{part['part']} x{point['clients']}: median {point['median']:.0f}% of echo over "
                              f"{len(point['rounds'])} rounds ({', '.join(f'{v:.0f}' for v in point['rounds'])})")
     return "\n".join(lines)
+
+
+def _host(run: dict) -> str:
+    """The load host's CPU over a run (gdn-loadtest's host_cpu): busy cores of all, steal."""
+    cpu = run.get("host_cpu")
+    return "-" if not cpu else f"{cpu['busy_cores']:.1f}/{cpu['cores']}, {cpu['steal_pct']:.1f}%"
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ run follows the run of ours it is compared with. ``--rounds K`` repeats each pai
 alternating, and adds a line per clients value with the median of the K percentages: a host's
 echo rate moves by 10-20% from one run to the next, and so does a single percentage.
 ``--processes P`` spreads each run's clients over P load processes started together (one Python
-process costs ~40-60 us of CPU per step, and near 64 clients can be the bound of a run).
+process costs ~40-60 us of CPU per step, and near 64 clients can be the bound of a run). The
+JSON records, per run, how busy the load's host was (busy cores, and steal: time a VM's
+hypervisor gave to others): with the server on the same host, a run near all cores busy or with
+much steal measures the host.
 
 Latency is what both kinds of client have in common: from handing a ready request to gRPC until
 its reply's bytes are in. Building the next request (our client adds each step's header to
@@ -101,6 +104,7 @@ class RunResult:
     error_samples: list[str] = field(default_factory=list)
     latencies_ms: list[float] = field(default_factory=list, repr=False)
     round: int = 0  # which of --rounds this run belongs to (its echo run has the same)
+    host_cpu: dict[str, float] | None = None  # the load host's CPU over the run (Linux; see host_cpu_usage)
 
     def summary(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -141,6 +145,33 @@ class _ClientTally:
         self.errors += 1
         if len(self.error_samples) < 5:
             self.error_samples.append(msg)
+
+
+def _host_cpu_ticks() -> list[int] | None:
+    """The host's CPU time counters (/proc/stat's first line), or None where there is none."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    return [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+
+
+def host_cpu_usage(before: list[int] | None, after: list[int] | None) -> dict[str, float] | None:
+    """How busy the whole host was between two `_host_cpu_ticks()`: cores in use (of `cores`) and
+    the share of time the hypervisor gave to others (steal). A run whose host is near all cores
+    busy, or steals much, measures the host, not the server: the figure that tells them apart."""
+    if before is None or after is None:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (b - a for a, b in zip(before, after))
+    total = user + nice + system + idle + iowait + irq + softirq + steal
+    if total <= 0:
+        return None
+    cores = os.cpu_count() or 1
+    busy = user + nice + system + irq + softirq
+    return {"cores": cores, "busy_cores": cores * busy / total, "steal_pct": 100.0 * steal / total}
 
 
 # -- one exchange per step: the same loop drives gdn and echo --------------------------------------
@@ -292,9 +323,9 @@ class _EchoWorker:
 async def _drive(
     workers: Sequence[Any], cfg: LoadConfig, label: str, before_measure: Callable[[], Awaitable[None]] | None = None,
     bar: Any = None,
-) -> tuple[list[_ClientTally], float]:
-    """Opens and warms every worker up with one step, then runs the budget; returns tallies, elapsed.
-    `bar` (update/refresh/close) replaces the progress bar."""
+) -> tuple[list[_ClientTally], float, dict[str, float] | None]:
+    """Opens and warms every worker up with one step, then runs the budget; returns tallies,
+    elapsed and the host's CPU use meanwhile. `bar` (update/refresh/close) replaces the progress bar."""
     await asyncio.gather(*(w.open() for w in workers))
     await asyncio.gather(*(w.exchange() for w in workers))  # warm-up: connections, first launch
     if before_measure is not None:
@@ -323,6 +354,7 @@ async def _drive(
             lat.append(t1 - t0)
 
     budget.start()
+    ticks = _host_cpu_ticks()
     t0 = time.perf_counter()
     ticker = asyncio.ensure_future(_tick(bar, budget)) if cfg.duration is not None else None
     try:
@@ -332,7 +364,7 @@ async def _drive(
         if ticker is not None:
             ticker.cancel()
         bar.close()
-    return tallies, elapsed
+    return tallies, elapsed, host_cpu_usage(ticks, _host_cpu_ticks())
 
 
 async def _tick(bar: Any, budget: _Budget) -> None:
@@ -351,7 +383,7 @@ def _progress(cfg: LoadConfig, label: str) -> Any:
 
 
 def _result(kind: str, cfg: LoadConfig, layers: int, tallies: list[_ClientTally], elapsed: float,
-            request_bytes: int, reply_bytes: int, server: dict | None) -> RunResult:
+            request_bytes: int, reply_bytes: int, server: dict | None, host: dict | None = None) -> RunResult:
     lat_ms = np.array([x for t in tallies for x in t.latencies], dtype=np.float64) * 1e3
     steps = int(lat_ms.size)
     pct = {}
@@ -365,7 +397,7 @@ def _result(kind: str, cfg: LoadConfig, layers: int, tallies: list[_ClientTally]
         layers_per_token=layers, steps=steps, errors=sum(t.errors for t in tallies), elapsed_s=elapsed,
         steps_per_s=rate, token_layers_per_s=rate * cfg.batch * cfg.tokens, latency_ms=pct,
         request_bytes=request_bytes, reply_bytes=reply_bytes, server=server,
-        error_samples=[s for t in tallies for s in t.error_samples][:5], latencies_ms=lat_ms.tolist(),
+        error_samples=[s for t in tallies for s in t.error_samples][:5], latencies_ms=lat_ms.tolist(), host_cpu=host,
     )
 
 
@@ -397,13 +429,13 @@ async def run_load(cfg: LoadConfig, processes: int = 1) -> RunResult:
 
     label = f"gdn {cfg.mode} x{cfg.clients}"
     if processes > 1:
-        tallies, elapsed, sizes = await _spread(cfg, "gdn", processes, {}, label, snapshot)
+        tallies, elapsed, host, sizes = await _spread(cfg, "gdn", processes, {}, label, snapshot)
         layers, request_bytes, reply_bytes = sizes
         _, after = await _server_view(cfg.target, cfg.timeout)
     else:
         workers = [_GdnWorker(cfg, info, i) for i in range(cfg.clients)]
         try:
-            tallies, elapsed = await _drive(workers, cfg, label, snapshot)
+            tallies, elapsed, host = await _drive(workers, cfg, label, snapshot)
             _, after = await _server_view(cfg.target, cfg.timeout)
         finally:
             await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
@@ -415,7 +447,7 @@ async def run_load(cfg: LoadConfig, processes: int = 1) -> RunResult:
         "requests": delta.requests, "batches": delta.batches, "mean_rows_per_launch": delta.mean_rows_per_launch,
         "device_seconds": delta.device_seconds, "queue_wait_seconds": delta.queue_wait_seconds,
     }
-    return _result("gdn", cfg, layers, tallies, elapsed, request_bytes, reply_bytes, server)
+    return _result("gdn", cfg, layers, tallies, elapsed, request_bytes, reply_bytes, server, host)
 
 
 async def run_echo(cfg: LoadConfig, address: str, request_bytes: int, reply_bytes: int, layers: int,
@@ -424,14 +456,15 @@ async def run_echo(cfg: LoadConfig, address: str, request_bytes: int, reply_byte
     label = f"echo {cfg.mode} x{cfg.clients}"
     if processes > 1:
         sizes = {"request_bytes": request_bytes, "reply_bytes": reply_bytes}
-        tallies, elapsed, _ = await _spread(dataclasses.replace(cfg, target=address), "echo", processes, sizes, label)
+        tallies, elapsed, host, _ = await _spread(dataclasses.replace(cfg, target=address), "echo", processes, sizes,
+                                                  label)
     else:
         workers = [_EchoWorker(cfg, address, request_bytes, reply_bytes) for _ in range(cfg.clients)]
         try:
-            tallies, elapsed = await _drive(workers, cfg, label)
+            tallies, elapsed, host = await _drive(workers, cfg, label)
         finally:
             await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
-    return _result("echo", cfg, layers, tallies, elapsed, request_bytes, reply_bytes, None)
+    return _result("echo", cfg, layers, tallies, elapsed, request_bytes, reply_bytes, None, host)
 
 
 # -- several load processes (--processes) ----------------------------------------------------------
@@ -456,9 +489,10 @@ def _shares(total: int, parts: int) -> list[int]:
 async def _spread(
     cfg: LoadConfig, kind: str, processes: int, extra: dict[str, Any], label: str,
     before_measure: Callable[[], Awaitable[None]] | None = None,
-) -> tuple[list[_ClientTally], float, tuple[int, int, int]]:
+) -> tuple[list[_ClientTally], float, dict[str, float] | None, tuple[int, int, int]]:
     """Runs `cfg`'s clients in child processes; returns their tallies (one per child), the
-    longest child's elapsed time and (layers, request bytes, reply bytes) of the steps."""
+    longest child's elapsed time, the host's CPU use from "go" to the last result, and (layers,
+    request bytes, reply bytes) of the steps."""
     parts = min(processes, cfg.clients, cfg.clients if cfg.requests is None else max(1, cfg.requests))
     clients = _shares(cfg.clients, parts)
     requests = None if cfg.requests is None else _shares(cfg.requests, parts) or [0]
@@ -481,6 +515,7 @@ async def _spread(
             await _expect(child, index, "ready", _READY_TIMEOUT_S)
         if before_measure is not None:
             await before_measure()
+        ticks = _host_cpu_ticks()
         for child in children:
             assert child.stdin is not None
             child.stdin.write(b"go\n")
@@ -489,6 +524,7 @@ async def _spread(
             results = await asyncio.gather(*(_child_result(c, i, cfg, bar) for i, c in enumerate(children)))
         finally:
             bar.close()
+        host = host_cpu_usage(ticks, _host_cpu_ticks())
     finally:
         for child in children:
             if child.returncode is None:
@@ -500,7 +536,7 @@ async def _spread(
         latencies = np.frombuffer(base64.b64decode(r["latencies"]), dtype=np.float64).tolist()
         tallies.append(_ClientTally(latencies, r["errors"], r["error_samples"]))
     sizes = (results[0]["layers"], results[0]["request_bytes"], results[0]["reply_bytes"])
-    return tallies, max(r["elapsed"] for r in results), sizes
+    return tallies, max(r["elapsed"] for r in results), host, sizes
 
 
 async def _child_line(child: asyncio.subprocess.Process, index: int, timeout: float) -> tuple[str, str]:
@@ -584,7 +620,7 @@ async def _child(spec: dict[str, Any]) -> dict[str, Any]:
             raise GdnError("the parent load process went away", grpc.StatusCode.CANCELLED)
 
     try:
-        tallies, elapsed = await _drive(workers, cfg, spec["kind"], wait_for_go, bar=_LineProgress())
+        tallies, elapsed, _ = await _drive(workers, cfg, spec["kind"], wait_for_go, bar=_LineProgress())
     finally:
         await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
     w0 = workers[0]

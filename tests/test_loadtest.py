@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,6 +81,10 @@ def test_processes_split_the_clients_and_sum_their_steps(small_server, tmp_path)
     assert gdn["server"]["requests"] == 81 and gdn["server"]["mean_rows_per_launch"] >= 2
     assert (echo["request_bytes"], echo["reply_bytes"]) == (gdn["request_bytes"], gdn["reply_bytes"]) != (0, 0)
     assert gdn["layers_per_token"] == 3
+    if Path("/proc/stat").exists():  # the host's CPU over each run: the whole host's, from the parent
+        for r in (gdn, echo):
+            cpu = r["host_cpu"]
+            assert 0 < cpu["busy_cores"] <= cpu["cores"] and 0 <= cpu["steal_pct"] <= 100
     # more processes than steps: every client still runs (fewer processes), each step counted once
     rc = loadtest.main([
         "--target", small_server.address, "--clients", "3", "--requests", "2", "--processes", "4",
@@ -87,6 +92,15 @@ def test_processes_split_the_clients_and_sum_their_steps(small_server, tmp_path)
     ])
     (run,) = _runs(out)
     assert rc == 0 and (run["clients"], run["steps"], run["server"]["requests"]) == (3, 2, 2)
+
+
+def test_host_cpu_usage_counts_busy_cores_and_steal(monkeypatch):
+    monkeypatch.setattr(loadtest.os, "cpu_count", lambda: 16)
+    before = [1000, 0, 500, 9000, 10, 0, 5, 40]  # user nice system idle iowait irq softirq steal
+    after = [1300, 0, 600, 9500, 10, 0, 5, 140]  # +300 user, +100 system, +500 idle, +100 steal
+    usage = loadtest.host_cpu_usage(before, after)
+    assert usage == {"cores": 16, "busy_cores": pytest.approx(16 * 400 / 1000), "steal_pct": pytest.approx(10.0)}
+    assert loadtest.host_cpu_usage(None, after) is None and loadtest.host_cpu_usage(after, after) is None
 
 
 def test_a_load_process_that_fails_fails_the_run_with_its_error():
