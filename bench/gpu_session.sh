@@ -6,7 +6,7 @@
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
 # (serve): the --scheduler-runs-on values too; ROUNDS (serve, ab): each load point that many times, alternating;
-# LOAD_PROCS (serve): load processes per run (gdn-loadtest --processes); SKIP (serve): parts to skip, e.g. b,c;
+# LOAD_PROCS (serve, profile): load processes per run (gdn-loadtest --processes); SKIP (serve): parts to skip, e.g. b,c;
 # CLIENTS (serve, profile): the clients values.
 # Logs and results go to $OUT (or bench/results).
 set -uo pipefail
@@ -67,7 +67,7 @@ case "${1:-}" in
   profile)  # py-spy of a CUDA server at N=1 and N=64 (py-spy carried in .tools/; SPY_ON=load: of the load)
     PY_SPY=${PY_SPY:-.tools/py-spy} timeout 300 python3 bench/profile_server.py --device cuda --clients "${CLIENTS:-1,64}" \
       --duration "${DURATION:-6}" --server-flags "${SERVER_FLAGS:-}" --spy-flags="${SPY_FLAGS:---nonblocking}" \
-      --spy-on "${SPY_ON:-server}" --out "$out/profile" 2>&1 | tail -60
+      --spy-on "${SPY_ON:-server}" --load-processes "${LOAD_PROCS:-1}" --out "$out/profile" 2>&1 | tail -60
     ;;
   trace)  # one step's latency, stage by stage, at N=1 (ours and the echo), per --scheduler-runs-on value
     for mode in ${RUNS_ON:-loop thread}; do

@@ -61,10 +61,14 @@ def profile_point(args: argparse.Namespace, py_spy: str, clients: int, out: Path
     wrapped = None
     try:
         target = wait_listening(proc, 600)
-        load = subprocess.Popen([sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--clients",
-                                 str(clients), "--duration", str(args.duration), "--no-progress"])
-        # the load process imports torch and warms up first: its samples start later
+        load_cmd = [sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--clients", str(clients),
+                    "--duration", str(args.duration), "--no-progress", "--processes", str(args.load_processes)]
+        load = subprocess.Popen(load_cmd)
+        # the load process imports torch and warms up first: its samples start later (spread over
+        # processes, it starts its children only then, and they import and warm up in turn)
         lead = 1.0 if args.spy_on == "server" else min(6.0, args.duration / 2)
+        if args.load_processes > 1:
+            lead += 3.0
         time.sleep(lead)
         watched = load if args.spy_on == "load" else proc
         spy = subprocess.run(
@@ -81,8 +85,8 @@ def profile_point(args: argparse.Namespace, py_spy: str, clients: int, out: Path
             wrapped = subprocess.Popen([py_spy, *spy_flags, "--", *server_cmd], stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True, bufsize=1)
             target = wait_listening(wrapped, 600)
-            subprocess.run([sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--clients",
-                            str(clients), "--duration", str(args.duration), "--no-progress"], timeout=args.duration + 120)
+            load_cmd[load_cmd.index("--target") + 1] = target
+            subprocess.run(load_cmd, timeout=args.duration + 120)
             wrapped.send_signal(signal.SIGINT)  # py-spy forwards it, then writes its file
             wrapped.wait(60)
     finally:
@@ -105,7 +109,9 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=6.0)
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     p.add_argument("--spy-on", choices=("server", "load"), default="server",
-                   help="the process py-spy records: the server, or the gdn-loadtest process driving it")
+                   help="the process py-spy records: the server, or the gdn-loadtest process driving it "
+                        "(with --load-processes, add --subprocesses to --spy-flags for its children)")
+    p.add_argument("--load-processes", type=int, default=1, help="gdn-loadtest --processes")
     p.add_argument("--spy-flags", default="--nonblocking",
                    help="more py-spy record flags: '--native' for C frames too (pauses the server per sample)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results") + "/profile")
