@@ -51,6 +51,20 @@ def summarize(raw: Path, top: int = 30) -> str:
     return "\n".join(lines)
 
 
+def wait_for_load(target: str, clients: int, timeout: float) -> None:
+    """Returns once the load's measured part has begun: the server has answered more steps than
+    the clients' warm-up ones (one each)."""
+    from gdn_client import Client
+
+    deadline = time.monotonic() + timeout
+    with Client(target) as client:
+        while time.monotonic() < deadline:
+            if client.stats().requests > 2 * clients:
+                return
+            time.sleep(0.1)
+    raise RuntimeError(f"the load did not start within {timeout:.0f} s")
+
+
 def profile_point(args: argparse.Namespace, py_spy: str, clients: int, out: Path) -> None:
     server_cmd = [sys.executable, "-m", "gdn_server", "--host", "127.0.0.1", "--port", "0", "--device", args.device,
                   *args.model.split(), "--max-sessions", str(max(clients, 8)), "--log-level", "WARNING",
@@ -64,15 +78,13 @@ def profile_point(args: argparse.Namespace, py_spy: str, clients: int, out: Path
         load_cmd = [sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--clients", str(clients),
                     "--duration", str(args.duration), "--no-progress", "--processes", str(args.load_processes)]
         load = subprocess.Popen(load_cmd)
-        # the load process imports torch and warms up first: its samples start later (spread over
-        # processes, it starts its children only then, and they import and warm up in turn)
-        lead = 1.0 if args.spy_on == "server" else min(6.0, args.duration / 2)
-        if args.load_processes > 1:
-            lead += 3.0
-        time.sleep(lead)
+        # py-spy records the measured part of the load only: the load imports torch, opens its
+        # sessions and warms up first (spread over processes, its children do so in turn, which
+        # took longer than a fixed lead: the first such profile caught 1 sample)
+        wait_for_load(target, clients, timeout=120.0)
         watched = load if args.spy_on == "load" else proc
         spy = subprocess.run(
-            [py_spy, *spy_flags, "-d", str(max(1, int(args.duration - lead) - 1)), "--pid", str(watched.pid)],
+            [py_spy, *spy_flags, "-d", str(max(1, int(args.duration) - 1)), "--pid", str(watched.pid)],
             capture_output=True, text=True,
         )
         load.wait(timeout=args.duration + 120)
