@@ -82,9 +82,10 @@ def test_processes_split_the_clients_and_sum_their_steps(small_server, tmp_path)
     assert (echo["request_bytes"], echo["reply_bytes"]) == (gdn["request_bytes"], gdn["reply_bytes"]) != (0, 0)
     assert gdn["layers_per_token"] == 3
     if Path("/proc/stat").exists():  # the host's CPU over each run: the whole host's, from the parent
-        for r in (gdn, echo):
-            cpu = r["host_cpu"]
-            assert 0 < cpu["busy_cores"] <= cpu["cores"] and 0 <= cpu["steal_pct"] <= 100
+        cpu = gdn["host_cpu"]  # the CPU server computes all through ours (tens of ms: many clock ticks)
+        assert 0 < cpu["busy_cores"] <= cpu["cores"] and 0 <= cpu["steal_pct"] <= 100
+        cpu = echo["host_cpu"]  # the echo's 81 steps may take less than a clock tick (then None)
+        assert cpu is None or (0 <= cpu["busy_cores"] <= cpu["cores"] and 0 <= cpu["steal_pct"] <= 100)
     # more processes than steps: every client still runs (fewer processes), each step counted once
     rc = loadtest.main([
         "--target", small_server.address, "--clients", "3", "--requests", "2", "--processes", "4",
