@@ -72,7 +72,7 @@ def profile_point(args: argparse.Namespace, py_spy: str, clients: int, out: Path
     raw = out / f"prof_{clients}.txt"
     spy_flags = ["record", "-r", str(args.rate), "-f", "raw", "-o", str(raw), "--threads", *args.spy_flags.split()]
     proc = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    wrapped = None
+    wrapped = load = None
     try:
         target = wait_listening(proc, 600)
         load_cmd = [sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--clients", str(clients),
@@ -102,7 +102,7 @@ def profile_point(args: argparse.Namespace, py_spy: str, clients: int, out: Path
             wrapped.send_signal(signal.SIGINT)  # py-spy forwards it, then writes its file
             wrapped.wait(60)
     finally:
-        for p in (proc, wrapped):
+        for p in (proc, wrapped, load):  # a load left running would skew the next measurement
             if p is not None and p.poll() is None:
                 p.terminate()
                 p.wait(30)

@@ -489,10 +489,10 @@ def _shares(total: int, parts: int) -> list[int]:
 async def _spread(
     cfg: LoadConfig, kind: str, processes: int, extra: dict[str, Any], label: str,
     before_measure: Callable[[], Awaitable[None]] | None = None,
-) -> tuple[list[_ClientTally], float, dict[str, float] | None, tuple[int, int, int]]:
+) -> tuple[list[_ClientTally], float, dict[str, float] | None, list[int] | None]:
     """Runs `cfg`'s clients in child processes; returns their tallies (one per child), the
-    longest child's elapsed time, the host's CPU use from "go" to the last result, and (layers,
-    request bytes, reply bytes) of the steps."""
+    longest child's elapsed time, the host's CPU use from "go" to the last result, and for gdn
+    steps [layers, request bytes, reply bytes]."""
     parts = min(processes, cfg.clients, cfg.clients if cfg.requests is None else max(1, cfg.requests))
     clients = _shares(cfg.clients, parts)
     requests = None if cfg.requests is None else _shares(cfg.requests, parts) or [0]
@@ -535,8 +535,7 @@ async def _spread(
     for r in results:
         latencies = np.frombuffer(base64.b64decode(r["latencies"]), dtype=np.float64).tolist()
         tallies.append(_ClientTally(latencies, r["errors"], r["error_samples"]))
-    sizes = (results[0]["layers"], results[0]["request_bytes"], results[0]["reply_bytes"])
-    return tallies, max(r["elapsed"] for r in results), host, sizes
+    return tallies, max(r["elapsed"] for r in results), host, results[0]["sizes"]
 
 
 async def _child_line(child: asyncio.subprocess.Process, index: int, timeout: float) -> tuple[str, str]:
@@ -557,11 +556,10 @@ async def _child_line(child: asyncio.subprocess.Process, index: int, timeout: fl
     return word, rest
 
 
-async def _expect(child: asyncio.subprocess.Process, index: int, word: str, timeout: float) -> str:
-    got, rest = await _child_line(child, index, timeout)
+async def _expect(child: asyncio.subprocess.Process, index: int, word: str, timeout: float) -> None:
+    got, _ = await _child_line(child, index, timeout)
     if got != word:
         raise GdnError(f"load process {index}: expected {word!r}, got {got!r}")
-    return rest
 
 
 async def _child_result(child: asyncio.subprocess.Process, index: int, cfg: LoadConfig, bar: Any) -> dict:
@@ -628,8 +626,8 @@ async def _child(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "elapsed": elapsed, "latencies": base64.b64encode(latencies.tobytes()).decode(),
         "errors": sum(t.errors for t in tallies), "error_samples": [m for t in tallies for m in t.error_samples][:5],
-        "layers": getattr(w0, "layers", 0), "request_bytes": spec.get("request_bytes", getattr(w0, "request_bytes", 0)),
-        "reply_bytes": w0.reply_bytes,
+        # what a gdn step measured (its sizes are the echo's inputs; the echo's own are known)
+        "sizes": [w0.layers, w0.request_bytes, w0.reply_bytes] if spec["kind"] == "gdn" else None,
     }
 
 
