@@ -7,7 +7,8 @@
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
 # (serve): the --scheduler-runs-on values too; ROUNDS (serve, ab): each load point that many times, alternating;
 # LOAD_PROCS (serve, profile): load processes per run (gdn-loadtest --processes); SKIP (serve): parts to skip, e.g. b,c;
-# CLIENTS (serve, profile): the clients values.
+# CLIENTS (serve, profile): the clients values; SHARED_CONN=1 (serve): each load process's clients on one
+# connection (gdn-loadtest --shared-connection; the default is a connection per client).
 # Logs and results go to $OUT (or bench/results).
 set -uo pipefail
 out=${OUT:-bench/results}
@@ -52,7 +53,7 @@ case "${1:-}" in
   serve)
     timeout 540 python3 bench/serve.py --device cuda --duration 3 --frontends "${FRONTENDS:-0,4}" --rounds "${ROUNDS:-1}" \
       --runs-on "${RUNS_ON:-auto}" --load-processes "${LOAD_PROCS:-1}" --skip "${SKIP:-}" --clients "${CLIENTS:-1,8,64,256}" \
-      --out "$out" 2>&1 \
+      ${SHARED_CONN:+--shared-connection} --out "$out" 2>&1 \
       | tee "$out/serve.log" | tail -30
     ;;
   scale)
@@ -138,9 +139,11 @@ case "${1:-}" in
     done
     ;;
   delay)  # N=64 (part a only) at each --max-queue-delay-us of DELAYS: rows per launch against throughput
+        # (FRONTENDS: one --frontends value, default 0; LOAD_PROCS: load processes; SERVER_FLAGS: more flags)
     for d in ${DELAYS:-0 50 150}; do
       timeout 150 python3 bench/serve.py --device cuda --duration 3 --clients "${CLIENTS:-64}" --skip b,c \
-        --server-flags "--max-queue-delay-us $d" --out "$out/delay_$d" 2>&1 | tail -1 | sed "s/^/delay $d us /"
+        --frontends "${FRONTENDS:-0}" --load-processes "${LOAD_PROCS:-1}" \
+        --server-flags "--max-queue-delay-us $d ${SERVER_FLAGS:-}" --out "$out/delay_$d" 2>&1 | tail -2 | sed "s/^/delay $d us /"
     done
     ;;
   copythreads)  # the native module's threaded copies: thread hand-off, a B=256 request's inputs, a 2 MiB reply

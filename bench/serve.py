@@ -67,6 +67,8 @@ def main() -> None:
                    help="each load point this many times, ours and the echo's alternately (gdn-loadtest --rounds)")
     p.add_argument("--load-processes", type=int, default=1,
                    help="load processes per run of parts a and b (gdn-loadtest --processes; the echo's too)")
+    p.add_argument("--shared-connection", action="store_true",
+                   help="each load process's clients share one connection (gdn-loadtest --shared-connection)")
     p.add_argument("--server-flags", default="",
                    help="more gdn-server flags for every part, e.g. '--max-queue-delay-us 50'")
     args = p.parse_args()
@@ -75,7 +77,7 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     results: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "parts": []}
     common = ["--mode", "stream", "--tokens", "1", "--duration", str(args.duration), "--rounds", str(args.rounds),
-              "--processes", str(args.load_processes)]
+              "--processes", str(args.load_processes), *(["--shared-connection"] if args.shared_connection else [])]
     big = ["--clients", "1", "--batch", str(args.batch_sessions), "--mode", "unary", "--tokens", "1",
            "--duration", str(args.duration), "--rounds", str(args.rounds)]
 
@@ -105,7 +107,9 @@ def main() -> None:
 
 
 def summarize(results: dict) -> str:
-    lines = ["| part | frontends | scheduler | clients | B | steps/s | p50 ms | p99 ms | rows/launch | device us/launch | "
+    args = results.get("args", {})
+    connections = "one per load process" if args.get("shared_connection") else "one per client"
+    lines = [f"Load: {args.get('load_processes', 1)} process(es); TCP connections: {connections}.", "", "| part | frontends | scheduler | clients | B | steps/s | p50 ms | p99 ms | rows/launch | device us/launch | "
              "echo steps/s | echo p50 ms | % of echo | host cores busy, steal (ours; echo) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     echo = {}  # the echo run that followed each of ours (same clients, B and round); part b has none

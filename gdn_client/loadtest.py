@@ -1,6 +1,6 @@
 """gdn-loadtest: N concurrent clients decoding against a gdn-serve server, next to a gRPC floor.
 
-Each client (an asyncio task with its own channel) owns ``--batch`` sessions and walks them
+Each client (an asyncio task with its own channel and TCP connection) owns ``--batch`` sessions and walks them
 through the model as a decoder would: layer 0..L-1 for one token, then the next token, one step
 in flight at a time (a layer's input depends on the previous layer's output). Inputs are random,
 drawn and encoded once per client before timing (a few sets, rotated); requests always carry positions.
@@ -66,6 +66,17 @@ logger = logging.getLogger("gdn_client.loadtest")
 
 _DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 _CHANNEL_ARGS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+# grpc shares one TCP connection between the channels of a process that have the same target and
+# arguments (its global subchannel pool): 64 clients would be 64 HTTP/2 streams on one
+# connection, and a server with several --frontends workers behind one port (SO_REUSEPORT spreads
+# connections, not streams) would see a load process as one client. A channel with a subchannel
+# pool of its own opens its own connection, as a separate client process does.
+_OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
+
+
+def _client_channel_args(cfg: "LoadConfig") -> list[tuple[str, int]]:
+    """A load client's channel arguments: its own connection unless cfg.shared_connection."""
+    return _CHANNEL_ARGS if cfg.shared_connection else [*_CHANNEL_ARGS, _OWN_CONNECTION]
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,9 @@ class LoadConfig:
     seed: int = 0
     timeout: float = 30.0
     progress: bool = True
+    # the clients of one load process share one connection (grpc's default for channels alike)
+    # instead of each having its own
+    shared_connection: bool = False
 
 
 @dataclass
@@ -105,6 +119,7 @@ class RunResult:
     latencies_ms: list[float] = field(default_factory=list, repr=False)
     round: int = 0  # which of --rounds this run belongs to (its echo run has the same)
     host_cpu: dict[str, float] | None = None  # the load host's CPU over the run (Linux; see host_cpu_usage)
+    shared_connection: bool = False  # each load process's clients on one connection (LoadConfig)
 
     def summary(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -197,7 +212,7 @@ class _GdnWorker:
     def __init__(self, cfg: LoadConfig, info: ModelInfo, index: int) -> None:
         self.cfg = cfg
         self.layers = min(cfg.layers_per_token or info.num_layers, info.num_layers)
-        self.channel = grpc.aio.insecure_channel(cfg.target, _CHANNEL_ARGS)
+        self.channel = grpc.aio.insecure_channel(cfg.target, _client_channel_args(cfg))
         self.stub = gdn_pb2_grpc.GdnDecodeStub(self.channel)
         gen = torch.Generator().manual_seed(cfg.seed * 100_003 + index)
         B, T, H, HV, K, V = cfg.batch, cfg.tokens, info.num_q_heads, info.num_v_heads, info.head_dim_k, info.head_dim_v
@@ -292,7 +307,7 @@ class _EchoWorker:
 
     def __init__(self, cfg: LoadConfig, address: str, request_bytes: int, reply_bytes: int) -> None:
         self.cfg = cfg
-        self.channel = grpc.aio.insecure_channel(address, _CHANNEL_ARGS)
+        self.channel = grpc.aio.insecure_channel(address, _client_channel_args(cfg))
         self.payload = echo_request(request_bytes, reply_bytes)
         self.reply_bytes = reply_bytes
         self.call: Any = None  # the open stream in stream mode
@@ -398,6 +413,7 @@ def _result(kind: str, cfg: LoadConfig, layers: int, tallies: list[_ClientTally]
         steps_per_s=rate, token_layers_per_s=rate * cfg.batch * cfg.tokens, latency_ms=pct,
         request_bytes=request_bytes, reply_bytes=reply_bytes, server=server,
         error_samples=[s for t in tallies for s in t.error_samples][:5], latencies_ms=lat_ms.tolist(), host_cpu=host,
+        shared_connection=cfg.shared_connection,
     )
 
 
@@ -815,6 +831,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, default=1,
                    help="spread each run's clients over this many load processes (default 1; one Python "
                         "process tops out near 20k steps/s, see the README)")
+    p.add_argument("--shared-connection", action="store_true",
+                   help="the clients of a load process share one TCP connection (HTTP/2 streams on it; grpc's "
+                        "default for alike channels) instead of one connection each, as separate clients have")
     p.add_argument("--json", type=Path, default=None, help="write results to this JSON file")
     p.add_argument("--plot", type=Path, default=None, help="write PNG charts into this folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -831,6 +850,7 @@ async def _run_all(args: argparse.Namespace, echo_address: str | None) -> list[R
                 target=args.target, clients=n, mode=args.mode, batch=args.batch, tokens=args.tokens,
                 layers_per_token=args.layers_per_token, requests=args.requests, duration=args.duration,
                 dtype=args.dtype, seed=args.seed, timeout=args.timeout, progress=not args.no_progress,
+                shared_connection=args.shared_connection,
             )
             ours = dataclasses.replace(await run_load(cfg, args.processes), round=round_index)
             results.append(ours)

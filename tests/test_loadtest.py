@@ -1,6 +1,7 @@
 """gdn-loadtest against the CPU server: short bounded runs, results checked through --json."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -114,6 +115,53 @@ def test_a_load_process_that_fails_fails_the_run_with_its_error():
     with pytest.raises(loadtest.GdnError) as info:
         asyncio.run(loadtest.run_echo(cfg, "127.0.0.1:1", 64, 32, 1, processes=2))
     assert info.value.code == grpc.StatusCode.UNAVAILABLE and "load process" in info.value.message
+
+
+async def _echo_counting_connections(cfg: loadtest.LoadConfig, processes: int) -> tuple[set[str], loadtest.RunResult]:
+    """Runs `cfg`'s echo load against a bytes echo (the floor's wire protocol) that records each
+    stream's peer (the client's address and port: one per TCP connection)."""
+    import struct
+
+    import grpc
+    import grpc.aio
+
+    from gdn_client import _echo
+
+    peers: set[str] = set()
+
+    async def stream(requests, context):
+        peers.add(context.peer())
+        async for request in requests:
+            (size,) = struct.unpack_from("<I", request)
+            yield bytes(size)
+
+    server = grpc.aio.server()
+    service, method = _echo.STREAM.strip("/").split("/")
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        service, {method: grpc.stream_stream_rpc_method_handler(stream)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        result = await loadtest.run_echo(dataclasses.replace(cfg, target=address), address, 256, 64, 1, processes)
+    finally:
+        await server.stop(None)
+    return peers, result
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_each_client_has_its_own_connection_unless_shared(processes):
+    """grpc puts alike channels of one process on one TCP connection; the load's clients each get
+    their own (a server's workers behind one port share connections out, not streams), and with
+    shared_connection=True one per load process."""
+    import asyncio
+
+    cfg = loadtest.LoadConfig(target="", clients=4, requests=40, timeout=10.0, progress=False)
+    peers, result = asyncio.run(_echo_counting_connections(cfg, processes))
+    assert len(peers) == 4 and result.steps == 40 and result.errors == 0 and not result.shared_connection
+    shared = dataclasses.replace(cfg, shared_connection=True)
+    peers, result = asyncio.run(_echo_counting_connections(shared, processes))
+    assert len(peers) == processes and result.steps == 40 and result.shared_connection
 
 
 def test_rounds_must_be_positive(small_server, capsys):
