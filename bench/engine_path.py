@@ -228,7 +228,7 @@ class Engine:
         self.previous: list = []
 
     def round(self, n: int) -> None:
-        """The engine's work for n queued requests: what the reader thread does on a readable
+        """The engine's work for n queued requests: what the link's reader does on a readable
         socket (until all n are queued), then one scheduler iteration and its reply write."""
         queued = self.scheduler.queue_depth
         while queued() < n:

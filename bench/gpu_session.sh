@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|schedround|delay|copythreads|speculative|launchvariants   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|schedround|delay|copythreads|speculative|launchvariants   (each part fits in one 10-minute call)
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
@@ -123,6 +123,25 @@ case "${1:-}" in
           timeout 200 python3 bench/cpu_split.py --device cuda --clients "${CLIENTS:-64}" --duration 4 \
             --server-flags "${SERVER_FLAGS:-}" --out "$out/ab_${side}_$round" 2>&1
         fi | tail -2 | sed "s/^/$side $round /"
+      done
+    done
+    ;;
+  abserve)  # serve.py part (a) of a base checkout (BASE, default .ab_base; carry it) and of this tree, alternately
+            # (ROUNDS, default 2), each with its echo right after it: CLIENTS (64), FRONTENDS (one value, 0),
+            # LOAD_PROCS (4), SERVER_FLAGS
+    base=${BASE:-.ab_base}
+    [[ -d $base/gdn_server ]] || { echo "abserve: no base checkout at $base" >&2; exit 2; }
+    build_native "$base"
+    out_abs=$(cd "$out" && pwd)
+    for round in $(seq 1 "${ROUNDS:-2}"); do
+      for side in base new; do
+        flags=(--device cuda --duration 3 --clients "${CLIENTS:-64}" --skip b,c --frontends "${FRONTENDS:-0}"
+               --load-processes "${LOAD_PROCS:-4}" --server-flags "${SERVER_FLAGS:-}" --out "$out_abs/abserve_${side}_$round")
+        if [[ $side == base ]]; then
+          (cd "$base" && PYTHONPATH="$PWD:$PYTHONPATH" timeout 240 python3 bench/serve.py "${flags[@]}" 2>&1)
+        else
+          timeout 240 python3 bench/serve.py "${flags[@]}" 2>&1
+        fi | grep '^| a_' | sed "s/^/$side $round /"
       done
     done
     ;;

@@ -110,7 +110,7 @@ async def serve_engine(settings: EngineSettings) -> None:
     start_shards(app, settings.load_dirs)
     await server.start()
     link = EngineLink(settings.link_path, shape, app.placement)
-    link.start()
+    link.start(asyncio.get_running_loop())
     await set_serving(app.health, True)
     for shard in app.placement:
         log.info(

@@ -1,20 +1,26 @@
 """The engine's end of the front-end link (`--frontends N`): decode requests in, replies out.
 
 Each front-end worker connects once to a Unix socket. The engine's Python threads share one GIL,
-so the link is built to take as little of it as possible from the scheduler threads:
+so the link is built to take as little of it as possible and to add no thread of its own:
 
-- one reader thread for every connection (a selector): it reads whatever frames are there with
-  one system call, looks only at their session ids (to pick the device) and queues them; the
-  rest of the frame is read later, on the scheduler thread (`Scheduler.submit_decode_later`),
-  and bf16 inputs stay bytes all the way into the backend's staging buffer (no tensors);
+- the engine's event loop reads every connection (`loop.add_reader`): whatever frames are there
+  with one system call, looking only at their session ids (to pick the device), and queues them;
+  the rest of the frame is read later, in the scheduler's round (`Scheduler.submit_decode_later`),
+  and bf16 inputs stay bytes all the way into the backend's staging buffer (no tensors). With the
+  CUDA backend the scheduler's rounds run on that same loop, so a request goes from the socket
+  to its launch on one thread. A reader thread of its own (the design before) made every call of
+  the loop thread that lets the GIL go (a graph launch, an event, a send) a chance for the reader
+  to take it, and getting it back cost up to the switch interval: on the H200, with eight
+  workers at 64 clients, the engine's main thread spent ~11% of its samples in
+  `CUDAGraph.replay`, ~120 us a launch (bench/NOTES.md);
 - replies are buffered per connection and written once per scheduler round, one `sendmsg` for
   all of a round's replies to a worker, instead of a system call (and a GIL hand-off) each.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-import selectors
 import socket
 import threading
 from functools import partial
@@ -39,7 +45,7 @@ class _Connection:
         self.frames = FrameBuffer()
         self.open = True
         # tag -> cancelled, for every request queued and not yet answered; plain dict operations
-        # (atomic under the GIL) from the reader thread and the scheduler threads
+        # (atomic under the GIL) from the loop's reader and the scheduler threads
         self.outstanding: dict[int, bool] = {}
         self.outbox: list[bytes] = []  # reply frames not yet written
         self.out_lock = threading.Lock()  # replies come from every device's scheduler thread
@@ -62,7 +68,7 @@ class _Connection:
                 return
             try:
                 send_frames(self.sock, parts)
-            except OSError as e:  # the worker went away; the reader thread cleans up
+            except OSError as e:  # the worker went away; reading its connection drops it
                 self.open = False
                 log.debug("replies to a closed front-end link dropped: %s", e)
 
@@ -75,26 +81,30 @@ class EngineLink:
         self.shape = shape
         self.placement = placement
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._selector = selectors.DefaultSelector()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._connections: set[_Connection] = set()
         self._dirty: set[_Connection] = set()  # connections with replies waiting in their outbox
-        self._closed = False
         self._only_shard = placement.shards[0] if len(placement.shards) == 1 else None
         for shard in placement:
             shard.scheduler.after_answers.append(self.flush)
 
-    def start(self) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Listens, and reads the workers' connections on `loop` (call it on the loop's thread)."""
         self._listener.bind(self.path)
         os.chmod(self.path, 0o600)  # the workers run as this user; nobody else may hand us work
         self._listener.listen(64)
-        self._selector.register(self._listener, selectors.EVENT_READ, None)
-        threading.Thread(target=self._read, name="gdn-link", daemon=True).start()
+        self._loop = loop
+        # sockets stay blocking: a readable one gives one recv without waiting, and replies are
+        # written whole (a worker slow to read holds its sender, as a full pipe would)
+        loop.add_reader(self._listener.fileno(), self._accept)
 
     def close(self) -> None:
-        """Stops reading and closes every connection (workers see the engine gone)."""
-        self._closed = True
+        """Stops reading and closes every connection (workers see the engine gone). On the
+        loop's thread."""
         for conn in list(self._connections):
-            _shutdown(conn.sock)
+            self._drop(conn)
+        if self._loop is not None:
+            self._loop.remove_reader(self._listener.fileno())
         _shutdown(self._listener)
         self._listener.close()
         try:
@@ -111,20 +121,7 @@ class EngineLink:
                 return
             conn.flush()
 
-    # -- the reader thread --------------------------------------------------------------------
-    def _read(self) -> None:
-        while not self._closed:
-            try:
-                events = self._selector.select()
-            except (OSError, ValueError):  # closed under us
-                return
-            for key, _ in events:
-                if key.data is None:
-                    self._accept()
-                else:
-                    self._read_from(key.data)
-            self.flush()  # requests answered right away (unknown session, queue full)
-
+    # -- reading, on the event loop ------------------------------------------------------------
     def _accept(self) -> None:
         try:
             sock, _ = self._listener.accept()
@@ -134,7 +131,12 @@ class EngineLink:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         conn = _Connection(sock)
         self._connections.add(conn)
-        self._selector.register(sock, selectors.EVENT_READ, conn)
+        assert self._loop is not None
+        self._loop.add_reader(sock.fileno(), self._on_readable, conn)
+
+    def _on_readable(self, conn: _Connection) -> None:
+        self._read_from(conn)
+        self.flush()  # requests answered right away (unknown session, queue full)
 
     def _read_from(self, conn: _Connection) -> None:
         try:
@@ -149,10 +151,17 @@ class EngineLink:
             log.exception("bad frame from a front-end worker; closing its link")
             alive = False
         if not alive:
-            conn.open = False
-            self._selector.unregister(conn.sock)
-            self._connections.discard(conn)
-            _shutdown(conn.sock)
+            self._drop(conn)
+
+    def _drop(self, conn: _Connection) -> None:
+        conn.open = False
+        if conn not in self._connections:
+            return
+        self._connections.discard(conn)
+        if self._loop is not None:
+            self._loop.remove_reader(conn.sock.fileno())
+        _shutdown(conn.sock)
+        with conn.out_lock:  # a scheduler thread may be writing its replies
             conn.sock.close()
 
     def _submit(self, conn: _Connection, frame: bytes | bytearray) -> None:

@@ -186,8 +186,8 @@ class Scheduler:
     def submit_decode_later(
         self, make_work: Callable[[], DecodeWork], rows: int, done: Done, cancelled: Callable[[], bool] | None = None
     ) -> None:
-        """`submit_decode` of the work `make_work()` builds; it runs on the scheduler thread, so the
-        caller (the front-end link's reader) spends next to no GIL time per request."""
+        """`submit_decode` of the work `make_work()` builds, in the round that admits it: the
+        caller (the front-end link's reader) only peeks at a frame's header."""
         self._enqueue(_DecodeItem(None, done, rows, cancelled, make_work=make_work), rows)
 
     def submit_control(self, fn: Callable[[], Any], done: Done) -> None:
@@ -252,7 +252,7 @@ class Scheduler:
 
     def _post_round(self, poll: bool = False) -> None:
         loop = self._loop
-        if threading.get_ident() != self._loop_thread:  # e.g. the --frontends link reader, or stop()
+        if threading.get_ident() != self._loop_thread:  # e.g. the waiter thread, or stop()
             loop.call_soon_threadsafe(self._loop_round)
         elif poll:
             loop.call_soon(self._loop_round)
