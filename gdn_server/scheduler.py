@@ -400,7 +400,8 @@ class Scheduler:
         delay = self.config.max_queue_delay_us / 1e6
         if delay <= 0 or self._stopping or self._pending_rows >= self.config.max_batch_rows:
             return True
-        first = next((i for i in self._pending if isinstance(i, _DecodeItem)), None)
+        with self._lock:  # other threads may queue meanwhile (_enqueue): no iterating the deque under them
+            first = next((i for i in self._pending if isinstance(i, _DecodeItem)), None)
         return first is None or time.monotonic() - first.enqueued >= delay
 
     def _drain_here(self) -> None:
