@@ -19,8 +19,8 @@ What runs is the engine's real code, without gRPC and without its threads' waiti
 A round is what the scheduler thread does per iteration: read and queue the round's frames, admit
 and submit them, answer the previous round's batch (pipelined as on a GPU), write the replies. CPU
 time is `time.thread_time()` of the thread running all that; building the request frames (the
-workers' job) and reading the replies (the workers' job) are outside it. Not measured: the GIL
-hand-offs between the engine's reader and scheduler threads and the selector's wake-ups.
+workers' job) and reading the replies (the workers' job) are outside it. Not measured: the event
+loop's wake-ups and its callbacks around the reads (the engine reads its links on its loop).
 
 Every reply is checked (tag, position, and output = the request's own v bytes), and a sha256 of all
 replies is printed, so two versions of the engine can be compared bit for bit.

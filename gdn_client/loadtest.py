@@ -74,7 +74,7 @@ _CHANNEL_ARGS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive
 _OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
 
 
-def _client_channel_args(cfg: "LoadConfig") -> list[tuple[str, int]]:
+def _client_channel_args(cfg: LoadConfig) -> list[tuple[str, int]]:
     """A load client's channel arguments: its own connection unless cfg.shared_connection."""
     return _CHANNEL_ARGS if cfg.shared_connection else [*_CHANNEL_ARGS, _OWN_CONNECTION]
 
