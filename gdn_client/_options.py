@@ -11,6 +11,9 @@ import grpc
 __all__ = ["ClientOptions"]
 
 _MiB = 1 << 20
+# a channel with a subchannel pool of its own opens its own connection (grpc otherwise shares one
+# between a process's channels of the same target and arguments)
+OWN_CONNECTION_ARG = ("grpc.use_local_subchannel_pool", 1)
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,11 @@ class ClientOptions:
         interceptors: grpc client interceptors wrapped around the channel (sync client only
             takes ``grpc.*ClientInterceptor``; the async client takes ``grpc.aio`` ones).
         channel_args: extra raw ``grpc.*`` channel arguments.
+        own_connection: open a TCP connection of this client's own. By default grpc gives the
+            clients of one process that have the same target and options one shared connection
+            (their calls are HTTP/2 streams on it). A server with ``--frontends N`` workers
+            shares out connections, not calls, so one process's clients all reach one worker;
+            give each client its own connection to spread them.
 
     >>> opts = ClientOptions(timeout=5.0, token="s3cret", max_attempts=5)
     >>> opts.call_metadata()
@@ -56,6 +64,7 @@ class ClientOptions:
     metadata: tuple[tuple[str, str], ...] = ()
     interceptors: Sequence[Any] = field(default=(), compare=False)
     channel_args: tuple[tuple[str, Any], ...] = ()
+    own_connection: bool = False
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -92,6 +101,8 @@ class ClientOptions:
         ]
         if self.server_name_override:
             opts.append(("grpc.ssl_target_name_override", self.server_name_override))
+        if self.own_connection:
+            opts.append(OWN_CONNECTION_ARG)
         opts.extend(self.channel_args)
         return opts
 

@@ -58,6 +58,7 @@ from gdn_client._echo import UNARY as ECHO_UNARY
 from gdn_client._echo import echo_request
 from gdn_client._errors import GdnError, error_from_code, error_from_rpc
 from gdn_client._malloc import tune_malloc
+from gdn_client._options import OWN_CONNECTION_ARG
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 
 __all__ = ["LoadConfig", "RunResult", "run_load", "main"]
@@ -66,17 +67,16 @@ logger = logging.getLogger("gdn_client.loadtest")
 
 _DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 _CHANNEL_ARGS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
-# grpc shares one TCP connection between the channels of a process that have the same target and
-# arguments (its global subchannel pool): 64 clients would be 64 HTTP/2 streams on one
-# connection, and a server with several --frontends workers behind one port (SO_REUSEPORT spreads
-# connections, not streams) would see a load process as one client. A channel with a subchannel
-# pool of its own opens its own connection, as a separate client process does.
-_OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
 
 
 def _client_channel_args(cfg: LoadConfig) -> list[tuple[str, int]]:
-    """A load client's channel arguments: its own connection unless cfg.shared_connection."""
-    return _CHANNEL_ARGS if cfg.shared_connection else [*_CHANNEL_ARGS, _OWN_CONNECTION]
+    """A load client's channel arguments: its own connection unless cfg.shared_connection.
+
+    grpc shares one TCP connection between the channels of a process that have the same target
+    and arguments: 64 clients would be 64 HTTP/2 streams on one connection, and a server with
+    several --frontends workers behind one port (SO_REUSEPORT spreads connections, not streams)
+    would see a load process as one client. Separate client processes have a connection each."""
+    return _CHANNEL_ARGS if cfg.shared_connection else [*_CHANNEL_ARGS, OWN_CONNECTION_ARG]
 
 
 @dataclass(frozen=True)

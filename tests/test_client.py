@@ -389,6 +389,44 @@ def test_options_validate():
     assert ClientOptions(token="x").call_metadata() == (("authorization", "Bearer x"),)
 
 
+@pytest.mark.parametrize("own", [False, True])
+def test_own_connection_gives_each_client_its_own(own):
+    """grpc puts a process's alike channels on one connection; own_connection=True gives each
+    client its own (a --frontends server's workers share out connections). Both clients count."""
+    from concurrent import futures
+
+    peers: set[str] = set()
+
+    def get_stats(request: bytes, context: grpc.ServicerContext) -> bytes:
+        peers.add(context.peer())
+        return gdn_pb2.Stats(requests=1).SerializeToString()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "gdn.v1.GdnDecode", {"GetStats": grpc.unary_unary_rpc_method_handler(get_stats)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        target, options = f"127.0.0.1:{port}", ClientOptions(timeout=10.0, own_connection=own)
+        clients = [Client(target, options) for _ in range(3)]
+        assert all(c.stats().requests == 1 for c in clients)
+
+        async def three_async_clients() -> None:
+            async_clients = [AsyncClient(target, options) for _ in range(3)]
+            for c in async_clients:
+                assert (await c.stats()).requests == 1
+            for c in async_clients:
+                await c.close()
+
+        asyncio.run(three_async_clients())
+        for c in clients:
+            c.close()
+    finally:
+        server.stop(None)
+    # the sync clients' and the async clients' channels never share one (grpc.aio has its own)
+    assert len(peers) == (6 if own else 2)
+
+
 def test_unreachable_server_raises_unavailable():
     opts = ClientOptions(timeout=1, max_attempts=2, backoff_initial=0.01)
     with Client("127.0.0.1:1", opts) as c:
