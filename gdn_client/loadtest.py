@@ -1,9 +1,10 @@
 """gdn-loadtest: N concurrent clients decoding against a gdn-serve server, next to a gRPC floor.
 
-Each client (an asyncio task with its own channel and TCP connection) owns ``--batch`` sessions and walks them
-through the model as a decoder would: layer 0..L-1 for one token, then the next token, one step
-in flight at a time (a layer's input depends on the previous layer's output). Inputs are random,
-drawn and encoded once per client before timing (a few sets, rotated); requests always carry positions.
+Each client (an asyncio task with its own channel and TCP connection) owns ``--batch`` sessions
+and walks them through the model as a decoder would: layer 0..L-1 for one token, then the next
+token, one step in flight at a time (a layer's input depends on the previous layer's output).
+Inputs are random, drawn and encoded once per client before timing (a few sets, rotated);
+requests always carry positions.
 
     gdn-loadtest --target 127.0.0.1:50051 --clients 1,8,64 --mode stream --duration 10 \\
         --echo --json results.json --plot plots/

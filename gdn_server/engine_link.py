@@ -10,9 +10,10 @@ so the link is built to take as little of it as possible and to add no thread of
   CUDA backend the scheduler's rounds run on that same loop, so a request goes from the socket
   to its launch on one thread. A reader thread of its own (the design before) made every call of
   the loop thread that lets the GIL go (a graph launch, an event, a send) a chance for the reader
-  to take it, and getting it back cost up to the switch interval: on the H200, with eight
+  to take it, and getting it back could cost up to the switch interval: on the H200, with eight
   workers at 64 clients, the engine's main thread spent ~11% of its samples in
-  `CUDAGraph.replay`, ~120 us a launch (bench/NOTES.md);
+  `CUDAGraph.replay`, ~120 us a launch; reading on the loop took that to ~4% and the engine
+  from 13.8k to 15.2k steps/s on average (bench/NOTES.md, twelfth session);
 - replies are buffered per connection and written once per scheduler round, one `sendmsg` for
   all of a round's replies to a worker, instead of a system call (and a GIL hand-off) each.
 """
