@@ -59,7 +59,7 @@ from gdn_client._echo import UNARY as ECHO_UNARY
 from gdn_client._echo import echo_request
 from gdn_client._errors import GdnError, error_from_code, error_from_rpc
 from gdn_client._malloc import tune_malloc
-from gdn_client._options import OWN_CONNECTION_ARG
+from gdn_client._options import ClientOptions
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 
 __all__ = ["LoadConfig", "RunResult", "run_load", "main"]
@@ -67,17 +67,17 @@ __all__ = ["LoadConfig", "RunResult", "run_load", "main"]
 logger = logging.getLogger("gdn_client.loadtest")
 
 _DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
-_CHANNEL_ARGS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+_CHANNELS = ClientOptions(max_message_bytes=256 << 20)  # only its channel arguments are used
 
 
-def _client_channel_args(cfg: LoadConfig) -> list[tuple[str, int]]:
+def _client_channel_args(cfg: LoadConfig) -> list[tuple[str, Any]]:
     """A load client's channel arguments: its own connection unless cfg.shared_connection.
 
     grpc shares one TCP connection between the channels of a process that have the same target
     and arguments: 64 clients would be 64 HTTP/2 streams on one connection, and a server with
     several --frontends workers behind one port (SO_REUSEPORT spreads connections, not streams)
     would see a load process as one client. Separate client processes have a connection each."""
-    return _CHANNEL_ARGS if cfg.shared_connection else [*_CHANNEL_ARGS, OWN_CONNECTION_ARG]
+    return _CHANNELS.replace(own_connection=not cfg.shared_connection).channel_options()
 
 
 @dataclass(frozen=True)
@@ -419,7 +419,7 @@ def _result(kind: str, cfg: LoadConfig, layers: int, tallies: list[_ClientTally]
 
 
 async def _server_view(target: str, timeout: float) -> tuple[ModelInfo, Stats]:
-    async with grpc.aio.insecure_channel(target, _CHANNEL_ARGS) as ch:
+    async with grpc.aio.insecure_channel(target, _CHANNELS.channel_options()) as ch:
         stub = gdn_pb2_grpc.GdnDecodeStub(ch)
         try:
             info = await stub.GetModelInfo(gdn_pb2.GetModelInfoRequest(), timeout=timeout)
