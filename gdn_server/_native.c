@@ -43,7 +43,8 @@
    tests/test_native.py runs each against the Python code it stands in for.
 
    _native_scheduler.c adds the scheduler's loops over a round's plain steps (admit_plain,
-   submit_plain, finish_plain), which do change the objects they are given. */
+   submit_plain, finish_plain), which do change the objects they are given, and _native_link.c
+   an engine's decode of front-end link frames (decode_link_request). */
 #include "_native.h"
 #include <pthread.h>
 #include <stdint.h>
@@ -856,6 +857,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     static int registered = 0;
     if (!registered && pthread_atfork(NULL, NULL, pool_after_fork_in_child) == 0) registered = 1;
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && add_scheduler_functions(m) < 0) Py_CLEAR(m);
+    if (m != NULL && (add_scheduler_functions(m) < 0 || add_link_functions(m) < 0)) Py_CLEAR(m);
     return m;
 }

@@ -10,14 +10,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gdn_server import link
 from gdn_server.config import ModelShape
 from gdn_server.errors import FailedPrecondition, GdnError
 from gdn_server.link import (
     KIND_CANCEL, KIND_DECODE, LENGTH, decode_cancel, decode_reply, decode_request, encode_cancel, encode_reply,
     FrameBuffer, encode_request, frame_kind, send_frames,
 )
+from gdn_server.native import module as native_module
 from gdn_server.work import DecodeResult, DecodeWork
 
+native_only = pytest.mark.skipif(native_module is None, reason="gdn_server._native is not built here")
 SHAPE = ModelShape(num_layers=5, num_q_heads=2, num_v_heads=4, head_dim_k=16, head_dim_v=16)
 
 
@@ -127,3 +130,67 @@ def test_frames_over_a_socket_pair():
     t.join(30)
     right.close()
     assert got == frames
+
+
+def _python_decode(frame: bytes) -> tuple:
+    """link.decode_request's Python (the reference), as (tag, the work's fields) or the error's type."""
+    native, link._native = link._native, None
+    try:
+        tag, work = decode_request(frame, SHAPE)
+    except Exception as e:  # noqa: BLE001 - the kind of refusal is what is compared
+        return ("refused", type(e))
+    finally:
+        link._native = native
+    return tag, _fields(work)
+
+
+def _fields(work: DecodeWork) -> dict:
+    fields = dict(work.__dict__)
+    if work.bf16_bytes is not None:
+        fields["bf16_bytes"] = tuple(bytes(b) for b in work.bf16_bytes)
+    for name in ("q", "k", "v", "a", "b"):  # float32 frames: tensors, compared by value
+        if name in fields:
+            fields[name] = fields[name].numpy().tobytes()
+    return fields
+
+
+@native_only
+@settings(max_examples=200, deadline=None)
+@given(B=st.integers(1, 4), T=st.integers(1, 3), dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+       with_positions=st.booleans(), speculative=st.booleans(), owner=st.sampled_from([None, "alice", "ünï"]),
+       tag=st.integers(0, 2**64 - 1), damage=st.sampled_from(["none", "truncate", "extend", "flip"]),
+       where=st.integers(0, 10**6), byte=st.integers(0, 255))
+def test_native_decode_agrees_with_python(B, T, dtype, with_positions, speculative, owner, tag, damage, where, byte):
+    """The engine's C decode of a request frame (gdn_server/_native_link.c) gives the DecodeWork
+    the Python decode gives, field for field, or leaves the frame to the Python (None): always for
+    float32 inputs, and for frames cut short, run long or with a byte changed anywhere (ids that
+    are no longer UTF-8, lengths that no longer add up). It never accepts a frame the Python refuses."""
+    positions = tuple(range(2**64 - B, 2**64)) if with_positions else None
+    frame = _frame(encode_request(tag, _work(B, T, dtype, positions, speculative, owner)))
+    if damage == "truncate":
+        frame = frame[: where % len(frame)]
+    elif damage == "extend":
+        frame = frame + bytes([byte])
+    elif damage == "flip":
+        i = where % min(len(frame), 80)  # the header, ids and strings: where the lengths are
+        frame = frame[:i] + bytes([frame[i] ^ (byte or 1)]) + frame[i + 1:]
+    native = native_module.decode_link_request(frame, DecodeWork, link._heads(SHAPE))
+    expected = _python_decode(frame)
+    if native is None:
+        assert damage != "none" or dtype != torch.bfloat16, "a valid bf16 frame must take the native path"
+        return
+    assert expected[0] != "refused", f"native accepted a frame the Python refuses ({expected[1]})"
+    got_tag, work = native
+    assert (got_tag, _fields(work)) == expected
+    assert type(work) is DecodeWork and work.tokens == T and work.finite_checked
+    assert all(isinstance(b, memoryview) and b.readonly for b in work.bf16_bytes)  # views of the frame
+
+
+@native_only
+def test_native_decode_builds_tensors_on_read():
+    """The C-built DecodeWork behaves as DecodeWork.of_bf16's: its tensors come from the bytes."""
+    work = _work(2, 3, torch.bfloat16, (4, 5), False, "bob")
+    tag, got = native_module.decode_link_request(_frame(encode_request(11, work)), DecodeWork, link._heads(SHAPE))
+    assert tag == 11 and got.rows == 2 and got.owner == "bob" and got.positions == (4, 5)
+    for name in ("q", "k", "v", "a", "b"):
+        assert torch.equal(getattr(got, name), getattr(work, name))
