@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|schedround|delay|copythreads|speculative|launchvariants   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|schedround|delay|copythreads|speculative|launchvariants   (each part fits in one 10-minute call)
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
@@ -74,6 +74,12 @@ case "${1:-}" in
     for mode in ${RUNS_ON:-loop thread}; do
       timeout 200 python3 bench/trace_step.py --device cuda --steps 3000 --server-flags "--scheduler-runs-on $mode" \
         --out "$out/trace_$mode" 2>&1 | tail -14
+    done
+    ;;
+  echowork)  # does a server's own work per step lengthen its transport legs? The echo at N=1 with WORK_US of work
+    for kind in spin touch; do
+      timeout 120 python3 bench/trace_step.py --echo-only --echo-work-us "${WORK_US:-200}" --echo-work-kind $kind \
+        --steps 3000 --out "$out/echowork_$kind" 2>&1 | tail -7
     done
     ;;
   tracebig)  # the same for issue 4 (c): one unary request of B=256 sessions at a time
@@ -183,5 +189,5 @@ case "${1:-}" in
   speculative)
     timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8
     ;;
-  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|schedround|delay|copythreads|speculative|pack" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|schedround|delay|copythreads|speculative|pack" >&2; exit 2 ;;
 esac

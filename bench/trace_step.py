@@ -46,16 +46,39 @@ OPTIONAL = ("submit", "filled", "checked")
 
 # -- the server side (--serve): wrap a few methods, dump the stamps at exit --------------------------
 
-def _serve_echo(trace_out: str) -> int:
+def _work(kind: str, us: int):
+    """`us` microseconds of work per step for the echo's handler (--echo-work-us): a spin on the
+    clock (no memory traffic), or reads over a 64 MiB buffer (caches evicted, as a server's own
+    ~200 us of Python, torch and CUDA calls would evict gRPC's). Asks whether a server's own work
+    between its transport legs lengthens those legs."""
+    if us <= 0:
+        return lambda: None
+    buffer = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8)
+    chunk, place = 256 << 10, [0]
+
+    def work() -> None:
+        deadline = time.monotonic_ns() + us * 1000
+        while time.monotonic_ns() < deadline:
+            if kind == "touch":
+                start = place[0]
+                int(buffer[start:start + chunk].sum())
+                place[0] = (start + chunk) % len(buffer)
+
+    return work
+
+
+def _serve_echo(trace_out: str, work_kind: str, work_us: int) -> int:
     """The bytes echo (gdn_client._echo) with a stamp when its handler has a request and one when
     it has the reply: the echo's two transport legs, to set beside ours."""
     from gdn_client import _echo
 
     stamps: dict[str, list[int]] = {"echo in": [], "echo out": []}
     reply = _echo._reply
+    work = _work(work_kind, work_us)
 
     def traced(request: bytes) -> bytes:
         stamps["echo in"].append(time.monotonic_ns())
+        work()
         out = reply(request)
         stamps["echo out"].append(time.monotonic_ns())
         return out
@@ -186,15 +209,24 @@ def main() -> None:
                    help="no torch thread pool for big copies and checks (the server as before it used one)")
     p.add_argument("--fake-device", choices=("auto", "loop", "thread"),
                    help="serve with bench/frontend.py's host-only backend (any machine), scheduler on this")
+    p.add_argument("--echo-work-us", type=int, default=0,
+                   help="the echo's handler works this long per step (between its legs): do the legs grow?")
+    p.add_argument("--echo-work-kind", choices=("spin", "touch"), default="touch",
+                   help="that work: a spin on the clock, or reads over 64 MiB (caches evicted)")
+    p.add_argument("--echo-only", action="store_true",
+                   help="only the echo (with --echo-work-us: its legs against the plain echo's, both run)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args, rest = p.parse_known_args()
     if args.serve_echo:
-        sys.exit(_serve_echo(args.trace_out))
+        sys.exit(_serve_echo(args.trace_out, args.echo_work_kind, args.echo_work_us))
     if args.serve:
         sys.exit(_serve(args.trace_out, rest, args.fake_device, args.serial_copies))
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.echo_only:
+        _echo_work_table(args, out)
+        return
     trace = out / "trace_server.json"
     cmd = [sys.executable, __file__, "--serve", "--trace-out", str(trace), "--host", "127.0.0.1", "--port", "0",
            "--device", args.device, "--max-sessions", str(max(8, args.batch)), "--log-level", "WARNING", *args.model.split(),
@@ -202,10 +234,7 @@ def main() -> None:
            *(["--serial-copies"] if args.serial_copies else [])]
     with _started(cmd) as target:
         times, request_bytes, reply_bytes = asyncio.run(_gdn_client(target, args.warmup, args.steps, args.batch, args.mode))
-    echo_trace = out / "trace_echo.json"
-    with _started([sys.executable, __file__, "--serve-echo", "--trace-out", str(echo_trace)]) as address:
-        echo_times = asyncio.run(_echo_client(address, request_bytes, reply_bytes, args.warmup, args.steps,
-                                               args.mode))
+    echo_rows, echo = _echo_legs(args, out, request_bytes, reply_bytes, args.echo_work_us)
 
     stamps = json.loads(trace.read_text())
     n = args.steps
@@ -223,16 +252,6 @@ def main() -> None:
         p50, p90 = _pct(tb - ta)
         rows.append({"from": a, "to": b, "p50_us": p50, "p90_us": p90})
     total = _pct(got - sent)
-    echo = _pct([t1 - t0 for t0, t1 in echo_times])
-    # the echo's legs: its handler's stamps, after the warm-up (it served only this client)
-    echo_stamps = {k: np.asarray(v[w:w + n], dtype=np.int64) for k, v in json.loads(echo_trace.read_text()).items()}
-    e_sent = np.asarray([t[0] for t in echo_times], dtype=np.int64)
-    e_got = np.asarray([t[1] for t in echo_times], dtype=np.int64)
-    echo_rows = []
-    for (a, ta), (b, tb) in zip([("client sent", e_sent), ("echo in", echo_stamps["echo in"]), ("echo out", echo_stamps["echo out"])],
-                                [("echo in", echo_stamps["echo in"]), ("echo out", echo_stamps["echo out"]), ("client has reply", e_got)]):
-        p50, p90 = _pct(tb - ta)
-        echo_rows.append({"from": a, "to": b, "p50_us": p50, "p90_us": p90})
     lines = ["| segment | p50 us | p90 us |", "|---|---|---|"]
     lines += [f"| {r['from']} -> {r['to']} | {r['p50_us']:.1f} | {r['p90_us']:.1f} |" for r in rows]
     lines += [f"| **round trip (ours)** | {total[0]:.1f} | {total[1]:.1f} |"]
@@ -246,6 +265,53 @@ def main() -> None:
         "round_trip_us": {"p50": total[0], "p90": total[1]}, "echo_round_trip_us": {"p50": echo[0], "p90": echo[1]},
         "request_bytes": request_bytes, "reply_bytes": reply_bytes,
     }, indent=1))
+
+
+def _echo_legs(args, out: Path, request_bytes: int, reply_bytes: int, work_us: int) -> tuple[list[dict], tuple[float, float]]:
+    """The echo of the same bytes at N=1: its segments (client -> handler -> client) and round trip."""
+    echo_trace = out / "trace_echo.json"
+    cmd = [sys.executable, __file__, "--serve-echo", "--trace-out", str(echo_trace),
+           "--echo-work-kind", args.echo_work_kind, "--echo-work-us", str(work_us)]
+    with _started(cmd) as address:
+        echo_times = asyncio.run(_echo_client(address, request_bytes, reply_bytes, args.warmup, args.steps, args.mode))
+    w, n = args.warmup, args.steps
+    # the echo's legs: its handler's stamps, after the warm-up (it served only this client)
+    echo_stamps = {k: np.asarray(v[w:w + n], dtype=np.int64) for k, v in json.loads(echo_trace.read_text()).items()}
+    e_sent = np.asarray([t[0] for t in echo_times], dtype=np.int64)
+    e_got = np.asarray([t[1] for t in echo_times], dtype=np.int64)
+    points = [("client sent", e_sent), ("echo in", echo_stamps["echo in"]), ("echo out", echo_stamps["echo out"]),
+              ("client has reply", e_got)]
+    rows = []
+    for (a, ta), (b, tb) in zip(points, points[1:]):
+        p50, p90 = _pct(tb - ta)
+        rows.append({"from": a, "to": b, "p50_us": p50, "p90_us": p90})
+    return rows, _pct(e_got - e_sent)
+
+
+# a qwen3-next T=1, B=1 DecodeRequest and its reply (trace_step.json of the real server)
+ECHO_ONLY_REQUEST_BYTES, ECHO_ONLY_REPLY_BYTES = 16614, 8213
+
+
+def _echo_work_table(args, out: Path) -> None:
+    """--echo-only: the plain echo's legs, then the echo's with --echo-work-us of work per step
+    between them, alternating, so a host's drift shows. Writes echo_work.json."""
+    runs = []
+    for _ in range(2):
+        for us in (0, args.echo_work_us):
+            rows, total = _echo_legs(args, out, ECHO_ONLY_REQUEST_BYTES, ECHO_ONLY_REPLY_BYTES, us)
+            runs.append({"work_us": us, "kind": args.echo_work_kind, "segments": rows,
+                         "round_trip_us": {"p50": total[0], "p90": total[1]}})
+    lines = ["| echo's work per step | client -> handler p50 us | handler -> client p50 us | round trip p50 us |",
+             "|---|---|---|---|"]
+    for r in runs:
+        legs = r["segments"]
+        lines.append(f"| {r['work_us']} us ({r['kind']}) | {legs[0]['p50_us']:.1f} | {legs[2]['p50_us']:.1f} | "
+                     f"{r['round_trip_us']['p50']:.1f} |")
+    table = "\n".join(lines)
+    print(table)
+    (out / "echo_work.md").write_text(table + "\n")
+    (out / "echo_work.json").write_text(json.dumps({"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                                    "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
