@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|schedround|delay|copythreads|speculative|launchvariants   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants   (each part fits in one 10-minute call)
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
@@ -148,6 +148,17 @@ case "${1:-}" in
         else
           timeout 240 python3 bench/serve.py "${flags[@]}" 2>&1
         fi | grep '^| a_' | sed "s/^/$side $round /"
+      done
+    done
+    ;;
+  variants)  # serve.py part (a) of this tree under each server-flag set of VARIANTS (separated by ';'), alternately
+             # (ROUNDS, default 1), each with its echo right after it: CLIENTS (64), FRONTENDS (one value, 0), LOAD_PROCS (4)
+    IFS=';' read -ra variants <<< "${VARIANTS:?variants: set VARIANTS, e.g. \"--device-wait auto;--device-wait poll\"}"
+    for round in $(seq 1 "${ROUNDS:-1}"); do
+      for i in "${!variants[@]}"; do
+        timeout 240 python3 bench/serve.py --device cuda --duration 3 --clients "${CLIENTS:-64}" --skip b,c \
+          --frontends "${FRONTENDS:-0}" --load-processes "${LOAD_PROCS:-4}" --server-flags "${variants[$i]}" \
+          --out "$out/variant_${i}_$round" 2>&1 | grep '^| a_' | sed "s/^/[${variants[$i]}] $round /"
       done
     done
     ;;
