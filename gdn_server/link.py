@@ -45,6 +45,7 @@ FLAG_POSITIONS = 2
 FLAG_F32 = 4  # inputs as float32 (requests that did not come all-bf16); else bfloat16
 
 _CODE_OF_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+_native = native.module  # decode_link_request, where gdn_server._native is built (tests set it to None)
 _INPUTS = ("q", "k", "v", "a", "b")
 
 
@@ -194,9 +195,6 @@ def decode_request(frame: bytes | bytearray, shape: ModelShape) -> tuple[int, De
     tensors = {name: torch.frombuffer(data, dtype=torch.float32).view(d) for name, data, d in zip(_INPUTS, raw, dims)}
     return tag, DecodeWork(layer=layer, session_ids=tuple(session_ids), positions=positions, request_id=request_id,
                            owner=identity, speculative=speculative, **tensors)
-
-
-_native = native.module
 
 
 def _heads(shape: ModelShape) -> tuple[int, int, int, int]:
