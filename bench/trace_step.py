@@ -5,6 +5,8 @@ server, on one host (CLOCK_MONOTONIC is shared by the two processes).
     python bench/trace_step.py --device cuda --batch 256 --mode unary --steps 200   # issue 4 (c)
     python bench/trace_step.py --device cpu --model "--layers 4 --q-heads 2 --v-heads 4" \\
         --server-flags "--scheduler-runs-on loop"
+    python bench/trace_step.py --echo-only --echo-work-us 200 --echo-work-kind spin   # the echo alone,
+        # plain and with 200 us of work per step, in turn: does a server's own work lengthen its legs?
 
 The server runs in a child process with a few of its methods wrapped to take a timestamp (this
 file, --serve; the product code has no tracing in it). One client, gdn-loadtest's own worker,
