@@ -3,6 +3,7 @@
     python bench/engine_path.py                          # table: us of CPU per request at 1, 8, 64 per round
     python bench/engine_path.py --json bench/results/engine_path.json
     python bench/engine_path.py --profile --per-round 64  # cProfile of the engine path, top functions
+    python bench/engine_path.py --per-round 21 --frames-per-read 1  # a recv per frame, not per round
 
 What runs is the engine's real code, without gRPC and without its threads' waiting:
 
@@ -227,13 +228,17 @@ class Engine:
         self.workers = Workers(shape, ids, worker_sock)
         self.previous: list = []
 
-    def round(self, n: int) -> None:
-        """The engine's work for n queued requests: what the link's reader does on a readable
-        socket (until all n are queued), then one scheduler iteration and its reply write."""
+    def read(self, n: int) -> None:
+        """What the link's reader does on a readable socket, until n requests are queued."""
         queued = self.scheduler.queue_depth
         while queued() < n:
             self.link._read_from(self.conn)
             self.link.flush()  # as the reader does after each wake-up (nothing to write here)
+
+    def round(self, n: int) -> None:
+        """The engine's work for n queued requests: the reads, then one scheduler iteration and
+        its reply write."""
+        self.read(n)
         self.previous = self.scheduler.run_round(self.previous)
 
     def close(self) -> None:
@@ -241,7 +246,11 @@ class Engine:
         self.workers.sock.close()
 
 
-def measure(engine: Engine, per_round: int, requests: int, profiler: cProfile.Profile | None) -> dict:
+def measure(engine: Engine, per_round: int, requests: int, profiler: cProfile.Profile | None,
+            frames_per_read: int = 0) -> dict:
+    """CPU per request over `requests`, `per_round` a round. frames_per_read > 0: the workers
+    write a round's frames that many at a time, and the engine reads each write on its own (one
+    recv per write, as when each wake-up finds a frame or two) instead of the round's in one."""
     rounds = max(1, requests // per_round)
     stats = engine.scheduler.stats
     launches0, rows0 = stats.launches, stats.rows_launched
@@ -249,7 +258,18 @@ def measure(engine: Engine, per_round: int, requests: int, profiler: cProfile.Pr
     cpu = 0.0
     wall0 = time.perf_counter()
     for _ in range(rounds):
-        engine.workers.send(per_round)  # the workers' job: not timed
+        if frames_per_read > 0:
+            for first in range(0, per_round, frames_per_read):
+                engine.workers.send(min(frames_per_read, per_round - first))  # not timed
+                if profiler is not None:
+                    profiler.enable()
+                t0 = time.thread_time()
+                engine.read(min(per_round, first + frames_per_read))
+                cpu += time.thread_time() - t0
+                if profiler is not None:
+                    profiler.disable()
+        else:
+            engine.workers.send(per_round)  # the workers' job: not timed
         if profiler is not None:
             profiler.enable()
         t0 = time.thread_time()
@@ -270,6 +290,7 @@ def measure(engine: Engine, per_round: int, requests: int, profiler: cProfile.Pr
         "requests_per_round": per_round,
         "requests": done,
         "us_per_request": 1e6 * cpu / done,
+        "frames_per_read": frames_per_read or per_round,
         "rows_per_launch": (stats.rows_launched - rows0) / max(1, stats.launches - launches0),
         "wall_s": wall,
     }
@@ -283,6 +304,9 @@ def main() -> None:
     p.add_argument("--sessions", type=int, default=256)
     p.add_argument("--json", help="write the results here")
     p.add_argument("--label", default="", help="a name for this version of the engine, kept in the JSON")
+    p.add_argument("--frames-per-read", type=int, default=0,
+                   help="the workers write (and the engine reads) a round's frames this many at a time; "
+                        "0: a round's in one write")
     p.add_argument("--profile", action="store_true", help="cProfile the engine path (times are inflated)")
     p.add_argument("--top", type=int, default=30, help="functions to list with --profile")
     args = p.parse_args()
@@ -299,8 +323,8 @@ def main() -> None:
     results = []
     try:
         for n in per_round:
-            measure(engine, n, min(args.requests, 50 * n), None)  # warm-up: plans, views, caches
-            runs = [measure(engine, n, args.requests, profiler) for _ in range(args.repeat)]
+            measure(engine, n, min(args.requests, 50 * n), None, args.frames_per_read)  # warm-up: plans, views, caches
+            runs = [measure(engine, n, args.requests, profiler, args.frames_per_read) for _ in range(args.repeat)]
             us = [r["us_per_request"] for r in runs]
             row = dict(runs[0], us_per_request=statistics.median(us), us_min=min(us), us_max=max(us), repeats=len(us))
             row["requests_per_s_one_core"] = 1e6 / row["us_per_request"]
@@ -311,11 +335,11 @@ def main() -> None:
         engine.close()
 
     print()
-    print("| requests per round | us CPU per request (median) | min - max | requests/s on one core |")
-    print("|---|---|---|---|")
+    print("| requests per round | frames per read | us CPU per request (median) | min - max | requests/s on one core |")
+    print("|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['requests_per_round']} | {r['us_per_request']:.1f} | {r['us_min']:.1f} - {r['us_max']:.1f} "
-              f"| {r['requests_per_s_one_core']:,.0f} |")
+        print(f"| {r['requests_per_round']} | {r['frames_per_read']} | {r['us_per_request']:.1f} | {r['us_min']:.1f} - "
+              f"{r['us_max']:.1f} | {r['requests_per_s_one_core']:,.0f} |")
     digest = engine.workers.digest.hexdigest()
     print(f"\nreplies sha256 {digest} ({engine.workers.answered} replies, every one checked)")
     if profiler is not None:
