@@ -179,11 +179,18 @@ static PyObject *tensor_tuple(const Tensor *t, PyObject *message, PyObject **vie
     return Py_BuildValue("(KNN)", (unsigned long long)t->dtype, shape, data);
 }
 
-/* A UTF-8 string field as str; NULL without an exception set when it is not valid UTF-8. */
-static PyObject *utf8(const uint8_t *s, Py_ssize_t n) {
+/* A UTF-8 string field as str (shared: _native.h). */
+PyObject *utf8(const uint8_t *s, Py_ssize_t n) {
     PyObject *str = PyUnicode_DecodeUTF8((const char *)s, n, "strict");
     if (str == NULL && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) PyErr_Clear();
     return str;
+}
+
+int intern_names(const InternedName *names, size_t count) {
+    for (size_t i = 0; i < count; i++) {
+        if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].name)) == NULL) return -1;
+    }
+    return 0;
 }
 
 /* Appends the uint64 `value` to `list` as an int; -1 with an exception set on failure. */

@@ -3,6 +3,20 @@
 #define GDN_NATIVE_H
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
+
+/* _native.c: helpers the other files share. */
+/* A str of UTF-8 bytes; NULL without an exception set when they are not valid UTF-8. */
+PyObject *utf8(const uint8_t *s, Py_ssize_t n);
+
+/* Attribute or key names, each interned once into its slot. */
+typedef struct {
+    PyObject **slot;
+    const char *name;
+} InternedName;
+
+/* Interns each name into its slot (once); 0 on success, -1 with an exception set. */
+int intern_names(const InternedName *names, size_t count);
 
 /* _native_scheduler.c: the scheduler's plain steps; 0 on success, -1 with an exception set. */
 int add_scheduler_functions(PyObject *module);

@@ -36,13 +36,6 @@ static uint32_t u32_at(const uint8_t *p) {
 
 static uint64_t u64_at(const uint8_t *p) { return (uint64_t)u32_at(p) | (uint64_t)u32_at(p + 4) << 32; }
 
-/* A str of UTF-8 bytes; NULL without an error set when they are not valid UTF-8. */
-static PyObject *text(const uint8_t *s, Py_ssize_t n) {
-    PyObject *str = PyUnicode_DecodeUTF8((const char *)s, n, "strict");
-    if (str == NULL && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) PyErr_Clear();
-    return str;
-}
-
 /* Sets work.__dict__[key] = value, taking the reference to value; -1 with an error set. */
 static int set_field(PyObject *fields, PyObject *key, PyObject *value) {
     if (value == NULL) return -1;
@@ -81,7 +74,7 @@ static PyObject *decode_link_request(PyObject *self, PyObject *args) {
     for (uint32_t i = 0; i < B; i++) {
         Py_ssize_t n = u16_at(id_lens + 2 * i);
         if (end - p < n) goto python;
-        PyObject *sid = text(p, n);
+        PyObject *sid = utf8(p, n);
         if (sid == NULL) goto python_or_error;
         PyTuple_SET_ITEM(ids, i, sid);
         p += n;
@@ -98,12 +91,12 @@ static PyObject *decode_link_request(PyObject *self, PyObject *args) {
         }
     }
     if (end - p < (Py_ssize_t)rid_len + ident_len) goto python;
-    if ((request_id = text(p, rid_len)) == NULL) goto python_or_error;
+    if ((request_id = utf8(p, rid_len)) == NULL) goto python_or_error;
     p += rid_len;
     if (ident_len == 0) {
         identity = Py_None;
         Py_INCREF(identity);
-    } else if ((identity = text(p, ident_len)) == NULL) {
+    } else if ((identity = utf8(p, ident_len)) == NULL) {
         goto python_or_error;
     }
     p += ident_len;
@@ -171,17 +164,12 @@ static PyMethodDef link_methods[] = {
 };
 
 int add_link_functions(PyObject *module) {
-    struct {
-        PyObject **slot;
-        const char *name;
-    } names[] = {
+    static const InternedName names[] = {
         {&k_layer, "layer"},           {&k_session_ids, "session_ids"}, {&k_positions, "positions"},
         {&k_request_id, "request_id"}, {&k_owner, "owner"},             {&k_speculative, "speculative"},
         {&k_bf16_bytes, "bf16_bytes"}, {&k_input_dims, "input_dims"},   {&k_finite_checked, "finite_checked"},
         {&k_tokens, "_tokens"},
     };
-    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
-        if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].name)) == NULL) return -1;
-    }
+    if (intern_names(names, sizeof(names) / sizeof(names[0])) < 0) return -1;
     return PyModule_AddFunctions(module, link_methods);
 }

@@ -506,10 +506,7 @@ static PyMethodDef scheduler_methods[] = {
 };
 
 int add_scheduler_functions(PyObject *module) {
-    struct {
-        PyObject **slot;
-        const char *name;
-    } names[] = {
+    static const InternedName names[] = {
         {&s_work, "work"},           {&s_session_ids, "session_ids"},
         {&s_speculative, "speculative"}, {&s_layer, "layer"},
         {&s_positions, "positions"}, {&s_owner, "owner"},
@@ -527,8 +524,6 @@ int add_scheduler_functions(PyObject *module) {
         {&s_request_id, "request_id"}, {&s_out, "out"},
         {&s_done, "done"},
     };
-    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
-        if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].name)) == NULL) return -1;
-    }
+    if (intern_names(names, sizeof(names) / sizeof(names[0])) < 0) return -1;
     return PyModule_AddFunctions(module, scheduler_methods);
 }
