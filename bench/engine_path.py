@@ -41,6 +41,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -256,31 +257,30 @@ def measure(engine: Engine, per_round: int, requests: int, profiler: cProfile.Pr
     launches0, rows0 = stats.launches, stats.rows_launched
     answered0 = engine.workers.answered
     cpu = 0.0
+
+    def timed(engine_step: Callable[[int], None], n: int, profile: bool = True) -> None:
+        """The engine's part: its thread's CPU time counted (and profiled, where asked)."""
+        nonlocal cpu
+        on = profile and profiler is not None
+        if on:
+            profiler.enable()
+        t0 = time.thread_time()
+        engine_step(n)
+        cpu += time.thread_time() - t0
+        if on:
+            profiler.disable()
+
     wall0 = time.perf_counter()
     for _ in range(rounds):
         if frames_per_read > 0:
             for first in range(0, per_round, frames_per_read):
                 engine.workers.send(min(frames_per_read, per_round - first))  # not timed
-                if profiler is not None:
-                    profiler.enable()
-                t0 = time.thread_time()
-                engine.read(min(per_round, first + frames_per_read))
-                cpu += time.thread_time() - t0
-                if profiler is not None:
-                    profiler.disable()
+                timed(engine.read, min(per_round, first + frames_per_read))
         else:
             engine.workers.send(per_round)  # the workers' job: not timed
-        if profiler is not None:
-            profiler.enable()
-        t0 = time.thread_time()
-        engine.round(per_round)
-        cpu += time.thread_time() - t0
-        if profiler is not None:
-            profiler.disable()
+        timed(engine.round, per_round)
         engine.workers.receive()
-    t0 = time.thread_time()
-    engine.round(0)  # answers the last batch
-    cpu += time.thread_time() - t0
+    timed(engine.round, 0, profile=False)  # answers the last batch
     wall = time.perf_counter() - wall0
     engine.workers.receive()
     done = engine.workers.answered - answered0

@@ -195,6 +195,15 @@ def _pct(values_ns: list[int] | np.ndarray) -> tuple[float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 90))
 
 
+def _segments(points: list[tuple[str, np.ndarray]]) -> list[dict]:
+    """The p50 and p90 of each segment between successive (stage, timestamps) points."""
+    rows = []
+    for (a, ta), (b, tb) in zip(points, points[1:]):
+        p50, p90 = _pct(tb - ta)
+        rows.append({"from": a, "to": b, "p50_us": p50, "p90_us": p90})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -248,11 +257,8 @@ def main() -> None:
         raise RuntimeError(f"missing stamps: { {s: len(v) for s, v in stamps.items()} }")
     sent = np.asarray([t[0] for t in times], dtype=np.int64)
     got = np.asarray([t[1] for t in times], dtype=np.int64)
-    points = [("client sent", sent), *((s, server[s]) for s in STAGES if s in server), ("client has reply", got)]
-    rows = []
-    for (a, ta), (b, tb) in zip(points, points[1:]):
-        p50, p90 = _pct(tb - ta)
-        rows.append({"from": a, "to": b, "p50_us": p50, "p90_us": p90})
+    rows = _segments([("client sent", sent), *((s, server[s]) for s in STAGES if s in server),
+                      ("client has reply", got)])
     total = _pct(got - sent)
     lines = ["| segment | p50 us | p90 us |", "|---|---|---|"]
     lines += [f"| {r['from']} -> {r['to']} | {r['p50_us']:.1f} | {r['p90_us']:.1f} |" for r in rows]
@@ -281,12 +287,8 @@ def _echo_legs(args, out: Path, request_bytes: int, reply_bytes: int, work_us: i
     echo_stamps = {k: np.asarray(v[w:w + n], dtype=np.int64) for k, v in json.loads(echo_trace.read_text()).items()}
     e_sent = np.asarray([t[0] for t in echo_times], dtype=np.int64)
     e_got = np.asarray([t[1] for t in echo_times], dtype=np.int64)
-    points = [("client sent", e_sent), ("echo in", echo_stamps["echo in"]), ("echo out", echo_stamps["echo out"]),
-              ("client has reply", e_got)]
-    rows = []
-    for (a, ta), (b, tb) in zip(points, points[1:]):
-        p50, p90 = _pct(tb - ta)
-        rows.append({"from": a, "to": b, "p50_us": p50, "p90_us": p90})
+    rows = _segments([("client sent", e_sent), ("echo in", echo_stamps["echo in"]),
+                      ("echo out", echo_stamps["echo out"]), ("client has reply", e_got)])
     return rows, _pct(e_got - e_sent)
 
 
