@@ -70,10 +70,17 @@ case "${1:-}" in
       --duration "${DURATION:-6}" --server-flags "${SERVER_FLAGS:-}" --spy-flags="${SPY_FLAGS:---nonblocking}" \
       --spy-on "${SPY_ON:-server}" --load-processes "${LOAD_PROCS:-1}" --out "$out/profile" 2>&1 | tail -60
     ;;
-  trace)  # one step's latency, stage by stage, at N=1 (ours and the echo), per --scheduler-runs-on value
-    for mode in ${RUNS_ON:-loop thread}; do
-      timeout 200 python3 bench/trace_step.py --device cuda --steps 3000 --server-flags "--scheduler-runs-on $mode" \
-        --out "$out/trace_$mode" 2>&1 | tail -14
+  trace)  # one step's latency, stage by stage, at N=1 (ours and the echo), per --scheduler-runs-on value,
+          # or per server-flag set of TRACE_VARIANTS (separated by ';')
+    if [[ -n ${TRACE_VARIANTS:-} ]]; then
+      IFS=';' read -ra variants <<< "$TRACE_VARIANTS"
+    else
+      variants=(); for mode in ${RUNS_ON:-loop thread}; do variants+=("--scheduler-runs-on $mode"); done
+    fi
+    for i in "${!variants[@]}"; do
+      echo "[${variants[$i]}]"
+      timeout 200 python3 bench/trace_step.py --device cuda --steps 3000 --server-flags "${variants[$i]}" \
+        --out "$out/trace_$i" 2>&1 | tail -14
     done
     ;;
   echowork)  # does a server's own work per step lengthen its transport legs? The echo at N=1 with WORK_US of work

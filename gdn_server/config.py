@@ -62,7 +62,9 @@ class SchedulerConfig:
     # event query once per loop iteration: the loop never sleeps while a launch runs), "thread"
     # (a waiter thread blocks on the launch and wakes the loop) or "auto" (poll while the loop
     # serves one request at a time, where the thread's wake-up would be latency; the thread once
-    # launches carry several requests, where polling takes the loop's time from them)
+    # launches carry several requests, where polling takes the loop's time from them), or
+    # "inline" (the round that launches waits for the device and answers: no pipelining, but a
+    # request is answered one round sooner, which matters where the loop is the bound)
     device_wait: str = "auto"
     # with rounds on the event loop: after answering, the loop keeps polling (never sleeps) this
     # long for the next request; costs a core while clients keep it busy (gdn_server.busy_poll).
@@ -80,4 +82,4 @@ class SchedulerConfig:
 
 
 SCHEDULER_RUNS_ON = ("auto", "loop", "thread")
-DEVICE_WAIT = ("auto", "poll", "thread")
+DEVICE_WAIT = ("auto", "poll", "thread", "inline")

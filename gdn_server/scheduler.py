@@ -30,7 +30,9 @@ Where rounds run (`SchedulerConfig.runs_on`):
   does everything: no hand-off (a wake-up and a GIL switch, each way) per request, which is
   most of a step's latency at low load (bench/NOTES.md). Under load (launches carrying several
   requests) a waiter thread blocks on the launch instead and wakes the loop, which then spends
-  no iterations polling (SchedulerConfig.device_wait).
+  no iterations polling (SchedulerConfig.device_wait). Or the round that launches waits for
+  the device itself and answers at once (device_wait "inline"): no pipelining, one round
+  fewer per request.
 """
 from __future__ import annotations
 
@@ -337,6 +339,8 @@ class Scheduler:
         if not in_flight or (self._pending and len(in_flight) < LOOP_MAX_IN_FLIGHT and self._barrier is None):
             return False
         mode = self.config.device_wait
+        if mode == "inline":  # only a round that launched nothing gets here with a launch in flight
+            return False
         if mode == "auto":  # several requests in flight: the loop has their clients to serve meanwhile
             return len(in_flight) > 1 or len(in_flight[0][2]) > 1
         return mode == "thread"
@@ -390,6 +394,12 @@ class Scheduler:
             answered = True
             if deferred:
                 self._requeue(deferred)
+            if self.config.device_wait == "inline" and self._in_flight:
+                # answer in the round that launched: the loop waits out the device's time here
+                # (tens of us for a small launch) instead of coming back a round later, so a
+                # request spends one round fewer in the server
+                done, self._in_flight = self._in_flight, []
+                self._finish(done)
         if answered:
             for hook in self.after_answers:
                 hook()

@@ -130,14 +130,15 @@ def test_every_device_wait_answers_alike_and_auto_uses_the_waiter_only_under_loa
     thread, or (auto) polled while one request is in flight and waited for once several are. The
     answers are the same; the waiter thread exists only where it was used."""
     outs, waited = {}, {}
-    for mode in ("poll", "thread", "auto"):
+    for mode in ("poll", "thread", "auto", "inline"):
         scheduler, ids = _scheduler(mode, _DeviceLikeBackend)
         results = asyncio.run(_run_steps(scheduler, ids, on_loop=True))
         assert all(not isinstance(r, BaseException) for r in results), results
         outs[mode] = [(r.out, r.positions) for r in results]
         waited[mode] = scheduler._waiter is not None
-    assert outs["poll"] == outs["thread"] == outs["auto"]
-    assert waited == {"poll": False, "thread": True, "auto": True}  # _run_steps queues 12 requests at once
+    assert outs["poll"] == outs["thread"] == outs["auto"] == outs["inline"]
+    # _run_steps queues 12 requests at once; inline waits in the round itself
+    assert waited == {"poll": False, "thread": True, "auto": True, "inline": False}
 
     async def one_at_a_time(scheduler, ids):
         loop = asyncio.get_running_loop()
@@ -151,6 +152,40 @@ def test_every_device_wait_answers_alike_and_auto_uses_the_waiter_only_under_loa
     scheduler, ids = _scheduler("auto", _DeviceLikeBackend)
     asyncio.run(one_at_a_time(scheduler, ids))
     assert scheduler._waiter is None  # one request per launch: polled, no thread hand-off
+
+
+def test_inline_answers_each_launch_in_the_round_that_made_it():
+    """device_wait 'inline': a round's launch is answered before the round returns, so nothing
+    is left in flight between rounds and no later round is needed to answer it."""
+    scheduler, ids = _scheduler("inline", _DeviceLikeBackend)
+    in_flight_after_rounds = []
+    advance = scheduler._advance
+
+    def recording_advance() -> bool:
+        again = advance()
+        in_flight_after_rounds.append(len(scheduler._in_flight))
+        return again
+
+    scheduler._advance = recording_advance
+
+    async def main() -> list:
+        loop = asyncio.get_running_loop()
+        scheduler.start_on(loop)
+        results = []
+        for step in range(3):
+            futs = [loop.create_future() for _ in ids]
+            for i, (sid, fut) in enumerate(zip(ids, futs)):
+                scheduler.submit_decode(_work(sid, 0, 10 * step + i), fut.set_result)
+            results += await asyncio.wait_for(asyncio.gather(*futs), 10)
+        scheduler.stop()
+        return results
+
+    results = asyncio.run(main())
+    assert all(not isinstance(r, BaseException) for r in results), results
+    assert [r.positions for r in results[-3:]] == [(3,)] * 3
+    assert in_flight_after_rounds and set(in_flight_after_rounds) == {0}
+    assert scheduler.stats.launches == 3  # each step's three requests in one launch
+    assert scheduler._waiter is None
 
 
 def test_a_launch_whose_wait_returns_early_is_polled_to_its_end():
