@@ -52,10 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "device: no thread hand-offs), 'thread' (a thread per device), or 'auto' (loop for a "
                         "GPU backend, thread for the CPU one, whose steps compute on the host)")
     p.add_argument("--device-wait", choices=DEVICE_WAIT, default=SchedulerConfig.device_wait,
-                   help="with the scheduler on the loop, how it learns a launch is done: 'poll' (once per loop "
-                        "iteration), 'thread' (a waiter thread wakes the loop), 'auto' (poll while one request "
-                        "is in flight, the thread once launches carry several), or 'inline' (the round that "
-                        "launches waits for the device and answers: no pipelining, one round fewer per request)")
+                   help="with the scheduler on the loop, how it waits for a launch: 'inline' (the round that "
+                        "launches waits for the device and answers: one round fewer per request), 'poll' (once "
+                        "per loop iteration), 'thread' (a waiter thread wakes the loop), or 'auto' (inline in a "
+                        "--frontends engine of one device, whose loop serves no gRPC; else poll while one "
+                        "request is in flight, the thread once launches carry several)")
     p.add_argument("--busy-poll-us", type=int, default=SchedulerConfig.busy_poll_us,
                    help="with the scheduler on the loop, after answering keep polling for the next request this "
                         "long instead of sleeping: lower latency at low load for a CPU core while clients keep "

@@ -58,13 +58,14 @@ class SchedulerConfig:
     # backends whose steps run on a device), "thread" (a thread of its own: for backends that
     # compute on the host) or "auto" (loop when the backend is asynchronous, else thread)
     runs_on: str = "auto"
-    # with rounds on the event loop, how the loop learns that a launch has finished: "poll" (an
-    # event query once per loop iteration: the loop never sleeps while a launch runs), "thread"
-    # (a waiter thread blocks on the launch and wakes the loop) or "auto" (poll while the loop
-    # serves one request at a time, where the thread's wake-up would be latency; the thread once
-    # launches carry several requests, where polling takes the loop's time from them), or
-    # "inline" (the round that launches waits for the device and answers: no pipelining, but a
-    # request is answered one round sooner, which matters where the loop is the bound)
+    # with rounds on the event loop, how it waits for a launch: "inline" (the round that launches
+    # waits for the device and answers: no pipelining, but a request is answered one round
+    # sooner), "poll" (the round returns; an event query once per loop iteration: the loop never
+    # sleeps while a launch runs), "thread" (a waiter thread blocks on the launch and wakes the
+    # loop) or "auto": inline in an engine behind --frontends workers (its loop serves no gRPC) of
+    # one device; where the loop serves gRPC, which must never wait on the device, poll while it
+    # serves one request at a time and the thread once launches carry several (polling would take
+    # the loop's time from them)
     device_wait: str = "auto"
     # with rounds on the event loop: after answering, the loop keeps polling (never sleeps) this
     # long for the next request; costs a core while clients keep it busy (gdn_server.busy_poll).

@@ -28,11 +28,14 @@ Where rounds run (`SchedulerConfig.runs_on`):
   arrives; while a launch is on the device the loop keeps serving gRPC and polls the launch
   (`PendingStep.ready`) once per loop iteration, so it never blocks on the device. One thread
   does everything: no hand-off (a wake-up and a GIL switch, each way) per request, which is
-  most of a step's latency at low load (bench/NOTES.md). Under load (launches carrying several
-  requests) a waiter thread blocks on the launch instead and wakes the loop, which then spends
-  no iterations polling (SchedulerConfig.device_wait). Or the round that launches waits for
-  the device itself and answers at once (device_wait "inline"): no pipelining, one round
-  fewer per request.
+  most of a step's latency at low load (bench/NOTES.md). Where the loop also serves gRPC it
+  never waits for the device: a round returns while its launch runs, and the loop polls the
+  launch once per iteration (one request in flight) or, under load, a waiter thread blocks on
+  it and wakes the loop. An engine behind --frontends workers (whose loop serves only their
+  link) instead waits for the device in the round that launched (tens of microseconds for a
+  small launch) and answers at once: no pipelining, but a request spends one round fewer in
+  the engine, which on the H200 raised both its throughput and its rows per launch at 64
+  clients (bench/NOTES.md, fourteenth session). SchedulerConfig.device_wait picks.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -59,6 +63,9 @@ Done = Callable[[Any], None]  # called once, on the scheduler's thread, with a r
 # launches a scheduler on the event loop keeps on the device at once: fewer than a backend's
 # staging sets (CudaBackend.RING), so submitting never waits for a set to come free
 LOOP_MAX_IN_FLIGHT = 4
+# the schedulers started on each event loop (start_on): SchedulerConfig.device_wait "auto"
+# answers inline only where a scheduler has its loop to itself
+_SCHEDULERS_ON: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.WeakSet] = weakref.WeakKeyDictionary()
 
 
 class _DecodeItem:
@@ -138,6 +145,10 @@ class Scheduler:
         # metrics hooks, called on the scheduler thread
         self.on_launch: Callable[[int, float, float], None] | None = None  # (rows, longest queue wait s, device s)
         self.on_dispatch: Callable[[float], None] | None = None  # (queue wait s) per request sent to the device
+        # whether the event loop this runs on (start_on) also serves the decode RPCs, as in a server
+        # of one process; an engine behind --frontends workers gets them over its link instead, and
+        # there device_wait "auto" answers inline (the loop may wait for the device)
+        self.loop_serves_rpcs = True
         # called after each round of answers (e.g. to write buffered replies with one system call)
         self.after_answers: list[Callable[[], None]] = []
         # where this process's gRPC servicer sends the replies (gdn_server.servicer.encode_decode_reply:
@@ -168,6 +179,7 @@ class Scheduler:
         self._waiter_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting_on: Any = None
         self._waited: Any = None  # the last launch the waiter's wait returned for
+        self._loop_peers: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # the schedulers on our loop
         # the C loops over plain steps (_native_scheduler.c), or None: everything in Python
         self._native = native if native is not None and hasattr(native, "admit_plain") else None
 
@@ -180,6 +192,15 @@ class Scheduler:
         """Runs rounds as callbacks on `loop` (call this on the loop's thread)."""
         self._loop = loop
         self._loop_thread = threading.get_ident()
+        self._loop_peers = _SCHEDULERS_ON.setdefault(loop, weakref.WeakSet())
+        self._loop_peers.add(self)
+
+    def answers_inline(self) -> bool:
+        """Whether the round that launches waits for the device and answers: device_wait "inline",
+        or "auto" where the loop serves no decode RPCs (an engine behind --frontends workers) and
+        this is its only scheduler (several devices' rounds on one loop would wait on each other)."""
+        mode = self.config.device_wait
+        return mode == "inline" or (mode == "auto" and not self.loop_serves_rpcs and len(self._loop_peers) == 1)
 
     def submit_decode(self, work: DecodeWork, done: Done, cancelled: Callable[[], bool] | None = None) -> None:
         rows = len(work.session_ids)
@@ -339,7 +360,7 @@ class Scheduler:
         if not in_flight or (self._pending and len(in_flight) < LOOP_MAX_IN_FLIGHT and self._barrier is None):
             return False
         mode = self.config.device_wait
-        if mode == "inline":  # only a round that launched nothing gets here with a launch in flight
+        if self.answers_inline():  # only a round that launched nothing gets here with a launch in flight
             return False
         if mode == "auto":  # several requests in flight: the loop has their clients to serve meanwhile
             return len(in_flight) > 1 or len(in_flight[0][2]) > 1
@@ -394,7 +415,7 @@ class Scheduler:
             answered = True
             if deferred:
                 self._requeue(deferred)
-            if self.config.device_wait == "inline" and self._in_flight:
+            if self._in_flight and self.answers_inline():
                 # answer in the round that launched: the loop waits out the device's time here
                 # (tens of us for a small launch) instead of coming back a round later, so a
                 # request spends one round fewer in the server

@@ -93,6 +93,8 @@ def build_app(settings: ServerSettings, replies_here: bool = True) -> GdnApp:
         scheduler = Scheduler(backend, sessions, settings.scheduler)
         if replies_here:
             scheduler.encode_reply = encode_decode_reply
+        else:  # an engine: decode steps come over the link, and its loop may wait for the device
+            scheduler.loop_serves_rpcs = False
         shards.append(Shard(index, backend, sessions, scheduler))
     placement = Placement(shards)
     servicer = GdnDecodeServicer(settings.shape, placement, shards[0].backend.name)
@@ -173,7 +175,11 @@ def start_scheduler(shard: Shard, loop: asyncio.AbstractEventLoop) -> None:
             shard.scheduler.after_answers.append(LoopSpinner.of(loop, busy_poll_us / 1e6).touch)
     else:
         shard.scheduler.start()
-    log.debug("device %d: scheduler runs on the %s", shard.index, "event loop" if runs_on == "loop" else "a thread")
+    if runs_on == "loop":
+        log.debug("device %d: scheduler runs on the event loop (%s)", shard.index,
+                  "answers in the launching round" if shard.scheduler.answers_inline() else "pipelined")
+    else:
+        log.debug("device %d: scheduler runs on a thread", shard.index)
 
 
 async def start_server(app: GdnApp) -> tuple[grpc.aio.Server, int]:

@@ -97,7 +97,12 @@ def _script(stub) -> list[bytes]:
     return out
 
 
-@pytest.mark.parametrize("devices", [(), TWO_DEVICES], ids=["one-device", "two-devices"])
+@pytest.mark.parametrize("devices", [
+    (), TWO_DEVICES,
+    # the rounds on the event loop, as with a GPU: the engine's default there answers inline
+    # (SchedulerConfig.device_wait), the one process's polls; the CPU's launches are done at once
+    ("--scheduler-runs-on", "loop"),
+], ids=["one-device", "two-devices", "one-device-rounds-on-loop"])
 def test_workers_answer_exactly_as_one_process(devices):
     flags = (*SMALL_MODEL, "--seed", "3", "--max-sessions", "16", *devices)
     with start_server(*flags) as plain, start_server(*flags, *FRONTENDS, "--metrics-port", "0") as fronted:

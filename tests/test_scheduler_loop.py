@@ -188,6 +188,24 @@ def test_inline_answers_each_launch_in_the_round_that_made_it():
     assert scheduler._waiter is None
 
 
+def test_auto_answers_inline_only_on_a_loop_that_serves_no_rpcs_and_only_one_scheduler():
+    """device_wait 'auto': an engine's scheduler (its loop serves only the --frontends link) alone
+    on its loop waits for the device in the launching round; a loop that serves gRPC, or holds
+    several devices' schedulers, never waits on a device."""
+
+    async def inline_on_loop(serves_rpcs: bool, schedulers: int) -> list[bool]:
+        loop = asyncio.get_running_loop()
+        made = [_scheduler("auto", _DeviceLikeBackend)[0] for _ in range(schedulers)]
+        for scheduler in made:
+            scheduler.loop_serves_rpcs = serves_rpcs
+            scheduler.start_on(loop)
+        return [scheduler.answers_inline() for scheduler in made]
+
+    assert asyncio.run(inline_on_loop(False, 1)) == [True]
+    assert asyncio.run(inline_on_loop(True, 1)) == [False]
+    assert asyncio.run(inline_on_loop(False, 2)) == [False, False]
+
+
 def test_a_launch_whose_wait_returns_early_is_polled_to_its_end():
     """The waiter thread's wait can end before the launch does (a failed wait): the loop then
     polls that launch instead of waiting for a post that will not come."""
