@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with the scheduler on the loop, how it waits for a launch: 'inline' (the round that "
                         "launches waits for the device and answers: one round fewer per request), 'poll' (once "
                         "per loop iteration), 'thread' (a waiter thread wakes the loop), or 'auto' (inline in a "
-                        "--frontends engine of one device, whose loop serves no gRPC; else poll while one "
+                        "--frontends engine of one device, whose loop serves no decode RPCs; else poll while one "
                         "request is in flight, the thread once launches carry several)")
     p.add_argument("--busy-poll-us", type=int, default=SchedulerConfig.busy_poll_us,
                    help="with the scheduler on the loop, after answering keep polling for the next request this "

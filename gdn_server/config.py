@@ -62,10 +62,10 @@ class SchedulerConfig:
     # waits for the device and answers: no pipelining, but a request is answered one round
     # sooner), "poll" (the round returns; an event query once per loop iteration: the loop never
     # sleeps while a launch runs), "thread" (a waiter thread blocks on the launch and wakes the
-    # loop) or "auto": inline in an engine behind --frontends workers (its loop serves no gRPC) of
-    # one device; where the loop serves gRPC, which must never wait on the device, poll while it
-    # serves one request at a time and the thread once launches carry several (polling would take
-    # the loop's time from them)
+    # loop) or "auto": inline in an engine behind --frontends workers (no decode RPCs on its
+    # loop) of one device; where the loop serves clients' gRPC, which must never wait on the
+    # device, poll while it serves one request at a time and the thread once launches carry
+    # several (polling would take the loop's time from them)
     device_wait: str = "auto"
     # with rounds on the event loop: after answering, the loop keeps polling (never sleeps) this
     # long for the next request; costs a core while clients keep it busy (gdn_server.busy_poll).

@@ -31,11 +31,12 @@ Where rounds run (`SchedulerConfig.runs_on`):
   most of a step's latency at low load (bench/NOTES.md). Where the loop also serves gRPC it
   never waits for the device: a round returns while its launch runs, and the loop polls the
   launch once per iteration (one request in flight) or, under load, a waiter thread blocks on
-  it and wakes the loop. An engine behind --frontends workers (whose loop serves only their
-  link) instead waits for the device in the round that launched (tens of microseconds for a
-  small launch) and answers at once: no pipelining, but a request spends one round fewer in
-  the engine, which on the H200 raised both its throughput and its rows per launch at 64
-  clients (bench/NOTES.md, fourteenth session). SchedulerConfig.device_wait picks.
+  it and wakes the loop. An engine behind --frontends workers (decode steps come over their
+  link; its gRPC serves the router's few control calls) instead waits for the device in the
+  round that launched (tens of microseconds for a small launch) and answers at once: no
+  pipelining, but a request spends one round fewer in the engine, which on the H200 raised
+  both its throughput and its rows per launch at 64 clients (bench/NOTES.md, fourteenth
+  session). SchedulerConfig.device_wait picks.
 """
 from __future__ import annotations
 
