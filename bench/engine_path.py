@@ -4,6 +4,7 @@
     python bench/engine_path.py --json bench/results/engine_path.json
     python bench/engine_path.py --profile --per-round 64  # cProfile of the engine path, top functions
     python bench/engine_path.py --per-round 21 --frames-per-read 1  # a recv per frame, not per round
+    python bench/engine_path.py --no-rings                # payloads in the link's frames, not in rings
 
 What runs is the engine's real code, without gRPC and without its threads' waiting:
 
@@ -16,6 +17,8 @@ What runs is the engine's real code, without gRPC and without its threads' waiti
      int32 index writes, a ring of 8 staging sets); its "device" returns each row's v as the output,
      one copy per launch, standing in for the D2H copy
   -> reply frames (link.encode_reply), written with one sendmsg per round as the engine does.
+The payloads go through the link's shared-memory rings (gdn_server.link_ring) as between real
+processes (here both ends map one buffer), unless --no-rings.
 
 A round is what the scheduler thread does per iteration: read and queue the round's frames, admit
 and submit them, answer the previous round's batch (pipelined as on a GPU), write the replies. CPU
@@ -49,7 +52,8 @@ from gdn_server.backends.base import Backend, PendingStep
 from gdn_server.backends.staging import Plan, carve, fill, make_plan
 from gdn_server.config import PRESETS, ModelShape, SchedulerConfig
 from gdn_server.engine_link import SOCKET_BUFFER_BYTES, EngineLink, _Connection
-from gdn_server.link import LENGTH, FrameBuffer, decode_reply, encode_request, send_frames
+from gdn_server.link import LENGTH, FrameBuffer, decode_reply, encode_ack, encode_request, send_frames
+from gdn_server.link_ring import REPLY_RING_BYTES, REQUEST_RING_BYTES, ReplyRing, RequestRing
 from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
 from gdn_server.sessions import SessionTable
@@ -154,8 +158,11 @@ class HostStagingBackend(Backend):
 class Workers:
     """The front-end workers' side: request frames in, reply frames checked."""
 
-    def __init__(self, shape: ModelShape, session_ids: list[str], sock: socket.socket, seed: int = 0) -> None:
+    def __init__(self, shape: ModelShape, session_ids: list[str], sock: socket.socket, seed: int = 0,
+                 rings: tuple[RequestRing, memoryview] | None = None) -> None:
         self.shape = shape
+        self.request_ring, self.reply_ring = rings if rings is not None else (None, None)
+        self.read_to = self.acked = 0
         self.ids = session_ids
         self.sock = sock
         self.next = 0  # request number = tag
@@ -186,8 +193,11 @@ class Workers:
             tensors, raw = self.payloads[i % PAYLOADS]
             work = DecodeWork(layer=layer, session_ids=(self.ids[i % S],), positions=(position,), request_id=f"r{i}",
                               speculative=False, bf16_bytes=raw, **tensors)
-            parts += encode_request(i, work)
+            parts += encode_request(i, work, self.request_ring)
             self.expected[i] = (position + 1, raw[2])  # the echo device answers with v
+        if self.read_to != self.acked:  # as EngineLinkClient: the ack ahead of the requests
+            self.acked = self.read_to
+            parts.insert(0, encode_ack(self.acked))
         send_frames(self.sock, parts)
 
     def receive(self) -> None:
@@ -199,20 +209,25 @@ class Workers:
             except BlockingIOError:
                 return
             for frame in self.replies.frames():
-                tag, result = decode_reply(bytes(frame), self.shape)
+                tag, result, read_to = decode_reply(bytes(frame), self.shape, self.reply_ring)
+                if read_to is not None:
+                    self.read_to = read_to
+                if self.request_ring is not None:
+                    self.request_ring.free(tag)
                 if not isinstance(result, DecodeResult):
                     raise RuntimeError(f"request {tag} failed: {result}")
                 position, out = self.expected.pop(tag)
                 if result.positions != (position,) or result.out != out:
                     raise RuntimeError(f"request {tag}: wrong reply (positions {result.positions}, want {position})")
-                self.digest.update(LENGTH.pack(len(frame)) + frame)
+                # what the reply says, whichever way its output came
+                self.digest.update(repr((tag, result.positions, result.shape)).encode() + result.out)
                 self.answered += 1
 
 
 class Engine:
     """The engine's objects, driven from one thread."""
 
-    def __init__(self, shape: ModelShape, sessions: int, max_rows: int) -> None:
+    def __init__(self, shape: ModelShape, sessions: int, max_rows: int, rings: bool = True) -> None:
         self.backend = HostStagingBackend(shape, sessions, max_rows)
         self.table = SessionTable(sessions, shape.num_layers)
         self.scheduler = Scheduler(self.backend, self.table, SchedulerConfig(max_batch_rows=max(1024, max_rows)))
@@ -224,9 +239,16 @@ class Engine:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         worker_sock.setblocking(False)
         self.conn = _Connection(engine_sock)
+        self.conn.greeted = True  # the hello is the real link's business: the rings are set here
+        worker_rings = None
+        if rings:  # one buffer both ends map, as the worker's memfd
+            memory = memoryview(bytearray(REQUEST_RING_BYTES + REPLY_RING_BYTES))
+            self.conn.request_ring = memory[:REQUEST_RING_BYTES].toreadonly()
+            self.conn.reply_ring = ReplyRing(memory[REQUEST_RING_BYTES:])
+            worker_rings = (RequestRing(memory[:REQUEST_RING_BYTES]), memory[REQUEST_RING_BYTES:])
         self.link._connections.add(self.conn)
         ids = [self.table.create().id for _ in range(sessions)]
-        self.workers = Workers(shape, ids, worker_sock)
+        self.workers = Workers(shape, ids, worker_sock, rings=worker_rings)
         self.previous: list = []
 
     def read(self, n: int) -> None:
@@ -307,6 +329,7 @@ def main() -> None:
     p.add_argument("--frames-per-read", type=int, default=0,
                    help="the workers write (and the engine reads) a round's frames this many at a time; "
                         "0: a round's in one write")
+    p.add_argument("--no-rings", action="store_true", help="payloads in the link's frames, not in shared-memory rings")
     p.add_argument("--profile", action="store_true", help="cProfile the engine path (times are inflated)")
     p.add_argument("--top", type=int, default=30, help="functions to list with --profile")
     args = p.parse_args()
@@ -318,7 +341,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     torch.set_num_threads(1)  # every copy on the timed thread (thread_time would miss a pool's work)
     shape = PRESETS["qwen3-next"]
-    engine = Engine(shape, args.sessions, max(per_round))
+    engine = Engine(shape, args.sessions, max(per_round), rings=not args.no_rings)
     profiler = cProfile.Profile() if args.profile else None
     results = []
     try:

@@ -3,12 +3,14 @@
    gdn_server.link's Python stays the reference and says what the frame holds; this answers
    only the common frame and leaves every other one (and every error's message) to it.
 
-   decode_link_request(frame, work_type, heads) -> (tag, DecodeWork) | None
+   decode_link_request(frame, work_type, heads, ring=None) -> (tag, DecodeWork) | None
        gdn_server.link.decode_request for a KIND_DECODE frame whose inputs are bf16: the tag and
        a DecodeWork made as DecodeWork.of_bf16 makes one (its __dict__ filled directly, no
-       __init__), bf16_bytes as memoryview slices of `frame`, input_dims from
-       heads = (H, HV, K, V). None for anything else: float32 inputs, another kind, a frame
-       whose parts do not end at its end, session ids or strings that are not UTF-8.
+       __init__), bf16_bytes as memoryview slices of `frame` (or, with FLAG_IN_RING, of `ring`,
+       the link's request ring: a memoryview), input_dims from heads = (H, HV, K, V). None for
+       anything else: float32 inputs, another kind, a frame whose parts do not end at its end,
+       inputs in a ring that is not given or that they do not lie inside (or of a speculative
+       step), session ids or strings that are not UTF-8.
 
    Why in C: an engine under `--frontends N` decodes every request on its one busy thread; the
    Python decode was ~5 us of the ~30 us a request costs there (CPU box, bench/engine_path.py).
@@ -23,6 +25,7 @@
 #define FLAG_SPECULATIVE 1
 #define FLAG_POSITIONS 2
 #define FLAG_F32 4
+#define FLAG_IN_RING 8
 #define HEADER_BYTES 23 /* link.REQUEST: <BQBIIBHH */
 
 static PyObject *k_layer, *k_session_ids, *k_positions, *k_request_id, *k_owner, *k_speculative, *k_bf16_bytes,
@@ -46,9 +49,10 @@ static int set_field(PyObject *fields, PyObject *key, PyObject *value) {
 
 static PyObject *decode_link_request(PyObject *self, PyObject *args) {
     Py_buffer frame;
-    PyObject *work_type;
+    PyObject *work_type, *ring = Py_None;
     Py_ssize_t H, HV, K, V;
-    if (!PyArg_ParseTuple(args, "y*O!(nnnn)", &frame, &PyType_Type, &work_type, &H, &HV, &K, &V)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*O!(nnnn)|O", &frame, &PyType_Type, &work_type, &H, &HV, &K, &V, &ring))
+        return NULL;
     const uint8_t *base = frame.buf, *end = base + frame.len;
     PyObject *result = NULL, *ids = NULL, *positions = NULL, *request_id = NULL, *identity = NULL, *view = NULL,
              *raw = NULL, *work = NULL;
@@ -106,8 +110,21 @@ static PyObject *decode_link_request(PyObject *self, PyObject *args) {
     Py_ssize_t nbytes[N_INPUTS] = {2 * n * H * K, 2 * n * H * K, 2 * n * HV * V, 2 * n * HV, 2 * n * HV};
     Py_ssize_t offset = p - base, total = 0;
     for (int i = 0; i < N_INPUTS; i++) total += nbytes[i];
-    if (frame.len - offset != total) goto python;
-    if ((view = PyMemoryView_FromObject(frame.obj)) == NULL || (raw = PyTuple_New(N_INPUTS)) == NULL) goto done;
+    if (flags & FLAG_IN_RING) { /* the frame ends with the inputs' monotonic offset in the ring */
+        if (ring == Py_None || !PyMemoryView_Check(ring) || frame.len - offset != 8 || flags & FLAG_SPECULATIVE)
+            goto python;
+        Py_ssize_t ring_len = PyObject_Length(ring);
+        if (ring_len <= 0) goto python_or_error;
+        uint64_t at = u64_at(p);
+        offset = (Py_ssize_t)(at % (uint64_t)ring_len);
+        if (offset + total > ring_len) goto python;
+        view = ring;
+        Py_INCREF(view);
+    } else {
+        if (frame.len - offset != total) goto python;
+        if ((view = PyMemoryView_FromObject(frame.obj)) == NULL) goto done;
+    }
+    if ((raw = PyTuple_New(N_INPUTS)) == NULL) goto done;
     for (int i = 0; i < N_INPUTS; i++) {
         PyObject *piece = PySequence_GetSlice(view, offset, offset + nbytes[i]);
         if (piece == NULL) goto done;
@@ -159,7 +176,8 @@ done:
 
 static PyMethodDef link_methods[] = {
     {"decode_link_request", decode_link_request, METH_VARARGS,
-     "decode_link_request(frame: bytes-like, work_type: type, heads: (H, HV, K, V)) -> (tag, DecodeWork) | None"},
+     "decode_link_request(frame: bytes-like, work_type: type, heads: (H, HV, K, V), ring: memoryview | None = None)"
+     " -> (tag, DecodeWork) | None"},
     {NULL, NULL, 0, NULL},
 };
 

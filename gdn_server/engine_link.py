@@ -15,7 +15,11 @@ so the link is built to take as little of it as possible and to add no thread of
   `CUDAGraph.replay`, ~120 us a launch; reading on the loop took that to ~4% and the engine
   from 13.8k to 15.2k steps/s on average (bench/NOTES.md, twelfth session);
 - replies are buffered per connection and written once per scheduler round, one `sendmsg` for
-  all of a round's replies to a worker, instead of a system call (and a GIL hand-off) each.
+  all of a round's replies to a worker, instead of a system call (and a GIL hand-off) each;
+- the payloads (a request's inputs, a reply's output) go through shared-memory rings the worker
+  sets up with its first frame (gdn_server.link_ring), so the socket carries only headers: the
+  requests' inputs are read from the ring straight into the staging buffer, and the outputs are
+  copied into the ring once.
 """
 from __future__ import annotations
 
@@ -26,12 +30,15 @@ import socket
 import threading
 from functools import partial
 
+import grpc
+
 from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError
 from gdn_server.link import (
-    KIND_CANCEL, FrameBuffer, decode_cancel, decode_request, encode_reply, frame_kind, peek_request,
-    request_tag_and_rows, send_frames,
+    HELLO, KIND_ACK, KIND_CANCEL, LENGTH, FrameBuffer, decode_ack, decode_cancel, decode_hello, decode_request,
+    encode_reply, frame_kind, peek_request, request_tag_and_rows, send_frames,
 )
+from gdn_server.link_ring import ReplyRing, map_shared
 from gdn_server.placement import Placement
 from gdn_server.work import DecodeResult, DecodeWork
 
@@ -45,6 +52,9 @@ class _Connection:
         self.sock = sock
         self.frames = FrameBuffer()
         self.open = True
+        self.greeted = False  # the worker's hello (and its rings) read
+        self.request_ring: memoryview | None = None
+        self.reply_ring: ReplyRing | None = None
         # tag -> cancelled, for every request queued and not yet answered; plain dict operations
         # (atomic under the GIL) from the loop's reader and the scheduler threads
         self.outstanding: dict[int, bool] = {}
@@ -136,8 +146,39 @@ class EngineLink:
         self._loop.add_reader(sock.fileno(), self._on_readable, conn)
 
     def _on_readable(self, conn: _Connection) -> None:
+        if not conn.greeted:
+            self._greet(conn)
+            return
         self._read_from(conn)
         self.flush()  # requests answered right away (unknown session, queue full)
+
+    def _greet(self, conn: _Connection) -> None:
+        """Reads the worker's hello frame (always its first, sent with one system call) and maps
+        its rings. A worker that sends anything else is dropped."""
+        try:
+            hello, fds, _, _ = socket.recv_fds(conn.sock, LENGTH.size + HELLO.size, 1)
+        except OSError as e:
+            log.warning("front-end link closed before its hello: %s", e)
+            self._drop(conn)
+            return
+        try:
+            request_bytes, reply_bytes = decode_hello(hello)
+            if request_bytes or reply_bytes:
+                if len(fds) != 1:
+                    raise ValueError(f"a hello with rings needs their memory's fd; got {len(fds)} fds")
+                memory = memoryview(map_shared(fds.pop(), request_bytes + reply_bytes))
+                if request_bytes:
+                    conn.request_ring = memory[:request_bytes]
+                if reply_bytes:
+                    conn.reply_ring = ReplyRing(memory[request_bytes:])
+        except (ValueError, OSError) as e:
+            log.warning("front-end link without a valid hello (%s); closing it", e)
+            self._drop(conn)
+            return
+        finally:
+            for fd in fds:
+                os.close(fd)
+        conn.greeted = True
 
     def _read_from(self, conn: _Connection) -> None:
         try:
@@ -166,7 +207,12 @@ class EngineLink:
             conn.sock.close()
 
     def _submit(self, conn: _Connection, frame: bytes | bytearray) -> None:
-        if frame_kind(frame) == KIND_CANCEL:
+        kind = frame_kind(frame)
+        if kind == KIND_ACK:
+            if conn.reply_ring is not None:
+                conn.reply_ring.ack(decode_ack(frame))
+            return
+        if kind == KIND_CANCEL:
             conn.cancel(decode_cancel(frame))
             return
         if self._only_shard is not None:
@@ -186,21 +232,31 @@ class EngineLink:
                 return
         conn.outstanding[tag] = False
         shard.scheduler.submit_decode_later(
-            partial(self._work_of, frame), rows, done, cancelled=partial(conn.dropped_if_cancelled, tag)
+            partial(self._work_of, frame, conn.request_ring), rows, done, cancelled=partial(self._cancelled, conn, tag)
         )
 
-    def _work_of(self, frame: bytes | bytearray) -> DecodeWork:
-        return decode_request(frame, self.shape)[1]
+    def _work_of(self, frame: bytes | bytearray, ring: memoryview | None) -> DecodeWork:
+        return decode_request(frame, self.shape, ring)[1]
+
+    def _cancelled(self, conn: _Connection, tag: int) -> bool:
+        """The scheduler's `cancelled` check. A dropped request is still answered (CANCELLED):
+        its reply is what frees its inputs' bytes in the worker's request ring."""
+        if conn.dropped_if_cancelled(tag):
+            self._answer(conn, tag, _CANCELLED)
+            return True
+        return False
 
     def _answer(self, conn: _Connection, tag: int, result: DecodeResult | BaseException) -> None:
         """Buffers the reply to `tag`; `flush` writes it. On a scheduler thread, or the reader's."""
         conn.outstanding.pop(tag, None)
         if not conn.open:
             return
-        parts = encode_reply(tag, result)
-        with conn.out_lock:
-            conn.outbox.extend(parts)
+        with conn.out_lock:  # the reply ring is filled in the order the frames are written
+            conn.outbox.extend(encode_reply(tag, result, conn.reply_ring))
         self._dirty.add(conn)
+
+
+_CANCELLED = GdnError("the caller gave up before the request reached the device", grpc.StatusCode.CANCELLED)
 
 
 def _shutdown(sock: socket.socket) -> None:

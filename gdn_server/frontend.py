@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,8 @@ from gdn_server.event_loop import run as run_loop
 from gdn_server.protowire import decode_request_parsers
 from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
 from gdn_server.metrics import MetricsInterceptor, RpcMetrics
-from gdn_server.link import LENGTH, decode_reply, encode_cancel, encode_request
+from gdn_server.link import LENGTH, decode_reply, encode_ack, encode_cancel, encode_hello, encode_request
+from gdn_server.link_ring import REPLY_RING_BYTES, REQUEST_RING_BYTES, RequestRing, make_shared
 from gdn_server.security import (
     IDENTITY_METADATA, AuthInterceptor, RejectMalformed, SecurityConfig, current_identity, load_tokens,
     server_credentials,
@@ -75,19 +77,47 @@ class FrontendSettings(JsonSettings):
 
 
 class EngineLinkClient:
-    """The worker's end of the link: sends request frames, settles futures from reply frames."""
+    """The worker's end of the link: sends request frames, settles futures from reply frames.
+    The payloads go through the connection's shared-memory rings where the platform has memfd
+    (gdn_server.link_ring), else in the frames."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, shape: ModelShape) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, shape: ModelShape,
+        rings: tuple[RequestRing, memoryview] | None = None,
+    ) -> None:
         self._reader, self._writer, self._shape = reader, writer, shape
+        self._request_ring, self._reply_ring = rings if rings is not None else (None, None)
+        self._reply_read_to = self._reply_acked = 0  # how far this worker has read the reply ring, and said so
         self._pending: dict[int, tuple[asyncio.Future, str]] = {}
         self._next_tag = 0
         self.closed = asyncio.Event()
         self._task = asyncio.ensure_future(self._read_replies())
 
     @classmethod
-    async def connect(cls, path: str, shape: ModelShape) -> "EngineLinkClient":
-        reader, writer = await asyncio.open_unix_connection(path, limit=1 << 20)
-        return cls(reader, writer, shape)
+    async def connect(cls, path: str, shape: ModelShape, rings: bool = True) -> "EngineLinkClient":
+        """Connects to the engine's link at `path` and says hello: with the rings' memory unless
+        `rings` is False or the platform has no memfd."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, path)
+            shared = make_shared(REQUEST_RING_BYTES + REPLY_RING_BYTES) if rings else None
+            if shared is None:
+                sock.sendall(encode_hello(0, 0))  # a few bytes into an empty socket: never blocks
+                ring_views = None
+            else:
+                fd, memory = shared
+                try:
+                    socket.send_fds(sock, [encode_hello(REQUEST_RING_BYTES, REPLY_RING_BYTES)], [fd])
+                finally:
+                    os.close(fd)  # the engine has its own; the mapping stays
+                view = memoryview(memory)
+                ring_views = (RequestRing(view[:REQUEST_RING_BYTES]), view[REQUEST_RING_BYTES:])
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 20)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(reader, writer, shape, ring_views)
 
     def submit(self, work: DecodeWork) -> asyncio.Future:
         """Sends one validated request; the future gets its DecodeResult or GdnError."""
@@ -97,12 +127,17 @@ class EngineLinkClient:
         self._next_tag += 1
         fut = asyncio.get_running_loop().create_future()
         self._pending[tag] = (fut, work.request_id)
-        self._writer.writelines(encode_request(tag, work))
+        frames = encode_request(tag, work, self._request_ring)
+        if self._reply_read_to != self._reply_acked:  # ahead of the request: the engine may reuse that much
+            self._reply_acked = self._reply_read_to
+            frames.insert(0, encode_ack(self._reply_acked))
+        self._writer.writelines(frames)
         fut.add_done_callback(lambda f: f.cancelled() and self._cancel(tag))
         return fut
 
     def _cancel(self, tag: int) -> None:
-        """The caller gave up: the engine drops the request if it has not reached the device."""
+        """The caller gave up: the engine drops the request if it has not reached the device (its
+        reply, CANCELLED then, still comes: it frees the request's bytes in the ring)."""
         if self._pending.pop(tag, None) is not None and not self.closed.is_set():
             self._writer.write(encode_cancel(tag))
 
@@ -110,7 +145,11 @@ class EngineLinkClient:
         try:
             while True:
                 (size,) = LENGTH.unpack(await self._reader.readexactly(LENGTH.size))
-                tag, result = decode_reply(await self._reader.readexactly(size), self._shape)
+                tag, result, read_to = decode_reply(await self._reader.readexactly(size), self._shape, self._reply_ring)
+                if read_to is not None:
+                    self._reply_read_to = read_to
+                if self._request_ring is not None:
+                    self._request_ring.free(tag)
                 fut, request_id = self._pending.pop(tag, (None, ""))
                 if fut is None or fut.done():  # the caller gave up meanwhile
                     continue
@@ -120,6 +159,9 @@ class EngineLinkClient:
                     fut.set_result(DecodeResult(result.out, result.shape, result.positions, request_id))
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
+        except ValueError:  # a reply frame that does not read: the link is broken
+            log.exception("bad reply frame from the engine; closing its link")
+            self._writer.close()
         finally:
             self.closed.set()
             pending, self._pending = self._pending, {}

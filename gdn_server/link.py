@@ -8,16 +8,26 @@ requests and the caller's authenticated identity.
 
 Every frame is a little-endian u32 byte count, then the frame:
 
+hello    KIND_HELLO u8 | request ring bytes u64 | reply ring bytes u64: the worker's first frame,
+         with the fd of their shared memory (gdn_server.link_ring) as SCM_RIGHTS when either is
+         not 0; both 0: no rings, every payload goes in its frame
 request  KIND_DECODE u8 | tag u64 | flags u8 | layer u32 | B u32 | T u8 | len(request_id) u16
          | len(identity) u16 | B x len(session_id) u16 | B x position u64 (when FLAG_POSITIONS)
          | session ids utf-8 | request_id utf-8 | identity utf-8
          | q | k | v | a | b (row-major, bf16, or f32 with FLAG_F32)
+           or, with FLAG_IN_RING, ring offset u64: q | k | v | a | b (bf16) sit at that monotonic
+           offset of the request ring instead (never for a speculative step: its inputs are kept
+           past the reply)
 cancel   KIND_CANCEL u8 | tag u64: the caller of request `tag` gave up (deadline, disconnect); if
-         it has not reached the device yet it never will, and it gets no reply
-reply    tag u64 | status u8 (0 OK, else a grpc status code) | B u32 | T u8 | len(message) u32
-         | B x position u64 | message utf-8 | o (bf16 [B, T, HV, V]; only when OK)
+         it has not reached the device yet it never will, and its reply says CANCELLED
+ack      KIND_ACK u8 | offset u64: the worker has copied out every reply payload before this
+         monotonic offset of the reply ring
+reply    tag u64 | status u8 (0 OK, STATUS_IN_RING OK with o in the reply ring, else a grpc status
+         code) | B u32 | T u8 | len(message) u32 | B x position u64 | message utf-8
+         | o (bf16 [B, T, HV, V]; when 0) or its reply ring offset u64 (when STATUS_IN_RING)
 
-The tag is the worker's: the engine echoes it, and replies may come in any order.
+The tag is the worker's: the engine echoes it, and replies may come in any order. Every request
+frame gets exactly one reply frame (what frees its bytes in the request ring).
 """
 from __future__ import annotations
 
@@ -31,18 +41,26 @@ import torch
 from gdn_server import native
 from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError
+from gdn_server.link_ring import ReplyRing, RequestRing, payload_at, read_payload
 from gdn_server.work import DecodeResult, DecodeWork
 
 LENGTH = struct.Struct("<I")
 REQUEST = struct.Struct("<BQBIIBHH")
 CANCEL = struct.Struct("<BQ")
 REPLY = struct.Struct("<QBIBI")
+HELLO = struct.Struct("<BQQ")
+ACK = struct.Struct("<BQ")
+RING_OFFSET = struct.Struct("<Q")
 KIND_DECODE = 1
 KIND_CANCEL = 2
+KIND_HELLO = 3
+KIND_ACK = 4
+STATUS_IN_RING = 255  # a reply status: OK, and the output sits in the reply ring
 
 FLAG_SPECULATIVE = 1
 FLAG_POSITIONS = 2
 FLAG_F32 = 4  # inputs as float32 (requests that did not come all-bf16); else bfloat16
+FLAG_IN_RING = 8  # bf16 inputs in the request ring, at the offset that ends the frame
 
 _CODE_OF_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 _native = native.module  # decode_link_request, where gdn_server._native is built (tests set it to None)
@@ -61,11 +79,14 @@ def input_shapes(shape: ModelShape, rows: int, tokens: int) -> tuple[tuple[int, 
     return (rows, tokens, H, K), (rows, tokens, H, K), (rows, tokens, HV, V), (rows, tokens, HV), (rows, tokens, HV)
 
 
-def encode_request(tag: int, work: DecodeWork) -> list[bytes]:
+def encode_request(tag: int, work: DecodeWork, ring: RequestRing | None = None) -> list[bytes]:
     """The request frame of a validated DecodeWork, as buffers to write back to back (no join).
 
     `work.owner` is the caller's identity. Inputs go as the request's own bf16 bytes when it
-    sent all five as bf16, else as float32 (exact for bf16/f16/f32 inputs)."""
+    sent all five as bf16, else as float32 (exact for bf16/f16/f32 inputs). bf16 inputs go into
+    `ring` instead of the frame where it has room (they are then the ring's until the reply),
+    except a speculative step's: the engine keeps those inputs past the reply (an accept replays
+    them), so they stay in the frame."""
     B, T = work.rows, work.tokens
     ids = [sid.encode() for sid in work.session_ids]
     request_id = work.request_id.encode()
@@ -75,6 +96,10 @@ def encode_request(tag: int, work: DecodeWork) -> list[bytes]:
         flags |= FLAG_POSITIONS
     if work.bf16_bytes is not None:
         tensors: list = list(work.bf16_bytes)
+        offset = ring.put(tag, tensors) if ring is not None and not work.speculative else None
+        if offset is not None:
+            flags |= FLAG_IN_RING
+            tensors = [RING_OFFSET.pack(offset)]
     else:
         flags |= FLAG_F32
         tensors = [t.to(torch.float32).contiguous().numpy().tobytes() for t in (work.q, work.k, work.v, work.a, work.b)]
@@ -88,6 +113,29 @@ def encode_request(tag: int, work: DecodeWork) -> list[bytes]:
     head_bytes = b"".join(head)
     size = len(head_bytes) + sum(len(t) for t in tensors)
     return [LENGTH.pack(size) + head_bytes, *tensors]
+
+
+def encode_hello(request_ring_bytes: int, reply_ring_bytes: int) -> bytes:
+    return LENGTH.pack(HELLO.size) + HELLO.pack(KIND_HELLO, request_ring_bytes, reply_ring_bytes)
+
+
+def decode_hello(frame: bytes) -> tuple[int, int]:
+    """A hello frame (with its length prefix, as the engine reads it first) -> ring sizes."""
+    if len(frame) != LENGTH.size + HELLO.size or LENGTH.unpack_from(frame)[0] != HELLO.size:
+        raise ValueError(f"a front-end link must open with a hello frame; got {len(frame)} bytes")
+    kind, request_bytes, reply_bytes = HELLO.unpack_from(frame, LENGTH.size)
+    if kind != KIND_HELLO:
+        raise ValueError(f"a front-end link must open with a hello frame; got kind {kind}")
+    return request_bytes, reply_bytes
+
+
+def encode_ack(read_to: int) -> bytes:
+    return LENGTH.pack(ACK.size) + ACK.pack(KIND_ACK, read_to)
+
+
+def decode_ack(frame: bytes | bytearray) -> int:
+    """An ack frame -> the reply ring offset the worker has read to."""
+    return ACK.unpack_from(frame, 0)[1]
 
 
 def encode_cancel(tag: int) -> bytes:
@@ -151,16 +199,17 @@ def _layout(shape: ModelShape, rows: int, tokens: int, itemsize: int) -> tuple[t
 _LAYOUTS: dict[tuple[int, int, int, int], tuple[ModelShape, tuple[int, ...], tuple[tuple[int, ...], ...]]] = {}
 
 
-def decode_request(frame: bytes | bytearray, shape: ModelShape) -> tuple[int, DecodeWork]:
+def decode_request(frame: bytes | bytearray, shape: ModelShape, ring: memoryview | None = None) -> tuple[int, DecodeWork]:
     """A request frame (without its length prefix) -> (tag, the DecodeWork it carries).
 
-    bf16 inputs stay bytes: `bf16_bytes` are read-only slices of `frame`, and the tensors are built
+    bf16 inputs stay bytes: `bf16_bytes` are read-only slices of `frame` (or, with FLAG_IN_RING,
+    of `ring`, the connection's request ring: valid until the reply), and the tensors are built
     from them only if something reads `work.q` etc. (a GPU backend copies the bytes and never
     does). float32 inputs become tensors (views of `frame`) at once. Nothing is validated again
     (the worker did). The common frame is decoded in C where gdn_server._native is built; this
     Python is the reference, and decodes the rest."""
     if _native is not None:
-        decoded = _native.decode_link_request(frame, DecodeWork, _heads(shape))
+        decoded = _native.decode_link_request(frame, DecodeWork, _heads(shape), ring)
         if decoded is not None:
             return decoded
     _, tag, flags, layer, B, T, rid_len, ident_len = REQUEST.unpack_from(frame, 0)
@@ -182,11 +231,19 @@ def decode_request(frame: bytes | bytearray, shape: ModelShape) -> tuple[int, De
     offset += ident_len
     f32 = flags & FLAG_F32
     sizes, dims = _layout(shape, B, T, 4 if f32 else 2)
+    if flags & FLAG_IN_RING:
+        if f32 or ring is None or flags & FLAG_SPECULATIVE:
+            why = "as float32" if f32 else "this link has not" if ring is None else "for a speculative step"
+            raise ValueError(f"link frame has its inputs in a ring {why}")
+        if len(frame) - offset != RING_OFFSET.size:
+            raise ValueError(f"link frame has {len(frame) - offset} bytes where its ring offset's 8 go")
+        (at,) = RING_OFFSET.unpack_from(frame, offset)
+        view, offset = ring, payload_at(len(ring), at, sum(sizes))
     raw = []
     for nbytes in sizes:
         raw.append(view[offset : offset + nbytes])
         offset += nbytes
-    if offset != len(frame):
+    if view is not ring and offset != len(frame):
         _check_length(frame, offset - sum(sizes), sizes)
     speculative = bool(flags & FLAG_SPECULATIVE)
     if not f32:  # the common case: the fast constructor (a frozen dataclass's __init__ is ~5 us more)
@@ -218,11 +275,18 @@ def _check_length(frame: bytes | bytearray, offset: int, sizes: tuple[int, ...])
     raise ValueError(f"link frame has {len(frame) - offset} bytes past its tensors")
 
 
-def encode_reply(tag: int, result: DecodeResult | BaseException) -> list[bytes]:
-    """The reply frame to request `tag`: a DecodeResult, or the error that ended it."""
+def encode_reply(tag: int, result: DecodeResult | BaseException, ring: ReplyRing | None = None) -> list[bytes]:
+    """The reply frame to request `tag`: a DecodeResult, or the error that ended it. The output
+    goes into `ring` instead of the frame where it has room (the caller writes the frames in the
+    order it encoded them: the worker reads the ring in that order)."""
     if isinstance(result, DecodeResult):
         B, T = result.shape[0], result.shape[1]
         out = result.out
+        offset = ring.put(out) if ring is not None else None
+        if offset is not None:
+            head = _reply_head(B).pack(REPLY.size + 8 * B + RING_OFFSET.size, tag, STATUS_IN_RING, B, T, 0,
+                                       *result.positions)
+            return [head, RING_OFFSET.pack(offset)]
         # length prefix, REPLY and the positions in one pack
         head = _reply_head(B).pack(REPLY.size + 8 * B + len(out), tag, 0, B, T, 0, *result.positions)
         return [head, out]
@@ -242,17 +306,26 @@ def _reply_head(rows: int) -> struct.Struct:
 _REPLY_HEADS: dict[int, struct.Struct] = {}
 
 
-def decode_reply(frame: bytes, shape: ModelShape) -> tuple[int, DecodeResult | GdnError]:
-    """A reply frame (without its length prefix) -> (tag, result or error)."""
+def decode_reply(
+    frame: bytes, shape: ModelShape, ring: memoryview | None = None
+) -> tuple[int, DecodeResult | GdnError, int | None]:
+    """A reply frame (without its length prefix) -> (tag, result or error, and where the reply
+    ring has been read to when its output came from `ring`, else None)."""
     tag, status, B, T, msg_len = REPLY.unpack_from(frame, 0)
     offset = REPLY.size
     positions = struct.unpack_from(f"<{B}Q", frame, offset)
     offset += 8 * B
+    out_shape = (B, T, shape.num_v_heads, shape.head_dim_v)
+    if status == STATUS_IN_RING:
+        if ring is None:
+            raise ValueError("link reply has its output in a ring this link has not")
+        (at,) = RING_OFFSET.unpack_from(frame, offset)
+        nbytes = B * T * shape.num_v_heads * shape.head_dim_v * 2
+        return tag, DecodeResult(read_payload(ring, at, nbytes), out_shape, positions), at + nbytes
     if status:
         message = frame[offset : offset + msg_len].decode("utf-8", "replace")
-        return tag, GdnError(message, _CODE_OF_VALUE.get(status, grpc.StatusCode.INTERNAL))
-    out_shape = (B, T, shape.num_v_heads, shape.head_dim_v)
-    return tag, DecodeResult(frame[offset:], out_shape, positions)
+        return tag, GdnError(message, _CODE_OF_VALUE.get(status, grpc.StatusCode.INTERNAL)), None
+    return tag, DecodeResult(frame[offset:], out_shape, positions), None
 
 
 def send_frames(sock: socket.socket, parts: list[bytes]) -> None:

@@ -17,6 +17,7 @@ from gdn_server.link import (
     KIND_CANCEL, KIND_DECODE, LENGTH, decode_cancel, decode_reply, decode_request, encode_cancel, encode_reply,
     FrameBuffer, encode_request, frame_kind, send_frames,
 )
+from gdn_server.link_ring import ReplyRing, RequestRing
 from gdn_server.native import module as native_module
 from gdn_server.work import DecodeResult, DecodeWork
 
@@ -85,13 +86,14 @@ def test_bf16_requests_stay_bytes_until_read():
 def test_reply_round_trip_ok_and_error():
     out = torch.randn(2, 3, SHAPE.num_v_heads, SHAPE.head_dim_v).to(torch.bfloat16)
     result = DecodeResult(out.view(torch.int16).numpy().tobytes(), tuple(out.shape), (7, 2**64 - 1))
-    tag, got = decode_reply(_frame(encode_reply(42, result)), SHAPE)
+    tag, got, read_to = decode_reply(_frame(encode_reply(42, result)), SHAPE)
     assert tag == 42 and got.out == result.out and got.shape == result.shape and got.positions == result.positions
+    assert read_to is None  # not from a ring
 
-    tag, err = decode_reply(_frame(encode_reply(9, FailedPrecondition("position 3 ≠ 4"))), SHAPE)
+    tag, err, _ = decode_reply(_frame(encode_reply(9, FailedPrecondition("position 3 ≠ 4"))), SHAPE)
     assert tag == 9 and isinstance(err, GdnError)
     assert err.code == grpc.StatusCode.FAILED_PRECONDITION and err.message == "position 3 ≠ 4"
-    _, err = decode_reply(_frame(encode_reply(1, RuntimeError("boom"))), SHAPE)  # not a GdnError: INTERNAL
+    _, err, _ = decode_reply(_frame(encode_reply(1, RuntimeError("boom"))), SHAPE)  # not a GdnError: INTERNAL
     assert err.code == grpc.StatusCode.INTERNAL and "boom" in err.message
 
 
@@ -132,11 +134,11 @@ def test_frames_over_a_socket_pair():
     assert got == frames
 
 
-def _python_decode(frame: bytes) -> tuple:
+def _python_decode(frame: bytes, ring: memoryview | None = None) -> tuple:
     """link.decode_request's Python (the reference), as (tag, the work's fields) or the error's type."""
     native, link._native = link._native, None
     try:
-        tag, work = decode_request(frame, SHAPE)
+        tag, work = decode_request(frame, SHAPE, ring)
     except Exception as e:  # noqa: BLE001 - the kind of refusal is what is compared
         return ("refused", type(e))
     finally:
@@ -155,18 +157,29 @@ def _fields(work: DecodeWork) -> dict:
 
 
 @native_only
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(B=st.integers(1, 4), T=st.integers(1, 3), dtype=st.sampled_from([torch.bfloat16, torch.float32]),
        with_positions=st.booleans(), speculative=st.booleans(), owner=st.sampled_from([None, "alice", "ünï"]),
-       tag=st.integers(0, 2**64 - 1), damage=st.sampled_from(["none", "truncate", "extend", "flip"]),
-       where=st.integers(0, 10**6), byte=st.integers(0, 255))
-def test_native_decode_agrees_with_python(B, T, dtype, with_positions, speculative, owner, tag, damage, where, byte):
+       tag=st.integers(0, 2**64 - 1), damage=st.sampled_from(["none", "truncate", "extend", "flip", "offset"]),
+       where=st.integers(0, 10**6), byte=st.integers(0, 255), in_ring=st.booleans(), lead=st.integers(0, 40000))
+def test_native_decode_agrees_with_python(B, T, dtype, with_positions, speculative, owner, tag, damage, where, byte,
+                                          in_ring, lead):
     """The engine's C decode of a request frame (gdn_server/_native_link.c) gives the DecodeWork
     the Python decode gives, field for field, or leaves the frame to the Python (None): always for
     float32 inputs, and for frames cut short, run long or with a byte changed anywhere (ids that
-    are no longer UTF-8, lengths that no longer add up). It never accepts a frame the Python refuses."""
+    are no longer UTF-8, lengths that no longer add up, a ring offset outside the ring). It never
+    accepts a frame the Python refuses. Frames with their inputs in a request ring too, placed
+    after `lead` bytes of others (so some wrap to the ring's start)."""
     positions = tuple(range(2**64 - B, 2**64)) if with_positions else None
-    frame = _frame(encode_request(tag, _work(B, T, dtype, positions, speculative, owner)))
+    ring = view = None
+    if in_ring:
+        view = memoryview(bytearray(1 << 16))
+        ring = RequestRing(view)
+        if lead:
+            ring.put(-1, [b"\xee" * min(lead, len(view) // 2)])
+            ring.free(-1)
+    frame = _frame(encode_request(tag, _work(B, T, dtype, positions, speculative, owner), ring))
+    assert bool(frame[9] & link.FLAG_IN_RING) == (in_ring and dtype == torch.bfloat16 and not speculative)
     if damage == "truncate":
         frame = frame[: where % len(frame)]
     elif damage == "extend":
@@ -174,8 +187,11 @@ def test_native_decode_agrees_with_python(B, T, dtype, with_positions, speculati
     elif damage == "flip":
         i = where % min(len(frame), 80)  # the header, ids and strings: where the lengths are
         frame = frame[:i] + bytes([frame[i] ^ (byte or 1)]) + frame[i + 1:]
-    native = native_module.decode_link_request(frame, DecodeWork, link._heads(SHAPE))
-    expected = _python_decode(frame)
+    elif damage == "offset":  # the frame's last 8 bytes: a ring offset, or the tail of b
+        frame = frame[:-8] + link.RING_OFFSET.pack(where * 7919)
+    ring_view = view.toreadonly() if view is not None else None
+    native = native_module.decode_link_request(frame, DecodeWork, link._heads(SHAPE), ring_view)
+    expected = _python_decode(frame, ring_view)
     if native is None:
         assert damage != "none" or dtype != torch.bfloat16, "a valid bf16 frame must take the native path"
         return
@@ -183,7 +199,7 @@ def test_native_decode_agrees_with_python(B, T, dtype, with_positions, speculati
     got_tag, work = native
     assert (got_tag, _fields(work)) == expected
     assert type(work) is DecodeWork and work.tokens == T and work.finite_checked
-    assert all(isinstance(b, memoryview) and b.readonly for b in work.bf16_bytes)  # views of the frame
+    assert all(isinstance(b, memoryview) and b.readonly for b in work.bf16_bytes)  # views of the frame or ring
 
 
 @native_only

@@ -1,0 +1,280 @@
+"""The front-end link's shared-memory rings (gdn_server.link_ring) and the frames that use them:
+payloads that stay intact until freed, frees in any order, a full ring falling back to frames,
+memory shared between processes through a real socket, and a cancelled request still answered."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import socket
+import struct
+
+import grpc
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gdn_server import link
+from gdn_server.config import ModelShape
+from gdn_server.engine_link import EngineLink, _Connection
+from gdn_server.link import (
+    FLAG_IN_RING, LENGTH, STATUS_IN_RING, decode_ack, decode_hello, decode_reply, decode_request, encode_ack,
+    encode_hello, encode_reply, encode_request,
+)
+from gdn_server.link_ring import ReplyRing, RequestRing, _place, make_shared, map_shared
+from gdn_server.work import DecodeResult, DecodeWork
+
+SHAPE = ModelShape(num_layers=5, num_q_heads=2, num_v_heads=4, head_dim_k=16, head_dim_v=16)
+FLAGS_AT = 9  # link.REQUEST: kind u8 | tag u64 | flags u8
+
+
+def _work(B: int, T: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> DecodeWork:
+    g = torch.Generator().manual_seed(seed)
+    H, HV, K, V = SHAPE.num_q_heads, SHAPE.num_v_heads, SHAPE.head_dim_k, SHAPE.head_dim_v
+    shapes = {"q": (B, T, H, K), "k": (B, T, H, K), "v": (B, T, HV, V), "a": (B, T, HV), "b": (B, T, HV)}
+    tensors = {n: torch.randn(*s, generator=g).to(dtype) for n, s in shapes.items()}
+    raw = tuple(tensors[n].view(torch.int16).numpy().tobytes() for n in shapes) if dtype == torch.bfloat16 else None
+    return DecodeWork(layer=2, session_ids=tuple(f"s{i}" for i in range(B)), positions=tuple(range(B)),
+                      request_id=f"r{seed}", owner="alice", speculative=False, bf16_bytes=raw, **tensors)
+
+
+def _frame(parts: list) -> bytes:
+    data = b"".join(bytes(p) for p in parts)
+    assert LENGTH.unpack_from(data)[0] == len(data) - LENGTH.size
+    return data[LENGTH.size:]
+
+
+def _same_inputs(got: DecodeWork, sent: DecodeWork) -> bool:
+    return all(torch.equal(getattr(got, n), getattr(sent, n)) for n in ("q", "k", "v", "a", "b"))
+
+
+def test_a_request_in_the_ring_decodes_as_one_in_its_frame():
+    memory = memoryview(bytearray(1 << 16))
+    ring = RequestRing(memory)
+    work = _work(3, 2, seed=1)
+    in_ring = _frame(encode_request(7, work, ring))
+    inline = _frame(encode_request(7, work))
+    assert in_ring[FLAGS_AT] & FLAG_IN_RING and not inline[FLAGS_AT] & FLAG_IN_RING
+    assert len(in_ring) == len(inline) - sum(len(b) for b in work.bf16_bytes) + 8  # inputs out, an offset in
+    for native in (link._native, None):  # the C decode and the Python reference
+        saved, link._native = link._native, native
+        try:
+            tag, got = decode_request(in_ring, SHAPE, memory.toreadonly())
+        finally:
+            link._native = saved
+        assert tag == 7 and _same_inputs(got, work) and got.session_ids == work.session_ids
+        assert all(b.obj is memory.obj for b in got.bf16_bytes)  # views of the ring: no copy
+
+    with pytest.raises(ValueError, match="ring"):
+        decode_request(in_ring, SHAPE)  # a ring frame on a link without one
+    f32 = _work(1, 1, seed=2, dtype=torch.float32)
+    assert not _frame(encode_request(8, f32, ring))[FLAGS_AT] & FLAG_IN_RING  # float32 inputs stay in frames
+    speculative = dataclasses.replace(_work(1, 2, seed=3), speculative=True)
+    # an accept replays a speculative step's inputs after its reply has freed them: they stay in frames
+    assert not _frame(encode_request(9, speculative, ring))[FLAGS_AT] & FLAG_IN_RING
+    forged = bytearray(in_ring)
+    forged[FLAGS_AT] |= link.FLAG_SPECULATIVE
+    for native in (link._native, None):
+        saved, link._native = link._native, native
+        try:
+            with pytest.raises(ValueError, match="speculative"):
+                decode_request(bytes(forged), SHAPE, memory.toreadonly())
+        finally:
+            link._native = saved
+
+
+def test_the_request_ring_frees_in_any_order_and_keeps_what_is_taken():
+    """Random puts and frees: every payload still taken reads back as written, space comes back
+    only once everything older is free, and a put is refused only when it cannot fit."""
+    capacity = 4096
+    memory = memoryview(bytearray(capacity))
+    ring = RequestRing(memory)
+    rnd = random.Random(5)
+    live: dict[int, tuple[int, bytes]] = {}
+    refused = 0
+    for tag in range(3000):
+        if live and rnd.random() < 0.45:
+            gone = rnd.choice(list(live))
+            ring.free(gone)
+            del live[gone]
+        payload = bytes([tag % 256]) * rnd.randint(1, 900)
+        offset = ring.put(tag, [payload[:10], payload[10:]])
+        if offset is None:  # only when it cannot fit whole before the oldest taken byte
+            refused += 1
+            assert _place(ring._head, len(payload), capacity) + len(payload) - ring._tail > capacity
+            continue
+        pos = offset % capacity
+        assert pos + len(payload) <= capacity  # never split across the end
+        live[tag] = (pos, payload)
+        for pos, data in live.values():
+            assert bytes(memory[pos:pos + len(data)]) == data
+        assert ring.taken <= capacity
+    assert refused > 0  # the test did fill the ring
+    for tag in list(live):
+        ring.free(tag)
+    assert ring.taken == 0
+    assert ring.put(1, [b"x" * (capacity // 2)]) is not None  # all of it usable again
+    assert ring.put(2, [b"x" * (capacity // 2 + 1)]) is None  # over half: always in the frame
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=60), ack_every=st.integers(1, 8))
+def test_reply_ring_round_trip_with_acks_and_fallback(sizes, ack_every):
+    """Replies through the reply ring in frame order: each reads back whole; without acks the
+    ring fills and replies fall back to their frames; acks make room again."""
+    capacity = 8192
+    memory = memoryview(bytearray(capacity))
+    ring = ReplyRing(memory)
+    read_to = 0
+    for i, n in enumerate(sizes):
+        rows = max(1, n // (SHAPE.num_v_heads * SHAPE.head_dim_v * 2))
+        out = bytes([i % 256]) * (rows * SHAPE.num_v_heads * SHAPE.head_dim_v * 2)
+        result = DecodeResult(out, (rows, 1, SHAPE.num_v_heads, SHAPE.head_dim_v), tuple(range(rows)))
+        frame = _frame(encode_reply(i, result, ring))
+        tag, got, got_read_to = decode_reply(frame, SHAPE, memory)
+        assert tag == i and got.out == out and got.positions == result.positions
+        assert (frame[8] == STATUS_IN_RING) == (got_read_to is not None)
+        if len(out) > capacity // 2:
+            assert got_read_to is None
+        if got_read_to is not None:
+            read_to = got_read_to
+        if i % ack_every == 0:
+            ring.ack(decode_ack(_frame([encode_ack(read_to)])))
+    errors = _frame(encode_reply(99, RuntimeError("boom"), ring))  # errors never use the ring
+    assert decode_reply(errors, SHAPE, memory)[2] is None
+
+
+def test_hello_frames():
+    assert decode_hello(encode_hello(8 << 20, 4 << 20)) == (8 << 20, 4 << 20)
+    with pytest.raises(ValueError, match="hello"):
+        decode_hello(encode_ack(5))
+    with pytest.raises(ValueError, match="hello"):
+        decode_hello(b"")
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd on this platform")
+@pytest.mark.timeout(60)
+def test_the_rings_memory_is_shared_through_the_socket():
+    """The worker's memfd, sent with its hello as SCM_RIGHTS and mapped by the engine: writes on
+    either side are seen on the other, in another process too."""
+    fd, memory = make_shared(1 << 16)
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with left, right:
+        socket.send_fds(left, [encode_hello(1 << 15, 1 << 15)], [fd])
+        os.close(fd)
+        hello, fds, _, _ = socket.recv_fds(right, LENGTH.size + link.HELLO.size, 1)
+        request_bytes, reply_bytes = decode_hello(hello)
+        engine_view = memoryview(map_shared(fds[0], request_bytes + reply_bytes))
+        memory[:5] = b"hello"
+        assert bytes(engine_view[:5]) == b"hello"
+        pid = os.fork()
+        if pid == 0:  # another process writes through its copy of the mapping
+            engine_view[100:105] = b"child"
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert memory[100:105] == b"child"
+        del engine_view
+
+
+class _Scheduler:
+    """What EngineLink asks of a scheduler: requests queued, answered by the test."""
+
+    def __init__(self) -> None:
+        self.after_answers: list = []
+        self.queued: list = []
+
+    def submit_decode_later(self, make_work, rows, done, cancelled=None) -> None:
+        self.queued.append((make_work, done, cancelled))
+
+
+class _Shard:
+    def __init__(self) -> None:
+        self.scheduler = _Scheduler()
+
+
+class _Placement:
+    def __init__(self) -> None:
+        self.shards = [_Shard()]
+
+    def __iter__(self):
+        return iter(self.shards)
+
+
+@pytest.mark.timeout(60)
+def test_the_engine_reads_rings_answers_through_them_and_answers_a_cancelled_request():
+    """EngineLink end to end over a socket pair: the hello with the rings' memory, a request
+    read from the request ring, its reply's output written to the reply ring, an ack, and a
+    request cancelled before it ran answered CANCELLED (what frees its bytes in the ring)."""
+    placement = _Placement()
+    engine = EngineLink("/nonexistent/never-bound.sock", SHAPE, placement)
+    scheduler = placement.shards[0].scheduler
+    worker_sock, engine_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = _Connection(engine_sock)
+    engine._connections.add(conn)
+    shared = make_shared(1 << 17)
+    if shared is None:
+        pytest.skip("no memfd on this platform")
+    fd, memory = shared
+    view = memoryview(memory)
+    request_ring, reply_view = RequestRing(view[: 1 << 16]), view[1 << 16:]
+    with worker_sock, engine_sock:
+        socket.send_fds(worker_sock, [encode_hello(1 << 16, 1 << 16)], [fd])
+        os.close(fd)
+        engine._on_readable(conn)  # the hello
+        assert conn.greeted and conn.request_ring is not None and conn.reply_ring is not None
+
+        works = [_work(2, 1, seed=s) for s in range(2)]
+        frames = []
+        for tag, work in enumerate(works):
+            frames += encode_request(tag, work, request_ring)
+        frames.append(link.encode_cancel(1))
+        worker_sock.sendall(b"".join(bytes(p) for p in frames))
+        engine._on_readable(conn)
+        assert len(scheduler.queued) == 2
+        (make0, done0, cancelled0), (make1, done1, cancelled1) = scheduler.queued
+        assert _same_inputs(make0(), works[0])
+        assert not cancelled0() and cancelled1()  # request 1 was cancelled before it ran
+
+        out = bytes(range(256))  # [2, 1, 4, 16] bf16
+        done0(DecodeResult(out, (2, 1, SHAPE.num_v_heads, SHAPE.head_dim_v), (1, 1)))
+        engine.flush()
+        worker_sock.settimeout(10)
+        data = b""
+        while len(data) < 2 or len(data) < _frames_length(data, 2):
+            data += worker_sock.recv(1 << 16)
+        replies = _split(data)
+        tag, result, read_to = decode_reply(replies[0], SHAPE, reply_view)  # the cancel's reply came first
+        assert tag == 1 and result.code == grpc.StatusCode.CANCELLED and read_to is None
+        tag, result, read_to = decode_reply(replies[1], SHAPE, reply_view)
+        assert tag == 0 and result.out == out and read_to == len(out)
+        request_ring.free(0)
+        request_ring.free(1)
+        assert request_ring.taken == 0
+
+        worker_sock.sendall(encode_ack(read_to))
+        engine._on_readable(conn)
+        assert conn.reply_ring._acked == len(out)
+        del make0
+        scheduler.queued.clear()
+        engine.close()
+
+
+def _frames_length(data: bytes, count: int) -> int:
+    """Bytes of the first `count` length-prefixed frames in `data` (more than len(data) while
+    they have not all come)."""
+    at = 0
+    for _ in range(count):
+        if at + 4 > len(data):
+            return at + 5
+        at += 4 + struct.unpack_from("<I", data, at)[0]
+    return at
+
+
+def _split(data: bytes) -> list[bytes]:
+    frames, at = [], 0
+    while at < len(data):
+        (n,) = struct.unpack_from("<I", data, at)
+        frames.append(data[at + 4:at + 4 + n])
+        at += 4 + n
+    return frames
