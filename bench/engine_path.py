@@ -16,7 +16,8 @@ What runs is the engine's real code, without gRPC and without its threads' waiti
      (gdn_server/backends/staging.py: memcpy of each request's bytes into a preallocated buffer,
      int32 index writes, a ring of 8 staging sets); its "device" returns each row's v as the output,
      one copy per launch, standing in for the D2H copy
-  -> reply frames (link.encode_reply), written with one sendmsg per round as the engine does.
+  -> reply frames (link.encode_reply), handed to the link's sender thread once per round as the
+     engine does (written with one sendmsg per worker per round where gdn_server._native is not built).
 The payloads go through the link's shared-memory rings (gdn_server.link_ring) as between real
 processes (here both ends map one buffer), unless --no-rings.
 
@@ -264,6 +265,12 @@ class Engine:
         self.read(n)
         self.previous = self.scheduler.run_round(self.previous)
 
+    def wait_sent(self) -> None:
+        """Until the link's sender thread has written every reply queued (its CPU is not the
+        engine thread's, so it is not counted: that is what the thread is for)."""
+        if self.link._sender is not None:
+            self.link._sender.wait_idle()
+
     def close(self) -> None:
         self.link.close()
         self.workers.sock.close()
@@ -301,9 +308,11 @@ def measure(engine: Engine, per_round: int, requests: int, profiler: cProfile.Pr
         else:
             engine.workers.send(per_round)  # the workers' job: not timed
         timed(engine.round, per_round)
+        engine.wait_sent()
         engine.workers.receive()
     timed(engine.round, 0, profile=False)  # answers the last batch
     wall = time.perf_counter() - wall0
+    engine.wait_sent()
     engine.workers.receive()
     done = engine.workers.answered - answered0
     if done != rounds * per_round or engine.workers.expected:

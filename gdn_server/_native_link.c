@@ -1,4 +1,5 @@
-/* gdn_server._native, the front-end link's part: an engine's decode of a request frame.
+/* gdn_server._native, the front-end link's part: an engine's decode of a request frame, and
+   the thread that writes its reply frames.
 
    gdn_server.link's Python stays the reference and says what the frame holds; this answers
    only the common frame and leaves every other one (and every error's message) to it.
@@ -15,9 +16,25 @@
    Why in C: an engine under `--frontends N` decodes every request on its one busy thread; the
    Python decode was ~5 us of the ~30 us a request costs there (CPU box, bench/engine_path.py).
 
-   tests/test_native.py compares it with the Python decode on the same frames. */
+   tests/test_native.py compares it with the Python decode on the same frames.
+
+   LinkSender(): a thread of its own (no Python, no GIL) that writes frames to sockets.
+       send(batch: list[(fd, parts)]) copies each connection's parts (bytes-likes, written back
+       to back) and queues them, one lock and at most one wake-up of the thread per call; the
+       thread writes each connection's bytes with blocking sendmsg calls, in the order queued.
+       wait_idle() returns once everything queued has been written (or failed: a worker gone,
+       whose read side the engine drops); close() stops the thread after that.
+
+   Why: with the payloads in the shared-memory rings, an engine's reply frames are small, yet
+   its `sendmsg` per worker per round still took ~15% of its one thread on the H200 host (a
+   send wakes the worker on another core, which costs a VM more than the copy;
+   profile_frontends_v7). The thread makes that one hand-off per round. */
 #include "_native.h"
+#include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <sys/socket.h>
 #include <string.h>
 
 #define N_INPUTS 5
@@ -181,6 +198,214 @@ static PyMethodDef link_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* -- LinkSender ---------------------------------------------------------------------------- */
+
+typedef struct Outgoing {
+    struct Outgoing *next;
+    int fd;
+    size_t len;
+    unsigned char data[];
+} Outgoing;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_t thread;
+    int started, stopping, busy;
+    pthread_mutex_t lock;
+    pthread_cond_t more; /* something queued, or stopping */
+    pthread_cond_t idle; /* the queue ran empty */
+    Outgoing *head, *tail;
+} LinkSender;
+
+/* Writes all of an item; gives up on an error other than EINTR (the peer is gone). */
+static void write_all(const Outgoing *item) {
+    size_t done = 0;
+    while (done < item->len) {
+        ssize_t n = send(item->fd, item->data + done, item->len - done, MSG_NOSIGNAL);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return;
+        }
+        done += (size_t)n;
+    }
+}
+
+static void *sender_main(void *arg) {
+    LinkSender *self = arg;
+    pthread_mutex_lock(&self->lock);
+    for (;;) {
+        while (self->head == NULL && !self->stopping) pthread_cond_wait(&self->more, &self->lock);
+        Outgoing *item = self->head;
+        if (item == NULL) break; /* stopping, and everything written */
+        self->head = item->next;
+        if (self->head == NULL) self->tail = NULL;
+        self->busy = 1;
+        pthread_mutex_unlock(&self->lock);
+        write_all(item);
+        free(item);
+        pthread_mutex_lock(&self->lock);
+        self->busy = 0;
+        if (self->head == NULL) pthread_cond_broadcast(&self->idle);
+    }
+    pthread_mutex_unlock(&self->lock);
+    return NULL;
+}
+
+static PyObject *sender_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) || (kwargs && PyDict_GET_SIZE(kwargs))) {
+        PyErr_SetString(PyExc_TypeError, "LinkSender() takes no arguments");
+        return NULL;
+    }
+    LinkSender *self = (LinkSender *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    pthread_mutex_init(&self->lock, NULL);
+    pthread_cond_init(&self->more, NULL);
+    pthread_cond_init(&self->idle, NULL);
+    if (pthread_create(&self->thread, NULL, sender_main, self) != 0) {
+        Py_DECREF(self);
+        PyErr_SetString(PyExc_OSError, "could not start the link's sender thread");
+        return NULL;
+    }
+    self->started = 1;
+    return (PyObject *)self;
+}
+
+/* Frees a chain of items. */
+static void free_chain(Outgoing *item) {
+    while (item != NULL) {
+        Outgoing *next = item->next;
+        free(item);
+        item = next;
+    }
+}
+
+static PyObject *sender_send(LinkSender *self, PyObject *batch) {
+    if (!PyList_Check(batch)) {
+        PyErr_SetString(PyExc_TypeError, "send(batch: list[(fd, parts)])");
+        return NULL;
+    }
+    Outgoing *first = NULL, *last = NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(batch); i++) {
+        PyObject *entry = PyList_GET_ITEM(batch, i), *parts;
+        int fd;
+        if (!PyArg_ParseTuple(entry, "iO!", &fd, &PyList_Type, &parts)) goto fail;
+        Py_ssize_t count = PyList_GET_SIZE(parts);
+        Py_buffer *views = PyMem_Calloc(count ? count : 1, sizeof(Py_buffer));
+        if (views == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        size_t total = 0;
+        Py_ssize_t got = 0;
+        for (; got < count; got++) {
+            if (PyObject_GetBuffer(PyList_GET_ITEM(parts, got), &views[got], PyBUF_C_CONTIGUOUS) < 0) break;
+            total += (size_t)views[got].len;
+        }
+        Outgoing *item = got == count ? malloc(sizeof(Outgoing) + total) : NULL;
+        if (item != NULL) {
+            item->next = NULL;
+            item->fd = fd;
+            item->len = total;
+            size_t at = 0;
+            for (Py_ssize_t j = 0; j < count; j++) {
+                memcpy(item->data + at, views[j].buf, (size_t)views[j].len);
+                at += (size_t)views[j].len;
+            }
+        }
+        for (Py_ssize_t j = 0; j < got; j++) PyBuffer_Release(&views[j]);
+        PyMem_Free(views);
+        if (item == NULL) {
+            if (!PyErr_Occurred()) PyErr_NoMemory();
+            goto fail;
+        }
+        if (last == NULL) first = item;
+        else last->next = item;
+        last = item;
+    }
+    if (first == NULL) Py_RETURN_NONE;
+    pthread_mutex_lock(&self->lock);
+    if (self->stopping) {
+        pthread_mutex_unlock(&self->lock);
+        free_chain(first);
+        PyErr_SetString(PyExc_RuntimeError, "the link's sender is closed");
+        return NULL;
+    }
+    int was_empty = self->head == NULL;
+    if (was_empty) self->head = first;
+    else self->tail->next = first;
+    self->tail = last;
+    /* a thread busy writing comes back for the queue by itself: no wake-up needed */
+    if (was_empty && !self->busy) pthread_cond_signal(&self->more);
+    pthread_mutex_unlock(&self->lock);
+    Py_RETURN_NONE;
+fail:
+    free_chain(first);
+    return NULL;
+}
+
+static void wait_idle(LinkSender *self) {
+    pthread_mutex_lock(&self->lock);
+    while (self->head != NULL || self->busy) pthread_cond_wait(&self->idle, &self->lock);
+    pthread_mutex_unlock(&self->lock);
+}
+
+static PyObject *sender_wait_idle(LinkSender *self, PyObject *unused) {
+    if (self->started) {
+        Py_BEGIN_ALLOW_THREADS
+        wait_idle(self);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+static void stop_thread(LinkSender *self) {
+    if (!self->started) return;
+    pthread_mutex_lock(&self->lock);
+    self->stopping = 1;
+    pthread_cond_signal(&self->more);
+    pthread_mutex_unlock(&self->lock);
+    pthread_join(self->thread, NULL);
+    self->started = 0;
+}
+
+static PyObject *sender_close(LinkSender *self, PyObject *unused) {
+    Py_BEGIN_ALLOW_THREADS
+    stop_thread(self);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static void sender_dealloc(LinkSender *self) {
+    stop_thread(self); /* writes what is queued first */
+    free_chain(self->head);
+    pthread_mutex_destroy(&self->lock);
+    pthread_cond_destroy(&self->more);
+    pthread_cond_destroy(&self->idle);
+    PyTypeObject *type = Py_TYPE(self);
+    type->tp_free(self);
+    Py_DECREF(type);
+}
+
+static PyMethodDef sender_methods[] = {
+    {"send", (PyCFunction)sender_send, METH_O,
+     "send(batch: list[(fd, parts)]) -> None: queues each connection's parts, written back to back"},
+    {"wait_idle", (PyCFunction)sender_wait_idle, METH_NOARGS, "wait_idle() -> None: once all queued is written"},
+    {"close", (PyCFunction)sender_close, METH_NOARGS, "close() -> None: writes what is queued, stops the thread"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot sender_slots[] = {
+    {Py_tp_new, sender_new},
+    {Py_tp_dealloc, sender_dealloc},
+    {Py_tp_methods, sender_methods},
+    {Py_tp_doc, "A thread that writes link frames to sockets without the GIL (gdn_server.engine_link)."},
+    {0, NULL},
+};
+
+static PyType_Spec sender_spec = {
+    "gdn_server._native.LinkSender", sizeof(LinkSender), 0, Py_TPFLAGS_DEFAULT, sender_slots,
+};
+
 int add_link_functions(PyObject *module) {
     static const InternedName names[] = {
         {&k_layer, "layer"},           {&k_session_ids, "session_ids"}, {&k_positions, "positions"},
@@ -189,5 +414,12 @@ int add_link_functions(PyObject *module) {
         {&k_tokens, "_tokens"},
     };
     if (intern_names(names, sizeof(names) / sizeof(names[0])) < 0) return -1;
-    return PyModule_AddFunctions(module, link_methods);
+    if (PyModule_AddFunctions(module, link_methods) < 0) return -1;
+    PyObject *sender_type = PyType_FromSpec(&sender_spec);
+    if (sender_type == NULL) return -1;
+    if (PyModule_AddObject(module, "LinkSender", sender_type) < 0) {
+        Py_DECREF(sender_type);
+        return -1;
+    }
+    return 0;
 }

@@ -32,6 +32,7 @@ from functools import partial
 
 import grpc
 
+from gdn_server import native
 from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError
 from gdn_server.link import (
@@ -72,7 +73,14 @@ class _Connection:
             return True
         return False
 
+    def take_outbox(self) -> list[bytes]:
+        """The reply frames buffered so far (none once the connection is closed)."""
+        with self.out_lock:
+            parts, self.outbox = self.outbox, []
+        return parts if self.open else []
+
     def flush(self) -> None:
+        """Writes the buffered replies on this thread (where gdn_server._native is not built)."""
         with self.out_lock:
             parts, self.outbox = self.outbox, []
             if not parts or not self.open:
@@ -96,6 +104,10 @@ class EngineLink:
         self._connections: set[_Connection] = set()
         self._dirty: set[_Connection] = set()  # connections with replies waiting in their outbox
         self._only_shard = placement.shards[0] if len(placement.shards) == 1 else None
+        # the replies' sendmsg calls on a thread of their own, without the GIL (one hand-off a
+        # round instead of a system call per worker), where gdn_server._native is built
+        self._sender = native.module.LinkSender() if native.module is not None else None
+        self._send_lock = threading.Lock()  # no socket is closed while its frames are being queued
         for shard in placement:
             shard.scheduler.after_answers.append(self.flush)
 
@@ -112,8 +124,12 @@ class EngineLink:
     def close(self) -> None:
         """Stops reading and closes every connection (workers see the engine gone). On the
         loop's thread."""
+        if self._sender is not None:
+            self._sender.wait_idle()  # the last replies reach their workers before the sockets close
         for conn in list(self._connections):
             self._drop(conn)
+        if self._sender is not None:
+            self._sender.close()
         if self._loop is not None:
             self._loop.remove_reader(self._listener.fileno())
         _shutdown(self._listener)
@@ -124,13 +140,28 @@ class EngineLink:
             pass
 
     def flush(self) -> None:
-        """Writes every buffered reply (a scheduler thread calls this after each round)."""
-        while self._dirty:
-            try:
-                conn = self._dirty.pop()  # atomic: a reply added meanwhile re-marks its connection
-            except KeyError:
-                return
-            conn.flush()
+        """Writes every buffered reply (a scheduler thread calls this after each round): hands
+        them to the sender thread, or writes them here without one."""
+        if self._sender is None:
+            while self._dirty:
+                try:
+                    conn = self._dirty.pop()  # atomic: a reply added meanwhile re-marks its connection
+                except KeyError:
+                    return
+                conn.flush()
+            return
+        with self._send_lock:
+            batch = []
+            while self._dirty:
+                try:
+                    conn = self._dirty.pop()
+                except KeyError:
+                    break
+                parts = conn.take_outbox()
+                if parts:
+                    batch.append((conn.sock.fileno(), parts))
+            if batch:
+                self._sender.send(batch)
 
     # -- reading, on the event loop ------------------------------------------------------------
     def _accept(self) -> None:
@@ -202,8 +233,10 @@ class EngineLink:
         self._connections.discard(conn)
         if self._loop is not None:
             self._loop.remove_reader(conn.sock.fileno())
-        _shutdown(conn.sock)
-        with conn.out_lock:  # a scheduler thread may be writing its replies
+        _shutdown(conn.sock)  # a write the sender thread is blocked in fails now
+        with self._send_lock, conn.out_lock:  # a scheduler thread may be writing its replies
+            if self._sender is not None:
+                self._sender.wait_idle()  # no queued frame outlives its fd (whose number is reused)
             conn.sock.close()
 
     def _submit(self, conn: _Connection, frame: bytes | bytearray) -> None:
