@@ -1,7 +1,7 @@
 """The engine's end of the front-end link (`--frontends N`): decode requests in, replies out.
 
 Each front-end worker connects once to a Unix socket. The engine's Python threads share one GIL,
-so the link is built to take as little of it as possible and to add no thread of its own:
+so the link is built to take as little of it as possible and to add no Python thread:
 
 - the engine's event loop reads every connection (`loop.add_reader`): whatever frames are there
   with one system call, looking only at their session ids (to pick the device), and queues them;
@@ -14,8 +14,10 @@ so the link is built to take as little of it as possible and to add no thread of
   workers at 64 clients, the engine's main thread spent ~11% of its samples in
   `CUDAGraph.replay`, ~120 us a launch; reading on the loop took that to ~4% and the engine
   from 13.8k to 15.2k steps/s on average (bench/NOTES.md, twelfth session);
-- replies are buffered per connection and written once per scheduler round, one `sendmsg` for
-  all of a round's replies to a worker, instead of a system call (and a GIL hand-off) each;
+- replies are buffered per connection and written once per scheduler round, all of a round's
+  replies to a worker in one `sendmsg`, and those calls made by the native module's sender
+  thread without the GIL (each wakes a worker on another core, dear on a VM): the loop's thread
+  hands the round's frames over once;
 - the payloads (a request's inputs, a reply's output) go through shared-memory rings the worker
   sets up with its first frame (gdn_server.link_ring), so the socket carries only headers: the
   requests' inputs are read from the ring straight into the staging buffer, and the outputs are
