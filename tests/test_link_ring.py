@@ -202,27 +202,34 @@ class _Placement:
 
 
 @pytest.mark.timeout(60)
-def test_the_engine_reads_rings_answers_through_them_and_answers_a_cancelled_request():
+@pytest.mark.parametrize("rings", [True, False], ids=["rings", "no-rings"])
+def test_the_engine_reads_rings_answers_through_them_and_answers_a_cancelled_request(rings):
     """EngineLink end to end over a socket pair: the hello with the rings' memory, a request
     read from the request ring, its reply's output written to the reply ring, an ack, and a
-    request cancelled before it ran answered CANCELLED (what frees its bytes in the ring)."""
+    request cancelled before it ran answered CANCELLED (what frees its bytes in the ring). The
+    same with a hello without rings (a platform without memfd): every payload in its frame."""
     placement = _Placement()
     engine = EngineLink("/nonexistent/never-bound.sock", SHAPE, placement)
     scheduler = placement.shards[0].scheduler
     worker_sock, engine_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     conn = _Connection(engine_sock)
     engine._connections.add(conn)
-    shared = make_shared(1 << 17)
-    if shared is None:
-        pytest.skip("no memfd on this platform")
-    fd, memory = shared
-    view = memoryview(memory)
-    request_ring, reply_view = RequestRing(view[: 1 << 16]), view[1 << 16:]
+    request_ring = reply_view = None
+    if rings:
+        shared = make_shared(1 << 17)
+        if shared is None:
+            pytest.skip("no memfd on this platform")
+        fd, memory = shared
+        view = memoryview(memory)
+        request_ring, reply_view = RequestRing(view[: 1 << 16]), view[1 << 16:]
     with worker_sock, engine_sock:
-        socket.send_fds(worker_sock, [encode_hello(1 << 16, 1 << 16)], [fd])
-        os.close(fd)
+        if rings:
+            socket.send_fds(worker_sock, [encode_hello(1 << 16, 1 << 16)], [fd])
+            os.close(fd)
+        else:
+            worker_sock.sendall(encode_hello(0, 0))
         engine._on_readable(conn)  # the hello
-        assert conn.greeted and conn.request_ring is not None and conn.reply_ring is not None
+        assert conn.greeted and (conn.request_ring is not None) == rings and (conn.reply_ring is not None) == rings
 
         works = [_work(2, 1, seed=s) for s in range(2)]
         frames = []
@@ -247,17 +254,36 @@ def test_the_engine_reads_rings_answers_through_them_and_answers_a_cancelled_req
         tag, result, read_to = decode_reply(replies[0], SHAPE, reply_view)  # the cancel's reply came first
         assert tag == 1 and result.code == grpc.StatusCode.CANCELLED and read_to is None
         tag, result, read_to = decode_reply(replies[1], SHAPE, reply_view)
-        assert tag == 0 and result.out == out and read_to == len(out)
-        request_ring.free(0)
-        request_ring.free(1)
-        assert request_ring.taken == 0
-
-        worker_sock.sendall(encode_ack(read_to))
-        engine._on_readable(conn)
-        assert conn.reply_ring._acked == len(out)
+        assert tag == 0 and result.out == out and read_to == (len(out) if rings else None)
+        if rings:
+            request_ring.free(0)
+            request_ring.free(1)
+            assert request_ring.taken == 0
+            worker_sock.sendall(encode_ack(read_to))
+            engine._on_readable(conn)
+            assert conn.reply_ring._acked == len(out)
         del make0
         scheduler.queued.clear()
         engine.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("first", ["request", "rings-without-fd", "nothing"])
+def test_a_link_that_does_not_open_with_a_valid_hello_is_dropped(first):
+    engine = EngineLink("/nonexistent/never-bound.sock", SHAPE, _Placement())
+    worker_sock, engine_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = _Connection(engine_sock)
+    engine._connections.add(conn)
+    with worker_sock:
+        if first == "request":
+            worker_sock.sendall(b"".join(bytes(p) for p in encode_request(0, _work(1, 1, seed=0))))
+        elif first == "rings-without-fd":
+            worker_sock.sendall(encode_hello(1 << 16, 1 << 16))
+        else:
+            worker_sock.shutdown(socket.SHUT_WR)  # the worker died before its hello
+        engine._on_readable(conn)
+    assert not conn.greeted and not conn.open and conn not in engine._connections
+    engine.close()
 
 
 def _frames_length(data: bytes, count: int) -> int:
