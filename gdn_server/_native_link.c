@@ -217,7 +217,8 @@ typedef struct {
     Outgoing *head, *tail;
 } LinkSender;
 
-/* Writes all of an item; gives up on an error other than EINTR (the peer is gone). */
+/* Writes all of an item to its (blocking) socket; gives up on an error other than EINTR (the
+   peer is gone: the engine's read side drops the connection). */
 static void write_all(const Outgoing *item) {
     size_t done = 0;
     while (done < item->len) {
@@ -288,6 +289,10 @@ static PyObject *sender_send(LinkSender *self, PyObject *batch) {
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(batch); i++) {
         PyObject *entry = PyList_GET_ITEM(batch, i), *parts;
         int fd;
+        if (!PyTuple_Check(entry)) {
+            PyErr_SetString(PyExc_TypeError, "send(batch: list[(fd, parts)]): an entry is not a tuple");
+            goto fail;
+        }
         if (!PyArg_ParseTuple(entry, "iO!", &fd, &PyList_Type, &parts)) goto fail;
         Py_ssize_t count = PyList_GET_SIZE(parts);
         Py_buffer *views = PyMem_Calloc(count ? count : 1, sizeof(Py_buffer));

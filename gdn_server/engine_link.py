@@ -200,8 +200,8 @@ class EngineLink:
                 if len(fds) != 1:
                     raise ValueError(f"a hello with rings needs their memory's fd; got {len(fds)} fds")
                 memory = memoryview(map_shared(fds.pop(), request_bytes + reply_bytes))
-                if request_bytes:
-                    conn.request_ring = memory[:request_bytes]
+                if request_bytes:  # the engine only reads it (and the backend's fill from it)
+                    conn.request_ring = memory[:request_bytes].toreadonly()
                 if reply_bytes:
                     conn.reply_ring = ReplyRing(memory[request_bytes:])
         except (ValueError, OSError) as e:
