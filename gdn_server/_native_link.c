@@ -37,6 +37,10 @@
 #include <sys/socket.h>
 #include <string.h>
 
+#ifndef MSG_NOSIGNAL /* macOS: none; Python ignores SIGPIPE anyway, so a gone peer is EPIPE */
+#define MSG_NOSIGNAL 0
+#endif
+
 #define N_INPUTS 5
 #define KIND_DECODE 1
 #define FLAG_SPECULATIVE 1
