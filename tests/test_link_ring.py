@@ -8,6 +8,8 @@ import os
 import random
 import socket
 import struct
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -165,15 +167,16 @@ def test_the_rings_memory_is_shared_through_the_socket():
         os.close(fd)
         hello, fds, _, _ = socket.recv_fds(right, LENGTH.size + link.HELLO.size, 1)
         request_bytes, reply_bytes = decode_hello(hello)
+        other = os.dup(fds[0])
         engine_view = memoryview(map_shared(fds[0], request_bytes + reply_bytes))
         memory[:5] = b"hello"
         assert bytes(engine_view[:5]) == b"hello"
-        pid = os.fork()
-        if pid == 0:  # another process writes through its copy of the mapping
-            engine_view[100:105] = b"child"
-            os._exit(0)
-        assert os.waitpid(pid, 0)[1] == 0
-        assert memory[100:105] == b"child"
+        try:  # another process maps the received fd and writes through its own mapping
+            subprocess.run([sys.executable, "-c", f"import mmap; m = mmap.mmap({other}, {1 << 16}); m[100:105] = b'child'"],
+                           pass_fds=(other,), check=True, timeout=30)
+        finally:
+            os.close(other)
+        assert memory[100:105] == b"child" and bytes(engine_view[100:105]) == b"child"
         del engine_view
 
 
