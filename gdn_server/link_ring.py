@@ -57,6 +57,11 @@ def map_shared(fd: int, nbytes: int) -> mmap.mmap:
         os.close(fd)
 
 
+def _bytes_view(data):
+    """`data` as a flat run of bytes: a memoryview of another format (len counts its items) cast."""
+    return data.cast("B") if isinstance(data, memoryview) and (data.format != "B" or data.ndim != 1) else data
+
+
 def _place(head: int, nbytes: int, capacity: int) -> int:
     """Where a payload of `nbytes` written at monotonic offset `head` starts: at `head`, or at
     the ring's next lap when it would run past the end (payloads are never split)."""
@@ -78,6 +83,7 @@ class RequestRing:
     def put(self, tag: int, parts: list) -> int | None:
         """Writes `parts` back to back for request `tag`; their monotonic offset, or None when
         they do not fit now (the caller sends them in the frame)."""
+        parts = [_bytes_view(p) for p in parts]
         nbytes = sum(len(p) for p in parts)
         if nbytes == 0 or nbytes > self.capacity // 2 or tag in self._span_of:
             return None
@@ -125,6 +131,7 @@ class ReplyRing:
 
     def put(self, payload) -> int | None:
         """Copies `payload` in; its monotonic offset, or None when it does not fit now."""
+        payload = _bytes_view(payload)
         nbytes = len(payload)
         if nbytes == 0 or nbytes > self.capacity // 2:
             return None
@@ -132,8 +139,6 @@ class ReplyRing:
         if start + nbytes - self._acked > self.capacity:
             return None
         pos = start % self.capacity
-        if isinstance(payload, memoryview) and payload.format != "B":
-            payload = payload.cast("B")
         self.view[pos : pos + nbytes] = payload
         self._head = start + nbytes
         return start

@@ -346,3 +346,17 @@ def test_the_link_sender_writes_each_connection_in_order_and_survives_a_gone_pee
         for ours, theirs in pairs:
             ours.close()
             theirs.close()
+
+
+def test_rings_take_memoryviews_of_any_format_by_their_bytes():
+    """A payload handed over as a memoryview of 2-byte items (as a tensor's buffer would be)
+    goes in by its bytes, not its item count."""
+    halves = memoryview(torch.arange(64, dtype=torch.int16).numpy().tobytes()).cast("h")
+    assert len(halves) == 64 and halves.nbytes == 128
+    reply_memory = memoryview(bytearray(1024))
+    offset = ReplyRing(reply_memory).put(halves)
+    assert bytes(reply_memory[offset:offset + 128]) == halves.tobytes()
+    request_memory = memoryview(bytearray(1024))
+    ring = RequestRing(request_memory)
+    offset = ring.put(0, [halves, b"xy"])
+    assert bytes(request_memory[offset:offset + 130]) == halves.tobytes() + b"xy" and ring.taken == 130
