@@ -44,7 +44,8 @@
 
    _native_scheduler.c adds the scheduler's loops over a round's plain steps (admit_plain,
    submit_plain, finish_plain), which do change the objects they are given, and _native_link.c
-   an engine's decode of front-end link frames (decode_link_request). */
+   an engine's decode of front-end link frames (decode_link_request) and the thread that writes
+   its reply frames (LinkSender). */
 #include "_native.h"
 #include <pthread.h>
 #include <stdint.h>

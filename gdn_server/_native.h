@@ -21,7 +21,8 @@ int intern_names(const InternedName *names, size_t count);
 /* _native_scheduler.c: the scheduler's plain steps; 0 on success, -1 with an exception set. */
 int add_scheduler_functions(PyObject *module);
 
-/* _native_link.c: the engine's decode of front-end link frames; 0 on success, -1 with an exception set. */
+/* _native_link.c: the engine's decode of front-end link frames and its reply writer (LinkSender);
+   0 on success, -1 with an exception set. */
 int add_link_functions(PyObject *module);
 
 #endif

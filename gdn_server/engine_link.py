@@ -145,25 +145,21 @@ class EngineLink:
         """Writes every buffered reply (a scheduler thread calls this after each round): hands
         them to the sender thread, or writes them here without one."""
         if self._sender is None:
-            while self._dirty:
-                try:
-                    conn = self._dirty.pop()  # atomic: a reply added meanwhile re-marks its connection
-                except KeyError:
-                    return
+            for conn in self._take_dirty():
                 conn.flush()
             return
         with self._send_lock:
-            batch = []
-            while self._dirty:
-                try:
-                    conn = self._dirty.pop()
-                except KeyError:
-                    break
-                parts = conn.take_outbox()
-                if parts:
-                    batch.append((conn.sock.fileno(), parts))
+            batch = [(conn.sock.fileno(), parts) for conn in self._take_dirty() if (parts := conn.take_outbox())]
             if batch:
                 self._sender.send(batch)
+
+    def _take_dirty(self):
+        """The connections with replies waiting, each taken off the set as it is yielded."""
+        while self._dirty:
+            try:
+                yield self._dirty.pop()  # atomic: a reply added meanwhile re-marks its connection
+            except KeyError:
+                return
 
     # -- reading, on the event loop ------------------------------------------------------------
     def _accept(self) -> None:

@@ -21,7 +21,7 @@ from gdn_server import link
 from gdn_server.config import ModelShape
 from gdn_server.engine_link import EngineLink, _Connection
 from gdn_server.link import (
-    FLAG_IN_RING, LENGTH, STATUS_IN_RING, decode_ack, decode_hello, decode_reply, decode_request, encode_ack,
+    FLAG_IN_RING, FrameBuffer, LENGTH, STATUS_IN_RING, decode_ack, decode_hello, decode_reply, decode_request, encode_ack,
     encode_hello, encode_reply, encode_request,
 )
 from gdn_server.link_ring import ReplyRing, RequestRing, _place, make_shared, map_shared
@@ -250,10 +250,10 @@ def test_the_engine_reads_rings_answers_through_them_and_answers_a_cancelled_req
         done0(DecodeResult(out, (2, 1, SHAPE.num_v_heads, SHAPE.head_dim_v), (1, 1)))
         engine.flush()
         worker_sock.settimeout(10)
-        data = b""
-        while len(data) < 2 or len(data) < _frames_length(data, 2):
-            data += worker_sock.recv(1 << 16)
-        replies = _split(data)
+        incoming, replies = FrameBuffer(), []
+        while len(replies) < 2:  # the worker's own reading of the link's frames
+            assert incoming.fill(worker_sock)
+            replies += [bytes(f) for f in incoming.frames()]
         tag, result, read_to = decode_reply(replies[0], SHAPE, reply_view)  # the cancel's reply came first
         assert tag == 1 and result.code == grpc.StatusCode.CANCELLED and read_to is None
         tag, result, read_to = decode_reply(replies[1], SHAPE, reply_view)
@@ -287,26 +287,6 @@ def test_a_link_that_does_not_open_with_a_valid_hello_is_dropped(first):
         engine._on_readable(conn)
     assert not conn.greeted and not conn.open and conn not in engine._connections
     engine.close()
-
-
-def _frames_length(data: bytes, count: int) -> int:
-    """Bytes of the first `count` length-prefixed frames in `data` (more than len(data) while
-    they have not all come)."""
-    at = 0
-    for _ in range(count):
-        if at + 4 > len(data):
-            return at + 5
-        at += 4 + struct.unpack_from("<I", data, at)[0]
-    return at
-
-
-def _split(data: bytes) -> list[bytes]:
-    frames, at = [], 0
-    while at < len(data):
-        (n,) = struct.unpack_from("<I", data, at)
-        frames.append(data[at + 4:at + 4 + n])
-        at += 4 + n
-    return frames
 
 
 @pytest.mark.skipif(link.native.module is None, reason="gdn_server._native is not built here")
