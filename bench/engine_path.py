@@ -54,10 +54,11 @@ from gdn_server.backends.staging import Plan, carve, fill, make_plan
 from gdn_server.config import PRESETS, ModelShape, SchedulerConfig
 from gdn_server.engine_link import SOCKET_BUFFER_BYTES, EngineLink, _Connection
 from gdn_server.link import LENGTH, FrameBuffer, decode_reply, encode_ack, encode_request, send_frames
-from gdn_server.link_ring import REPLY_RING_BYTES, REQUEST_RING_BYTES, ReplyRing, RequestRing
+from gdn_server.link_ring import REPLY_RING_BYTES, REQUEST_RING_BYTES, RequestRing
 from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
 from gdn_server.sessions import SessionTable
+from gdn_server.tuning import freeze_startup_objects
 from gdn_server.weights import random_gate_params
 from gdn_server.work import DecodeResult, DecodeWork, StepBatch
 
@@ -239,13 +240,13 @@ class Engine:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         worker_sock.setblocking(False)
-        self.conn = _Connection(engine_sock)
+        self.conn = _Connection(engine_sock, self.link._dirty)
         self.conn.greeted = True  # the hello is the real link's business: the rings are set here
         worker_rings = None
         if rings:  # one buffer both ends map, as the worker's memfd
             memory = memoryview(bytearray(REQUEST_RING_BYTES + REPLY_RING_BYTES))
             self.conn.request_ring = memory[:REQUEST_RING_BYTES].toreadonly()
-            self.conn.reply_ring = ReplyRing(memory[REQUEST_RING_BYTES:])
+            self.conn.use_reply_ring(memory[REQUEST_RING_BYTES:])
             worker_rings = (RequestRing(memory[:REQUEST_RING_BYTES]), memory[REQUEST_RING_BYTES:])
         self.link._connections.add(self.conn)
         ids = [self.table.create().id for _ in range(sessions)]
@@ -351,6 +352,7 @@ def main() -> None:
     torch.set_num_threads(1)  # every copy on the timed thread (thread_time would miss a pool's work)
     shape = PRESETS["qwen3-next"]
     engine = Engine(shape, args.sessions, max(per_round), rings=not args.no_rings)
+    freeze_startup_objects()  # as the engine process does once it is ready to serve
     profiler = cProfile.Profile() if args.profile else None
     results = []
     try:

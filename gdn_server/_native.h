@@ -25,4 +25,7 @@ int add_scheduler_functions(PyObject *module);
    0 on success, -1 with an exception set. */
 int add_link_functions(PyObject *module);
 
+/* _native_replies.c: ReplyBox, one link connection's replies; 0 on success, -1 with an exception set. */
+int add_reply_box(PyObject *module);
+
 #endif

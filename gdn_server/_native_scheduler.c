@@ -6,7 +6,7 @@
    attribute traffic), and leaves the others to that Python untouched.
 
    admit_plain(items, start, rows, max_rows, ctx) -> (index, rows)
-       Scheduler._launch's loop over items[start:]. A _DecodeItem whose work is built is deferred
+       Scheduler._launch's loop over items[start:]. A _DecodeItem is deferred
        when a session of it is busy in this round (or it would pass max_rows), whatever its step;
        else, if it is a plain step (not speculative; every session known, owned by the request's
        owner, at the request's position where positions are given, with no speculative record,
@@ -135,10 +135,6 @@ static int admit_one(PyObject *item, Py_ssize_t *rows, Py_ssize_t max_rows, PyOb
              *layers = NULL, *member = NULL;
     work = PyObject_GetAttr(item, s_work);
     if (work == NULL) goto done;
-    if (work == Py_None) {
-        taken = 0; /* built on this thread by its make_work: the Python does it */
-        goto done;
-    }
     ids = PyObject_GetAttr(work, s_session_ids);
     if (ids == NULL) goto done;
     if (!PyTuple_Check(ids)) {

@@ -4,9 +4,8 @@ Each front-end worker connects once to a Unix socket. The engine's Python thread
 so the link is built to take as little of it as possible and to add no Python thread:
 
 - the engine's event loop reads every connection (`loop.add_reader`): whatever frames are there
-  with one system call, looking only at their session ids (to pick the device), and queues them;
-  the rest of the frame is read later, in the scheduler's round (`Scheduler.submit_decode_later`),
-  and bf16 inputs stay bytes all the way into the backend's staging buffer (no tensors). With the
+  with one system call, decoded (in C) and queued to the scheduler of their sessions' device;
+  bf16 inputs stay bytes all the way into the backend's staging buffer (no tensors). With the
   CUDA backend the scheduler's rounds run on that same loop, so a request goes from the socket
   to its launch on one thread. A reader thread of its own (the design before) made every call of
   the loop thread that lets the GIL go (a graph launch, an event, a send) a chance for the reader
@@ -39,59 +38,115 @@ from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError
 from gdn_server.link import (
     HELLO, KIND_ACK, KIND_CANCEL, LENGTH, FrameBuffer, decode_ack, decode_cancel, decode_hello, decode_request,
-    encode_reply, frame_kind, peek_request, request_tag_and_rows, send_frames,
+    encode_reply, frame_kind, request_tag, send_frames,
 )
 from gdn_server.link_ring import ReplyRing, map_shared
 from gdn_server.placement import Placement
-from gdn_server.work import DecodeResult, DecodeWork
+from gdn_server.work import DecodeResult
 
 log = logging.getLogger(__name__)
 
 SOCKET_BUFFER_BYTES = 4 << 20  # a burst of replies fits without blocking the scheduler thread
+_CANCELLED = GdnError("the caller gave up before the request reached the device", grpc.StatusCode.CANCELLED)
+
+
+class PyReplyBox:
+    """One connection's replies not yet written, and its requests not yet answered: the
+    reference for gdn_server._native.ReplyBox, which the link uses where the native module is
+    built (same methods, same bytes; tests/test_link_ring.py runs both side by side).
+
+    Answers come from every device's scheduler thread: `answer` encodes a reply (its output into
+    the reply ring, in the order the frames are taken) and adds `key` to `dirty`, the set of
+    connections with frames waiting; `take` hands those frames to whoever writes them."""
+
+    def __init__(self, ring: memoryview | None, dirty: set, key: object, cancelled_error: GdnError) -> None:
+        self._ring = ReplyRing(ring) if ring is not None else None
+        self._dirty = dirty
+        self._key = key
+        self._cancelled_error = cancelled_error
+        # tag -> cancelled, for every request queued and not yet answered; plain dict operations
+        # (atomic under the GIL) from the loop's reader and the scheduler threads
+        self._outstanding: dict[int, bool] = {}
+        self._outbox: list = []
+        self._lock = threading.Lock()  # the reply ring is filled in the order the frames are taken
+        self.open = True
+
+    def expect(self, tag: int) -> None:
+        self._outstanding[tag] = False
+
+    def cancel(self, tag: int) -> None:
+        if tag in self._outstanding:
+            self._outstanding[tag] = True
+
+    def dropped(self, tag: int) -> bool:
+        """The scheduler's `cancelled` check: True (once) when the caller gave up. A dropped
+        request is still answered (CANCELLED): its reply is what frees its inputs' bytes in the
+        worker's request ring."""
+        if self._outstanding.get(tag):
+            self.answer(tag, self._cancelled_error)
+            return True
+        return False
+
+    def answer(self, tag: int, result: DecodeResult | BaseException) -> None:
+        self._outstanding.pop(tag, None)
+        if not self.open:
+            return
+        with self._lock:
+            self._outbox.extend(encode_reply(tag, result, self._ring))
+        self._dirty.add(self._key)
+
+    def ack(self, read_to: int) -> None:
+        if self._ring is not None:
+            self._ring.ack(read_to)
+
+    def take(self) -> list:
+        """The frames waiting (none once closed)."""
+        with self._lock:
+            parts, self._outbox = self._outbox, []
+        return parts if self.open else []
+
+    def close(self) -> None:
+        with self._lock:
+            self.open = False
+
+    def unanswered(self) -> list[int]:
+        return list(self._outstanding)
+
+
+def make_reply_box(ring: memoryview | None, dirty: set, key: object) -> "PyReplyBox":
+    """The native ReplyBox where gdn_server._native is built, else the Python one."""
+    if native.module is not None:
+        return native.module.ReplyBox(ring, dirty, key, DecodeResult, encode_reply, _CANCELLED)
+    return PyReplyBox(ring, dirty, key, _CANCELLED)
 
 
 class _Connection:
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, dirty: set) -> None:
         self.sock = sock
         self.frames = FrameBuffer()
         self.open = True
         self.greeted = False  # the worker's hello (and its rings) read
         self.request_ring: memoryview | None = None
-        self.reply_ring: ReplyRing | None = None
-        # tag -> cancelled, for every request queued and not yet answered; plain dict operations
-        # (atomic under the GIL) from the loop's reader and the scheduler threads
-        self.outstanding: dict[int, bool] = {}
-        self.outbox: list[bytes] = []  # reply frames not yet written
-        self.out_lock = threading.Lock()  # replies come from every device's scheduler thread
+        self.replies = make_reply_box(None, dirty, self)  # until the hello brings a reply ring
+        self._dirty = dirty
 
-    def cancel(self, tag: int) -> None:
-        if tag in self.outstanding:
-            self.outstanding[tag] = True
+    def use_reply_ring(self, ring: memoryview) -> None:
+        self.replies = make_reply_box(ring, self._dirty, self)
 
-    def dropped_if_cancelled(self, tag: int) -> bool:
-        """The scheduler's `cancelled` check: True (once, forgetting the tag) when the caller gave up."""
-        if self.outstanding.get(tag):
-            self.outstanding.pop(tag, None)
-            return True
-        return False
-
-    def take_outbox(self) -> list[bytes]:
-        """The reply frames buffered so far (none once the connection is closed)."""
-        with self.out_lock:
-            parts, self.outbox = self.outbox, []
-        return parts if self.open else []
+    def close(self) -> None:
+        self.open = False
+        self.replies.close()
 
     def flush(self) -> None:
         """Writes the buffered replies on this thread (where gdn_server._native is not built)."""
-        with self.out_lock:
-            parts, self.outbox = self.outbox, []
-            if not parts or not self.open:
-                return
-            try:
-                send_frames(self.sock, parts)
-            except OSError as e:  # the worker went away; reading its connection drops it
-                self.open = False
-                log.debug("replies to a closed front-end link dropped: %s", e)
+        parts = self.replies.take()
+        if not parts or not self.open:
+            return
+        try:
+            send_frames(self.sock, parts)
+        except OSError as e:  # the worker went away; reading its connection drops it
+            self.open = False
+            log.debug("replies to a closed front-end link dropped: %s", e)
 
 
 class EngineLink:
@@ -149,7 +204,7 @@ class EngineLink:
                 conn.flush()
             return
         with self._send_lock:
-            batch = [(conn.sock.fileno(), parts) for conn in self._take_dirty() if (parts := conn.take_outbox())]
+            batch = [(conn.sock.fileno(), parts) for conn in self._take_dirty() if conn.open and (parts := conn.replies.take())]
             if batch:
                 self._sender.send(batch)
 
@@ -169,7 +224,7 @@ class EngineLink:
             return
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-        conn = _Connection(sock)
+        conn = _Connection(sock, self._dirty)
         self._connections.add(conn)
         assert self._loop is not None
         self._loop.add_reader(sock.fileno(), self._on_readable, conn)
@@ -199,7 +254,7 @@ class EngineLink:
                 if request_bytes:  # the engine only reads it (and the backend's fill from it)
                     conn.request_ring = memory[:request_bytes].toreadonly()
                 if reply_bytes:
-                    conn.reply_ring = ReplyRing(memory[request_bytes:])
+                    conn.use_reply_ring(memory[request_bytes:])
         except (ValueError, OSError) as e:
             log.warning("front-end link without a valid hello (%s); closing it", e)
             self._drop(conn)
@@ -225,14 +280,14 @@ class EngineLink:
             self._drop(conn)
 
     def _drop(self, conn: _Connection) -> None:
-        conn.open = False
+        conn.close()
         if conn not in self._connections:
             return
         self._connections.discard(conn)
         if self._loop is not None:
             self._loop.remove_reader(conn.sock.fileno())
         _shutdown(conn.sock)  # a write the sender thread is blocked in fails now
-        with self._send_lock, conn.out_lock:  # a scheduler thread may be writing its replies
+        with self._send_lock:  # a scheduler thread may be handing over its replies
             if self._sender is not None:
                 self._sender.wait_idle()  # no queued frame outlives its fd (whose number is reused)
             conn.sock.close()
@@ -240,55 +295,36 @@ class EngineLink:
     def _submit(self, conn: _Connection, frame: bytes | bytearray) -> None:
         kind = frame_kind(frame)
         if kind == KIND_ACK:
-            if conn.reply_ring is not None:
-                conn.reply_ring.ack(decode_ack(frame))
+            conn.replies.ack(decode_ack(frame))
             return
         if kind == KIND_CANCEL:
-            conn.cancel(decode_cancel(frame))
+            conn.replies.cancel(decode_cancel(frame))
+            return
+        # the whole frame is decoded here, on the loop's thread that read it (in C where
+        # gdn_server._native is built), so the scheduler's admission takes every request in one
+        # C pass; deferring the decode to the round (the design when the link had a reader
+        # thread of its own) cost a trip back to Python per request there
+        tag = request_tag(frame)  # a frame too short for its header: the worker is broken (dropped)
+        replies = conn.replies
+        done = partial(replies.answer, tag)
+        try:
+            work = decode_request(frame, self.shape, conn.request_ring)[1]
+        except Exception as e:  # a frame that does not decode: fail this request only
+            log.exception("could not decode a request from a front-end worker")
+            done(GdnError(f"malformed request: {e}"))
             return
         if self._only_shard is not None:
             # an engine process of one device: no look-up here; the scheduler's admission answers
             # an unknown session with the same NOT_FOUND the look-up would have
             shard = self._only_shard
-            tag, rows = request_tag_and_rows(frame)
-            done = partial(self._answer, conn, tag)
         else:
-            tag, session_ids = peek_request(frame)
-            done = partial(self._answer, conn, tag)
-            rows = len(session_ids)
             try:
-                shard = self.placement.shard_for(session_ids)
+                shard = self.placement.shard_for(work.session_ids)
             except GdnError as e:
                 done(e)
                 return
-        conn.outstanding[tag] = False
-        shard.scheduler.submit_decode_later(
-            partial(self._work_of, frame, conn.request_ring), rows, done, cancelled=partial(self._cancelled, conn, tag)
-        )
-
-    def _work_of(self, frame: bytes | bytearray, ring: memoryview | None) -> DecodeWork:
-        return decode_request(frame, self.shape, ring)[1]
-
-    def _cancelled(self, conn: _Connection, tag: int) -> bool:
-        """The scheduler's `cancelled` check. A dropped request is still answered (CANCELLED):
-        its reply is what frees its inputs' bytes in the worker's request ring."""
-        if conn.dropped_if_cancelled(tag):
-            self._answer(conn, tag, _CANCELLED)
-            return True
-        return False
-
-    def _answer(self, conn: _Connection, tag: int, result: DecodeResult | BaseException) -> None:
-        """Buffers the reply to `tag`; `flush` writes it. On a scheduler thread, or the reader's."""
-        conn.outstanding.pop(tag, None)
-        if not conn.open:
-            return
-        with conn.out_lock:  # the reply ring is filled in the order the frames are written
-            conn.outbox.extend(encode_reply(tag, result, conn.reply_ring))
-        self._dirty.add(conn)
-
-
-_CANCELLED = GdnError("the caller gave up before the request reached the device", grpc.StatusCode.CANCELLED)
-
+        replies.expect(tag)
+        shard.scheduler.submit_decode(work, done, cancelled=partial(replies.dropped, tag))
 
 def _shutdown(sock: socket.socket) -> None:
     try:

@@ -41,7 +41,7 @@ import torch
 from gdn_server import native
 from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError
-from gdn_server.link_ring import ReplyRing, RequestRing, payload_at, read_payload
+from gdn_server.link_ring import ReplyRing, RequestRing, as_bytes, payload_at, read_payload
 from gdn_server.work import DecodeResult, DecodeWork
 
 LENGTH = struct.Struct("<I")
@@ -151,23 +151,9 @@ def decode_cancel(frame: bytes | bytearray) -> int:
     return CANCEL.unpack_from(frame, 0)[1]
 
 
-def request_tag_and_rows(frame: bytes | bytearray) -> tuple[int, int]:
-    """(tag, B) of a request frame, from its fixed header alone (cheapest)."""
-    _, tag, _, _, B, _, _, _ = REQUEST.unpack_from(frame, 0)
-    return tag, B
-
-
-def peek_request(frame: bytes | bytearray) -> tuple[int, tuple[str, ...]]:
-    """(tag, session ids) of a request frame, without building its tensors (cheap)."""
-    _, tag, flags, _, B, _, _, _ = REQUEST.unpack_from(frame, 0)
-    offset = REQUEST.size
-    id_lens = struct.unpack_from(f"<{B}H", frame, offset)
-    offset += 2 * B + (8 * B if flags & FLAG_POSITIONS else 0)
-    session_ids = []
-    for n in id_lens:
-        session_ids.append(str(frame[offset : offset + n], "utf-8"))
-        offset += n
-    return tag, tuple(session_ids)
+def request_tag(frame: bytes | bytearray) -> int:
+    """The tag of a request frame, from its fixed header alone (struct.error when it is shorter)."""
+    return REQUEST.unpack_from(frame, 0)[1]
 
 
 def _counts(kind: str, n: int) -> struct.Struct:
@@ -281,7 +267,7 @@ def encode_reply(tag: int, result: DecodeResult | BaseException, ring: ReplyRing
     order it encoded them: the worker reads the ring in that order)."""
     if isinstance(result, DecodeResult):
         B, T = result.shape[0], result.shape[1]
-        out = result.out
+        out = as_bytes(result.out)  # its length in bytes, whatever a memoryview's format
         offset = ring.put(out) if ring is not None else None
         if offset is not None:
             head = _reply_head(B).pack(REPLY.size + 8 * B + RING_OFFSET.size, tag, STATUS_IN_RING, B, T, 0,

@@ -57,7 +57,7 @@ def map_shared(fd: int, nbytes: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _bytes_view(data):
+def as_bytes(data):
     """`data` as a flat run of bytes: a memoryview of another format (len counts its items) cast."""
     return data.cast("B") if isinstance(data, memoryview) and (data.format != "B" or data.ndim != 1) else data
 
@@ -83,7 +83,7 @@ class RequestRing:
     def put(self, tag: int, parts: list) -> int | None:
         """Writes `parts` back to back for request `tag`; their monotonic offset, or None when
         they do not fit now (the caller sends them in the frame)."""
-        parts = [_bytes_view(p) for p in parts]
+        parts = [as_bytes(p) for p in parts]
         nbytes = sum(len(p) for p in parts)
         if nbytes == 0 or nbytes > self.capacity // 2 or tag in self._span_of:
             return None
@@ -131,7 +131,7 @@ class ReplyRing:
 
     def put(self, payload) -> int | None:
         """Copies `payload` in; its monotonic offset, or None when it does not fit now."""
-        payload = _bytes_view(payload)
+        payload = as_bytes(payload)
         nbytes = len(payload)
         if nbytes == 0 or nbytes > self.capacity // 2:
             return None

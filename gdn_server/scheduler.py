@@ -73,18 +73,14 @@ class _DecodeItem:
     """A queued decode request. A plain slotted class, not a dataclass: one is made per request on
     the event loop, and a dataclass's __init__ with a default factory costs several times more."""
 
-    __slots__ = ("work", "done", "rows", "cancelled", "enqueued", "make_work")
+    __slots__ = ("work", "done", "rows", "cancelled", "enqueued")
 
-    def __init__(
-        self, work: DecodeWork | None, done: Done, rows: int, cancelled: Callable[[], bool] | None = None,
-        make_work: Callable[[], DecodeWork] | None = None,
-    ) -> None:
-        self.work = work  # None until `make_work` has run, on the scheduler thread
+    def __init__(self, work: DecodeWork, done: Done, rows: int, cancelled: Callable[[], bool] | None = None) -> None:
+        self.work = work
         self.done = done
         self.rows = rows
         self.cancelled = cancelled
         self.enqueued = time.monotonic()
-        self.make_work = make_work
 
 
 @dataclass
@@ -206,13 +202,6 @@ class Scheduler:
     def submit_decode(self, work: DecodeWork, done: Done, cancelled: Callable[[], bool] | None = None) -> None:
         rows = len(work.session_ids)
         self._enqueue(_DecodeItem(work, done, rows, cancelled), rows)
-
-    def submit_decode_later(
-        self, make_work: Callable[[], DecodeWork], rows: int, done: Done, cancelled: Callable[[], bool] | None = None
-    ) -> None:
-        """`submit_decode` of the work `make_work()` builds, in the round that admits it: the
-        caller (the front-end link's reader) only peeks at a frame's header."""
-        self._enqueue(_DecodeItem(None, done, rows, cancelled, make_work=make_work), rows)
 
     def submit_control(self, fn: Callable[[], Any], done: Done) -> None:
         """Runs `fn()` on the scheduler thread once every earlier request has finished."""
@@ -503,16 +492,6 @@ class Scheduler:
                 control = item  # a barrier: later requests wait until it has run
                 deferred.extend(items[idx:])
                 break
-            if item.work is None:
-                try:
-                    item.work = item.make_work()
-                except Exception as e:  # a frame that does not decode: fail this request only
-                    log.exception("could not build a queued request")
-                    item.done(e if isinstance(e, GdnError) else GdnError(f"malformed request: {e}"))
-                    continue
-                if fast is not None:  # built (the --frontends link's requests): the C may take it now
-                    idx -= 1
-                    continue
             work = item.work
             ids = work.session_ids
             n = len(ids)

@@ -19,7 +19,10 @@ from hypothesis import strategies as st
 
 from gdn_server import link
 from gdn_server.config import ModelShape
-from gdn_server.engine_link import EngineLink, _Connection
+from gdn_server import engine_link
+from gdn_server.engine_link import EngineLink, PyReplyBox, _Connection
+from gdn_server.errors import GdnError
+from gdn_server.native import module as native_module
 from gdn_server.link import (
     FLAG_IN_RING, FrameBuffer, LENGTH, STATUS_IN_RING, decode_ack, decode_hello, decode_reply, decode_request, encode_ack,
     encode_hello, encode_reply, encode_request,
@@ -147,6 +150,74 @@ def test_reply_ring_round_trip_with_acks_and_fallback(sizes, ack_every):
     assert decode_reply(errors, SHAPE, memory)[2] is None
 
 
+_box_op = st.one_of(
+    st.tuples(st.just("expect"), st.integers(0, 9)),
+    st.tuples(st.just("cancel"), st.integers(0, 9)),
+    st.tuples(st.just("dropped"), st.integers(0, 9)),
+    # (tag, rows): a result of `rows` rows (0: an error; -1: a memoryview of bf16 items, 3 rows)
+    st.tuples(st.just("answer"), st.tuples(st.integers(0, 9), st.sampled_from((0, 1, 1, 2, 5, 40, -1)))),
+    st.tuples(st.just("ack"), st.just(0)),
+    st.tuples(st.just("take"), st.just(0)),
+    st.tuples(st.just("close"), st.just(0)),
+)
+
+
+@pytest.mark.skipif(native_module is None, reason="gdn_server._native is not built")
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(_box_op, max_size=60), ring_bytes=st.sampled_from((0, 4096, 1 << 16)))
+def test_the_native_reply_box_writes_the_bytes_of_the_python_one(ops, ring_bytes):
+    """gdn_server._native.ReplyBox against its reference, engine_link.PyReplyBox, through the
+    same calls: the same frames taken, the same ring contents, the same connections marked dirty,
+    the same requests outstanding, with and without a ring (and with one that fills up)."""
+    row_bytes = SHAPE.num_v_heads * SHAPE.head_dim_v * 2
+    boxes, rings, dirties = [], [], []
+    for make in (lambda r, d: PyReplyBox(r, d, "conn", engine_link._CANCELLED),
+                 lambda r, d: native_module.ReplyBox(r, d, "conn", DecodeResult, encode_reply, engine_link._CANCELLED)):
+        ring = memoryview(bytearray(ring_bytes)) if ring_bytes else None
+        dirty: set = set()
+        boxes.append(make(ring, dirty))
+        rings.append(ring)
+        dirties.append(dirty)
+    taken = [[], []]
+    read_to = 0  # the worker's ack: how far the frames taken so far have been read
+    for k, (op, arg) in enumerate(ops):
+        outcomes = []
+        for box, frames in zip(boxes, taken):
+            if op == "answer":
+                tag, rows = arg
+                if rows == 0:
+                    result = GdnError(f"no {k}", grpc.StatusCode.NOT_FOUND)
+                elif rows < 0:
+                    result = DecodeResult(memoryview(bytes([k % 256]) * 3 * row_bytes).cast("H"),
+                                          (3, 1, SHAPE.num_v_heads, SHAPE.head_dim_v), (k, k + 1, k + 2))
+                else:
+                    result = DecodeResult(bytes([k % 256]) * rows * row_bytes,
+                                          (rows, 1, SHAPE.num_v_heads, SHAPE.head_dim_v), tuple(range(k, k + rows)))
+                outcomes.append(box.answer(tag, result))
+            elif op == "ack":
+                outcomes.append(box.ack(read_to))
+            elif op == "take":
+                frames.extend(bytes(p) for p in box.take())
+            elif op in ("expect", "cancel", "dropped"):
+                outcomes.append(getattr(box, op)(arg))
+            else:
+                box.close()
+        assert outcomes[0] == outcomes[1] if outcomes else True
+        assert b"".join(taken[0]) == b"".join(taken[1])
+        assert sorted(boxes[0].unanswered()) == sorted(boxes[1].unanswered())
+        assert dirties[0] == dirties[1] and boxes[0].open == boxes[1].open
+        if op == "take" and rings[0] is not None:  # the worker reads what was taken, then may ack it
+            incoming = FrameBuffer()
+            data = b"".join(taken[0])
+            incoming._buf[: len(data)] = data
+            incoming._end = len(data)
+            for frame in incoming.frames():
+                _, _, at = decode_reply(bytes(frame), SHAPE, rings[0])
+                read_to = at if at is not None else read_to
+    if rings[0] is not None:
+        assert bytes(rings[0]) == bytes(rings[1])
+
+
 def test_hello_frames():
     assert decode_hello(encode_hello(8 << 20, 4 << 20)) == (8 << 20, 4 << 20)
     with pytest.raises(ValueError, match="hello"):
@@ -187,8 +258,8 @@ class _Scheduler:
         self.after_answers: list = []
         self.queued: list = []
 
-    def submit_decode_later(self, make_work, rows, done, cancelled=None) -> None:
-        self.queued.append((make_work, done, cancelled))
+    def submit_decode(self, work, done, cancelled=None) -> None:
+        self.queued.append((work, done, cancelled))
 
 
 class _Shard:
@@ -215,7 +286,7 @@ def test_the_engine_reads_rings_answers_through_them_and_answers_a_cancelled_req
     engine = EngineLink("/nonexistent/never-bound.sock", SHAPE, placement)
     scheduler = placement.shards[0].scheduler
     worker_sock, engine_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn = _Connection(engine_sock)
+    conn = _Connection(engine_sock, engine._dirty)
     engine._connections.add(conn)
     request_ring = reply_view = None
     if rings:
@@ -232,7 +303,7 @@ def test_the_engine_reads_rings_answers_through_them_and_answers_a_cancelled_req
         else:
             worker_sock.sendall(encode_hello(0, 0))
         engine._on_readable(conn)  # the hello
-        assert conn.greeted and (conn.request_ring is not None) == rings and (conn.reply_ring is not None) == rings
+        assert conn.greeted and (conn.request_ring is not None) == rings
 
         works = [_work(2, 1, seed=s) for s in range(2)]
         frames = []
@@ -242,8 +313,8 @@ def test_the_engine_reads_rings_answers_through_them_and_answers_a_cancelled_req
         worker_sock.sendall(b"".join(bytes(p) for p in frames))
         engine._on_readable(conn)
         assert len(scheduler.queued) == 2
-        (make0, done0, cancelled0), (make1, done1, cancelled1) = scheduler.queued
-        assert _same_inputs(make0(), works[0])
+        (work0, done0, cancelled0), (work1, done1, cancelled1) = scheduler.queued
+        assert _same_inputs(work0, works[0])
         assert not cancelled0() and cancelled1()  # request 1 was cancelled before it ran
 
         out = bytes(range(256))  # [2, 1, 4, 16] bf16
@@ -264,10 +335,38 @@ def test_the_engine_reads_rings_answers_through_them_and_answers_a_cancelled_req
             assert request_ring.taken == 0
             worker_sock.sendall(encode_ack(read_to))
             engine._on_readable(conn)
-            assert conn.reply_ring._acked == len(out)
-        del make0
+            assert conn.open
+        del work0, work1  # their inputs are views of the ring's memory, which close() unmaps
         scheduler.queued.clear()
         engine.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_request_frame_that_does_not_decode_is_answered_with_an_error_and_the_link_stays_open():
+    """A frame whose inputs are said to be in a ring the link has not (a broken worker) fails
+    that request alone: its reply says so, and the next request on the link is queued."""
+    placement = _Placement()
+    engine = EngineLink("/nonexistent/never-bound.sock", SHAPE, placement)
+    scheduler = placement.shards[0].scheduler
+    worker_sock, engine_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = _Connection(engine_sock, engine._dirty)
+    engine._connections.add(conn)
+    elsewhere = RequestRing(memoryview(bytearray(1 << 16)))  # a ring the engine never saw
+    with worker_sock, engine_sock:
+        worker_sock.sendall(encode_hello(0, 0))
+        engine._on_readable(conn)
+        frames = encode_request(7, _work(1, 1, seed=0), elsewhere) + encode_request(8, _work(1, 1, seed=1))
+        worker_sock.sendall(b"".join(bytes(p) for p in frames))
+        engine._on_readable(conn)
+        assert conn.open and conn.replies.unanswered() == [8] and len(scheduler.queued) == 1
+        worker_sock.settimeout(10)
+        incoming = FrameBuffer()
+        assert incoming.fill(worker_sock)
+        (reply,) = [bytes(f) for f in incoming.frames()]
+        tag, result, _ = decode_reply(reply, SHAPE)
+        assert tag == 7 and result.code == grpc.StatusCode.INTERNAL and "malformed request" in str(result)
+        scheduler.queued.clear()
+    engine.close()
 
 
 @pytest.mark.timeout(30)
@@ -275,7 +374,7 @@ def test_the_engine_reads_rings_answers_through_them_and_answers_a_cancelled_req
 def test_a_link_that_does_not_open_with_a_valid_hello_is_dropped(first):
     engine = EngineLink("/nonexistent/never-bound.sock", SHAPE, _Placement())
     worker_sock, engine_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn = _Connection(engine_sock)
+    conn = _Connection(engine_sock, engine._dirty)
     engine._connections.add(conn)
     with worker_sock:
         if first == "request":

@@ -110,7 +110,6 @@ _step = st.tuples(
     st.sampled_from((False,) * 4 + (True,)),  # speculative
     st.sampled_from((0,) * 15 + (1,)),  # 1: sent by another owner than the first session's
     st.sampled_from((False,) * 15 + (True,)),  # cancelled before its round
-    st.booleans(),  # queued as the --frontends link does: built on the scheduler's thread (make_work)
 )
 _commit = st.tuples(st.just("commit"), st.integers(0, SESSIONS - 1), st.integers(0, 2))
 _rounds = st.lists(
@@ -132,7 +131,7 @@ def _queue(world: _World, round_no: int, ops: list) -> None:
                 world.answer(request_id),
             )
             continue
-        _, indices, layer, T, pos_mode, speculative, other_owner, cancelled, later = op
+        _, indices, layer, T, pos_mode, speculative, other_owner, cancelled = op
         ids = tuple(world.ids[i] if i < SESSIONS else "nobody" for i in indices)
         positions = None
         if pos_mode != "none":
@@ -152,10 +151,7 @@ def _queue(world: _World, round_no: int, ops: list) -> None:
         owner = OWNERS[indices[0]] if indices[0] < SESSIONS else None
         work.__dict__["owner"] = ("mallory" if owner is None else None) if other_owner else owner
         gone = (lambda: True) if cancelled else None
-        if later:
-            world.scheduler.submit_decode_later(lambda work=work: work, len(ids), world.answer(request_id), gone)
-        else:
-            world.scheduler.submit_decode(work, world.answer(request_id), cancelled=gone)
+        world.scheduler.submit_decode(work, world.answer(request_id), cancelled=gone)
 
 
 def _drain(world: _World) -> None:
@@ -195,9 +191,8 @@ def _same_counts(a: _World, b: _World) -> bool:
 
 
 def test_native_rounds_take_plain_steps():
-    """The C loops run for plain steps: a round of plain steps, some built on the scheduler's
-    thread, goes through submit_plain and finish_plain once each and admit_plain once, plus once
-    more for each request built there."""
+    """The C loops run for plain steps: a round of plain steps goes through admit_plain,
+    submit_plain and finish_plain once each."""
     world = _World(native_module, 64, True)
     calls: dict[str, int] = {}
 
@@ -211,9 +206,9 @@ def test_native_rounds_take_plain_steps():
             return counted
 
     world.scheduler._native = Counting()
-    _queue(world, 0, [("step", [i], 0, 1, "right", False, 0, False, i % 2 == 1) for i in range(SESSIONS)])
+    _queue(world, 0, [("step", [i], 0, 1, "right", False, 0, False) for i in range(SESSIONS)])
     world.previous = world.scheduler.run_round(world.previous)
     _drain(world)
-    assert calls == {"admit_plain": 1 + SESSIONS // 2, "submit_plain": 1, "finish_plain": 1}
+    assert calls == {"admit_plain": 1, "submit_plain": 1, "finish_plain": 1}
     assert [a[1] for a in world.answers] == ["ok"] * SESSIONS
     assert [r[0][0] for r in world.records()] == [1] * SESSIONS
