@@ -18,6 +18,10 @@ typedef struct {
 /* Interns each name into its slot (once); 0 on success, -1 with an exception set. */
 int intern_names(const InternedName *names, size_t count);
 
+/* _native_replies.c: copies n bytes into memory another process reads next (a link ring), with
+   stores that bypass this core's caches where the CPU has them (x86-64), else memcpy. */
+void copy_for_another_core(void *dst, const void *src, size_t n);
+
 /* _native_scheduler.c: the scheduler's plain steps; 0 on success, -1 with an exception set. */
 int add_scheduler_functions(PyObject *module);
 

@@ -1,4 +1,5 @@
-/* gdn_server._native, the engine's replies on one front-end link connection (ReplyBox).
+/* gdn_server._native, the front-end link rings' copies (ring_write, and every copy below) and
+   the engine's replies on one link connection (ReplyBox).
 
    gdn_server.engine_link.PyReplyBox is the reference: this type does the same, call for call,
    and writes the same bytes (tests/test_link_ring.py runs both through the same sequences).
@@ -27,6 +28,10 @@
    keep the ring's payloads in the order of their frames. */
 #include "_native.h"
 #include <string.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#define HAVE_STREAMING_STORES 1
+#endif
 
 #define STATUS_IN_RING 255
 #define REPLY_BYTES 18 /* link.REPLY: <QBIBI (tag, status, B, T, len(message)) */
@@ -81,6 +86,80 @@ fail:
     return NULL;
 }
 
+/* Streaming (non-temporal) stores for a ring's payloads: the process that reads them next runs
+   on another core, and the lines it last read are in that core's cache. A plain store must first
+   take each line from there (a snoop across the socket per 64 bytes, which on the H200 host's VM
+   made the engine's copies of a round's payloads cost several times their size's worth); a
+   streaming store writes whole lines to memory without reading them, and the reader fetches them
+   from memory with its prefetchers running ahead. The last sfence orders them before the socket
+   write that tells the other side to look. */
+void copy_for_another_core(void *dst, const void *src, size_t n) {
+#ifdef HAVE_STREAMING_STORES
+    uint8_t *d = dst;
+    const uint8_t *s = src;
+    if (n < 1024) { /* a few lines: not worth the fence */
+        memcpy(d, s, n);
+        return;
+    }
+    size_t head = (64 - ((uintptr_t)d & 63)) & 63; /* whole lines only, so no line is half cached */
+    memcpy(d, s, head);
+    d += head;
+    s += head;
+    n -= head;
+    for (; n >= 64; n -= 64, d += 64, s += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16)),
+                c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+    memcpy(d, s, n);
+    _mm_sfence();
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+/* ring_write(ring, at, parts) -> int: link_ring.RequestRing.put's copy of a request's parts
+   (bytes-likes) back to back into `ring` (a writable buffer) from byte `at`, with
+   copy_for_another_core; the bytes written. The caller has checked they fit. */
+static PyObject *ring_write(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "ring_write(ring, at: int, parts: list)");
+        return NULL;
+    }
+    Py_ssize_t at = PyLong_AsSsize_t(args[1]);
+    if (at == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer ring;
+    if (PyObject_GetBuffer(args[0], &ring, PyBUF_WRITABLE) < 0) return NULL;
+    Py_ssize_t pos = at;
+    PyObject *parts = args[2];
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(parts); i++) {
+        Py_buffer part;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(parts, i), &part, PyBUF_SIMPLE) < 0) goto fail;
+        if (pos < 0 || part.len > ring.len - pos) {
+            PyBuffer_Release(&part);
+            PyErr_SetString(PyExc_ValueError, "ring_write: the parts run past the ring's end");
+            goto fail;
+        }
+        copy_for_another_core((uint8_t *)ring.buf + pos, part.buf, (size_t)part.len);
+        pos += part.len;
+        PyBuffer_Release(&part);
+    }
+    PyBuffer_Release(&ring);
+    return PyLong_FromSsize_t(pos - at);
+fail:
+    PyBuffer_Release(&ring);
+    return NULL;
+}
+
+static PyMethodDef ring_methods[] = {
+    {"ring_write", (PyCFunction)(void (*)(void))ring_write, METH_FASTCALL,
+     "ring_write(ring, at: int, parts: list) -> int: parts copied back to back from `at`"},
+    {NULL, NULL, 0, NULL},
+};
+
 /* Copies a payload into the ring; its monotonic offset, or -1 when it does not fit now (as
    link_ring.ReplyRing.put: never split, at most half the ring). */
 static long long ring_put(ReplyBox *self, const void *data, Py_ssize_t nbytes) {
@@ -89,7 +168,7 @@ static long long ring_put(ReplyBox *self, const void *data, Py_ssize_t nbytes) {
     unsigned long long pos = self->head % capacity;
     unsigned long long start = pos + n <= capacity ? self->head : self->head + capacity - pos;
     if (start + n - self->acked > capacity) return -1;
-    memcpy((uint8_t *)self->ring.buf + start % capacity, data, (size_t)n);
+    copy_for_another_core((uint8_t *)self->ring.buf + start % capacity, data, (size_t)n);
     self->head = start + n;
     return (long long)start;
 }
@@ -308,6 +387,7 @@ static PyType_Spec box_spec = {
 int add_reply_box(PyObject *module) {
     static const InternedName names[] = {{&r_out, "out"}, {&r_shape, "shape"}, {&r_positions, "positions"}};
     if (intern_names(names, sizeof(names) / sizeof(names[0])) < 0) return -1;
+    if (PyModule_AddFunctions(module, ring_methods) < 0) return -1;
     PyObject *box_type = PyType_FromSpec(&box_spec);
     if (box_type == NULL) return -1;
     if (PyModule_AddObject(module, "ReplyBox", box_type) < 0) {

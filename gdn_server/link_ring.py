@@ -29,6 +29,8 @@ import collections
 import mmap
 import os
 
+from gdn_server.native import module as _native  # ring_write, where gdn_server._native is built
+
 REQUEST_RING_BYTES = 8 << 20  # 512 steps of qwen3-next's 16 KiB inputs; one B=256 request (4 MiB)
 REPLY_RING_BYTES = 4 << 20  # 512 replies of 8 KiB; one B=256 reply (2 MiB)
 
@@ -93,11 +95,14 @@ class RequestRing:
         if start != self._head:  # the lap's unused end: free as soon as what is before it is
             self._spans.append([start, True])
         pos = start % self.capacity
-        view = self.view
-        for p in parts:
-            end = pos + len(p)
-            view[pos:end] = p
-            pos = end
+        if _native is not None:  # streaming stores: the engine, on another core, reads them next
+            _native.ring_write(self.view, pos, parts)
+        else:
+            view = self.view
+            for p in parts:
+                end = pos + len(p)
+                view[pos:end] = p
+                pos = end
         self._head = start + nbytes
         span = [self._head, False]
         self._spans.append(span)

@@ -150,6 +150,23 @@ def test_reply_ring_round_trip_with_acks_and_fallback(sizes, ack_every):
     assert decode_reply(errors, SHAPE, memory)[2] is None
 
 
+@pytest.mark.skipif(native_module is None, reason="gdn_server._native is not built")
+@settings(max_examples=60, deadline=None)
+@given(at=st.integers(0, 200), sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=4), seed=st.integers(0, 255))
+def test_the_native_ring_write_copies_as_slice_assignment(at, sizes, seed):
+    """ring_write (streaming stores from 1 KiB, at any alignment) writes what slice assignment
+    writes, and nothing around it; parts past the ring's end are refused."""
+    parts = [bytes((seed + i + j) % 256 for j in range(n)) for i, n in enumerate(sizes)]
+    total = sum(sizes)
+    ring = bytearray(b"\xee" * (at + total + 70))
+    expected = bytearray(ring)
+    expected[at : at + total] = b"".join(parts)
+    assert native_module.ring_write(ring, at, [memoryview(p) for p in parts]) == total
+    assert ring == expected
+    with pytest.raises(ValueError, match="past the ring"):
+        native_module.ring_write(ring, len(ring) - 1, [b"ab"])
+
+
 _box_op = st.one_of(
     st.tuples(st.just("expect"), st.integers(0, 9)),
     st.tuples(st.just("cancel"), st.integers(0, 9)),
