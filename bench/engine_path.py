@@ -257,6 +257,8 @@ class Engine:
         """What the link's reader does on a readable socket, until n requests are queued."""
         queued = self.scheduler.queue_depth
         while queued() < n:
+            if not self.conn.open:
+                raise RuntimeError("the engine dropped the link (a bad frame? see the log)")
             self.link._read_from(self.conn)
             self.link.flush()  # as the reader does after each wake-up (nothing to write here)
 

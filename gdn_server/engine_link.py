@@ -38,7 +38,7 @@ from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError
 from gdn_server.link import (
     HELLO, KIND_ACK, KIND_CANCEL, LENGTH, FrameBuffer, decode_ack, decode_cancel, decode_hello, decode_request,
-    encode_reply, frame_kind, request_tag, send_frames,
+    encode_reply, request_tag, send_frames,
 )
 from gdn_server.link_ring import ReplyRing, map_shared
 from gdn_server.placement import Placement
@@ -265,10 +265,11 @@ class EngineLink:
         conn.greeted = True
 
     def _read_from(self, conn: _Connection) -> None:
+        queued: dict = {}  # scheduler -> the (work, done, cancelled) of this read's requests, in order
         try:
             alive = conn.frames.fill(conn.sock)  # readable: does not block
             for frame in conn.frames.frames():
-                self._submit(conn, frame)
+                self._take(conn, frame, queued)
         except OSError as e:
             alive = False
             if conn.open:
@@ -276,6 +277,8 @@ class EngineLink:
         except Exception:  # a frame we cannot read: the worker is broken; drop its connection
             log.exception("bad frame from a front-end worker; closing its link")
             alive = False
+        for scheduler, requests in queued.items():  # those decoded before a bad frame still run
+            scheduler.submit_decodes(requests)
         if not alive:
             self._drop(conn)
 
@@ -292,26 +295,28 @@ class EngineLink:
                 self._sender.wait_idle()  # no queued frame outlives its fd (whose number is reused)
             conn.sock.close()
 
-    def _submit(self, conn: _Connection, frame: bytes | bytearray) -> None:
-        kind = frame_kind(frame)
+    def _take(self, conn: _Connection, frame: bytes | bytearray, queued: dict) -> None:
+        """One frame of a read: an ack or a cancel is applied, a request decoded and added to
+        `queued` (scheduler -> requests) for its device's scheduler, or answered at once when it
+        cannot run."""
+        kind = frame[0]
+        replies = conn.replies
         if kind == KIND_ACK:
-            conn.replies.ack(decode_ack(frame))
+            replies.ack(decode_ack(frame))
             return
         if kind == KIND_CANCEL:
-            conn.replies.cancel(decode_cancel(frame))
+            replies.cancel(decode_cancel(frame))
             return
         # the whole frame is decoded here, on the loop's thread that read it (in C where
         # gdn_server._native is built), so the scheduler's admission takes every request in one
         # C pass; deferring the decode to the round (the design when the link had a reader
         # thread of its own) cost a trip back to Python per request there
-        tag = request_tag(frame)  # a frame too short for its header: the worker is broken (dropped)
-        replies = conn.replies
-        done = partial(replies.answer, tag)
         try:
-            work = decode_request(frame, self.shape, conn.request_ring)[1]
+            tag, work = decode_request(frame, self.shape, conn.request_ring)
         except Exception as e:  # a frame that does not decode: fail this request only
+            tag = request_tag(frame)  # a frame too short for its header: the worker is broken (dropped)
             log.exception("could not decode a request from a front-end worker")
-            done(GdnError(f"malformed request: {e}"))
+            replies.answer(tag, GdnError(f"malformed request: {e}"))
             return
         if self._only_shard is not None:
             # an engine process of one device: no look-up here; the scheduler's admission answers
@@ -321,10 +326,14 @@ class EngineLink:
             try:
                 shard = self.placement.shard_for(work.session_ids)
             except GdnError as e:
-                done(e)
+                replies.answer(tag, e)
                 return
         replies.expect(tag)
-        shard.scheduler.submit_decode(work, done, cancelled=partial(replies.dropped, tag))
+        requests = queued.get(shard.scheduler)
+        if requests is None:
+            requests = queued[shard.scheduler] = []
+        requests.append((work, partial(replies.answer, tag), partial(replies.dropped, tag)))
+
 
 def _shutdown(sock: socket.socket) -> None:
     try:

@@ -142,10 +142,6 @@ def encode_cancel(tag: int) -> bytes:
     return LENGTH.pack(CANCEL.size) + CANCEL.pack(KIND_CANCEL, tag)
 
 
-def frame_kind(frame: bytes | bytearray) -> int:
-    return frame[0]
-
-
 def decode_cancel(frame: bytes | bytearray) -> int:
     """A cancel frame -> the tag of the request it cancels."""
     return CANCEL.unpack_from(frame, 0)[1]

@@ -87,6 +87,7 @@ class _DecodeItem:
 class _ControlItem:
     fn: Callable[[], Any]
     done: Done
+    rows = 0  # a class attribute, not a field: queued, it holds no rows
 
 
 class _Admitted:
@@ -200,12 +201,16 @@ class Scheduler:
         return mode == "inline" or (mode == "auto" and not self.loop_serves_rpcs and len(self._loop_peers) == 1)
 
     def submit_decode(self, work: DecodeWork, done: Done, cancelled: Callable[[], bool] | None = None) -> None:
-        rows = len(work.session_ids)
-        self._enqueue(_DecodeItem(work, done, rows, cancelled), rows)
+        self._enqueue([_DecodeItem(work, done, len(work.session_ids), cancelled)])
+
+    def submit_decodes(self, requests: list[tuple[DecodeWork, Done, Callable[[], bool] | None]]) -> None:
+        """`submit_decode` of each (work, done, cancelled), in order, under one lock (the
+        front-end link queues all the requests of one read at once)."""
+        self._enqueue([_DecodeItem(work, done, len(work.session_ids), cancelled) for work, done, cancelled in requests])
 
     def submit_control(self, fn: Callable[[], Any], done: Done) -> None:
         """Runs `fn()` on the scheduler thread once every earlier request has finished."""
-        self._enqueue(_ControlItem(fn, done), 0)
+        self._enqueue([_ControlItem(fn, done)])
 
     def stop_accepting(self) -> None:
         """New work is refused with UNAVAILABLE from now on; queued work still runs."""
@@ -233,26 +238,32 @@ class Scheduler:
     def queue_depth(self) -> int:
         return len(self._pending)
 
-    def _enqueue(self, item: _DecodeItem | _ControlItem, rows: int) -> None:
+    def _enqueue(self, items: list[_DecodeItem | _ControlItem]) -> None:
         post = False  # whether this call posts the loop's next round
+        refused: list[tuple[_DecodeItem | _ControlItem, GdnError]] = []
         with self._lock:
-            if not self._accepting:
-                refused: GdnError | None = Unavailable("the server is shutting down")
-            elif rows and self._pending_rows and self._pending_rows + rows > self.config.max_queue_rows:
-                # bounded: slow clients and bursts cannot pile up unbounded memory; clients retry
-                refused = Unavailable(f"the server's queue is full ({self._pending_rows} rows waiting); retry later")
-            else:
-                refused = None
-                self._pending.append(item)
-                self._pending_rows += rows
+            queued = 0
+            for item in items:
+                rows = item.rows
+                if not self._accepting:
+                    refused.append((item, Unavailable("the server is shutting down")))
+                elif rows and self._pending_rows and self._pending_rows + rows > self.config.max_queue_rows:
+                    # bounded: slow clients and bursts cannot pile up unbounded memory; clients retry
+                    refused.append((item, Unavailable(
+                        f"the server's queue is full ({self._pending_rows} rows waiting); retry later")))
+                else:
+                    self._pending.append(item)
+                    self._pending_rows += rows
+                    queued += 1
+            if queued:
                 if self._loop is None:  # only the scheduler thread waits on the condition
                     self._cv.notify()
                 post = self._loop is not None and not self._round_scheduled
                 if post:
                     self._round_scheduled = True
-        if refused is not None:
-            item.done(refused)
-        elif post:
+        for item, error in refused:
+            item.done(error)
+        if post:
             self._post_round()
 
     def _schedule_round(self, poll: bool = False) -> None:

@@ -17,17 +17,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gdn_server import link
+from gdn_server import engine_link, link
 from gdn_server.config import ModelShape
-from gdn_server import engine_link
 from gdn_server.engine_link import EngineLink, PyReplyBox, _Connection
 from gdn_server.errors import GdnError
-from gdn_server.native import module as native_module
 from gdn_server.link import (
     FLAG_IN_RING, FrameBuffer, LENGTH, STATUS_IN_RING, decode_ack, decode_hello, decode_reply, decode_request, encode_ack,
     encode_hello, encode_reply, encode_request,
 )
 from gdn_server.link_ring import ReplyRing, RequestRing, _place, make_shared, map_shared
+from gdn_server.native import module as native_module
+from gdn_server.placement import Placement, Shard
+from gdn_server.sessions import SessionTable
 from gdn_server.work import DecodeResult, DecodeWork
 
 SHAPE = ModelShape(num_layers=5, num_q_heads=2, num_v_heads=4, head_dim_k=16, head_dim_v=16)
@@ -275,21 +276,13 @@ class _Scheduler:
         self.after_answers: list = []
         self.queued: list = []
 
-    def submit_decode(self, work, done, cancelled=None) -> None:
-        self.queued.append((work, done, cancelled))
+    def submit_decodes(self, requests) -> None:
+        self.queued.extend(requests)
 
 
-class _Shard:
-    def __init__(self) -> None:
-        self.scheduler = _Scheduler()
-
-
-class _Placement:
-    def __init__(self) -> None:
-        self.shards = [_Shard()]
-
-    def __iter__(self):
-        return iter(self.shards)
+def _Placement() -> Placement:
+    """The link's placement: one real Shard (the engine's dataclass) whose scheduler is the test's."""
+    return Placement([Shard(0, None, SessionTable(4, SHAPE.num_layers), _Scheduler())])
 
 
 @pytest.mark.timeout(60)

@@ -7,6 +7,7 @@ import asyncio
 import sys
 import time
 
+import grpc
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ from gdn_server.errors import GdnError
 from gdn_server.scheduler import Scheduler
 from gdn_server.sessions import SessionTable
 from gdn_server.weights import random_gate_params
-from gdn_server.work import DecodeWork
+from gdn_server.work import DecodeResult, DecodeWork
 
 SHAPE = ModelShape(num_layers=2, num_q_heads=1, num_v_heads=2)
 
@@ -278,3 +279,29 @@ def test_requests_from_another_thread_during_a_queue_delay_are_all_answered():
         sys.setswitchinterval(interval)
     errors = [r for r in results if isinstance(r, BaseException)]
     assert len(results) == 3000 and not errors, errors[:3]
+
+
+def test_a_batch_of_requests_queues_in_order_until_the_queue_is_full():
+    """submit_decodes (the front-end link's reads) queues like submit_decode one by one: in
+    order, up to --max-queue-rows (a first request bigger than that still runs alone), the rest
+    refused with UNAVAILABLE at once; after stop_accepting, every one is refused."""
+    backend = CpuBackend(SHAPE, random_gate_params(SHAPE, 0), 4)
+    sessions = SessionTable(4, SHAPE.num_layers, range(backend.home_rows, backend.pool_rows))
+    ids = [sessions.create().id for _ in range(3)]
+    scheduler = Scheduler(backend, sessions, SchedulerConfig(max_queue_rows=2))  # not started: nothing runs
+    answers: dict[str, object] = {}
+
+    def request(i: int) -> tuple:
+        return _work(ids[i], 0, seed=i), (lambda result, i=i: answers.__setitem__(f"r{i}", result)), None
+
+    scheduler.submit_decodes([request(0), request(1), request(2)])
+    assert scheduler.queue_depth() == 2
+    assert list(answers) == ["r2"] and answers["r2"].code == grpc.StatusCode.UNAVAILABLE
+    assert "queue is full" in str(answers["r2"])
+    scheduler.stop_accepting()
+    scheduler.submit_decodes([request(2)])
+    assert scheduler.queue_depth() == 2 and "shutting down" in str(answers["r2"])
+    previous = scheduler.run_round([])  # what was queued still runs, in order
+    scheduler.run_round(previous)
+    assert [sessions.find(i).positions[0] for i in ids] == [1, 1, 0]
+    assert isinstance(answers["r0"], DecodeResult) and isinstance(answers["r1"], DecodeResult)
