@@ -5,6 +5,7 @@
     python bench/engine_path.py --profile --per-round 64  # cProfile of the engine path, top functions
     python bench/engine_path.py --per-round 21 --frames-per-read 1  # a recv per frame, not per round
     python bench/engine_path.py --no-rings                # payloads in the link's frames, not in rings
+    python bench/engine_path.py --per-round 24 --phases   # and the engine thread's time per phase
 
 What runs is the engine's real code, without gRPC and without its threads' waiting:
 
@@ -279,6 +280,44 @@ class Engine:
         self.workers.sock.close()
 
 
+class PhaseTimer:
+    """--phases: wall time of the engine thread's phases (its link reads, a round's admission and
+    launch, a round's answers, the reply hand-off), by wrapping those methods of one engine's
+    objects. Each wrapper costs ~0.2 us a call: compare versions, not absolute figures."""
+
+    PHASES = (("link", "_read_from", "link reads (decode, queue)"), ("scheduler", "_launch", "admission and launch"),
+              ("scheduler", "_finish", "answers"), ("link", "flush", "reply hand-off"))
+
+    def __init__(self, engine: "Engine") -> None:
+        self.ns = {label: 0 for _, _, label in self.PHASES}
+        for owner_name, method, label in self.PHASES:
+            owner = getattr(engine, owner_name)
+            wrapped = self._wrap(getattr(owner, method), label)
+            setattr(owner, method, wrapped)  # an instance attribute: callers through self find it
+            hooks = engine.scheduler.after_answers
+            for i, hook in enumerate(hooks):
+                if hook == getattr(type(owner), method).__get__(owner):  # the bound method, kept at start
+                    hooks[i] = wrapped
+
+    def _wrap(self, fn: Callable, label: str) -> Callable:
+        ns = self.ns
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                ns[label] += time.perf_counter_ns() - t0
+        return timed
+
+    def reset(self) -> None:
+        for label in self.ns:
+            self.ns[label] = 0
+
+    def per_request(self, requests: int) -> dict[str, float]:
+        return {label: ns / 1e3 / requests for label, ns in self.ns.items()}
+
+
 def measure(engine: Engine, per_round: int, requests: int, profiler: cProfile.Profile | None,
             frames_per_read: int = 0) -> dict:
     """CPU per request over `requests`, `per_round` a round. frames_per_read > 0: the workers
@@ -344,6 +383,8 @@ def main() -> None:
     p.add_argument("--no-rings", action="store_true", help="payloads in the link's frames, not in shared-memory rings")
     p.add_argument("--profile", action="store_true", help="cProfile the engine path (times are inflated)")
     p.add_argument("--top", type=int, default=30, help="functions to list with --profile")
+    p.add_argument("--phases", action="store_true",
+                   help="also time the engine thread's phases (link reads, launch, answers, hand-off) per request")
     args = p.parse_args()
     per_round = [int(x) for x in args.per_round.split(",")]
     if max(per_round) > args.sessions:
@@ -356,13 +397,18 @@ def main() -> None:
     engine = Engine(shape, args.sessions, max(per_round), rings=not args.no_rings)
     freeze_startup_objects()  # as the engine process does once it is ready to serve
     profiler = cProfile.Profile() if args.profile else None
+    phases = PhaseTimer(engine) if args.phases else None
     results = []
     try:
         for n in per_round:
             measure(engine, n, min(args.requests, 50 * n), None, args.frames_per_read)  # warm-up: plans, views, caches
+            if phases is not None:
+                phases.reset()
             runs = [measure(engine, n, args.requests, profiler, args.frames_per_read) for _ in range(args.repeat)]
             us = [r["us_per_request"] for r in runs]
             row = dict(runs[0], us_per_request=statistics.median(us), us_min=min(us), us_max=max(us), repeats=len(us))
+            if phases is not None:
+                row["phases_us_per_request"] = phases.per_request(sum(r["requests"] for r in runs))
             row["requests_per_s_one_core"] = 1e6 / row["us_per_request"]
             results.append(row)
             print(f"{n:>4} per round: {row['us_per_request']:7.1f} us CPU/request (min {min(us):.1f}, "
@@ -376,6 +422,14 @@ def main() -> None:
     for r in results:
         print(f"| {r['requests_per_round']} | {r['frames_per_read']} | {r['us_per_request']:.1f} | {r['us_min']:.1f} - "
               f"{r['us_max']:.1f} | {r['requests_per_s_one_core']:,.0f} |")
+    if phases is not None:
+        labels = [label for _, _, label in PhaseTimer.PHASES]
+        print("\n| requests per round | " + " | ".join(f"{label}, us/request" for label in labels) + " | sum |")
+        print("|---|" + "---|" * (len(labels) + 1))
+        for r in results:
+            ph = r["phases_us_per_request"]
+            print(f"| {r['requests_per_round']} | " + " | ".join(f"{ph[label]:.2f}" for label in labels)
+                  + f" | {sum(ph.values()):.2f} |")
     digest = engine.workers.digest.hexdigest()
     print(f"\nreplies sha256 {digest} ({engine.workers.answered} replies, every one checked)")
     if profiler is not None:

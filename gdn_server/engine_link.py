@@ -204,7 +204,8 @@ class EngineLink:
                 conn.flush()
             return
         with self._send_lock:
-            batch = [(conn.sock.fileno(), parts) for conn in self._take_dirty() if conn.open and (parts := conn.replies.take())]
+            batch = [(conn.sock.fileno(), parts)
+                     for conn in self._take_dirty() if conn.open and (parts := conn.replies.take())]
             if batch:
                 self._sender.send(batch)
 
