@@ -43,9 +43,10 @@
    tests/test_native.py runs each against the Python code it stands in for.
 
    _native_scheduler.c adds the scheduler's loops over a round's plain steps (admit_plain,
-   submit_plain, finish_plain), which do change the objects they are given, and _native_link.c
+   submit_plain, finish_plain), which do change the objects they are given, _native_link.c
    an engine's decode of front-end link frames (decode_link_request) and the thread that writes
-   its reply frames (LinkSender). */
+   its reply frames (LinkSender), and _native_replies.c the link rings' copies (ring_write) and
+   each link connection's replies (ReplyBox). */
 #include "_native.h"
 #include <pthread.h>
 #include <stdint.h>

@@ -1,6 +1,8 @@
-"""gdn_server._native, the decode path's per-request work in C (gdn_server/_native.c, and the
-scheduler's loops in _native_scheduler.c), where it was built: `module` is it, or None. Each user keeps the Python code it stands in for, which runs
-where the module is not built (no C compiler at install time) or with GDN_NATIVE=0."""
+"""gdn_server._native, the decode path's per-request work in C (gdn_server/_native.c; the
+scheduler's loops in _native_scheduler.c; the --frontends link's in _native_link.c and
+_native_replies.c), where it was built: `module` is it, or None. Each user keeps the Python code
+it stands in for, which runs where the module is not built (no C compiler at install time) or
+with GDN_NATIVE=0."""
 from __future__ import annotations
 
 import logging
