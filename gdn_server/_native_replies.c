@@ -194,6 +194,9 @@ static int encode_result(ReplyBox *self, unsigned long long tag, PyObject *resul
                      rows, tokens, PyTuple_GET_SIZE(positions));
         goto done;
     }
+    for (Py_ssize_t i = 0; i < rows; i++) /* each fits a u64: checked before the ring takes the payload */
+        if (PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(positions, i)) == (unsigned long long)-1 && PyErr_Occurred())
+            goto done;
     if (PyObject_GetBuffer(out, &payload, PyBUF_SIMPLE) < 0) goto done;
     long long at = ring_put(self, payload.buf, payload.len);
     Py_ssize_t head_bytes = 4 + REPLY_BYTES + 8 * rows;
@@ -211,11 +214,8 @@ static int encode_result(ReplyBox *self, unsigned long long tag, PyObject *resul
     put_u32(p + 13, (uint32_t)rows);
     p[17] = (uint8_t)tokens;
     put_u32(p + 18, 0);
-    for (Py_ssize_t i = 0; i < rows; i++) {
-        unsigned long long position = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(positions, i));
-        if (position == (unsigned long long)-1 && PyErr_Occurred()) goto done;
-        put_u64(p + 4 + REPLY_BYTES + 8 * i, position);
-    }
+    for (Py_ssize_t i = 0; i < rows; i++)
+        put_u64(p + 4 + REPLY_BYTES + 8 * i, PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(positions, i)));
     if (at >= 0) {
         put_u64(p + head_bytes, (unsigned long long)at);
         rc = PyList_Append(self->outbox, frame);
@@ -223,8 +223,8 @@ static int encode_result(ReplyBox *self, unsigned long long tag, PyObject *resul
         rc = PyList_Append(self->outbox, frame);
         if (rc == 0) rc = PyList_Append(self->outbox, out);
     }
-    /* a frame that failed after its payload went into the ring leaves those bytes unread: the
-       worker's ack of a later payload frees them */
+    /* a frame that failed after its payload went into the ring (out of memory) leaves those
+       bytes unread: the worker's ack of a later payload frees them */
 done:
     if (payload.obj != NULL) PyBuffer_Release(&payload);
     Py_XDECREF(frame);
