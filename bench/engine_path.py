@@ -53,7 +53,7 @@ import torch
 from gdn_server.backends.base import Backend, PendingStep
 from gdn_server.backends.staging import Plan, carve, fill, make_plan
 from gdn_server.config import PRESETS, ModelShape, SchedulerConfig
-from gdn_server.engine_link import SOCKET_BUFFER_BYTES, EngineLink, _Connection
+from gdn_server.engine_link import SOCKET_BUFFER_BYTES, EngineLink
 from gdn_server.link import LENGTH, FrameBuffer, decode_reply, encode_ack, encode_request, send_frames
 from gdn_server.link_ring import REPLY_RING_BYTES, REQUEST_RING_BYTES, RequestRing
 from gdn_server.placement import Placement, Shard
@@ -237,19 +237,16 @@ class Engine:
         self.placement = Placement([Shard(0, self.backend, self.table, self.scheduler)])
         self.link = EngineLink(f"/tmp/engine-path-{os.getpid()}.sock", shape, self.placement)  # never bound
         engine_sock, worker_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        for s in (engine_sock, worker_sock):
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        worker_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        worker_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         worker_sock.setblocking(False)
-        self.conn = _Connection(engine_sock, self.link._dirty)
+        self.conn = self.link._adopt(engine_sock)
         self.conn.greeted = True  # the hello is the real link's business: the rings are set here
         worker_rings = None
         if rings:  # one buffer both ends map, as the worker's memfd
             memory = memoryview(bytearray(REQUEST_RING_BYTES + REPLY_RING_BYTES))
-            self.conn.request_ring = memory[:REQUEST_RING_BYTES].toreadonly()
-            self.conn.use_reply_ring(memory[REQUEST_RING_BYTES:])
+            self.link._use_rings(self.conn, memory[:REQUEST_RING_BYTES], memory[REQUEST_RING_BYTES:])
             worker_rings = (RequestRing(memory[:REQUEST_RING_BYTES]), memory[REQUEST_RING_BYTES:])
-        self.link._connections.add(self.conn)
         ids = [self.table.create().id for _ in range(sessions)]
         self.workers = Workers(shape, ids, worker_sock, rings=worker_rings)
         self.previous: list = []

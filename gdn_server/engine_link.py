@@ -128,10 +128,6 @@ class _Connection:
         self.greeted = False  # the worker's hello (and its rings) read
         self.request_ring: memoryview | None = None
         self.replies = make_reply_box(None, dirty, self)  # until the hello brings a reply ring
-        self._dirty = dirty
-
-    def use_reply_ring(self, ring: memoryview) -> None:
-        self.replies = make_reply_box(ring, self._dirty, self)
 
     def close(self) -> None:
         self.open = False
@@ -223,12 +219,18 @@ class EngineLink:
             sock, _ = self._listener.accept()
         except OSError:
             return
+        self._adopt(sock)
+
+    def _adopt(self, sock: socket.socket) -> _Connection:
+        """A worker's connected socket joins the link: read on the loop once `start` has run
+        (bench/engine_path.py and the tests drive the reads themselves)."""
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         conn = _Connection(sock, self._dirty)
         self._connections.add(conn)
-        assert self._loop is not None
-        self._loop.add_reader(sock.fileno(), self._on_readable, conn)
+        if self._loop is not None:
+            self._loop.add_reader(sock.fileno(), self._on_readable, conn)
+        return conn
 
     def _on_readable(self, conn: _Connection) -> None:
         if not conn.greeted:
@@ -252,10 +254,8 @@ class EngineLink:
                 if len(fds) != 1:
                     raise ValueError(f"a hello with rings needs their memory's fd; got {len(fds)} fds")
                 memory = memoryview(map_shared(fds.pop(), request_bytes + reply_bytes))
-                if request_bytes:  # the engine only reads it (and the backend's fill from it)
-                    conn.request_ring = memory[:request_bytes].toreadonly()
-                if reply_bytes:
-                    conn.use_reply_ring(memory[request_bytes:])
+                self._use_rings(conn, memory[:request_bytes] if request_bytes else None,
+                                memory[request_bytes:] if reply_bytes else None)
         except (ValueError, OSError) as e:
             log.warning("front-end link without a valid hello (%s); closing it", e)
             self._drop(conn)
@@ -264,6 +264,13 @@ class EngineLink:
             for fd in fds:
                 os.close(fd)
         conn.greeted = True
+
+    def _use_rings(self, conn: _Connection, request_ring: memoryview | None, reply_ring: memoryview | None) -> None:
+        """The connection's payloads go through these rings from now on (the hello's memory)."""
+        if request_ring is not None:  # the engine only reads it (and the backend's fill from it)
+            conn.request_ring = request_ring.toreadonly()
+        if reply_ring is not None:
+            conn.replies = make_reply_box(reply_ring, self._dirty, conn)
 
     def _read_from(self, conn: _Connection) -> None:
         queued: dict = {}  # scheduler -> the (work, done, cancelled) of this read's requests, in order

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from gdn_server import engine_link, link
 from gdn_server.config import ModelShape
-from gdn_server.engine_link import EngineLink, PyReplyBox, _Connection
+from gdn_server.engine_link import EngineLink, PyReplyBox
 from gdn_server.errors import GdnError
 from gdn_server.link import (
     FLAG_IN_RING, FrameBuffer, LENGTH, STATUS_IN_RING, decode_ack, decode_hello, decode_reply, decode_request, encode_ack,
@@ -296,8 +296,7 @@ def test_the_engine_reads_rings_answers_through_them_and_answers_a_cancelled_req
     engine = EngineLink("/nonexistent/never-bound.sock", SHAPE, placement)
     scheduler = placement.shards[0].scheduler
     worker_sock, engine_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn = _Connection(engine_sock, engine._dirty)
-    engine._connections.add(conn)
+    conn = engine._adopt(engine_sock)
     request_ring = reply_view = None
     if rings:
         shared = make_shared(1 << 17)
@@ -359,8 +358,7 @@ def test_a_request_frame_that_does_not_decode_is_answered_with_an_error_and_the_
     engine = EngineLink("/nonexistent/never-bound.sock", SHAPE, placement)
     scheduler = placement.shards[0].scheduler
     worker_sock, engine_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn = _Connection(engine_sock, engine._dirty)
-    engine._connections.add(conn)
+    conn = engine._adopt(engine_sock)
     elsewhere = RequestRing(memoryview(bytearray(1 << 16)))  # a ring the engine never saw
     with worker_sock, engine_sock:
         worker_sock.sendall(encode_hello(0, 0))
@@ -384,8 +382,7 @@ def test_a_request_frame_that_does_not_decode_is_answered_with_an_error_and_the_
 def test_a_link_that_does_not_open_with_a_valid_hello_is_dropped(first):
     engine = EngineLink("/nonexistent/never-bound.sock", SHAPE, _Placement())
     worker_sock, engine_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn = _Connection(engine_sock, engine._dirty)
-    engine._connections.add(conn)
+    conn = engine._adopt(engine_sock)
     with worker_sock:
         if first == "request":
             worker_sock.sendall(b"".join(bytes(p) for p in encode_request(0, _work(1, 1, seed=0))))
