@@ -18,7 +18,9 @@ frame (link.HELLO); it is laid out as [request ring | reply ring]:
 - `ReplyRing` (the engine writes, the worker reads): the worker reads replies in the order they
   were written and copies each payload out at once, then says how far it has read with an ACK
   frame ahead of its next request. The ACK travels through the socket, whose system calls order
-  the memory accesses on both sides: no fences are needed on any CPU.
+  the memory accesses on both sides: plain stores need no fences on any CPU. The native module
+  writes payloads with streaming stores (which are not ordered so), and ends each copy with an
+  sfence before the frame that points at it is written.
 
 A side that finds its ring full, or a payload bigger than half of it, puts the payload in the
 frame as without rings: a full ring slows the link and never stops it.
