@@ -30,7 +30,7 @@ build_native() {  # $1: a checkout's root (its own _native*.c)
   # built every call: a warm machine keeps ignored files, and an older build of another _native.c
   # would otherwise stay in place (2 s)
   gcc -O3 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
-    "$1"/gdn_server/_native*.c -o "$so" || echo "$1: gdn_server._native not built: the Python parse and checks run"
+    "$1"/gdn_server/_native*.c -o "$so" -ldl || echo "$1: gdn_server._native not built: the Python parse and checks run"
 }
 build_native .
 python3 -c "from gdn_server import protowire; print('native decode path:', protowire.native is not None)"
@@ -77,10 +77,23 @@ case "${1:-}" in
     else
       variants=(); for mode in ${RUNS_ON:-loop thread}; do variants+=("--scheduler-runs-on $mode"); done
     fi
-    for i in "${!variants[@]}"; do
-      echo "[${variants[$i]}]"
-      timeout 200 python3 bench/trace_step.py --device cuda --steps 3000 --server-flags "${variants[$i]}" \
-        --out "$out/trace_$i" 2>&1 | tail -14
+    # TRACE_BASE=DIR (a base checkout, e.g. .ab_base; carry it): each variant on the base and on this
+    # tree in turn, ROUNDS (default 1) times, so a change's effect on each stage is seen in one call
+    out_abs=$(cd "$out" && pwd)
+    for round in $(seq 1 "${ROUNDS:-1}"); do
+      for i in "${!variants[@]}"; do
+        for side in ${TRACE_BASE:+base} new; do
+          echo "[$side $round: ${variants[$i]}]"
+          if [[ $side == base ]]; then
+            build_native "$TRACE_BASE"
+            (cd "$TRACE_BASE" && PYTHONPATH="$PWD:$PYTHONPATH" timeout 200 python3 bench/trace_step.py --device cuda \
+              --steps 3000 --server-flags "${variants[$i]}" --out "$out_abs/trace_${side}_${round}_$i" 2>&1 | tail -14)
+          else
+            timeout 200 python3 bench/trace_step.py --device cuda --steps 3000 --server-flags "${variants[$i]}" \
+              --out "$out_abs/trace_${side}_${round}_$i" 2>&1 | tail -14
+          fi
+        done
+      done
     done
     ;;
   echowork)  # does a server's own work per step lengthen its transport legs? The echo at N=1 with WORK_US of work

@@ -866,6 +866,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     static int registered = 0;
     if (!registered && pthread_atfork(NULL, NULL, pool_after_fork_in_child) == 0) registered = 1;
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && (add_scheduler_functions(m) < 0 || add_link_functions(m) < 0 || add_reply_box(m) < 0)) Py_CLEAR(m);
+    if (m != NULL && (add_scheduler_functions(m) < 0 || add_link_functions(m) < 0 || add_reply_box(m) < 0 ||
+                      add_cuda_functions(m) < 0)) Py_CLEAR(m);
     return m;
 }

@@ -32,4 +32,8 @@ int add_link_functions(PyObject *module);
 /* _native_replies.c: ReplyBox, one link connection's replies; 0 on success, -1 with an exception set. */
 int add_reply_box(PyObject *module);
 
+/* _native_cuda.c: a small launch's graph launch and event record, straight to the CUDA driver
+   (opened at first use); 0 on success, -1 with an exception set. */
+int add_cuda_functions(PyObject *module);
+
 #endif

@@ -448,3 +448,29 @@ def test_server_says_the_native_decode_path_runs():
                          check=False, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("INFO native decode path: gdn_server._native"), out.stdout
+
+
+@native_only
+def test_driver_launch_functions_say_what_is_wrong():
+    """_native_cuda.c's calls refuse bad arguments before touching the driver, and where there is
+    no driver (this suite's CI host) they say so instead of crashing; with one, the thread has no
+    current context until CUDA is used on it."""
+    with pytest.raises(TypeError, match="takes 4 arguments"):
+        native_module.cuda_launch_graph(0, 1, 0)
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        native_module.cuda_event_query(0)
+    with pytest.raises(TypeError):
+        native_module.cuda_event_query(0, "not a handle")
+    try:
+        context = native_module.cuda_current_context()
+    except RuntimeError as e:  # no driver: every call says why
+        assert "libcuda.so.1" in str(e)
+        for call in (lambda: native_module.cuda_launch_graph(0, 1, 0, 1), lambda: native_module.cuda_event_query(0, 1)):
+            with pytest.raises(RuntimeError, match="libcuda.so.1"):
+                call()
+        return
+    assert isinstance(context, int)
+    with pytest.raises(ValueError, match="null"):  # never handed to the driver
+        native_module.cuda_launch_graph(context, 0, 0, 1)
+    with pytest.raises(ValueError, match="null"):
+        native_module.cuda_event_query(context, 0)

@@ -10,15 +10,20 @@ Per batch, on the backend's own stream:
 assemble batch n+1 while batch n runs: a set is reused only after its previous event completed.
 Small in-place launches (GRAPH_MAX_ROWS rows, T=1) replay steps 2-4 as a CUDA graph captured per
 staging set at warm-up; bigger ones up to the largest of GRAPH_BUCKETS are padded to the next
-bucket's rows (padding rows touch no state) and replay that bucket's graph.
+bucket's rows (padding rows touch no state) and replay that bucket's graph. Where gdn_server._native
+is built, a replay and its event record are one call to the CUDA driver (_native_cuda.c), and so
+is the poll of a launch's event.
 
 Shapes the kernel does not cover (head dims other than 128) run the same pipeline through the
 torch math on the GPU instead.
 """
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -28,6 +33,7 @@ from gdn_server.backends.staging import INPUTS, Plan as _Plan, carve as _carve, 
 from gdn_server.backends.torch_math import gdn_step_fp32
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
+from gdn_server.native import module as native
 from gdn_server.validation import nonfinite_input
 from gdn_server.weights import GateParams
 from gdn_server.work import StepBatch
@@ -49,6 +55,11 @@ GRAPH_MAX_ROWS = 8
 # bytes; their CTAs read and write no state), which is why the steps are ~1.5x apart and end at
 # 128, where the launch calls are a small share of a launch's host work.
 GRAPH_BUCKETS = (12, 16, 24, 32, 48, 64, 96, 128)
+# Whether a graph's replay and event record go to the driver in one native call (_native_cuda.c)
+# instead of torch's stream context, CUDAGraph.replay and Event.record: at one client that was a
+# step's largest server stage, ~76 us with the caches cold (bench/NOTES.md). GDN_DRIVER_LAUNCH=0
+# keeps torch's calls.
+DRIVER_LAUNCH = os.environ.get("GDN_DRIVER_LAUNCH", "1") != "0"
 
 
 def padded_rows(rows: int) -> int:
@@ -75,6 +86,9 @@ class _Staging:
         self.used = False
         self._views: dict[tuple[int, int], _Views] = {}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (R, T) -> in-place launch
+        # (R, T) -> a graph's replay and `done`'s record in one driver call (CudaBackend._use_driver)
+        self.launches: dict[tuple[int, int], Callable[[], None]] = {}
+        self.query: Callable[[], bool] = self.done.query  # whether `done`'s last record has passed
 
     def views_for(self, plan: _Plan, key: tuple[int, int]) -> _Views:
         views = self._views.get(key)
@@ -159,7 +173,7 @@ class _CudaStep(PendingStep):
         return out[: len(out) // len(self._views.out_host) * self._rows] if self._padded else out
 
     def ready(self) -> bool:
-        return self._staging.done.query()
+        return self._staging.query()
 
     def wait(self) -> None:
         # called on the scheduler's waiter thread, whose current device is nobody's choice
@@ -268,6 +282,11 @@ class CudaBackend(Backend):
                 errors = {index: nonfinite_input(name) for index, name in found.items()}
             if errors:
                 raise NonFiniteInputs(errors)  # before anything is queued on the device
+        if in_place:
+            launch = staging.launches.get((rows, T))
+            if launch is not None:  # steps 2-4 as captured, and the event, in one driver call
+                launch()
+                return _CudaStep(staging, views, self.device, R)
         graph = staging.graphs.get((rows, T)) if in_place else None
         with self._on_stream:
             if graph is not None:  # steps 2-4 as captured for this staging set and (rows, T)
@@ -333,6 +352,7 @@ class CudaBackend(Backend):
             log.exception("could not capture the small launches as CUDA graphs; launching them directly")
             for staging in self._ring:
                 staging.graphs.clear()
+        self._use_driver()
         torch.cuda.synchronize(self.device)
 
     def _capture_graphs(self, tokens: int = 1) -> None:
@@ -368,6 +388,33 @@ class CudaBackend(Backend):
                     staging.graphs[(R, tokens)] = graph
         if buckets:
             self._bucket_max = buckets[-1]
+
+    def _use_driver(self) -> None:
+        """Sets up each staging set's graph launches and event poll as calls straight to the CUDA
+        driver (see DRIVER_LAUNCH), where gdn_server._native is built; else torch's stay."""
+        if not DRIVER_LAUNCH or native is None or not hasattr(native, "cuda_launch_graph"):
+            return
+        try:
+            with torch.cuda.device(self.device):
+                context = native.cuda_current_context()  # the device's primary context, made current by torch
+            if not context:
+                raise RuntimeError("no current CUDA context after selecting the device")
+            stream = self.stream.cuda_stream
+            for staging in self._ring:
+                staging.done.record(self.stream)  # a torch event has a driver handle from its first record
+                event = staging.done.cuda_event
+                query = functools.partial(native.cuda_event_query, context, event)
+                query()  # fails here, not in a round, if the driver refuses the handles
+                launches = {
+                    key: functools.partial(native.cuda_launch_graph, context, graph.raw_cuda_graph_exec(), stream, event)
+                    for key, graph in staging.graphs.items()
+                }
+                staging.query, staging.launches = query, launches
+            self.stream.synchronize()
+        except Exception:  # an older torch or a driver that refuses: torch's calls, as before
+            log.exception("graph launches through the CUDA driver are off; using torch's replay")
+            for staging in self._ring:
+                staging.launches, staging.query = {}, staging.done.query
 
     # -- session operations (called with no step in flight) ----------------------------------
     def _rows(self, session_slot: int) -> slice:

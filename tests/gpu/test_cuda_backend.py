@@ -91,13 +91,18 @@ def test_server_on_the_gpu_matches_the_reference(device_wait):
                     assert rel_err(tensor_from_proto(reply.o), ref.step(layer, sessions, **x)) < 1e-2
 
 
-def test_small_launches_replay_graphs_bit_identical_to_direct_launches():
+@pytest.mark.parametrize("through", ["driver", "torch"])
+def test_small_launches_replay_graphs_bit_identical_to_direct_launches(through, monkeypatch):
     """After warm-up, in-place T=1 launches of up to GRAPH_MAX_ROWS rows replay a captured graph
     (per staging set), and bigger ones up to the largest bucket are padded to a bucket's graph;
     the outputs and the state pool are bit-identical to a backend that launches directly, over
-    enough launches to go round the staging ring twice."""
+    enough launches to go round the staging ring twice. The replays go straight to the CUDA
+    driver (the native module's one call per launch, and its event poll) or through torch."""
     from gdn_server.backends import cuda
 
+    if through == "driver" and (cuda.native is None or not hasattr(cuda.native, "cuda_launch_graph")):
+        pytest.skip("gdn_server._native is not built here")
+    monkeypatch.setattr(cuda, "DRIVER_LAUNCH", through == "driver")
     shape = ModelShape(num_layers=3, num_q_heads=16, num_v_heads=32)
     gates = random_gate_params(shape, seed=3)
     sessions = 48
@@ -106,6 +111,8 @@ def test_small_launches_replay_graphs_bit_identical_to_direct_launches():
     graphed.warmup()
     assert all(st.graphs for st in graphed._ring), "warm-up captured no graphs"
     assert graphed._bucket_max == 32
+    # every captured graph has its driver launch, or none has
+    assert all(st.launches.keys() == (st.graphs.keys() if through == "driver" else set()) for st in graphed._ring)
     direct = CudaBackend(shape, gates, max_sessions=sessions, speculative_sessions=0)  # no warm-up: no graphs
     rng = random.Random(4)
     gen = torch.Generator().manual_seed(4)
@@ -123,6 +130,10 @@ def test_small_launches_replay_graphs_bit_identical_to_direct_launches():
             batch.add(DecodeWork(layer, tuple(map(str, members)), positions=None, bf16_bytes=raw, **x),
                       [m * shape.num_layers + layer for m in members])
             pending = backend.submit(batch)
+            for _ in range(1_000_000):  # the loop's poll, until the launch is done (a few us at most)
+                if pending.ready():
+                    break
+            assert pending.ready()
             outs.append(pending.result().clone())
             # what the scheduler answers from: the batch's rows only, padded launch or not
             assert bytes(pending.result_bytes()) == outs[-1].view(torch.int16).numpy().tobytes()
