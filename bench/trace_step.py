@@ -15,7 +15,7 @@ each stage belongs to the i-th step. Then the same client against the bytes echo
 sizes. Prints the median and p90 of each segment and writes trace_step.json.
 
 Segments: client send -> the request's bytes reach the DecodeRequest parser ("parse") -> parsed
-("parsed") -> the servicer has it ("in") -> validated, the scheduler takes it
+("parsed") -> the servicer has it ("in") -> validated and queued
 ("queued") -> its round starts ("round") -> [CUDA backend: submit called ("submit") -> inputs
 staged ("filled") -> the NaN/Inf check validation left to it done ("checked"), big requests only]
 -> the backend's submit returned ("submitted") ->
@@ -123,10 +123,7 @@ def _serve(trace_out: str, flags: list[str], fake_device: str | None, serial_cop
     from gdn_server import protowire
 
     around(protowire, "parse_decode_request", before="parse", after="parsed")
-    around(servicer.GdnDecodeServicer, "_submit_decode", before="in")
-    # stamped as the scheduler takes it, not as _submit_decode returns: a request that finds the
-    # server idle is launched before that (Scheduler._enqueue runs its round at once)
-    around(scheduler.Scheduler, "_enqueue", before="queued", when=lambda self, items, decodes=False: decodes)
+    around(servicer.GdnDecodeServicer, "_submit_decode", before="in", after="queued")
     around(scheduler.Scheduler, "_launch", before="round", when=lambda self, items, *a, **k: bool(items))
     around(cuda.CudaBackend, "submit", before="submit", after="submitted")
     around(cuda, "_fill_staging", after="filled")

@@ -170,7 +170,6 @@ class Scheduler:
         self._in_flight: list = []
         self._barrier: _ControlItem | None = None
         self._round_scheduled = False
-        self._in_round = False  # a round is running on the loop (_loop_round)
         self._round_items: list[_DecodeItem | _ControlItem] = []  # taken by the round now running
         self._drained = threading.Event()
         # SchedulerConfig.device_wait's waiter thread, started on first use, and the launch it waits for
@@ -202,16 +201,12 @@ class Scheduler:
         return mode == "inline" or (mode == "auto" and not self.loop_serves_rpcs and len(self._loop_peers) == 1)
 
     def submit_decode(self, work: DecodeWork, done: Done, cancelled: Callable[[], bool] | None = None) -> None:
-        """Queues a decode request. `done` gets its DecodeResult or GdnError once, on the
-        scheduler's thread or loop, possibly before this returns (a request that finds the server
-        idle is launched at once, see `_enqueue`)."""
-        self._enqueue([_DecodeItem(work, done, len(work.session_ids), cancelled)], decodes=True)
+        self._enqueue([_DecodeItem(work, done, len(work.session_ids), cancelled)])
 
     def submit_decodes(self, requests: list[tuple[DecodeWork, Done, Callable[[], bool] | None]]) -> None:
         """`submit_decode` of each (work, done, cancelled), in order, under one lock (the
         front-end link queues all the requests of one read at once)."""
-        self._enqueue([_DecodeItem(work, done, len(work.session_ids), cancelled) for work, done, cancelled in requests],
-                      decodes=True)
+        self._enqueue([_DecodeItem(work, done, len(work.session_ids), cancelled) for work, done, cancelled in requests])
 
     def submit_control(self, fn: Callable[[], Any], done: Done) -> None:
         """Runs `fn()` on the scheduler thread once every earlier request has finished."""
@@ -243,12 +238,11 @@ class Scheduler:
     def queue_depth(self) -> int:
         return len(self._pending)
 
-    def _enqueue(self, items: list[_DecodeItem | _ControlItem], decodes: bool = False) -> None:
+    def _enqueue(self, items: list[_DecodeItem | _ControlItem]) -> None:
         post = False  # whether this call posts the loop's next round
         refused: list[tuple[_DecodeItem | _ControlItem, GdnError]] = []
         with self._lock:
             queued = 0
-            was_empty = not self._pending
             for item in items:
                 rows = item.rows
                 if not self._accepting:
@@ -270,14 +264,7 @@ class Scheduler:
         for item, error in refused:
             item.done(error)
         if post:
-            if decodes and was_empty and self._idle_here():
-                # Nothing was queued or on the device: the device would sit idle through the
-                # loop iterations a posted round waits (_post_round), so this request's round
-                # runs now. At one client that is every request; under load the device is
-                # seldom idle, and requests arriving meanwhile queue for the next round as before.
-                self._loop_round()
-            else:
-                self._post_round()
+            self._post_round()
 
     def _schedule_round(self, poll: bool = False) -> None:
         """Makes sure a round callback is on the loop's queue (one at a time)."""
@@ -286,15 +273,6 @@ class Scheduler:
                 return
             self._round_scheduled = True
         self._post_round(poll)
-
-    def _idle_here(self) -> bool:
-        """Whether a round may run right now on the caller's thread: it is the loop's, no round is
-        running (a request queued from a round's callback waits for the next), nothing is on the
-        device or waiting for it to drain, and the round would not wait for the device itself.
-        A round that answers inline (an engine behind --frontends) always ends with nothing in
-        flight, so there every read would launch alone: it keeps posting its rounds."""
-        return (threading.get_ident() == self._loop_thread and not self._in_round and not self._in_flight
-                and self._barrier is None and not self.answers_inline())
 
     def _post_round(self, poll: bool = False) -> None:
         loop = self._loop
@@ -359,15 +337,12 @@ class Scheduler:
     def _loop_round(self) -> None:
         with self._lock:
             self._round_scheduled = False
-        self._in_round = True
         try:
             again = self._advance()
         except Exception as e:  # a bug: answer what is queued (nobody would), keep polling the device
             log.exception("scheduler round failed")
             self._fail_pending(GdnError(f"internal scheduler error: {e}"))
             again = bool(self._in_flight)
-        finally:
-            self._in_round = False
         if again:
             # the waiter's own post comes when the launch it waits for ends; one it has already
             # waited for that still is not ready (its wait failed) is polled

@@ -207,37 +207,6 @@ def test_auto_answers_inline_only_on_a_loop_that_serves_no_rpcs_and_only_one_sch
     assert asyncio.run(inline_on_loop(False, 2)) == [False, False]
 
 
-def test_a_request_that_finds_the_loop_idle_is_launched_at_once():
-    """On a loop that serves gRPC (one process), a request that finds nothing queued and nothing
-    on the device is launched before submit_decode returns; requests that come while it runs
-    queue for the next round, together. An engine's scheduler (it answers inline: nothing is ever
-    left in flight) posts its rounds as before, so a read's requests are not launched one by one."""
-
-    async def main(serves_rpcs: bool) -> tuple[list, list, Scheduler]:
-        scheduler, ids = _scheduler("auto", _DeviceLikeBackend)
-        scheduler.loop_serves_rpcs = serves_rpcs
-        loop = asyncio.get_running_loop()
-        scheduler.start_on(loop)
-        futs = [loop.create_future() for _ in ids]
-        seen = []  # (launches on the device, requests queued) after each submit_decode
-        for i, (sid, fut) in enumerate(zip(ids, futs)):
-            scheduler.submit_decode(_work(sid, 0, i), fut.set_result)
-            seen.append((len(scheduler._in_flight), scheduler.queue_depth()))
-        results = await asyncio.wait_for(asyncio.gather(*futs), 10)
-        scheduler.stop()
-        return results, seen, scheduler
-
-    results, seen, scheduler = asyncio.run(main(serves_rpcs=True))
-    assert all(not isinstance(r, BaseException) for r in results), results
-    assert seen == [(1, 0), (1, 1), (1, 2)]  # the first on the device at once, the others queued
-    assert (scheduler.stats.launches, scheduler.stats.rows_launched) == (2, 3)
-
-    results, seen, scheduler = asyncio.run(main(serves_rpcs=False))
-    assert all(not isinstance(r, BaseException) for r in results), results
-    assert seen == [(0, 1), (0, 2), (0, 3)]  # all posted to one round
-    assert (scheduler.stats.launches, scheduler.stats.rows_launched) == (1, 3)
-
-
 def test_a_launch_whose_wait_returns_early_is_polled_to_its_end():
     """The waiter thread's wait can end before the launch does (a failed wait): the loop then
     polls that launch instead of waiting for a post that will not come."""
