@@ -84,14 +84,10 @@ case "${1:-}" in
       for i in "${!variants[@]}"; do
         for side in ${TRACE_BASE:+base} new; do
           echo "[$side $round: ${variants[$i]}]"
-          if [[ $side == base ]]; then
-            build_native "$TRACE_BASE"
-            (cd "$TRACE_BASE" && PYTHONPATH="$PWD:$PYTHONPATH" timeout 200 python3 bench/trace_step.py --device cuda \
-              --steps 3000 --server-flags "${variants[$i]}" --out "$out_abs/trace_${side}_${round}_$i" 2>&1 | tail -14)
-          else
-            timeout 200 python3 bench/trace_step.py --device cuda --steps 3000 --server-flags "${variants[$i]}" \
-              --out "$out_abs/trace_${side}_${round}_$i" 2>&1 | tail -14
-          fi
+          tree=.
+          [[ $side == base ]] && tree=$TRACE_BASE && build_native "$tree"
+          (cd "$tree" && PYTHONPATH="$PWD:$PYTHONPATH" timeout 200 python3 bench/trace_step.py --device cuda \
+            --steps 3000 --server-flags "${variants[$i]}" --out "$out_abs/trace_${side}_${round}_$i" 2>&1 | tail -14)
         done
       done
     done
