@@ -5,15 +5,16 @@ reply. Between the two, an idle event loop blocks in epoll; the next request the
 that has to be woken and caches gone cold, and the whole step runs slower (bench/NOTES.md: at one
 client, p50 0.55 -> 0.31 ms on the 2-core CPU box with a host-only backend; the host work of the
 same step run hot takes a fraction of what it takes cold). The kernel's `net.core.busy_poll` does
-the same for sockets. Where the wake-up is not what makes a step slow it gains nothing: on the
-H200 host one client's p50 stayed 0.77-0.79 ms, so it is off unless asked for.
+the same for sockets. On the H200 host it gained nothing while a step's own server work was
+~1 ms cold (p50 0.77-0.79 ms, seventh session); once that work was ~150 us, a 1 ms window cut one
+client's p50 by 13-24% (eighteenth session), and it became the default (SchedulerConfig.busy_poll_us).
 
 `LoopSpinner.touch()` (the scheduler calls it after each round of answers) keeps a callback on
 the loop's ready queue for `window_s`, so every loop iteration polls its sockets with a zero
 timeout. Past the window with nothing answered, the loop sleeps again: an idle server costs no
 CPU. While it spins it costs one core, which is why it is only for schedulers on the event loop
 (a GPU backend; a thread scheduler computing on the host would compete with the spinning loop
-for the GIL) and is off by default (`--busy-poll-us 0`).
+for the GIL); `--busy-poll-us 0` turns it off.
 """
 from __future__ import annotations
 

@@ -69,9 +69,10 @@ class SchedulerConfig:
     device_wait: str = "auto"
     # with rounds on the event loop: after answering, the loop keeps polling (never sleeps) this
     # long for the next request; costs a core while clients keep it busy (gdn_server.busy_poll).
-    # 0 (default): the loop sleeps whenever it is idle. Off by default: on the H200 host it
-    # changed nothing (bench/NOTES.md), on the CPU box it halved one client's latency
-    busy_poll_us: int = 0
+    # 0: the loop sleeps whenever it is idle. On the H200 host a 1 ms window cut one client's p50
+    # by 13-24% (a step run with the caches warm) and left 64 clients even (bench/NOTES.md,
+    # eighteenth session); an idle server still sleeps once the window has passed
+    busy_poll_us: int = 1000
 
     def __post_init__(self) -> None:
         if self.runs_on not in SCHEDULER_RUNS_ON:

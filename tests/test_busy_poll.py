@@ -75,12 +75,14 @@ def test_one_spinner_per_loop_with_the_longest_window():
         LoopSpinner(asyncio.new_event_loop(), 0)
     with pytest.raises(ValueError, match="busy_poll_us"):
         SchedulerConfig(busy_poll_us=-1)
+    # on by default, with a window longer than a lone client's round trip on the H200 (~0.3 ms)
+    assert SchedulerConfig().busy_poll_us == 1000
 
 
 @pytest.mark.parametrize("busy_poll_us", [0, 200_000])
-def test_a_scheduler_on_the_loop_keeps_it_polling_between_steps_only_when_asked(busy_poll_us):
-    """A client stepping one session: with busy polling, the gaps between its steps are polled,
-    not slept; with it off (0), the loop sleeps in them as before. The answers are the same."""
+def test_a_scheduler_on_the_loop_keeps_it_polling_between_steps_unless_turned_off(busy_poll_us):
+    """A client stepping one session: with busy polling (on by default), the gaps between its steps
+    are polled, not slept; with it off (0), the loop sleeps in them. The answers are the same."""
     selector = _CountingSelector()
 
     async def main():
