@@ -15,6 +15,11 @@ timeout. Past the window with nothing answered, the loop sleeps again: an idle s
 CPU. While it spins it costs one core, which is why it is only for schedulers on the event loop
 (a GPU backend; a thread scheduler computing on the host would compete with the spinning loop
 for the GIL); `--busy-poll-us 0` turns it off.
+
+A `--frontends` worker touches its loop's spinner after each request it hands to an engine and
+each reply it reads (gdn_server.frontend.EngineLinkClient), while its link carries one request
+at a time: a worker of several busy clients is awake anyway, and spinning through its lulls took
+cores from the rest on the CPU box.
 """
 from __future__ import annotations
 

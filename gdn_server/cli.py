@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--busy-poll-us", type=int, default=SchedulerConfig.busy_poll_us,
                    help="with the scheduler on the loop, after answering keep polling for the next request this "
                         "long instead of sleeping: lower latency at low load for a CPU core while clients keep "
-                        "the server busy (default %(default)s; 0: off)")
+                        "the server busy; with --frontends, a worker's loop too while it serves one request at a time "
+                        "(default %(default)s; 0: off)")
     p.add_argument("--event-loop", choices=EVENT_LOOPS, default="auto",
                    help="the asyncio loop every server process runs on: 'uvloop' (its loop machinery in C), "
                         "'asyncio' (the standard one), or 'auto' (uvloop where installed; default)")

@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server.child_process import JsonSettings, start_child
+from gdn_server.busy_poll import LoopSpinner
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape
 from gdn_server.event_loop import run as run_loop
 from gdn_server.protowire import decode_request_parsers
@@ -53,6 +55,9 @@ GDN_SERVICE = gdn_pb2.DESCRIPTOR.services_by_name["GdnDecode"]
 LOCAL_METHODS = ("Decode", "DecodeStream")  # served here; everything else goes to the router
 LOCATE = "/gdn.internal.Router/Locate"  # JSON [session id, ...] -> JSON [engine or null, ...]
 MAX_CACHED_ROUTES = 1 << 17  # session ids remembered; past this the cache starts over
+# a link that had two requests out at once does not keep its loop polling for this long (well
+# past a round trip under load, so busy clients' lulls are not spun through)
+CROWDED_HOLD_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,10 @@ class FrontendSettings(JsonSettings):
     # PROMETHEUS_MULTIPROC_DIR to it for us); None: metrics are off
     metrics_dir: str | None = None
     event_loop: str = "auto"  # gdn_server.event_loop
+    # after each request sent to an engine and each reply from one, while a link carries one
+    # request at a time, the loop keeps polling this long instead of sleeping
+    # (gdn_server.busy_poll; the server's --busy-poll-us); 0: off
+    busy_poll_us: int = 0
 
 
 class EngineLinkClient:
@@ -83,9 +92,14 @@ class EngineLinkClient:
 
     def __init__(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, shape: ModelShape,
-        rings: tuple[RequestRing, memoryview] | None = None,
+        rings: tuple[RequestRing, memoryview] | None = None, spinner: LoopSpinner | None = None,
     ) -> None:
         self._reader, self._writer, self._shape = reader, writer, shape
+        # keeps the loop polling while a request is out and between a client's steps: at one
+        # client the worker's loop otherwise sleeps twice a step, waiting for the engine's reply
+        # and for the client's next request, and wakes cold each time
+        self._spinner = spinner
+        self._crowded_until = 0.0  # until then this link has had requests overlap: no polling
         self._request_ring, self._reply_ring = rings if rings is not None else (None, None)
         self._reply_read_to = self._reply_acked = 0  # how far this worker has read the reply ring, and said so
         self._pending: dict[int, tuple[asyncio.Future, str]] = {}
@@ -94,9 +108,13 @@ class EngineLinkClient:
         self._task = asyncio.ensure_future(self._read_replies())
 
     @classmethod
-    async def connect(cls, path: str, shape: ModelShape, rings: bool = True) -> "EngineLinkClient":
+    async def connect(
+        cls, path: str, shape: ModelShape, rings: bool = True, spinner: LoopSpinner | None = None,
+    ) -> "EngineLinkClient":
         """Connects to the engine's link at `path` and says hello: with the rings' memory unless
-        `rings` is False or the platform has no memfd."""
+        `rings` is False or the platform has no memfd. `spinner`: the loop's busy poller, touched
+        after every request sent and reply read while the link carries one request at a time
+        (None: the loop sleeps when idle)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.setblocking(False)
@@ -117,7 +135,7 @@ class EngineLinkClient:
         except BaseException:
             sock.close()
             raise
-        return cls(reader, writer, shape, ring_views)
+        return cls(reader, writer, shape, ring_views, spinner)
 
     def submit(self, work: DecodeWork) -> asyncio.Future:
         """Sends one validated request; the future gets its DecodeResult or GdnError."""
@@ -133,7 +151,21 @@ class EngineLinkClient:
             frames.insert(0, encode_ack(self._reply_acked))
         self._writer.writelines(frames)
         fut.add_done_callback(lambda f: f.cancelled() and self._cancel(tag))
+        if self._spinner is not None:
+            self._keep_polling(len(self._pending) > 1)
         return fut
+
+    def _keep_polling(self, crowded: bool) -> None:
+        """Touches the loop's spinner while this link carries one request at a time. A worker of
+        several busy clients has work enough to stay awake, and a loop spinning in each of a
+        round trip's gaps took cores from the rest (on the 2-core CPU box, 8 clients over 2
+        workers: -15-21% steps/s, bench/NOTES.md): after two requests overlap, the link is
+        left to sleep for CROWDED_HOLD_S."""
+        now = time.monotonic()
+        if crowded:
+            self._crowded_until = now + CROWDED_HOLD_S
+        elif now >= self._crowded_until:
+            self._spinner.touch()
 
     def _cancel(self, tag: int) -> None:
         """The caller gave up: the engine drops the request if it has not reached the device (its
@@ -151,6 +183,8 @@ class EngineLinkClient:
                 if self._request_ring is not None:
                     self._request_ring.free(tag)
                 fut, request_id = self._pending.pop(tag, (None, ""))
+                if self._spinner is not None:
+                    self._keep_polling(False)
                 if fut is None or fut.done():  # the caller gave up meanwhile
                     continue
                 if isinstance(result, GdnError):
@@ -354,7 +388,8 @@ async def serve_frontend(settings: FrontendSettings) -> int:
     security = SecurityConfig(**settings.security)
     limits = [("grpc.max_receive_message_length", settings.max_message_bytes),
               ("grpc.max_send_message_length", settings.max_message_bytes)]
-    links = [await EngineLinkClient.connect(path, shape) for path in settings.link_paths]
+    spinner = LoopSpinner.of(asyncio.get_running_loop(), settings.busy_poll_us / 1e6) if settings.busy_poll_us else None
+    links = [await EngineLinkClient.connect(path, shape, spinner=spinner) for path in settings.link_paths]
     channel = grpc.aio.insecure_channel(settings.engine_address, options=limits)
     interceptors: list = []
     metrics = RpcMetrics(registry=None) if settings.metrics_dir else None  # written to the router's files

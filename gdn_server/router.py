@@ -429,6 +429,10 @@ async def serve_router(settings: ServerSettings) -> int:
                 security=dataclasses.asdict(sec), max_message_bytes=limit, grace_s=settings.grace_s,
                 log_level=logging.getLevelName(logging.getLogger("gdn_server").getEffectiveLevel()),
                 metrics_dir=metrics_dir, event_loop=settings.event_loop,
+                # whatever the engines' device: a worker polls only while it serves one request
+                # at a time (frontend.EngineLinkClient), which on the CPU box cut one client's
+                # p50 by ~27% and left 8 and 32 clients even (bench/NOTES.md)
+                busy_poll_us=settings.scheduler.busy_poll_us,
             )
 
         workers = FrontendPool(settings.frontends, worker_settings)

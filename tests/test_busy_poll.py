@@ -1,19 +1,29 @@
 """Busy polling (gdn_server.busy_poll): the loop stays awake for the window after an answer, then
-sleeps again; and a scheduler on the loop keeps it awake between the steps of a client."""
+sleeps again; a scheduler on the loop keeps it awake between the steps of a client, and so does a
+front-end worker's link to its engine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import selectors
+import socket
+import threading
 import time
+from typing import Iterator
 
+import grpc
 import pytest
 
 from gdn_server.busy_poll import LoopSpinner
 from gdn_server.config import SchedulerConfig
+from gdn_server.errors import GdnError, Unavailable
+from gdn_server import frontend
+from gdn_server.frontend import EngineLinkClient
+from gdn_server.link import HELLO, LENGTH, encode_reply, request_tag
 from gdn_server.server import start_scheduler
 from gdn_server.placement import Shard
 
-from test_scheduler_loop import _DeviceLikeBackend, _scheduler, _work
+from test_scheduler_loop import SHAPE, _DeviceLikeBackend, _scheduler, _work
 
 
 class _CountingSelector(selectors.DefaultSelector):
@@ -104,3 +114,122 @@ def test_a_scheduler_on_the_loop_keeps_it_polling_between_steps_unless_turned_of
 
     assert _run(main, selector) == [(1,), (2,), (3,)]
 
+
+
+@contextlib.contextmanager
+def _fake_engine(path: str, delay_s: float) -> Iterator[None]:
+    """An engine listening at `path` on a thread, for one worker link (`_answer_link`)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    engine = threading.Thread(target=_answer_link, args=(listener, delay_s), daemon=True)
+    engine.start()
+    try:
+        yield
+    finally:
+        listener.close()
+        engine.join(10)
+
+
+def _answer_link(listener: socket.socket, delay_s: float) -> None:
+    """An engine's end of one worker link that answers every request frame, `delay_s` late, with
+    an error reply (the worker's side of the wait is what is under test)."""
+    conn, _ = listener.accept()
+    with conn:
+        conn.settimeout(30)
+
+        def read(n: int) -> bytes:
+            data = b""
+            while len(data) < n:
+                chunk = conn.recv(n - len(data))
+                if not chunk:
+                    raise ConnectionError("the worker closed the link")
+                data += chunk
+            return data
+
+        read(LENGTH.size + HELLO.size)
+        try:
+            while True:
+                (size,) = LENGTH.unpack(read(LENGTH.size))
+                tag = request_tag(read(size))
+                time.sleep(delay_s)
+                conn.sendall(b"".join(encode_reply(tag, Unavailable("answered by the fake engine"))))
+        except (ConnectionError, OSError):
+            return
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("busy_poll_us", [0, 200_000])
+def test_a_front_end_worker_keeps_its_loop_polling_while_the_engine_answers_and_between_steps(tmp_path, busy_poll_us):
+    """A worker at one client waits twice a step: for the engine's reply, then for the client's
+    next request. With busy polling its loop polls through both; with it off (0) it sleeps."""
+    path = str(tmp_path / "link.sock")
+    selector = _CountingSelector()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        spinner = LoopSpinner.of(loop, busy_poll_us / 1e6) if busy_poll_us else None
+        client = await EngineLinkClient.connect(path, SHAPE, rings=False, spinner=spinner)
+        try:
+            for step in range(3):
+                sleeps = selector.sleeps
+                with pytest.raises(GdnError, match="fake engine") as answer:
+                    await asyncio.wait_for(client.submit(_work("s", 0, step)), 10)
+                assert answer.value.code == grpc.StatusCode.UNAVAILABLE
+                waiting = selector.sleeps - sleeps
+                sleeps = selector.sleeps
+                await asyncio.sleep(0.02)  # the client's think time between two steps
+                between = selector.sleeps - sleeps
+                if busy_poll_us:
+                    assert waiting == 0 and between == 0, (waiting, between)
+                else:
+                    assert waiting >= 1 and between >= 1, (waiting, between)
+        finally:
+            await client.close()
+
+    with _fake_engine(path, 0.02):
+        _run(main, selector)
+
+
+class _RecordingSpinner:
+    window_s = 0.001
+
+    def __init__(self) -> None:
+        self.touches = 0
+
+    def touch(self) -> None:
+        self.touches += 1
+
+
+@pytest.mark.timeout(60)
+def test_a_front_end_link_stops_polling_once_its_requests_overlap(tmp_path, monkeypatch):
+    """A worker whose link carries several requests at once (several busy clients) leaves its
+    loop to sleep for CROWDED_HOLD_S: it has work enough to stay awake, and spinning would take
+    a core from the rest. Alone again after that, it polls again."""
+    monkeypatch.setattr(frontend, "CROWDED_HOLD_S", 0.3)
+    path = str(tmp_path / "link.sock")
+    spinner = _RecordingSpinner()
+
+    async def answered(fut: asyncio.Future) -> None:
+        with pytest.raises(GdnError, match="fake engine"):
+            await asyncio.wait_for(fut, 10)
+
+    async def main():
+        client = await EngineLinkClient.connect(path, SHAPE, rings=False, spinner=spinner)
+        try:
+            await answered(client.submit(_work("s", 0, 0)))
+            assert spinner.touches == 2  # alone: its send and its reply
+            first = client.submit(_work("s", 0, 1))
+            second = client.submit(_work("s", 0, 2))  # overlaps the first: crowded from here
+            await answered(first)
+            await answered(second)
+            await answered(client.submit(_work("s", 0, 3)))  # alone, but within the hold
+            assert spinner.touches == 3, spinner.touches  # only the first of the overlapping two
+            await asyncio.sleep(0.35)
+            await answered(client.submit(_work("s", 0, 4)))
+            assert spinner.touches == 5, spinner.touches
+        finally:
+            await client.close()
+
+    with _fake_engine(path, 0.01):
+        asyncio.run(main())
