@@ -19,7 +19,7 @@ from gdn_server.config import SchedulerConfig
 from gdn_server.errors import GdnError, Unavailable
 from gdn_server import frontend
 from gdn_server.frontend import EngineLinkClient
-from gdn_server.link import HELLO, LENGTH, encode_reply, request_tag
+from gdn_server.link import FrameBuffer, encode_reply, request_tag
 from gdn_server.server import start_scheduler
 from gdn_server.placement import Shard
 
@@ -115,7 +115,6 @@ def test_a_scheduler_on_the_loop_keeps_it_polling_between_steps_unless_turned_of
     assert _run(main, selector) == [(1,), (2,), (3,)]
 
 
-
 @contextlib.contextmanager
 def _fake_engine(path: str, delay_s: float) -> Iterator[None]:
     """An engine listening at `path` on a thread, for one worker link (`_answer_link`)."""
@@ -137,24 +136,17 @@ def _answer_link(listener: socket.socket, delay_s: float) -> None:
     conn, _ = listener.accept()
     with conn:
         conn.settimeout(30)
-
-        def read(n: int) -> bytes:
-            data = b""
-            while len(data) < n:
-                chunk = conn.recv(n - len(data))
-                if not chunk:
-                    raise ConnectionError("the worker closed the link")
-                data += chunk
-            return data
-
-        read(LENGTH.size + HELLO.size)
+        incoming, hello_read = FrameBuffer(), False
         try:
-            while True:
-                (size,) = LENGTH.unpack(read(LENGTH.size))
-                tag = request_tag(read(size))
-                time.sleep(delay_s)
-                conn.sendall(b"".join(encode_reply(tag, Unavailable("answered by the fake engine"))))
-        except (ConnectionError, OSError):
+            while incoming.fill(conn):
+                for frame in incoming.frames():
+                    if not hello_read:  # the link's first frame
+                        hello_read = True
+                        continue
+                    time.sleep(delay_s)
+                    reply = encode_reply(request_tag(frame), Unavailable("answered by the fake engine"))
+                    conn.sendall(b"".join(reply))
+        except OSError:  # the worker closed the link
             return
 
 
