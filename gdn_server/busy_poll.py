@@ -19,7 +19,8 @@ for the GIL); `--busy-poll-us 0` turns it off.
 A `--frontends` worker touches its loop's spinner after each request it hands to an engine and
 each reply it reads (gdn_server.frontend.EngineLinkClient), while its link carries one request
 at a time: a worker of several busy clients is awake anyway, and spinning through its lulls took
-cores from the rest on the CPU box.
+cores from the rest on the CPU box. On the H200 host one client behind eight workers went from a
+p50 of 0.52-0.77 to 0.38-0.40 ms, with 8 and 64 clients even or faster (twentieth session).
 """
 from __future__ import annotations
 
