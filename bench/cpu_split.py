@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gdn_client._echo import echo_env  # noqa: E402
 from gdn_client.loadtest import LoadConfig, run_echo, run_load  # noqa: E402
 from listening import start_listening  # noqa: E402  (this folder)
 from serve import start_server  # noqa: E402  (this folder: the serving bench's gdn-server command)
@@ -74,7 +75,7 @@ def main() -> None:
     args = p.parse_args()
     fake_server = [sys.executable, str(Path(__file__).resolve().parent / "frontend.py"), "--serve", "--port", "0"]
     rows = []
-    echo, echo_address = start_listening([sys.executable, "-m", "gdn_client._echo", "--port", "0"])
+    echo, echo_address = start_listening([sys.executable, "-m", "gdn_client._echo", "--port", "0"], env=echo_env())
     try:
         for n in (int(c) for c in args.clients.split(",")):
             server, target = (start_listening(fake_server) if args.fake_device

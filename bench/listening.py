@@ -27,7 +27,8 @@ def wait_listening(proc: subprocess.Popen, timeout: float = 600) -> str:
     raise RuntimeError(f"server did not start: {' '.join(map(str, proc.args))}")
 
 
-def start_listening(cmd: list[str], timeout: float = 600) -> tuple[subprocess.Popen, str]:
-    """Starts `cmd` (its stderr joined to stdout) and waits for its listening line."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+def start_listening(cmd: list[str], timeout: float = 600, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts `cmd` (its stderr joined to stdout; `env`: its environment, default this process's)
+    and waits for its listening line."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
     return proc, wait_listening(proc, timeout)

@@ -180,9 +180,9 @@ async def _echo_client(address: str, request_bytes: int, reply_bytes: int, warmu
 
 
 @contextlib.contextmanager
-def _started(cmd: list[str]):
+def _started(cmd: list[str], env: dict[str, str] | None = None):
     """Starts a server child process; yields its address; stops it (its stamps are written at exit)."""
-    proc, address = start_listening(cmd)
+    proc, address = start_listening(cmd, env=env)
     try:
         yield address
     finally:
@@ -280,7 +280,9 @@ def _echo_legs(args, out: Path, request_bytes: int, reply_bytes: int, work_us: i
     echo_trace = out / "trace_echo.json"
     cmd = [sys.executable, __file__, "--serve-echo", "--trace-out", str(echo_trace),
            "--echo-work-kind", args.echo_work_kind, "--echo-work-us", str(work_us)]
-    with _started(cmd) as address:
+    from gdn_client._echo import echo_env  # the floor on gRPC's defaults, as gdn-loadtest --echo starts it
+
+    with _started(cmd, env=echo_env()) as address:
         echo_times = asyncio.run(_echo_client(address, request_bytes, reply_bytes, args.warmup, args.steps, args.mode))
     w, n = args.warmup, args.steps
     # the echo's legs: its handler's stamps, after the warm-up (it served only this client)

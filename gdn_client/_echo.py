@@ -14,6 +14,12 @@ The floor runs on asyncio's own loop, as a plain gRPC service would. `--uvloop` 
 GDN_ECHO_UVLOOP=1 in the environment, which reaches the echo that gdn-loadtest --echo starts)
 runs it on uvloop instead: the floor a service on uvloop would have, to tell how much of
 gdn-server's gain from uvloop (`--event-loop`) any service would get.
+
+Likewise its gRPC runs with gRPC's own defaults, although gdn-server sets GRPC_EXPERIMENTS for
+its processes (gdn_server/__init__.py: the older I/O path for accepted connections). Whoever
+starts the floor gives it `echo_env()`, which keeps the caller's GRPC_EXPERIMENTS (one set by
+importing gdn_server, say) from reaching it; GDN_ECHO_GRPC_EXPERIMENTS=-event_engine_listener
+gives the floor gdn-server's transport instead.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ import grpc.aio
 
 from gdn_client._malloc import tune_malloc
 
-__all__ = ["UNARY", "STREAM", "echo_request", "serve", "main"]
+__all__ = ["UNARY", "STREAM", "echo_request", "echo_env", "serve", "main"]
 
 SERVICE = "gdn.bench.Echo"
 UNARY = f"/{SERVICE}/Unary"
@@ -45,6 +51,13 @@ def echo_request(request_bytes: int, reply_bytes: int) -> bytes:
     """A request of ``request_bytes`` bytes asking for a ``reply_bytes``-byte reply."""
     body = max(0, request_bytes - _HEADER.size)
     return _HEADER.pack(reply_bytes) + bytes(range(256)) * (body // 256) + bytes(body % 256)
+
+
+def echo_env() -> dict[str, str]:
+    """The environment to start an echo floor process with: this process's, with gRPC's own
+    defaults (GRPC_EXPERIMENTS empty) unless GDN_ECHO_GRPC_EXPERIMENTS names the floor's."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1",
+            "GRPC_EXPERIMENTS": os.environ.get("GDN_ECHO_GRPC_EXPERIMENTS", "")}
 
 
 def _reply(request: bytes) -> bytes:

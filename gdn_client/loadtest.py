@@ -56,7 +56,7 @@ from google.protobuf.message import DecodeError
 from gdn_client._codec import ModelInfo, Stats, encode_request, model_info_from_proto, stats_from_proto
 from gdn_client._echo import STREAM as ECHO_STREAM
 from gdn_client._echo import UNARY as ECHO_UNARY
-from gdn_client._echo import echo_request
+from gdn_client._echo import echo_env, echo_request
 from gdn_client._errors import GdnError, error_from_code, error_from_rpc
 from gdn_client._malloc import tune_malloc
 from gdn_client._options import ClientOptions
@@ -670,7 +670,7 @@ def echo_server(timeout: float = 30.0) -> Iterator[str]:
     """Starts `gdn_client._echo` on 127.0.0.1, port 0, as a subprocess; yields its address."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "gdn_client._echo", "--host", "127.0.0.1", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=echo_env(),
     )
     try:
         deadline = time.monotonic() + timeout

@@ -191,6 +191,22 @@ def test_workers_and_engines_leave_with_the_router():
             time.sleep(0.05)
 
 
+def test_workers_and_engines_load_grpc_with_the_servers_io_path(monkeypatch):
+    """GRPC_EXPERIMENTS is read when gRPC loads: the router sets gdn-server's value
+    (gdn_server/__init__.py) and its workers and engines must start with it in their environment,
+    even where the router's own environment did not have it."""
+    import gdn_server
+
+    if not os.path.exists("/proc/self/environ"):
+        pytest.skip("no /proc here to read a process's environment from")
+    monkeypatch.delenv("GRPC_EXPERIMENTS", raising=False)  # the router's environment lacks it
+    with start_server(*SMALL_MODEL, *ONE_WORKER) as s:
+        for pid in _worker_pids(s) + _pids(s, _ENGINE_PIDS):
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            assert f"GRPC_EXPERIMENTS={gdn_server.GRPC_EXPERIMENTS}".encode() in environ, pid
+
+
 def test_one_engine_per_device_places_and_limits_across_them():
     with start_server(*SMALL_MODEL, *FRONTENDS, *TWO_DEVICES, "--max-sessions", "64", "--max-sessions-per-client", "3") as s, \
             grpc.insecure_channel(s.address) as ch:
