@@ -7,6 +7,7 @@ server, on one host (CLOCK_MONOTONIC is shared by the two processes).
         --server-flags "--scheduler-runs-on loop"
     python bench/trace_step.py --echo-only --echo-work-us 200 --echo-work-kind spin   # the echo alone,
         # plain and with 200 us of work per step, in turn: does a server's own work lengthen its legs?
+    python bench/trace_step.py --device cuda --server-flags "--frontends 8"   # through a worker and an engine
 
 The server runs in a child process with a few of its methods wrapped to take a timestamp (this
 file, --serve; the product code has no tracing in it). One client, gdn-loadtest's own worker,
@@ -21,6 +22,12 @@ staged ("filled") -> the NaN/Inf check validation left to it done ("checked"), b
 -> the backend's submit returned ("submitted") ->
 the round that answers it starts ("finish") -> futures settled ("answered") -> the stream's
 writer has its reply bytes ("reply") -> client has the reply.
+
+With --frontends N in --server-flags the router starts its workers and engines through
+bench/trace_child.py, which stamps them too (FRONTEND_STAGES): the worker's parse and validation,
+its link's frame out ("sent"), the engine's read of it ("link in"), the engine's stages as above,
+its replies handed to the link's sender ("flushed"), the worker's read of the reply ("reply in")
+and its stream's writer ("reply"). Every process uses CLOCK_MONOTONIC, one clock on one host.
 """
 from __future__ import annotations
 
@@ -42,6 +49,11 @@ from listening import start_listening  # this folder (python bench/trace_step.py
 
 STAGES = ("parse", "parsed", "in", "queued", "round", "submit", "filled", "checked", "submitted", "finish", "answered",
           "reply")
+# With --frontends N in --server-flags: a worker's stages, its engine's, then the worker's again.
+# "sent": the worker's link has the request's frame; "link in": the engine reads it; "flushed": the
+# engine's round has handed its replies to the link's sender; "reply in": the worker reads the reply.
+FRONTEND_STAGES = ("parse", "parsed", "in", "sent", "link in", "queued", "round", "submit", "filled", "checked",
+                   "submitted", "finish", "answered", "flushed", "reply in", "reply")
 # inside the CUDA backend's submit; "checked" only where validation left the NaN/Inf check to it
 OPTIONAL = ("submit", "filled", "checked")
 
@@ -92,16 +104,13 @@ def _serve_echo(trace_out: str, work_kind: str, work_us: int) -> int:
     return 0
 
 
-def _serve(trace_out: str, flags: list[str], fake_device: str | None, serial_copies: bool) -> int:
-    from gdn_server import cli, scheduler, servicer
-    from gdn_server.backends import cuda, staging
+def install_stamps(role: str) -> dict[str, list[int]]:
+    """Wraps this process's methods of `role` ("server": one process; "worker" and "engine":
+    the --frontends children) to append a timestamp per stage; returns the stamps."""
+    from gdn_server import protowire, scheduler, servicer
+    from gdn_server.backends import cpu, cuda
 
-    if serial_copies:  # big copies and NaN/Inf checks on one thread, as before they went to torch
-        import gdn_client.wire
-
-        staging.PARALLEL_COPY_BYTES = gdn_client.wire._PARALLEL_CHECK_BYTES = 1 << 62
-
-    stamps: dict[str, list[int]] = {s: [] for s in STAGES}
+    stamps: dict[str, list[int]] = {s: [] for s in (STAGES if role == "server" else FRONTEND_STAGES)}
     now = time.monotonic_ns
 
     def around(owner, name, before=None, after=None, when=lambda *a, **k: True):
@@ -119,30 +128,103 @@ def _serve(trace_out: str, flags: list[str], fake_device: str | None, serial_cop
 
         setattr(owner, name, wrapped)
 
-    # the server's DecodeRequest parser (RejectMalformed looks it up when the server is built)
-    from gdn_server import protowire
+    if role in ("server", "worker"):
+        # the server's DecodeRequest parser (RejectMalformed looks it up when the server is built)
+        around(protowire, "parse_decode_request", before="parse", after="parsed")
+        around(servicer, "_reply", before="reply")
+    if role in ("server", "engine"):
+        around(scheduler.Scheduler, "_launch", before="round", when=lambda self, items, *a, **k: bool(items))
+        around(cuda.CudaBackend, "submit", before="submit", after="submitted")
+        around(cuda, "_fill_staging", after="filled")
+        around(cuda, "_staged_nonfinite", after="checked")
+        around(cpu.CpuBackend, "submit", after="submitted")
+        around(scheduler.Scheduler, "_finish", before="finish", after="answered",
+               when=lambda self, in_flight: bool(in_flight))
+    if role == "server":
+        around(servicer.GdnDecodeServicer, "_submit_decode", before="in", after="queued")
+    elif role == "worker":
+        from gdn_server import frontend
 
-    around(protowire, "parse_decode_request", before="parse", after="parsed")
-    around(servicer.GdnDecodeServicer, "_submit_decode", before="in", after="queued")
-    around(scheduler.Scheduler, "_launch", before="round", when=lambda self, items, *a, **k: bool(items))
-    around(cuda.CudaBackend, "submit", before="submit", after="submitted")
-    around(cuda, "_fill_staging", after="filled")
-    around(cuda, "_staged_nonfinite", after="checked")
-    from gdn_server.backends import cpu
-    around(cpu.CpuBackend, "submit", after="submitted")
-    around(scheduler.Scheduler, "_finish", before="finish", after="answered",
-           when=lambda self, in_flight: bool(in_flight))
-    around(servicer, "_reply", before="reply")
+        around(servicer.DecodeRpcs, "_submit_decode", before="in")
+        around(frontend.EngineLinkClient, "submit", after="sent")
+        around(frontend, "decode_reply", before="reply in")  # the worker's read of the engine's reply frame
+    elif role == "engine":
+        from gdn_server import engine_link
+
+        around(engine_link.EngineLink, "_read_from", before="link in")
+        around(scheduler.Scheduler, "submit_decodes", after="queued")
+        # after each round of answers (and after each read, with nothing to send: not stamped)
+        around(engine_link.EngineLink, "flush", after="flushed", when=lambda self: bool(self._dirty))
+    return stamps
+
+
+def stamp_child(role: str, out: Path) -> None:
+    """For bench/trace_child.py: this --frontends child's stamps, written to `out` at its exit."""
+    stamps = install_stamps(role)
+    atexit.register(lambda: out.write_text(json.dumps(stamps)))
+
+
+def _spawning_traced_children(stamps_dir: Path) -> None:
+    """Makes this --frontends router start its workers and engines through bench/trace_child.py,
+    which stamps them (each writes its own file into `stamps_dir`)."""
+    from gdn_server import frontend_pool, router
+
+    bench = str(Path(__file__).resolve().parent)
+    roles = {"gdn_server.frontend": "worker", "gdn_server.engine": "engine"}
+
+    def wrap(original):
+        async def spawn_ready(module, settings_json, name, env):
+            env = {**env, "GDN_TRACE_MODULE": module, "GDN_TRACE_ROLE": roles[module],
+                   "GDN_TRACE_DIR": str(stamps_dir), "PYTHONPATH": os.pathsep.join(
+                       [bench, str(Path(bench).parent), env.get("PYTHONPATH", "")])}
+            return await original("trace_child", settings_json, name, env)
+        return spawn_ready
+
+    frontend_pool.spawn_ready = wrap(frontend_pool.spawn_ready)
+    router.spawn_ready = wrap(router.spawn_ready)
+
+
+def _serve(trace_out: str, flags: list[str], fake_device: str | None, serial_copies: bool) -> int:
+    from gdn_server import cli
+    from gdn_server.backends import staging
+
+    if serial_copies:  # big copies and NaN/Inf checks on one thread, as before they went to torch
+        import gdn_client.wire
+
+        staging.PARALLEL_COPY_BYTES = gdn_client.wire._PARALLEL_CHECK_BYTES = 1 << 62
+
+    if _frontends(flags):  # the decode path runs in the children; this router only starts them
+        _spawning_traced_children(Path(trace_out).parent / "children")
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        return cli.main(flags)
+    stamps = install_stamps("server")
     atexit.register(lambda: Path(trace_out).write_text(json.dumps(stamps)))
     if fake_device is not None:  # bench/frontend.py's server: CUDA's host work, a 60 us "device"
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import frontend
 
-        around(frontend.HostOnlyBackend, "submit", after="submitted")
+        original = frontend.HostOnlyBackend.submit
+
+        def submit(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            stamps["submitted"].append(time.monotonic_ns())
+            return result
+
+        frontend.HostOnlyBackend.submit = submit
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # atexit runs on the way out
         frontend.run_server(0, sessions=600, runs_on=fake_device)
         return 0
     return cli.main(flags)
+
+
+def _frontends(flags: list[str]) -> bool:
+    """Whether server flags ask for --frontends workers (N > 0)."""
+    for i, flag in enumerate(flags):
+        if flag == "--frontends" and i + 1 < len(flags):
+            return flags[i + 1] != "0"
+        if flag.startswith("--frontends="):
+            return flag.split("=", 1)[1] != "0"
+    return False
 
 
 # -- the client side -------------------------------------------------------------------------------
@@ -239,6 +321,11 @@ def main() -> None:
         _echo_work_table(args, out)
         return
     trace = out / "trace_server.json"
+    children = out / "children"  # --frontends: a stamps file per worker and engine
+    if children.exists():
+        for old in children.glob("*.json"):
+            old.unlink()
+    children.mkdir(exist_ok=True)
     cmd = [sys.executable, __file__, "--serve", "--trace-out", str(trace), "--host", "127.0.0.1", "--port", "0",
            "--device", args.device, "--max-sessions", str(max(8, args.batch)), "--log-level", "WARNING", *args.model.split(),
            *args.server_flags.split(), *(["--fake-device", args.fake_device] if args.fake_device else []),
@@ -247,7 +334,8 @@ def main() -> None:
         times, request_bytes, reply_bytes = asyncio.run(_gdn_client(target, args.warmup, args.steps, args.batch, args.mode))
     echo_rows, echo = _echo_legs(args, out, request_bytes, reply_bytes, args.echo_work_us)
 
-    stamps = json.loads(trace.read_text())
+    frontends = _frontends(args.server_flags.split())
+    stamps = _children_stamps(out / "children", args.warmup + args.steps) if frontends else json.loads(trace.read_text())
     n = args.steps
     # the server saw the warm-up steps first (and a CloseSession round after ours)
     w = args.warmup
@@ -257,7 +345,8 @@ def main() -> None:
         raise RuntimeError(f"missing stamps: { {s: len(v) for s, v in stamps.items()} }")
     sent = np.asarray([t[0] for t in times], dtype=np.int64)
     got = np.asarray([t[1] for t in times], dtype=np.int64)
-    rows = _segments([("client sent", sent), *((s, server[s]) for s in STAGES if s in server),
+    order = FRONTEND_STAGES if frontends else STAGES
+    rows = _segments([("client sent", sent), *((s, server[s]) for s in order if s in server),
                       ("client has reply", got)])
     total = _pct(got - sent)
     lines = ["| segment | p50 us | p90 us |", "|---|---|---|"]
@@ -273,6 +362,22 @@ def main() -> None:
         "round_trip_us": {"p50": total[0], "p90": total[1]}, "echo_round_trip_us": {"p50": echo[0], "p90": echo[1]},
         "request_bytes": request_bytes, "reply_bytes": reply_bytes,
     }, indent=1))
+
+
+def _children_stamps(directory: Path, count: int) -> dict[str, list[int]]:
+    """The --frontends children's stamps, stage by stage: one client's steps all go through one
+    worker and one engine, so each stage's stamps come from the one file with at least `count`
+    (the other workers saw none of them)."""
+    merged: dict[str, list[int]] = {}
+    for path in sorted(directory.glob("*.json")):
+        for stage, values in json.loads(path.read_text()).items():
+            if len(values) >= count:
+                if stage in merged:
+                    raise RuntimeError(f"stage {stage!r} stamped by two processes (several clients' workers?)")
+                merged[stage] = values
+    if not merged:
+        raise RuntimeError(f"no child wrote its stamps into {directory}")
+    return merged
 
 
 def _echo_legs(args, out: Path, request_bytes: int, reply_bytes: int, work_us: int) -> tuple[list[dict], tuple[float, float]]:
