@@ -104,6 +104,26 @@ def _serve_echo(trace_out: str, work_kind: str, work_us: int) -> int:
     return 0
 
 
+def _around(stamps: dict[str, list[int]], owner, name: str, before: str | None = None, after: str | None = None,
+            when=lambda *a, **k: True) -> None:
+    """Replaces `owner.name` with a wrapper that appends a timestamp to stamps[before] before the
+    call and to stamps[after] after it, for the calls `when` accepts."""
+    original = getattr(owner, name)
+    now = time.monotonic_ns
+
+    @functools.wraps(original)
+    def wrapped(*args, **kwargs):
+        on = when(*args, **kwargs)
+        if on and before:
+            stamps[before].append(now())
+        result = original(*args, **kwargs)
+        if on and after:
+            stamps[after].append(now())
+        return result
+
+    setattr(owner, name, wrapped)
+
+
 def install_stamps(role: str) -> dict[str, list[int]]:
     """Wraps this process's methods of `role` ("server": one process; "worker" and "engine":
     the --frontends children) to append a timestamp per stage; returns the stamps."""
@@ -111,22 +131,7 @@ def install_stamps(role: str) -> dict[str, list[int]]:
     from gdn_server.backends import cpu, cuda
 
     stamps: dict[str, list[int]] = {s: [] for s in (STAGES if role == "server" else FRONTEND_STAGES)}
-    now = time.monotonic_ns
-
-    def around(owner, name, before=None, after=None, when=lambda *a, **k: True):
-        original = getattr(owner, name)
-
-        @functools.wraps(original)
-        def wrapped(*args, **kwargs):
-            on = when(*args, **kwargs)
-            if on and before:
-                stamps[before].append(now())
-            result = original(*args, **kwargs)
-            if on and after:
-                stamps[after].append(now())
-            return result
-
-        setattr(owner, name, wrapped)
+    around = functools.partial(_around, stamps)
 
     if role in ("server", "worker"):
         # the server's DecodeRequest parser (RejectMalformed looks it up when the server is built)
@@ -203,14 +208,7 @@ def _serve(trace_out: str, flags: list[str], fake_device: str | None, serial_cop
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import frontend
 
-        original = frontend.HostOnlyBackend.submit
-
-        def submit(self, *args, **kwargs):
-            result = original(self, *args, **kwargs)
-            stamps["submitted"].append(time.monotonic_ns())
-            return result
-
-        frontend.HostOnlyBackend.submit = submit
+        _around(stamps, frontend.HostOnlyBackend, "submit", after="submitted")
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # atexit runs on the way out
         frontend.run_server(0, sessions=600, runs_on=fake_device)
         return 0
@@ -335,7 +333,7 @@ def main() -> None:
     echo_rows, echo = _echo_legs(args, out, request_bytes, reply_bytes, args.echo_work_us)
 
     frontends = _frontends(args.server_flags.split())
-    stamps = _children_stamps(out / "children", args.warmup + args.steps) if frontends else json.loads(trace.read_text())
+    stamps = _children_stamps(children, args.warmup + args.steps) if frontends else json.loads(trace.read_text())
     n = args.steps
     # the server saw the warm-up steps first (and a CloseSession round after ours)
     w = args.warmup

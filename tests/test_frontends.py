@@ -25,7 +25,7 @@ import torch
 
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from servers import SMALL_MODEL, start_server
-from util import decode_request, random_inputs
+from util import decode_request, environ_of, random_inputs
 
 H, HV = 2, 4
 FRONTENDS = ("--frontends", "2")
@@ -202,9 +202,7 @@ def test_workers_and_engines_load_grpc_with_the_servers_io_path(monkeypatch):
     monkeypatch.delenv("GRPC_EXPERIMENTS", raising=False)  # the router's environment lacks it
     with start_server(*SMALL_MODEL, *ONE_WORKER) as s:
         for pid in _worker_pids(s) + _pids(s, _ENGINE_PIDS):
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-            assert f"GRPC_EXPERIMENTS={gdn_server.GRPC_EXPERIMENTS}".encode() in environ, pid
+            assert environ_of(pid).get("GRPC_EXPERIMENTS") == gdn_server.GRPC_EXPERIMENTS, pid
 
 
 def test_one_engine_per_device_places_and_limits_across_them():

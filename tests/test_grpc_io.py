@@ -16,6 +16,7 @@ import pytest
 
 import gdn_server
 from gdn_client._echo import echo_env
+from util import environ_of
 
 _PROBE = ("import os, sys; import gdn_server; "
           "assert 'grpc' not in sys.modules, 'gdn_server imported grpc before setting GRPC_EXPERIMENTS'; "
@@ -45,13 +46,6 @@ def test_the_echo_floor_runs_on_grpcs_defaults_unless_asked(monkeypatch):
     assert echo_env()["GRPC_EXPERIMENTS"] == gdn_server.GRPC_EXPERIMENTS
 
 
-def _environ_of(pid: int) -> dict[str, str]:
-    """The environment process `pid` started with (what gRPC read as it loaded)."""
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        items = [entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry]
-    return {k.decode(): v.decode() for k, v in items}
-
-
 def test_the_echo_floor_started_by_the_loadtest_gets_that_environment(monkeypatch):
     """gdn-loadtest --echo's floor, end to end: the environment its process started with."""
     from gdn_client.loadtest import echo_server
@@ -71,4 +65,4 @@ def test_the_echo_floor_started_by_the_loadtest_gets_that_environment(monkeypatc
     with echo_server() as address:
         assert address.startswith("127.0.0.1:")
         assert len(started) == 1
-        assert _environ_of(started[0].pid)["GRPC_EXPERIMENTS"] == ""
+        assert environ_of(started[0].pid)["GRPC_EXPERIMENTS"] == ""

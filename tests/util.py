@@ -41,3 +41,10 @@ def decode_request(layer: int, sessions: list[str], inputs: dict[str, torch.Tens
     if positions is not None:
         req.positions[:] = positions
     return req
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    """The environment process `pid` started with (Linux: /proc/PID/environ)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        items = [entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry]
+    return {k.decode(): v.decode() for k, v in items}
