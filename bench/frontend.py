@@ -76,13 +76,14 @@ class HostOnlyBackend(CpuBackend):
         return _Waiting(out)
 
 
-def run_server(port: int, sessions: int, runs_on: str = "auto") -> None:
+def run_server(port: int, sessions: int, runs_on: str = "auto", max_batch_rows: int | None = None) -> None:
     tune_malloc()  # as gdn-server's entry points do
     shape = ModelShape(num_layers=4, num_q_heads=16, num_v_heads=32)
     gates = random_gate_params(shape, 0)
     backend = HostOnlyBackend(shape, gates, sessions, speculative_sessions=0)
     table = SessionTable(sessions, shape.num_layers)
-    scheduler = Scheduler(backend, table, SchedulerConfig(runs_on=runs_on))
+    rows = {} if max_batch_rows is None else {"max_batch_rows": max_batch_rows}
+    scheduler = Scheduler(backend, table, SchedulerConfig(runs_on=runs_on, **rows))
     scheduler.encode_reply = encode_decode_reply  # replies encoded from the output buffer, as gdn-server's are
     placement = Placement([Shard(0, backend, table, scheduler)])
     settings = ServerSettings(shape=shape, gates=gates, port=port, device="cpu")
@@ -96,14 +97,19 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--runs-on", default="auto", choices=("auto", "loop", "thread"),
                    help="where the scheduler runs (SchedulerConfig.runs_on; auto = the event loop here)")
+    p.add_argument("--max-batch-rows", type=int, default=None,
+                   help="the scheduler's --max-batch-rows (1: batching off, as bench/serve.py's part b)")
     p.add_argument("--clients", default="1,32")
     p.add_argument("--duration", type=float, default=4.0)
     p.add_argument("--load", default="", help="more gdn-loadtest flags, e.g. '--batch 256 --mode unary --echo'")
     args = p.parse_args()
     if args.serve:
-        run_server(args.port, sessions=600, runs_on=args.runs_on)
+        run_server(args.port, sessions=600, runs_on=args.runs_on, max_batch_rows=args.max_batch_rows)
         return
-    proc, target = start_listening([sys.executable, __file__, "--serve", "--port", "0", "--runs-on", args.runs_on])
+    server = [sys.executable, __file__, "--serve", "--port", "0", "--runs-on", args.runs_on]
+    if args.max_batch_rows is not None:
+        server += ["--max-batch-rows", str(args.max_batch_rows)]
+    proc, target = start_listening(server)
     try:
         subprocess.run([sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--clients", args.clients,
                         "--duration", str(args.duration), "--no-progress", *args.load.split()], check=True, timeout=600)
