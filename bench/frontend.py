@@ -13,7 +13,6 @@ per-request cost see bench/engine_path.py.)
 from __future__ import annotations
 
 import argparse
-import asyncio
 import subprocess
 import sys
 import time
@@ -29,6 +28,8 @@ from listening import start_listening  # noqa: E402  (same folder)
 from gdn_server.backends.base import PendingStep, check_unchecked_inputs
 from gdn_server.backends.cpu import CpuBackend
 from gdn_server.config import ModelShape, SchedulerConfig
+from gdn_server.event_loop import EVENT_LOOPS
+from gdn_server.event_loop import run as run_loop
 from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
 from gdn_server.server import GdnApp, ServerSettings, serve
@@ -76,7 +77,9 @@ class HostOnlyBackend(CpuBackend):
         return _Waiting(out)
 
 
-def run_server(port: int, sessions: int, runs_on: str = "auto", max_batch_rows: int | None = None) -> None:
+def run_server(
+    port: int, sessions: int, runs_on: str = "auto", max_batch_rows: int | None = None, event_loop: str = "auto",
+) -> None:
     tune_malloc()  # as gdn-server's entry points do
     shape = ModelShape(num_layers=4, num_q_heads=16, num_v_heads=32)
     gates = random_gate_params(shape, 0)
@@ -88,7 +91,7 @@ def run_server(port: int, sessions: int, runs_on: str = "auto", max_batch_rows: 
     placement = Placement([Shard(0, backend, table, scheduler)])
     settings = ServerSettings(shape=shape, gates=gates, port=port, device="cpu")
     app = GdnApp(settings, placement, GdnDecodeServicer(shape, placement, backend.name))
-    asyncio.run(serve(app))
+    run_loop(serve(app), event_loop)  # the loop gdn-server would run on (uvloop where installed)
 
 
 def main() -> None:
@@ -99,14 +102,17 @@ def main() -> None:
                    help="where the scheduler runs (SchedulerConfig.runs_on; auto = the event loop here)")
     p.add_argument("--max-batch-rows", type=int, default=None,
                    help="the scheduler's --max-batch-rows (1: batching off, as bench/serve.py's part b)")
+    p.add_argument("--event-loop", default="auto", choices=EVENT_LOOPS,
+                   help="the server's loop, as gdn-server's --event-loop (auto: uvloop where installed)")
     p.add_argument("--clients", default="1,32")
     p.add_argument("--duration", type=float, default=4.0)
     p.add_argument("--load", default="", help="more gdn-loadtest flags, e.g. '--batch 256 --mode unary --echo'")
     args = p.parse_args()
     if args.serve:
-        run_server(args.port, sessions=600, runs_on=args.runs_on, max_batch_rows=args.max_batch_rows)
+        run_server(args.port, sessions=600, runs_on=args.runs_on, max_batch_rows=args.max_batch_rows,
+                   event_loop=args.event_loop)
         return
-    server = [sys.executable, __file__, "--serve", "--port", "0", "--runs-on", args.runs_on]
+    server = [sys.executable, __file__, "--serve", "--port", "0", "--runs-on", args.runs_on, "--event-loop", args.event_loop]
     if args.max_batch_rows is not None:
         server += ["--max-batch-rows", str(args.max_batch_rows)]
     proc, target = start_listening(server)
