@@ -216,5 +216,5 @@ case "${1:-}" in
   speculative)
     timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8
     ;;
-  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|schedround|delay|copythreads|speculative|pack" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants|pack" >&2; exit 2 ;;
 esac
