@@ -17,11 +17,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # listener), a request's bytes are read on an EventEngine thread and handed to the thread that
 # polls grpc.aio's completion queue, which wakes the event loop: a thread wake-up more each way
 # than gRPC's older iomgr path, where the completion-queue thread reads the socket itself. On
-# the 2-core CPU box, a bytes echo's round trip at one client went 334-371 -> 254-307 us with
-# the older path, one client of a one-process server (a host-only backend with a GPU step's
-# host work) 0.53-0.58 -> 0.45-0.50 ms, and 8 and 32 clients gained 10-30% in one A/B and
-# moved both ways in another (bench/NOTES.md, twentieth session; not yet measured on the H200
-# host). Read by gRPC when it loads, so set here, before any module of ours imports grpc; it
+# the H200 host (bench/NOTES.md, twenty-first session, one A/B call) one process answered one
+# client in 0.29-0.33 instead of 0.40-0.50 ms and ran 64 clients 10-16% faster, though in
+# launches of ~28 rows instead of ~46 (why is open: the CPU box does not show it);
+# behind `--frontends 8` one client went 0.53-0.55 -> 0.44 ms. On the 2-core CPU box a bytes
+# echo's round trip at one client went 334-371 -> 254-307 us with the older path (twentieth
+# session). Read by gRPC when it loads, so set here, before any module of ours imports grpc; it
 # reaches the --frontends workers and engines through their environment. An operator's own
 # setting wins: GRPC_EXPERIMENTS= (empty) keeps gRPC's defaults.
 GRPC_EXPERIMENTS = "-event_engine_listener"
