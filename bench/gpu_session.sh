@@ -33,6 +33,15 @@ build_native() {  # $1: a checkout's root (its own _native*.c)
     "$1"/gdn_server/_native*.c -o "$so" -ldl || echo "$1: gdn_server._native not built: the Python parse and checks run"
 }
 build_native .
+# A variant of VARIANTS / TRACE_VARIANTS may start with environment settings (GDN_MAPPED_STAGING=1
+# --busy-poll-us 0): split_variant puts them in $variant_env and the server flags in $variant_flags
+split_variant() {
+  variant_env=(); variant_flags=()
+  local word
+  for word in $1; do
+    if [[ ${#variant_flags[@]} -eq 0 && $word =~ ^[A-Z_][A-Z0-9_]*= ]]; then variant_env+=("$word"); else variant_flags+=("$word"); fi
+  done
+}
 python3 -c "from gdn_server import protowire; print('native decode path:', protowire.native is not None)"
 python3 -c "from gdn_server.event_loop import loop_name; print('event loop (--event-loop auto):', loop_name('auto'))"
 case "${1:-}" in
@@ -86,8 +95,10 @@ case "${1:-}" in
           echo "[$side $round: ${variants[$i]}]"
           tree=.
           [[ $side == base ]] && tree=$TRACE_BASE && build_native "$tree"
-          (cd "$tree" && PYTHONPATH="$PWD:$PYTHONPATH" timeout 200 python3 bench/trace_step.py --device cuda \
-            --steps 3000 --server-flags "${variants[$i]}" --out "$out_abs/trace_${side}_${round}_$i" 2>&1 | tail -14)
+          split_variant "${variants[$i]}"
+          (cd "$tree" && PYTHONPATH="$PWD:$PYTHONPATH" env "${variant_env[@]}" timeout 200 python3 bench/trace_step.py \
+            --device cuda --steps 3000 --server-flags "${variant_flags[*]}" --out "$out_abs/trace_${side}_${round}_$i" \
+            2>&1 | tail -14)
         done
       done
     done
@@ -167,14 +178,17 @@ case "${1:-}" in
       done
     done
     ;;
-  variants)  # serve.py part (a) of this tree under each server-flag set of VARIANTS (separated by ';'), alternately
+  variants)  # serve.py part (a) of this tree under each server-flag set of VARIANTS (separated by ';'; a set may start
+             # with environment settings, e.g. "GDN_MAPPED_STAGING=0;GDN_MAPPED_STAGING=1"), alternately
              # (ROUNDS, default 1), each with its echo right after it: CLIENTS (64), FRONTENDS (one value, 0), LOAD_PROCS (4)
     IFS=';' read -ra variants <<< "${VARIANTS:?variants: set VARIANTS, e.g. \"--device-wait auto;--device-wait poll\"}"
     for round in $(seq 1 "${ROUNDS:-1}"); do
       for i in "${!variants[@]}"; do
-        timeout 240 python3 bench/serve.py --device cuda --duration 3 --clients "${CLIENTS:-64}" --skip b,c \
-          --frontends "${FRONTENDS:-0}" --load-processes "${LOAD_PROCS:-4}" --server-flags "${variants[$i]}" \
-          --out "$out/variant_${i}_$round" 2>&1 | grep '^| a_' | sed "s/^/[${variants[$i]}] $round /"
+        split_variant "${variants[$i]}"
+        env "${variant_env[@]}" timeout 240 python3 bench/serve.py --device cuda --duration 3 --clients "${CLIENTS:-64}" \
+          --skip b,c --frontends "${FRONTENDS:-0}" --load-processes "${LOAD_PROCS:-4}" \
+          --server-flags "${variant_flags[*]}" --out "$out/variant_${i}_$round" 2>&1 | grep '^| a_' \
+          | sed "s/^/[${variants[$i]}] $round /"
       done
     done
     ;;

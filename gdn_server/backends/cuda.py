@@ -12,7 +12,9 @@ Small in-place launches (GRAPH_MAX_ROWS rows, T=1) replay steps 2-4 as a CUDA gr
 staging set at warm-up; bigger ones up to the largest of GRAPH_BUCKETS are padded to the next
 bucket's rows (padding rows touch no state) and replay that bucket's graph. Where gdn_server._native
 is built, a replay and its event record are one call to the CUDA driver (_native_cuda.c), and so
-is the poll of a launch's event.
+is the poll of a launch's event. With MAPPED_STAGING, the graphs of up to GRAPH_MAX_ROWS rows hold
+the kernel alone: it reads the pinned staging buffer and writes the pinned outputs in place
+(gdn_server/backends/mapped.py), with no copy before or after it.
 
 Shapes the kernel does not cover (head dims other than 128) run the same pipeline through the
 torch math on the GPU instead.
@@ -29,6 +31,7 @@ import torch
 
 from gdn_client.wire import all_finite
 from gdn_server.backends.base import Backend, NonFiniteInputs, PendingStep
+from gdn_server.backends.mapped import device_alias
 from gdn_server.backends.staging import INPUTS, Plan as _Plan, carve as _carve, fill as _fill_staging, make_plan
 from gdn_server.backends.torch_math import gdn_step_fp32
 from gdn_server.config import ModelShape
@@ -60,6 +63,12 @@ GRAPH_BUCKETS = (12, 16, 24, 32, 48, 64, 96, 128)
 # step's largest server stage, ~76 us with the caches cold (bench/NOTES.md). GDN_DRIVER_LAUNCH=0
 # keeps torch's calls.
 DRIVER_LAUNCH = os.environ.get("GDN_DRIVER_LAUNCH", "1") != "0"
+# Whether the graphs of up to GRAPH_MAX_ROWS rows run the kernel on the pinned staging and output
+# buffers themselves (mapped into the device's address space), instead of a host-to-device copy,
+# the kernel and a device-to-host copy. For one client's step: one graph node instead of three,
+# and ~16 KiB read and ~8 KiB written over PCIe by the kernel. Off until measured on the H200 host
+# (bench/NOTES.md, twenty-first session): GDN_MAPPED_STAGING=1 turns it on.
+MAPPED_STAGING = os.environ.get("GDN_MAPPED_STAGING", "0") == "1"
 
 
 def padded_rows(rows: int) -> int:
@@ -77,6 +86,7 @@ class _Staging:
 
     def __init__(self, device: torch.device, nbytes: int, out_bytes: int) -> None:
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.device = device
         self.host_bytes = self.host.numpy()  # the same pinned memory, for the int32 index arrays
         self.host_mem = memoryview(self.host_bytes)  # and for memcpy from request bytes (cheapest slice copy)
         self.dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -89,6 +99,21 @@ class _Staging:
         # (R, T) -> a graph's replay and `done`'s record in one driver call (CudaBackend._use_driver)
         self.launches: dict[tuple[int, int], Callable[[], None]] = {}
         self.query: Callable[[], bool] = self.done.query  # whether `done`'s last record has passed
+        # `host` and `out_host` as tensors on the device (MAPPED_STAGING), made on first use
+        self._mapped: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def mapped(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pinned input and output buffers as device tensors at the same memory."""
+        if self._mapped is None:
+            self._mapped = (device_alias(self.host, self.device), device_alias(self.out_host, self.device))
+        return self._mapped
+
+    def mapped_views(self, plan: _Plan, views: _Views) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """`views`' inputs and outputs, carved from the mapped buffers instead of `dev`."""
+        host, out_host = self.mapped()
+        inputs = {name: _carve(host, e) for name, e in plan.entries.items()}
+        out = out_host[: plan.out_bytes].view(torch.bfloat16).view(views.out_host.shape)
+        return inputs, out
 
     def views_for(self, plan: _Plan, key: tuple[int, int]) -> _Views:
         views = self._views.get(key)
@@ -303,15 +328,19 @@ class CudaBackend(Backend):
         views.dev_all.copy_(views.host_all, non_blocking=True)
         # 3. one launch over every row
         if self.use_kernel:
-            self._kernel(
-                self.state_pool, dev["slots"], dev["layers"], dev["q"], dev["k"], dev["v"], dev["a"], dev["b"],
-                self.A_log, self.dt_bias, views.out_dev, scale=self.scale,
-                **({} if in_place else {"out_slots": dev["out_slots"]}),
-            )
+            self._launch_kernel(dev, views.out_dev, in_place)
         else:
             self._torch_step(dev, views.out_dev, in_place)
         # 4. one device-to-host copy of the outputs
         views.out_host.copy_(views.out_dev, non_blocking=True)
+
+    def _launch_kernel(self, inputs: dict[str, torch.Tensor], out: torch.Tensor, in_place: bool) -> None:
+        """The kernel over every row of `inputs` (device tensors, or the mapped staging buffer)."""
+        self._kernel(
+            self.state_pool, inputs["slots"], inputs["layers"], inputs["q"], inputs["k"], inputs["v"], inputs["a"],
+            inputs["b"], self.A_log, self.dt_bias, out, scale=self.scale,
+            **({} if in_place else {"out_slots": inputs["out_slots"]}),
+        )
 
     def _torch_step(self, dev: dict[str, torch.Tensor], out: torch.Tensor, in_place: bool) -> None:
         slots = dev["slots"].long()
@@ -364,6 +393,7 @@ class CudaBackend(Backend):
         if GRAPH_MAX_ROWS < 1:
             return
         buckets = tuple(b for b in GRAPH_BUCKETS if b <= self._rows_hint) if tokens == 1 else ()
+        mapped = MAPPED_STAGING and self.use_kernel and self._mapped_staging_works()
         with torch.cuda.device(self.device):  # a capture records on the current device
             side = torch.cuda.Stream(self.device)
             for R in (*range(1, GRAPH_MAX_ROWS + 1), *buckets):
@@ -372,9 +402,13 @@ class CudaBackend(Backend):
                     views = staging.views_for(plan, (R, tokens))
                     views.host["slots"].fill_(-1)
                     views.host["layers"].zero_()
+                    if mapped and R <= GRAPH_MAX_ROWS:  # the kernel alone, on the pinned buffers
+                        steps = functools.partial(self._launch_kernel, *staging.mapped_views(plan, views), True)
+                    else:
+                        steps = functools.partial(self._device_steps, views, True)
                     if i == 0:
                         with torch.cuda.stream(self.stream):
-                            self._device_steps(views, in_place=True)
+                            steps()
                         self.stream.synchronize()
                     graph = torch.cuda.CUDAGraph()
                     # capture_begin/end, not torch.cuda.graph(): that one also synchronizes,
@@ -382,12 +416,24 @@ class CudaBackend(Backend):
                     with torch.cuda.stream(side):
                         graph.capture_begin()
                         try:
-                            self._device_steps(views, in_place=True)
+                            steps()
                         finally:
                             graph.capture_end()
                     staging.graphs[(R, tokens)] = graph
         if buckets:
             self._bucket_max = buckets[-1]
+
+    def _mapped_staging_works(self) -> bool:
+        """Whether every staging set's buffers can be mapped for the kernel (MAPPED_STAGING); where
+        they cannot, says why and keeps the copies."""
+        try:
+            for staging in self._ring:
+                staging.mapped()
+        except Exception:
+            log.exception("pinned staging cannot be mapped for the kernel; the small graphs keep their copies")
+            return False
+        log.info("small launches run the kernel on mapped pinned staging (GDN_MAPPED_STAGING=1)")
+        return True
 
     def _use_driver(self) -> None:
         """Sets up each staging set's graph launches and event poll as calls straight to the CUDA

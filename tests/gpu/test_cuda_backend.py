@@ -91,18 +91,21 @@ def test_server_on_the_gpu_matches_the_reference(device_wait):
                     assert rel_err(tensor_from_proto(reply.o), ref.step(layer, sessions, **x)) < 1e-2
 
 
-@pytest.mark.parametrize("through", ["driver", "torch"])
+@pytest.mark.parametrize("through", ["driver", "torch", "mapped"])
 def test_small_launches_replay_graphs_bit_identical_to_direct_launches(through, monkeypatch):
     """After warm-up, in-place T=1 launches of up to GRAPH_MAX_ROWS rows replay a captured graph
     (per staging set), and bigger ones up to the largest bucket are padded to a bucket's graph;
     the outputs and the state pool are bit-identical to a backend that launches directly, over
     enough launches to go round the staging ring twice. The replays go straight to the CUDA
-    driver (the native module's one call per launch, and its event poll) or through torch."""
+    driver (the native module's one call per launch, and its event poll) or through torch;
+    "mapped": the small graphs run the kernel alone on the pinned buffers (MAPPED_STAGING)."""
     from gdn_server.backends import cuda
 
-    if through == "driver" and (cuda.native is None or not hasattr(cuda.native, "cuda_launch_graph")):
+    driver = cuda.native is not None and hasattr(cuda.native, "cuda_launch_graph")
+    if through == "driver" and not driver:
         pytest.skip("gdn_server._native is not built here")
-    monkeypatch.setattr(cuda, "DRIVER_LAUNCH", through == "driver")
+    monkeypatch.setattr(cuda, "DRIVER_LAUNCH", through == "driver" or (through == "mapped" and driver))
+    monkeypatch.setattr(cuda, "MAPPED_STAGING", through == "mapped")
     shape = ModelShape(num_layers=3, num_q_heads=16, num_v_heads=32)
     gates = random_gate_params(shape, seed=3)
     sessions = 48
@@ -112,7 +115,10 @@ def test_small_launches_replay_graphs_bit_identical_to_direct_launches(through, 
     assert all(st.graphs for st in graphed._ring), "warm-up captured no graphs"
     assert graphed._bucket_max == 32
     # every captured graph has its driver launch, or none has
-    assert all(st.launches.keys() == (st.graphs.keys() if through == "driver" else set()) for st in graphed._ring)
+    launched = through == "driver" or (through == "mapped" and driver)
+    assert all(st.launches.keys() == (st.graphs.keys() if launched else set()) for st in graphed._ring)
+    # the mapped buffers were made (not given up on with a logged fallback to the copies)
+    assert all((st._mapped is not None) == (through == "mapped") for st in graphed._ring)
     direct = CudaBackend(shape, gates, max_sessions=sessions, speculative_sessions=0)  # no warm-up: no graphs
     rng = random.Random(4)
     gen = torch.Generator().manual_seed(4)
