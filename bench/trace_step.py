@@ -150,8 +150,8 @@ def install_stamps(role: str) -> dict[str, list[int]]:
     elif role == "worker":
         from gdn_server import frontend
 
-        around(servicer.DecodeRpcs, "_submit_decode", before="in")
-        around(frontend.EngineLinkClient, "submit", after="sent")
+        around(frontend.FrontendDecodeRpcs, "_submit_decode", before="in")  # a DecodeStream's request
+        around(frontend.EngineLinkClient, "_send", after="sent")  # submit and submit_to alike
         around(frontend, "decode_reply", before="reply in")  # the worker's read of the engine's reply frame
     elif role == "engine":
         from gdn_server import engine_link

@@ -25,7 +25,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -139,21 +139,35 @@ class EngineLinkClient:
 
     def submit(self, work: DecodeWork) -> asyncio.Future:
         """Sends one validated request; the future gets its DecodeResult or GdnError."""
+        fut = asyncio.get_running_loop().create_future()
+        tag = self._send(work, fut)
+        fut.add_done_callback(lambda f: f.cancelled() and self._cancel(tag))
+        return fut
+
+    def submit_to(self, work: DecodeWork, done: Callable[[Any], None]) -> "LinkRequest":
+        """Sends one validated request; `done` gets its DecodeResult or GdnError, called on this
+        loop's thread as the reply is read. A DecodeStream's answers take this way: a future
+        would hand the reply over one loop iteration later, through its done-callback (on the
+        CPU box that hand-off and the writer's wake-up were ~35 us of a step's worker time).
+        Cancel the returned handle when the caller gives up."""
+        return LinkRequest(self, self._send(work, done))
+
+    def _send(self, work: DecodeWork, answer: asyncio.Future | Callable[[Any], None]) -> int:
+        """Writes the request's frames; `answer` (a future, or a callable) gets the reply. Returns
+        the request's tag."""
         if self.closed.is_set():
             raise Unavailable("this front end lost its engine process; retry (the server is restarting)")
         tag = self._next_tag
         self._next_tag += 1
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[tag] = (fut, work.request_id)
+        self._pending[tag] = (answer, work.request_id)
         frames = encode_request(tag, work, self._request_ring)
         if self._reply_read_to != self._reply_acked:  # ahead of the request: the engine may reuse that much
             self._reply_acked = self._reply_read_to
             frames.insert(0, encode_ack(self._reply_acked))
         self._writer.writelines(frames)
-        fut.add_done_callback(lambda f: f.cancelled() and self._cancel(tag))
         if self._spinner is not None:
             self._keep_polling(len(self._pending) > 1)
-        return fut
+        return tag
 
     def _keep_polling(self, crowded: bool) -> None:
         """Touches the loop's spinner while this link carries one request at a time. A worker of
@@ -182,15 +196,14 @@ class EngineLinkClient:
                     self._reply_read_to = read_to
                 if self._request_ring is not None:
                     self._request_ring.free(tag)
-                fut, request_id = self._pending.pop(tag, (None, ""))
+                answer, request_id = self._pending.pop(tag, (None, ""))
                 if self._spinner is not None:
                     self._keep_polling(False)
-                if fut is None or fut.done():  # the caller gave up meanwhile
+                if answer is None:  # the caller gave up meanwhile
                     continue
-                if isinstance(result, GdnError):
-                    fut.set_exception(result)
-                else:
-                    fut.set_result(DecodeResult(result.out, result.shape, result.positions, request_id))
+                if not isinstance(result, GdnError):
+                    result = DecodeResult(result.out, result.shape, result.positions, request_id)
+                _settle(answer, result)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
         except ValueError:  # a reply frame that does not read: the link is broken
@@ -199,9 +212,8 @@ class EngineLinkClient:
         finally:
             self.closed.set()
             pending, self._pending = self._pending, {}
-            for fut, _ in pending.values():
-                if not fut.done():
-                    fut.set_exception(Unavailable("the engine process went away before answering; retry"))
+            for answer, _ in pending.values():
+                _settle(answer, Unavailable("the engine process went away before answering; retry"))
 
     async def close(self) -> None:
         self._writer.close()
@@ -210,6 +222,35 @@ class EngineLinkClient:
         except (ConnectionError, OSError):
             pass
         self._task.cancel()
+
+
+class LinkRequest:
+    """A request sent with `EngineLinkClient.submit_to`: `cancel()` when its caller gives up (the
+    engine drops it if it has not reached the device; `done` is then not called)."""
+
+    __slots__ = ("_link", "_tag")
+
+    def __init__(self, link: EngineLinkClient, tag: int) -> None:
+        self._link, self._tag = link, tag
+
+    def cancel(self) -> None:
+        self._link._cancel(self._tag)
+
+
+def _settle(answer: asyncio.Future | Callable[[Any], None], result: Any) -> None:
+    """Gives a reply (a DecodeResult or an error) to a request's future or `done` callable."""
+    if isinstance(answer, asyncio.Future):
+        if answer.done():  # cancelled meanwhile
+            return
+        if isinstance(result, BaseException):
+            answer.set_exception(result)
+        else:
+            answer.set_result(result)
+    else:
+        try:
+            answer(result)
+        except Exception:  # not the link's fault: the link stays up for the other requests
+            log.exception("answering a decode request failed")
 
 
 class SessionRoutes:
@@ -269,12 +310,28 @@ class FrontendDecodeRpcs(DecodeRpcs):
 
     def _start_decode(self, request: gdn_pb2.DecodeRequest) -> asyncio.Future:
         work = self._validated(request)
-        if len(self.links) == 1:
-            return self.links[0].submit(work)
-        engine = self.routes.engine_now(work.session_ids)
-        if engine is not None:
-            return self.links[engine].submit(work)
+        link = self._link_now(work)
+        if link is not None:
+            return link.submit(work)
         return asyncio.ensure_future(self._located(work))  # cancelling it cancels the submit inside
+
+    def _submit_decode(
+        self, request: gdn_pb2.DecodeRequest, done: Callable[[Any], None], cancelled: Callable[[], bool]
+    ) -> LinkRequest | asyncio.Future:
+        """A DecodeStream's request: its link calls `done` with the reply as it reads it (no
+        future in between); a request whose engine is still to be asked goes the future's way."""
+        work = self._validated(request)
+        link = self._link_now(work)
+        if link is not None:
+            return link.submit_to(work, done)
+        return self._answering(asyncio.ensure_future(self._located(work)), done)
+
+    def _link_now(self, work: DecodeWork) -> EngineLinkClient | None:
+        """The link to the engine of `work`'s sessions, if known without asking the router."""
+        if len(self.links) == 1:
+            return self.links[0]
+        engine = self.routes.engine_now(work.session_ids)
+        return None if engine is None else self.links[engine]
 
     async def _located(self, work: DecodeWork) -> DecodeResult:
         engine = await self.routes.engine_for(work.session_ids)

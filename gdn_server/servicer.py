@@ -153,10 +153,14 @@ class DecodeRpcs:
     ) -> asyncio.Future | None:
         """`_start_decode` without a future of its own (DecodeStream answers a slot per request):
         `done` gets the DecodeResult or GdnError, on any thread; once `cancelled()` is true the
-        request is dropped before the device. Returns a future that the caller cancels when it
-        gives up, where the way of running the request has one. Raises GdnError for what
-        validation finds."""
-        fut = self._start_decode(request)
+        request is dropped before the device. Returns what the caller cancels when it gives up
+        (a future, or a front-end worker's link request), where the way of running the request
+        has one. Raises GdnError for what validation finds."""
+        return self._answering(self._start_decode(request), done)
+
+    @staticmethod
+    def _answering(fut: asyncio.Future, done: Callable[[Any], None]) -> asyncio.Future:
+        """`fut`, which calls `done` with its result or error once it has one (not if cancelled)."""
         fut.add_done_callback(functools.partial(_settle_into, done))
         return fut
 
@@ -271,7 +275,7 @@ class _Answer:
         self.stream = stream
         self.request_id = request_id
         self.result: Any = _PENDING
-        self.future: asyncio.Future | None = None  # cancelled if the stream ends first (where there is one)
+        self.future: Any = None  # what _submit_decode returned: cancelled if the stream ends first
 
     def __call__(self, result: Any) -> None:
         stream = self.stream
