@@ -112,7 +112,8 @@ def main() -> None:
         run_server(args.port, sessions=600, runs_on=args.runs_on, max_batch_rows=args.max_batch_rows,
                    event_loop=args.event_loop)
         return
-    server = [sys.executable, __file__, "--serve", "--port", "0", "--runs-on", args.runs_on, "--event-loop", args.event_loop]
+    server = [sys.executable, __file__, "--serve", "--port", "0", "--runs-on", args.runs_on,
+              "--event-loop", args.event_loop]
     if args.max_batch_rows is not None:
         server += ["--max-batch-rows", str(args.max_batch_rows)]
     proc, target = start_listening(server)

@@ -24,10 +24,11 @@ the round that answers it starts ("finish") -> futures settled ("answered") -> t
 writer has its reply bytes ("reply") -> client has the reply.
 
 With --frontends N in --server-flags the router starts its workers and engines through
-bench/trace_child.py, which stamps them too (FRONTEND_STAGES): the worker's parse and validation,
-its link's frame out ("sent"), the engine's read of it ("link in"), the engine's stages as above,
-its replies handed to the link's sender ("flushed"), the worker's read of the reply ("reply in")
-and its stream's writer ("reply"). Every process uses CLOCK_MONOTONIC, one clock on one host.
+bench/trace_child.py, which stamps them too (FRONTEND_STAGES): the worker's parse, its checks
+("validated"), the request's ring copy and frame ("framed"), its link's frame out ("sent"), the
+engine's read of it ("link in"), the engine's stages as above, its replies handed to the link's
+sender ("flushed"), the worker's read of the reply ("reply in") and its stream's writer ("reply").
+Every process uses CLOCK_MONOTONIC, one clock on one host.
 """
 from __future__ import annotations
 
@@ -50,10 +51,12 @@ from listening import start_listening  # this folder (python bench/trace_step.py
 STAGES = ("parse", "parsed", "in", "queued", "round", "submit", "filled", "checked", "submitted", "finish", "answered",
           "reply")
 # With --frontends N in --server-flags: a worker's stages, its engine's, then the worker's again.
-# "sent": the worker's link has the request's frame; "link in": the engine reads it; "flushed": the
-# engine's round has handed its replies to the link's sender; "reply in": the worker reads the reply.
-FRONTEND_STAGES = ("parse", "parsed", "in", "sent", "link in", "queued", "round", "submit", "filled", "checked",
-                   "submitted", "finish", "answered", "flushed", "reply in", "reply")
+# "validated": the worker has checked the request; "framed": its inputs are in the request ring and
+# its frame is made; "sent": the worker's link has written the frame; "link in": the engine reads
+# it; "flushed": the engine's round has handed its replies to the link's sender; "reply in": the
+# worker reads the reply.
+FRONTEND_STAGES = ("parse", "parsed", "in", "validated", "framed", "sent", "link in", "queued", "round", "submit",
+                   "filled", "checked", "submitted", "finish", "answered", "flushed", "reply in", "reply")
 # inside the CUDA backend's submit; "checked" only where validation left the NaN/Inf check to it
 OPTIONAL = ("submit", "filled", "checked")
 
@@ -151,6 +154,8 @@ def install_stamps(role: str) -> dict[str, list[int]]:
         from gdn_server import frontend
 
         around(frontend.FrontendDecodeRpcs, "_submit_decode", before="in")  # a DecodeStream's request
+        around(frontend.FrontendDecodeRpcs, "_validated", after="validated")
+        around(frontend, "encode_request", after="framed")  # its inputs copied into the ring, its frame made
         around(frontend.EngineLinkClient, "_send", after="sent")  # submit and submit_to alike
         around(frontend, "decode_reply", before="reply in")  # the worker's read of the engine's reply frame
     elif role == "engine":
