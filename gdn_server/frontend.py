@@ -147,9 +147,9 @@ class EngineLinkClient:
     def submit_to(self, work: DecodeWork, done: Callable[[Any], None]) -> "LinkRequest":
         """Sends one validated request; `done` gets its DecodeResult or GdnError, called on this
         loop's thread as the reply is read. A DecodeStream's answers take this way: a future
-        would hand the reply over one loop iteration later, through its done-callback (on the
-        CPU box that hand-off and the writer's wake-up were ~35 us of a step's worker time).
-        Cancel the returned handle when the caller gives up."""
+        would hand the reply over one loop iteration later, through its done-callback (the
+        worker's stage from reply read to stream writer went 4-7 us shorter without it on the
+        CPU box, bench/NOTES.md). Cancel the returned handle when the caller gives up."""
         return LinkRequest(self, self._send(work, done))
 
     def _send(self, work: DecodeWork, answer: asyncio.Future | Callable[[Any], None]) -> int:
