@@ -102,7 +102,8 @@ class EngineLinkClient:
         self._crowded_until = 0.0  # until then this link has had requests overlap: no polling
         self._request_ring, self._reply_ring = rings if rings is not None else (None, None)
         self._reply_read_to = self._reply_acked = 0  # how far this worker has read the reply ring, and said so
-        self._pending: dict[int, tuple[asyncio.Future, str]] = {}
+        # tag -> (the future or `done` callable its reply goes to, its request id)
+        self._pending: dict[int, tuple[asyncio.Future | Callable[[Any], None], str]] = {}
         self._next_tag = 0
         self.closed = asyncio.Event()
         self._task = asyncio.ensure_future(self._read_replies())
