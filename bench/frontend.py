@@ -79,6 +79,7 @@ class HostOnlyBackend(CpuBackend):
 
 def run_server(
     port: int, sessions: int, runs_on: str = "auto", max_batch_rows: int | None = None, event_loop: str = "auto",
+    batch_fill: float = 0.0, batch_fill_max_us: int = SchedulerConfig.batch_fill_max_us,
 ) -> None:
     tune_malloc()  # as gdn-server's entry points do
     shape = ModelShape(num_layers=4, num_q_heads=16, num_v_heads=32)
@@ -86,7 +87,8 @@ def run_server(
     backend = HostOnlyBackend(shape, gates, sessions, speculative_sessions=0)
     table = SessionTable(sessions, shape.num_layers)
     rows = {} if max_batch_rows is None else {"max_batch_rows": max_batch_rows}
-    scheduler = Scheduler(backend, table, SchedulerConfig(runs_on=runs_on, **rows))
+    scheduler = Scheduler(backend, table, SchedulerConfig(
+        runs_on=runs_on, batch_fill=batch_fill, batch_fill_max_us=batch_fill_max_us, **rows))
     scheduler.encode_reply = encode_decode_reply  # replies encoded from the output buffer, as gdn-server's are
     placement = Placement([Shard(0, backend, table, scheduler)])
     settings = ServerSettings(shape=shape, gates=gates, port=port, device="cpu")
@@ -102,6 +104,10 @@ def main() -> None:
                    help="where the scheduler runs (SchedulerConfig.runs_on; auto = the event loop here)")
     p.add_argument("--max-batch-rows", type=int, default=None,
                    help="the scheduler's --max-batch-rows (1: batching off, as bench/serve.py's part b)")
+    p.add_argument("--batch-fill", type=float, default=0.0,
+                   help="the scheduler's --batch-fill")
+    p.add_argument("--batch-fill-max-us", type=int, default=SchedulerConfig.batch_fill_max_us,
+                   help="the scheduler's --batch-fill-max-us")
     p.add_argument("--event-loop", default="auto", choices=EVENT_LOOPS,
                    help="the server's loop, as gdn-server's --event-loop (auto: uvloop where installed)")
     p.add_argument("--clients", default="1,32")
@@ -110,10 +116,12 @@ def main() -> None:
     args = p.parse_args()
     if args.serve:
         run_server(args.port, sessions=600, runs_on=args.runs_on, max_batch_rows=args.max_batch_rows,
-                   event_loop=args.event_loop)
+                   event_loop=args.event_loop, batch_fill=args.batch_fill,
+                   batch_fill_max_us=args.batch_fill_max_us)
         return
     server = [sys.executable, __file__, "--serve", "--port", "0", "--runs-on", args.runs_on,
-              "--event-loop", args.event_loop]
+              "--event-loop", args.event_loop, "--batch-fill", str(args.batch_fill),
+              "--batch-fill-max-us", str(args.batch_fill_max_us)]
     if args.max_batch_rows is not None:
         server += ["--max-batch-rows", str(args.max_batch_rows)]
     proc, target = start_listening(server)

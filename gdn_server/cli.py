@@ -47,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows (session x layer) per kernel launch at most")
     p.add_argument("--max-queue-delay-us", type=int, default=SchedulerConfig.max_queue_delay_us,
                    help="once work is pending, wait at most this long for more before launching")
+    p.add_argument("--batch-fill", type=float, default=SchedulerConfig.batch_fill, metavar="FRACTION",
+                   help="under load, hold a launch until this share of the rows in circulation (estimated "
+                        "from the launch rate and each session's time between steps) is queued: more rows "
+                        "per launch; one client stepping alone is never held (0..1; default %(default)s: off)")
+    p.add_argument("--batch-fill-max-us", type=int, default=SchedulerConfig.batch_fill_max_us,
+                   help="--batch-fill holds a launch at most this long after its oldest request "
+                        "(default %(default)s)")
     p.add_argument("--scheduler-runs-on", choices=SCHEDULER_RUNS_ON, default=SchedulerConfig.runs_on,
                    help="where batches are formed and answered: 'loop' (on the gRPC event loop, polling the "
                         "device: no thread hand-offs), 'thread' (a thread per device), or 'auto' (loop for a "
@@ -125,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-queue-delay-us must be >= 0")
     if args.busy_poll_us < 0:
         parser.error("--busy-poll-us must be >= 0")
+    if not 0.0 <= args.batch_fill <= 1.0:
+        parser.error("--batch-fill must be in 0..1")
+    if args.batch_fill_max_us < 0:
+        parser.error("--batch-fill-max-us must be >= 0")
     try:
         loop_factory(args.event_loop)  # --event-loop uvloop without uvloop: say so before anything starts
     except RuntimeError as e:
@@ -171,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         max_sessions=args.max_sessions,
         speculative_sessions=args.speculative_sessions,
         scheduler=SchedulerConfig(args.max_batch_rows, args.max_queue_delay_us, args.max_queue_rows,
-                                  args.scheduler_runs_on, args.device_wait, args.busy_poll_us),
+                                  args.scheduler_runs_on, args.device_wait, args.busy_poll_us,
+                                  args.batch_fill, args.batch_fill_max_us),
         scale=args.scale,
         grace_s=args.drain_timeout_s,
         shutdown_delay_s=args.shutdown_delay_s,

@@ -73,6 +73,12 @@ class SchedulerConfig:
     # by 13-24% (a step run with the caches warm) and left 64 clients even (bench/NOTES.md,
     # eighteenth session); an idle server still sleeps once the window has passed
     busy_poll_us: int = 1000
+    # under load, a round waits until the queue holds this share of the rows in circulation
+    # (estimated from the launch rate and each session's time between steps; gdn_server.batch_fill),
+    # for at most batch_fill_max_us after its oldest request. One client stepping alone is never
+    # held. 0: off
+    batch_fill: float = 0.0
+    batch_fill_max_us: int = 1000
 
     def __post_init__(self) -> None:
         if self.runs_on not in SCHEDULER_RUNS_ON:
@@ -81,6 +87,10 @@ class SchedulerConfig:
             raise ValueError(f"device_wait must be one of {', '.join(DEVICE_WAIT)}, got {self.device_wait!r}")
         if self.busy_poll_us < 0:
             raise ValueError(f"busy_poll_us must be >= 0, got {self.busy_poll_us}")
+        if not 0.0 <= self.batch_fill <= 1.0:
+            raise ValueError(f"batch_fill must be in [0, 1], got {self.batch_fill}")
+        if self.batch_fill_max_us < 0:
+            raise ValueError(f"batch_fill_max_us must be >= 0, got {self.batch_fill_max_us}")
 
 
 SCHEDULER_RUNS_ON = ("auto", "loop", "thread")

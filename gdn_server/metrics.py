@@ -86,6 +86,10 @@ class EngineMetrics:
         self.sessions_capacity = Gauge("gdn_sessions_capacity", "Session capacity of the state pool", registry=r, **live)
         self.pool_bytes = Gauge("gdn_state_pool_bytes", "Bytes of the bf16 state pool", registry=r, **live)
         self.queue_depth = Gauge("gdn_queue_depth", "Items waiting in the scheduler queue", registry=r, **live)
+        self.rows_in_circulation = Gauge(
+            "gdn_batch_fill_rows_in_circulation",
+            "--batch-fill's estimate of the rows its clients keep in circulation (0 while off)", registry=r, **live,
+        )
         self._placement: Placement | None = None
 
     def attach(self, placement: Placement) -> None:
@@ -103,6 +107,7 @@ class EngineMetrics:
         self.sessions_capacity.set_function(lambda: placement.capacity)
         self.pool_bytes.set_function(lambda: sum(s.backend.pool_bytes for s in shards))
         self.queue_depth.set_function(lambda: sum(s.scheduler.queue_depth() for s in shards))
+        self.rows_in_circulation.set_function(lambda: _rows_in_circulation(shards))
 
     def refresh(self) -> None:
         """Writes the gauges' current values (multiprocess mode; an engine calls this every so often)."""
@@ -113,10 +118,15 @@ class EngineMetrics:
         self.sessions_capacity.set(placement.capacity)
         self.pool_bytes.set(sum(s.backend.pool_bytes for s in placement.shards))
         self.queue_depth.set(sum(s.scheduler.queue_depth() for s in placement.shards))
+        self.rows_in_circulation.set(_rows_in_circulation(placement.shards))
 
     def observe_launch(self, rows: int, queue_wait_s: float, device_s: float) -> None:
         self.launch_rows.observe(rows)
         self.device_seconds.observe(device_s)
+
+
+def _rows_in_circulation(shards) -> float:
+    return sum(s.scheduler.batch_fill.rows_in_circulation for s in shards if s.scheduler.batch_fill.enabled)
 
 
 class Metrics:

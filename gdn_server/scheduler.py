@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from gdn_server.backends.base import Backend, NonFiniteInputs
+from gdn_server.batch_fill import BatchFill
 from gdn_server.config import SchedulerConfig
 from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
 from gdn_server.native import module as native_module
@@ -140,6 +141,8 @@ class Scheduler:
         self.sessions = sessions
         self.config = config
         self.stats = SchedulerStats()
+        # --batch-fill: under load, a round waits for a share of the rows in circulation
+        self.batch_fill = BatchFill(config.batch_fill, config.batch_fill_max_us / 1e6)
         # metrics hooks, called on the scheduler thread
         self.on_launch: Callable[[int, float, float], None] | None = None  # (rows, longest queue wait s, device s)
         self.on_dispatch: Callable[[float], None] | None = None  # (queue wait s) per request sent to the device
@@ -296,8 +299,13 @@ class Scheduler:
                         self._cv.wait()
                     if not self._pending and self._stopping:
                         return
-                self._wait_for_more()
-                items = self._take_pending()
+                if previous and self._hold_s() > 0:
+                    # answer the last launch before holding: its clients' next steps may be the
+                    # very rows the hold waits for
+                    items = []
+                else:
+                    self._wait_for_more()
+                    items = self._take_pending()
             previous = self._round(items, previous)
 
     def run_round(self, previous: list) -> list:
@@ -428,13 +436,28 @@ class Scheduler:
         return bool(self._in_flight or self._pending or self._barrier)
 
     def _batch_is_due(self) -> bool:
-        """False while --max-queue-delay-us asks to wait for more rows (and they may still come)."""
-        delay = self.config.max_queue_delay_us / 1e6
-        if delay <= 0 or self._stopping or self._pending_rows >= self.config.max_batch_rows:
+        """False while --max-queue-delay-us or --batch-fill asks to wait for more rows (and they may
+        still come)."""
+        if self.config.max_queue_delay_us <= 0 and not self.batch_fill.enabled:
             return True
         with self._lock:  # other threads may queue meanwhile (_enqueue): no iterating the deque under them
-            first = next((i for i in self._pending if isinstance(i, _DecodeItem)), None)
-        return first is None or time.monotonic() - first.enqueued >= delay
+            return self._hold_s() <= 0.0
+
+    def _hold_s(self) -> float:
+        """How much longer the pending work should wait for more before it launches (0: now).
+        Called with the lock held."""
+        delay = self.config.max_queue_delay_us / 1e6
+        fill = self.batch_fill
+        if (delay <= 0 and not fill.enabled) or self._stopping or self._pending_rows >= self.config.max_batch_rows:
+            return 0.0
+        first = next((i for i in self._pending if isinstance(i, _DecodeItem)), None)
+        if first is None:  # control items only: they never wait
+            return 0.0
+        now = time.monotonic()
+        hold = delay - (now - first.enqueued)
+        if fill.enabled:
+            hold = max(hold, fill.hold_s(self._pending_rows, first.enqueued, now))
+        return max(hold, 0.0)
 
     def _drain_here(self) -> None:
         """Runs everything queued to the end on this (the loop's) thread, waiting on the device."""
@@ -459,15 +482,12 @@ class Scheduler:
             self._pending_rows += sum(i.rows for i in deferred if isinstance(i, _DecodeItem))
 
     def _wait_for_more(self) -> None:
-        delay = self.config.max_queue_delay_us / 1e6
-        if delay <= 0 or not self._pending:
-            return
-        deadline = time.monotonic() + delay
-        while self._pending_rows < self.config.max_batch_rows and not self._stopping:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            self._cv.wait(left)
+        """On the scheduler's thread, with `_cv` held: waits out `_hold_s` (new work wakes it)."""
+        while self._pending:
+            hold = self._hold_s()
+            if hold <= 0:
+                return
+            self._cv.wait(hold)
 
     def _launch(
         self, items: list[_DecodeItem | _ControlItem], in_flight: list, quiet: bool
@@ -636,6 +656,11 @@ class Scheduler:
 
     def _submit(self, batch: StepBatch, members: list[_Admitted], in_flight: list) -> None:
         started = time.monotonic()
+        if self.batch_fill.enabled:
+            # one session's previous step (the time it was queued on the device, as `now` below),
+            # read before this step sets last_used again
+            sampled = members[len(members) // 2].sessions
+            last_step = sampled[0].last_used if sampled else None
         try:
             pending = self.backend.submit(batch)
         except NonFiniteInputs as e:  # nothing ran: answer the culprits, launch the others again
@@ -696,6 +721,8 @@ class Scheduler:
             for released in m.released:
                 self.sessions.give_scratch(released)
         self.stats.queue_wait_s += queue_wait
+        if self.batch_fill.enabled:
+            self.batch_fill.launched(batch.rows, None if last_step is None else now - last_step, now)
         in_flight.append((pending, batch, members, started))
 
     def _finish(self, in_flight: list) -> None:

@@ -26,6 +26,8 @@ def test_bad_command_lines_fail_with_a_reason(tmp_path):
         ("--preset", "qwen3-next", "--weights", str(tmp_path / "missing.safetensors")): "--weights",
         ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--max-sessions", "0"): "--max-sessions",
         ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--busy-poll-us", "-1"): "--busy-poll-us",
+        ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--batch-fill", "1.5"): "--batch-fill",
+        ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--batch-fill-max-us", "-1"): "--batch-fill-max-us",
     }
     for args, reason in cases.items():
         result = _run_cli("--device", "cpu", "--port", "0", *args)

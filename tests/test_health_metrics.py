@@ -136,8 +136,38 @@ def test_metrics(server):
         # 64 sessions' own states plus speculative scratch: 2 per layer for min(64, 32) sessions
         assert _value(m["gdn_state_pool_bytes"], "gdn_state_pool_bytes") == (64 + 2 * 32) * 2 * 3 * 4 * 128 * 128
         assert "gdn_queue_depth" in m
+        assert _value(m["gdn_batch_fill_rows_in_circulation"], "gdn_batch_fill_rows_in_circulation") == 0  # off
         stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=sid), timeout=10)
         _scrape_until(server, lambda m: _value(m["gdn_sessions_in_use"], "gdn_sessions_in_use") == 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_fill_estimates_the_clients_stepping_in_closed_loops(mode):
+    """--batch-fill's estimate (Little's law over launches) comes out near the number of
+    clients that step in closed loops, and every step is still answered in order."""
+    clients, steps = 6, 120
+    errors: list[BaseException] = []
+    with start_server(*SMALL_MODEL, "--metrics-port", "0", "--batch-fill", "0.5", *mode) as s:
+        def client(c: int) -> None:
+            try:
+                with grpc.insecure_channel(s.address) as ch:
+                    stub = gdn_pb2_grpc.GdnDecodeStub(ch)
+                    sid = stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10).session_id
+                    for pos in range(steps):
+                        assert list(_step(stub, sid, pos, seed=c).positions) == [pos + 1]
+            except BaseException as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors[0]
+        m = _scrape_until(s, lambda m: _value(m["gdn_batch_fill_rows_in_circulation"],
+                                              "gdn_batch_fill_rows_in_circulation") > 0)
+        estimate = _value(m["gdn_batch_fill_rows_in_circulation"], "gdn_batch_fill_rows_in_circulation")
+        assert clients / 1.75 <= estimate <= clients * 1.5, estimate
 
 
 def test_metrics_off_by_default():
