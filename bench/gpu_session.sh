@@ -7,8 +7,9 @@
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
 # (serve): the --scheduler-runs-on values too; ROUNDS (serve, ab): each load point that many times, alternating;
 # LOAD_PROCS (serve, profile): load processes per run (gdn-loadtest --processes); SKIP (serve): parts to skip, e.g. b,c;
-# CLIENTS (serve, profile): the clients values; SHARED_CONN=1 (serve): each load process's clients on one
-# connection (gdn-loadtest --shared-connection; the default is a connection per client).
+# CLIENTS (serve, profile): the clients values; SERVER_FLAGS (serve, abserve, delay, cpusplit): more server
+# flags; SHARED_CONN=1 (serve): each load process's clients on one connection (gdn-loadtest
+# --shared-connection; the default is a connection per client).
 # Logs and results go to $OUT (or bench/results).
 set -uo pipefail
 out=${OUT:-bench/results}
@@ -48,7 +49,7 @@ case "${1:-}" in
   tests)
     nvidia-smi -L
     timeout 270 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_backend.py tests/gpu/test_multi_gpu.py \
-      tests/gpu/test_kernel.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
+      tests/gpu/test_kernel.py tests/gpu/test_mapped.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
     ;;
   frontends)  # the --frontends tests against CUDA servers (two GPUs: one engine process per GPU)
     GDN_TEST_SERVER_FLAGS="--device cuda" GDN_TEST_SERVER_TIMEOUT=300 timeout 560 python3 -m pytest -q \
@@ -62,7 +63,7 @@ case "${1:-}" in
   serve)
     timeout 540 python3 bench/serve.py --device cuda --duration 3 --frontends "${FRONTENDS:-0,4}" --rounds "${ROUNDS:-1}" \
       --runs-on "${RUNS_ON:-auto}" --load-processes "${LOAD_PROCS:-1}" --skip "${SKIP:-}" --clients "${CLIENTS:-1,8,64,256}" \
-      ${SHARED_CONN:+--shared-connection} --out "$out" 2>&1 \
+      ${SHARED_CONN:+--shared-connection} --server-flags "${SERVER_FLAGS:-}" --out "$out" 2>&1 \
       | tee "$out/serve.log" | tail -30
     ;;
   scale)
