@@ -66,9 +66,10 @@ DRIVER_LAUNCH = os.environ.get("GDN_DRIVER_LAUNCH", "1") != "0"
 # Whether the graphs of up to GRAPH_MAX_ROWS rows run the kernel on the pinned staging and output
 # buffers themselves (mapped into the device's address space), instead of a host-to-device copy,
 # the kernel and a device-to-host copy. For one client's step: one graph node instead of three,
-# and ~16 KiB read and ~8 KiB written over PCIe by the kernel. Off until measured on the H200 host
-# (bench/NOTES.md, twenty-first session): GDN_MAPPED_STAGING=1 turns it on.
-MAPPED_STAGING = os.environ.get("GDN_MAPPED_STAGING", "0") == "1"
+# and ~16 KiB read and ~8 KiB written over PCIe by the kernel. On the H200 host the launch stage
+# of a lone step went from 22 to 9 us and the kernel's own stage stayed at ~21 us (bench/NOTES.md,
+# twenty-second session). GDN_MAPPED_STAGING=0 keeps the copies.
+MAPPED_STAGING = os.environ.get("GDN_MAPPED_STAGING", "1") != "0"
 
 
 def padded_rows(rows: int) -> int:
@@ -432,7 +433,7 @@ class CudaBackend(Backend):
         except Exception:
             log.exception("pinned staging cannot be mapped for the kernel; the small graphs keep their copies")
             return False
-        log.info("small launches run the kernel on mapped pinned staging (GDN_MAPPED_STAGING=1)")
+        log.info("small launches run the kernel on mapped pinned staging (GDN_MAPPED_STAGING=0: copies)")
         return True
 
     def _use_driver(self) -> None:
