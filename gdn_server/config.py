@@ -76,9 +76,12 @@ class SchedulerConfig:
     # under load, a round waits until the queue holds this share of the rows in circulation
     # (estimated from the launch rate and each session's time between steps; gdn_server.batch_fill),
     # for at most batch_fill_max_us after its oldest request. One client stepping alone is never
-    # held. 0: off
+    # held. 0: off. Off by default: a client with work of its own between steps (a model's other
+    # layers) would wait out holds on its critical path; on the H200, one process at 64 closed-loop
+    # clients, 0.5 gave 42 rows per launch against 28-32 and as many steps/s (bench/NOTES.md,
+    # twenty-second session). The cap: half of a 64-client cycle there (~6 ms)
     batch_fill: float = 0.0
-    batch_fill_max_us: int = 1000
+    batch_fill_max_us: int = 3000
 
     def __post_init__(self) -> None:
         if self.runs_on not in SCHEDULER_RUNS_ON:
