@@ -146,3 +146,51 @@ def test_a_launch_waits_for_the_target_rows_or_the_hold(runs_on):
     assert alone >= HOLD_S * 0.95, alone
     assert together < HOLD_S * 0.75, together
     assert scheduler.stats.launches == 2 and scheduler.stats.rows_launched == 5
+
+
+class _GatedCpuBackend(CpuBackend):
+    """The CPU backend, whose first launch waits for the test to let it go."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def submit(self, batch):
+        if not self.entered.is_set():
+            self.entered.set()
+            assert self.release.wait(10)
+        return super().submit(batch)
+
+
+def test_the_thread_scheduler_answers_its_last_launch_before_it_holds():
+    """While a launch runs, one more request queues, short of the target: the launch's answers
+    go out at once (their clients' next steps may be the rows the hold waits for), and the new
+    request waits out the hold."""
+    backend = _GatedCpuBackend(SHAPE, random_gate_params(SHAPE, 0), 8)
+    sessions = SessionTable(8, SHAPE.num_layers, range(backend.home_rows, backend.pool_rows))
+    ids = [sessions.create().id for _ in range(5)]
+    scheduler = Scheduler(backend, sessions, SchedulerConfig(
+        runs_on="thread", batch_fill=0.5, batch_fill_max_us=int(HOLD_S * 1e6)))
+    scheduler.batch_fill.rows_in_circulation = 8.0  # launches wait for 4 rows
+    scheduler.batch_fill.period_s = 1e9
+    answered: dict[int, float] = {}
+    done_all = threading.Event()
+
+    def done_for(i: int):
+        def done(result) -> None:
+            assert not isinstance(result, BaseException), result
+            answered[i] = time.monotonic()
+            if len(answered) == 5:
+                done_all.set()
+        return done
+
+    scheduler.start()
+    start = time.monotonic()
+    scheduler.submit_decodes([(_work(sid, 0, i), done_for(i), None) for i, sid in enumerate(ids[:4])])
+    assert backend.entered.wait(10)
+    scheduler.submit_decode(_work(ids[4], 0, 4), done_for(4))  # queued while the first launch runs
+    backend.release.set()
+    assert done_all.wait(10)
+    scheduler.stop()
+    assert max(answered[i] - start for i in range(4)) < HOLD_S * 0.75, answered
+    assert answered[4] - start >= HOLD_S * 0.95, answered
