@@ -79,7 +79,7 @@ class HostOnlyBackend(CpuBackend):
 
 def run_server(
     port: int, sessions: int, runs_on: str = "auto", max_batch_rows: int | None = None, event_loop: str = "auto",
-    batch_fill: float = 0.0, batch_fill_max_us: int = SchedulerConfig.batch_fill_max_us,
+    batch_fill: float = SchedulerConfig.batch_fill, batch_fill_max_us: int = SchedulerConfig.batch_fill_max_us,
 ) -> None:
     tune_malloc()  # as gdn-server's entry points do
     shape = ModelShape(num_layers=4, num_q_heads=16, num_v_heads=32)
@@ -104,7 +104,7 @@ def main() -> None:
                    help="where the scheduler runs (SchedulerConfig.runs_on; auto = the event loop here)")
     p.add_argument("--max-batch-rows", type=int, default=None,
                    help="the scheduler's --max-batch-rows (1: batching off, as bench/serve.py's part b)")
-    p.add_argument("--batch-fill", type=float, default=0.0,
+    p.add_argument("--batch-fill", type=float, default=SchedulerConfig.batch_fill,
                    help="the scheduler's --batch-fill")
     p.add_argument("--batch-fill-max-us", type=int, default=SchedulerConfig.batch_fill_max_us,
                    help="the scheduler's --batch-fill-max-us")

@@ -84,7 +84,7 @@ class BatchFill:
 
     def hold_s(self, pending_rows: int, oldest_enqueued: float, now: float) -> float:
         """How much longer a round should wait for more rows: 0 to launch now."""
-        target = self.fraction * self.rows_in_circulation
+        target = self.target_rows()
         if pending_rows >= target or target < 2.0:  # nothing to gain by waiting for one more row
             return 0.0
         return max(0.0, self.max_hold_s - (now - oldest_enqueued))
