@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|backendstep|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants   (each part fits in one 10-minute call)
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
@@ -216,6 +216,15 @@ case "${1:-}" in
   copythreads)  # the native module's threaded copies: thread hand-off, a B=256 request's inputs, a 2 MiB reply
     timeout 120 python3 bench/copy_threads.py --json "$out/copy_threads.json" 2>&1 | tee "$out/copy_threads.md"
     ;;
+  backendstep)  # bench/backend_step.py (submit's host time and the wait, warm caches) under each GDN_MAPPED_STAGING
+                # value of MAPPED (default "0 1"), ROUNDS times, alternating
+    for round in $(seq 1 "${ROUNDS:-2}"); do
+      for m in ${MAPPED:-0 1}; do
+        GDN_MAPPED_STAGING=$m timeout 90 python3 bench/backend_step.py --rows "${ROWS:-1,8,16,28,64,128}" --calls 200 \
+          --out "$out/backend_step_mapped${m}_$round" 2>&1 | grep '^| [0-9]' | sed "s/^/mapped=$m $round /"
+      done
+    done
+    ;;
   launchvariants)  # CudaBackend.submit's host time from cold caches: padded graph launches or direct ones, fill on one thread or the pool
     timeout 300 python3 bench/backend_step.py --variants --rows "${ROWS:-12,16,27,48,64,100}" --calls 80 --out "$out" 2>&1 \
       | tee "$out/backend_variants.log" | tail -9
@@ -231,5 +240,5 @@ case "${1:-}" in
   speculative)
     timeout 300 python3 bench/speculative.py --out "$out" 2>&1 | tee "$out/speculative.log" | tail -8
     ;;
-  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants|pack" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|backendstep|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants|pack" >&2; exit 2 ;;
 esac
