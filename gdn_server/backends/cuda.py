@@ -12,7 +12,7 @@ Small in-place launches (GRAPH_MAX_ROWS rows, T=1) replay steps 2-4 as a CUDA gr
 staging set at warm-up; bigger ones up to the largest of GRAPH_BUCKETS are padded to the next
 bucket's rows (padding rows touch no state) and replay that bucket's graph. Where gdn_server._native
 is built, a replay and its event record are one call to the CUDA driver (_native_cuda.c), and so
-is the poll of a launch's event. With MAPPED_STAGING, the graphs of up to GRAPH_MAX_ROWS rows hold
+is the poll of a launch's event. With MAPPED_STAGING, the graphs of up to MAPPED_MAX_ROWS rows hold
 the kernel alone: it reads the pinned staging buffer and writes the pinned outputs in place
 (gdn_server/backends/mapped.py), with no copy before or after it.
 
@@ -63,13 +63,20 @@ GRAPH_BUCKETS = (12, 16, 24, 32, 48, 64, 96, 128)
 # step's largest server stage, ~76 us with the caches cold (bench/NOTES.md). GDN_DRIVER_LAUNCH=0
 # keeps torch's calls.
 DRIVER_LAUNCH = os.environ.get("GDN_DRIVER_LAUNCH", "1") != "0"
-# Whether the graphs of up to GRAPH_MAX_ROWS rows run the kernel on the pinned staging and output
+# Whether the graphs of up to MAPPED_MAX_ROWS rows run the kernel on the pinned staging and output
 # buffers themselves (mapped into the device's address space), instead of a host-to-device copy,
 # the kernel and a device-to-host copy. For one client's step: one graph node instead of three,
 # and ~16 KiB read and ~8 KiB written over PCIe by the kernel. On the H200 host the launch stage
 # of a lone step went from 22 to 9 us and the kernel's own stage stayed at ~21 us (bench/NOTES.md,
 # twenty-second session). GDN_MAPPED_STAGING=0 keeps the copies.
 MAPPED_STAGING = os.environ.get("GDN_MAPPED_STAGING", "1") != "0"
+# The most rows a mapped launch has (bigger ones keep the copies). The kernel's reads over PCIe
+# grow with the rows faster than the copies do: on the H200 (bench/backend_step.py, submit + wait,
+# one run each) one row took 33.5 us mapped against 35.4 with the copies, eight rows 60.8 against
+# 50.0, and 8 clients ran fewer steps/s mapped in three of four pairs (bench/NOTES.md,
+# twenty-third session), which points at 1-2. Not yet changed: that needs its own A/B on the H200
+# (GDN_MAPPED_MAX_ROWS=1 against the default, in bench/gpu_session.sh's VARIANTS).
+MAPPED_MAX_ROWS = int(os.environ.get("GDN_MAPPED_MAX_ROWS", GRAPH_MAX_ROWS))
 
 
 def padded_rows(rows: int) -> int:
@@ -394,7 +401,8 @@ class CudaBackend(Backend):
         if GRAPH_MAX_ROWS < 1:
             return
         buckets = tuple(b for b in GRAPH_BUCKETS if b <= self._rows_hint) if tokens == 1 else ()
-        mapped = MAPPED_STAGING and self.use_kernel and self._mapped_staging_works()
+        mapped_rows = min(MAPPED_MAX_ROWS, GRAPH_MAX_ROWS) if MAPPED_STAGING and self.use_kernel else 0
+        mapped = mapped_rows > 0 and self._mapped_staging_works(mapped_rows)
         with torch.cuda.device(self.device):  # a capture records on the current device
             side = torch.cuda.Stream(self.device)
             for R in (*range(1, GRAPH_MAX_ROWS + 1), *buckets):
@@ -403,7 +411,7 @@ class CudaBackend(Backend):
                     views = staging.views_for(plan, (R, tokens))
                     views.host["slots"].fill_(-1)
                     views.host["layers"].zero_()
-                    if mapped and R <= GRAPH_MAX_ROWS:  # the kernel alone, on the pinned buffers
+                    if mapped and R <= mapped_rows:  # the kernel alone, on the pinned buffers
                         steps = functools.partial(self._launch_kernel, *staging.mapped_views(plan, views), True)
                     else:
                         steps = functools.partial(self._device_steps, views, True)
@@ -424,16 +432,17 @@ class CudaBackend(Backend):
         if buckets:
             self._bucket_max = buckets[-1]
 
-    def _mapped_staging_works(self) -> bool:
-        """Whether every staging set's buffers can be mapped for the kernel (MAPPED_STAGING); where
-        they cannot, says why and keeps the copies."""
+    def _mapped_staging_works(self, rows: int) -> bool:
+        """Whether every staging set's buffers can be mapped for the kernel (MAPPED_STAGING) for the
+        launches of up to `rows` rows; where they cannot, says why and keeps the copies."""
         try:
             for staging in self._ring:
                 staging.mapped()
         except Exception:
             log.exception("pinned staging cannot be mapped for the kernel; the small graphs keep their copies")
             return False
-        log.info("small launches run the kernel on mapped pinned staging (GDN_MAPPED_STAGING=0: copies)")
+        log.info("launches of up to %d rows run the kernel on mapped pinned staging (GDN_MAPPED_STAGING=0: copies)",
+                 rows)
         return True
 
     def _use_driver(self) -> None:

@@ -98,7 +98,8 @@ def test_small_launches_replay_graphs_bit_identical_to_direct_launches(through, 
     the outputs and the state pool are bit-identical to a backend that launches directly, over
     enough launches to go round the staging ring twice. The replays go straight to the CUDA
     driver (the native module's one call per launch, and its event poll) or through torch;
-    "mapped": the small graphs run the kernel alone on the pinned buffers (MAPPED_STAGING)."""
+    "mapped": the graphs of up to 4 rows run the kernel alone on the pinned buffers (MAPPED_STAGING,
+    MAPPED_MAX_ROWS; more than the default, so that one backend mixes mapped and copying graphs)."""
     from gdn_server.backends import cuda
 
     driver = cuda.native is not None and hasattr(cuda.native, "cuda_launch_graph")
@@ -106,6 +107,7 @@ def test_small_launches_replay_graphs_bit_identical_to_direct_launches(through, 
         pytest.skip("gdn_server._native is not built here")
     monkeypatch.setattr(cuda, "DRIVER_LAUNCH", through == "driver" or (through == "mapped" and driver))
     monkeypatch.setattr(cuda, "MAPPED_STAGING", through == "mapped")
+    monkeypatch.setattr(cuda, "MAPPED_MAX_ROWS", 4)
     shape = ModelShape(num_layers=3, num_q_heads=16, num_v_heads=32)
     gates = random_gate_params(shape, seed=3)
     sessions = 48
