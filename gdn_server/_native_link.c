@@ -18,6 +18,15 @@
 
    tests/test_native.py compares it with the Python decode on the same frames.
 
+   take_link_requests(buf, start, end, work_type, heads, ring, replies, partial, out) -> int
+       The engine's reading of the complete frames at the front of a connection's read buffer
+       (buf[start:end], each frame behind its 4-byte length), for as long as they are decode
+       requests with their inputs in the ring that decode as above: for each, replies.expect(tag)
+       and (work, partial(replies.answer, tag), partial(replies.dropped, tag)) appended to `out`,
+       as EngineLink._take does. Returns where it stopped: the end, an incomplete frame, or a frame
+       it leaves to the Python (another kind, or one that does not decode here). It saves the
+       Python's per-frame steps (a copy of the frame, the generator, _take's dispatch).
+
    LinkSender(): a thread of its own (no Python, no GIL) that writes frames to sockets.
        send(batch: list[(fd, parts)]) copies each connection's parts (bytes-likes, written back
        to back) and queues them, one lock and at most one wake-up of the thread per call; the
@@ -68,23 +77,25 @@ static int set_field(PyObject *fields, PyObject *key, PyObject *value) {
     return failed;
 }
 
-static PyObject *decode_link_request(PyObject *self, PyObject *args) {
-    Py_buffer frame;
-    PyObject *work_type, *ring = Py_None;
-    Py_ssize_t H, HV, K, V;
-    if (!PyArg_ParseTuple(args, "y*O!(nnnn)|O", &frame, &PyType_Type, &work_type, &H, &HV, &K, &V, &ring))
-        return NULL;
-    const uint8_t *base = frame.buf, *end = base + frame.len;
-    PyObject *result = NULL, *ids = NULL, *positions = NULL, *request_id = NULL, *identity = NULL, *view = NULL,
-             *raw = NULL, *work = NULL;
+/* The DecodeWork of the frame of `len` bytes at `base` (what decode_link_request decodes), its tag
+   in *tag_out. NULL with no error set for a frame left to the Python, NULL with an error set when a
+   call failed. frame_obj holds the bytes, whose slices become the inputs of a frame without
+   FLAG_IN_RING; NULL leaves every such frame to the Python. */
+static PyObject *decode_frame(const uint8_t *base, Py_ssize_t len, PyObject *frame_obj, PyObject *work_type,
+                              Py_ssize_t H, Py_ssize_t HV, Py_ssize_t K, Py_ssize_t V, PyObject *ring,
+                              uint64_t *tag_out) {
+    const uint8_t *end = base + len;
+    PyObject *ids = NULL, *positions = NULL, *request_id = NULL, *identity = NULL, *view = NULL, *raw = NULL,
+             *work = NULL;
 
-    if (frame.len < HEADER_BYTES || base[0] != KIND_DECODE) goto python;
+    if (len < HEADER_BYTES || base[0] != KIND_DECODE) goto python;
     uint64_t tag = u64_at(base + 1);
     uint8_t flags = base[9];
     uint32_t layer = u32_at(base + 10), B = u32_at(base + 14);
     uint8_t T = base[18];
     uint16_t rid_len = u16_at(base + 19), ident_len = u16_at(base + 21);
     if (flags & FLAG_F32 || B == 0 || T == 0) goto python;
+    if (frame_obj == NULL && !(flags & FLAG_IN_RING)) goto python;
     const uint8_t *p = base + HEADER_BYTES;
     const uint8_t *id_lens = p, *position_words = NULL;
     if ((uint64_t)(end - p) < 2ull * B) goto python;
@@ -95,7 +106,7 @@ static PyObject *decode_link_request(PyObject *self, PyObject *args) {
         p += 8 * (size_t)B;
     }
 
-    if ((ids = PyTuple_New(B)) == NULL) goto done;
+    if ((ids = PyTuple_New(B)) == NULL) goto fail;
     for (uint32_t i = 0; i < B; i++) {
         Py_ssize_t n = u16_at(id_lens + 2 * i);
         if (end - p < n) goto python;
@@ -108,10 +119,10 @@ static PyObject *decode_link_request(PyObject *self, PyObject *args) {
         positions = Py_None;
         Py_INCREF(positions);
     } else {
-        if ((positions = PyTuple_New(B)) == NULL) goto done;
+        if ((positions = PyTuple_New(B)) == NULL) goto fail;
         for (uint32_t i = 0; i < B; i++) {
             PyObject *n = PyLong_FromUnsignedLongLong(u64_at(position_words + 8 * i));
-            if (n == NULL) goto done;
+            if (n == NULL) goto fail;
             PyTuple_SET_ITEM(positions, i, n);
         }
     }
@@ -132,7 +143,7 @@ static PyObject *decode_link_request(PyObject *self, PyObject *args) {
     Py_ssize_t offset = p - base, total = 0;
     for (int i = 0; i < N_INPUTS; i++) total += nbytes[i];
     if (flags & FLAG_IN_RING) { /* the frame ends with the inputs' monotonic offset in the ring */
-        if (ring == Py_None || !PyMemoryView_Check(ring) || frame.len - offset != 8 || flags & FLAG_SPECULATIVE)
+        if (ring == Py_None || !PyMemoryView_Check(ring) || len - offset != 8 || flags & FLAG_SPECULATIVE)
             goto python;
         Py_ssize_t ring_len = PyObject_Length(ring);
         if (ring_len <= 0) goto python_or_error;
@@ -142,13 +153,13 @@ static PyObject *decode_link_request(PyObject *self, PyObject *args) {
         view = ring;
         Py_INCREF(view);
     } else {
-        if (frame.len - offset != total) goto python;
-        if ((view = PyMemoryView_FromObject(frame.obj)) == NULL) goto done;
+        if (len - offset != total) goto python;
+        if ((view = PyMemoryView_FromObject(frame_obj)) == NULL) goto fail;
     }
-    if ((raw = PyTuple_New(N_INPUTS)) == NULL) goto done;
+    if ((raw = PyTuple_New(N_INPUTS)) == NULL) goto fail;
     for (int i = 0; i < N_INPUTS; i++) {
         PyObject *piece = PySequence_GetSlice(view, offset, offset + nbytes[i]);
-        if (piece == NULL) goto done;
+        if (piece == NULL) goto fail;
         PyTuple_SET_ITEM(raw, i, piece);
         offset += nbytes[i];
     }
@@ -156,12 +167,12 @@ static PyObject *decode_link_request(PyObject *self, PyObject *args) {
     /* DecodeWork.of_bf16's object: object.__new__ and the fields straight into its __dict__ */
     PyTypeObject *type = (PyTypeObject *)work_type;
     PyObject *no_args = PyTuple_New(0);
-    if (no_args == NULL) goto done;
+    if (no_args == NULL) goto fail;
     work = PyBaseObject_Type.tp_new(type, no_args, NULL);
     Py_DECREF(no_args);
-    if (work == NULL) goto done;
+    if (work == NULL) goto fail;
     PyObject *fields = PyObject_GenericGetDict(work, NULL);
-    if (fields == NULL) goto done;
+    if (fields == NULL) goto fail;
     Py_ssize_t bt = B;
     int failed = set_field(fields, k_layer, PyLong_FromUnsignedLong(layer))
         || PyDict_SetItem(fields, k_session_ids, ids) || PyDict_SetItem(fields, k_positions, positions)
@@ -174,15 +185,15 @@ static PyObject *decode_link_request(PyObject *self, PyObject *args) {
         || PyDict_SetItem(fields, k_finite_checked, Py_True) /* the worker checked the inputs */
         || set_field(fields, k_tokens, PyLong_FromLong(T));
     Py_DECREF(fields);
-    if (failed) goto done;
-    result = Py_BuildValue("(KO)", (unsigned long long)tag, work);
+    if (failed) goto fail;
+    *tag_out = tag;
     goto done;
 
 python_or_error:
-    if (PyErr_Occurred()) goto done; /* out of memory: raise it */
+    if (PyErr_Occurred()) goto fail; /* out of memory: raise it */
 python:
-    result = Py_None;
-    Py_INCREF(result);
+fail:
+    Py_CLEAR(work);
 done:
     Py_XDECREF(ids);
     Py_XDECREF(positions);
@@ -190,15 +201,100 @@ done:
     Py_XDECREF(identity);
     Py_XDECREF(raw);
     Py_XDECREF(view);
-    Py_XDECREF(work);
+    return work;
+}
+
+static PyObject *decode_link_request(PyObject *self, PyObject *args) {
+    Py_buffer frame;
+    PyObject *work_type, *ring = Py_None;
+    Py_ssize_t H, HV, K, V;
+    if (!PyArg_ParseTuple(args, "y*O!(nnnn)|O", &frame, &PyType_Type, &work_type, &H, &HV, &K, &V, &ring))
+        return NULL;
+    uint64_t tag = 0;
+    PyObject *work = decode_frame(frame.buf, frame.len, frame.obj, work_type, H, HV, K, V, ring, &tag);
+    PyObject *result;
+    if (work != NULL) {
+        result = Py_BuildValue("(KO)", (unsigned long long)tag, work);
+        Py_DECREF(work);
+    } else if (PyErr_Occurred()) {
+        result = NULL;
+    } else {
+        result = Py_None;
+        Py_INCREF(result);
+    }
     PyBuffer_Release(&frame);
     return result;
+}
+
+/* take_link_requests: see the top of this file. */
+static PyObject *take_link_requests(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9 || !PyByteArray_Check(args[0]) || !PyType_Check(args[3]) || !PyTuple_Check(args[4]) ||
+        PyTuple_GET_SIZE(args[4]) != 4 || !PyList_Check(args[8])) {
+        PyErr_SetString(PyExc_TypeError, "take_link_requests(buf: bytearray, start: int, end: int, work_type: type, "
+                                         "heads: (H, HV, K, V), ring: memoryview, replies, partial, out: list)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]), end = PyLong_AsSsize_t(args[2]);
+    if ((start == -1 || end == -1) && PyErr_Occurred()) return NULL;
+    Py_ssize_t heads[4];
+    for (int i = 0; i < 4; i++) {
+        heads[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[4], i));
+        if (heads[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    if (start < 0 || end < start || end > PyByteArray_GET_SIZE(args[0])) {
+        PyErr_SetString(PyExc_ValueError, "take_link_requests: start and end must lie inside buf");
+        return NULL;
+    }
+    PyObject *work_type = args[3], *ring = args[5], *replies = args[6], *partial = args[7], *out = args[8];
+    PyObject *expect = PyObject_GetAttrString(replies, "expect");
+    PyObject *answer = expect ? PyObject_GetAttrString(replies, "answer") : NULL;
+    PyObject *dropped = answer ? PyObject_GetAttrString(replies, "dropped") : NULL;
+    if (dropped == NULL) goto fail;
+    /* nothing called below resizes buf (the caller's read buffer): the pointer stays valid */
+    const uint8_t *buf = (const uint8_t *)PyByteArray_AS_STRING(args[0]);
+    while (end - start >= 4) {
+        Py_ssize_t size = (Py_ssize_t)u32_at(buf + start);
+        if (end - start - 4 < size) break; /* not all there yet */
+        uint64_t tag = 0;
+        PyObject *work = decode_frame(buf + start + 4, size, NULL, work_type, heads[0], heads[1], heads[2], heads[3],
+                                      ring, &tag);
+        if (work == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            break; /* another kind, or a frame the Python decodes (or answers as malformed) */
+        }
+        PyObject *tag_obj = PyLong_FromUnsignedLongLong(tag);
+        PyObject *expected = tag_obj ? PyObject_CallOneArg(expect, tag_obj) : NULL;
+        PyObject *done = expected ? PyObject_CallFunctionObjArgs(partial, answer, tag_obj, NULL) : NULL;
+        PyObject *cancelled = done ? PyObject_CallFunctionObjArgs(partial, dropped, tag_obj, NULL) : NULL;
+        PyObject *request = cancelled ? PyTuple_Pack(3, work, done, cancelled) : NULL;
+        int appended = request ? PyList_Append(out, request) : -1;
+        Py_XDECREF(request);
+        Py_XDECREF(cancelled);
+        Py_XDECREF(done);
+        Py_XDECREF(expected);
+        Py_XDECREF(tag_obj);
+        Py_DECREF(work);
+        if (appended < 0) goto fail;
+        start += 4 + size;
+    }
+    Py_DECREF(expect);
+    Py_DECREF(answer);
+    Py_DECREF(dropped);
+    return PyLong_FromSsize_t(start);
+fail:
+    Py_XDECREF(expect);
+    Py_XDECREF(answer);
+    Py_XDECREF(dropped);
+    return NULL;
 }
 
 static PyMethodDef link_methods[] = {
     {"decode_link_request", decode_link_request, METH_VARARGS,
      "decode_link_request(frame: bytes-like, work_type: type, heads: (H, HV, K, V), ring: memoryview | None = None)"
      " -> (tag, DecodeWork) | None"},
+    {"take_link_requests", (PyCFunction)(void (*)(void))take_link_requests, METH_FASTCALL,
+     "take_link_requests(buf: bytearray, start: int, end: int, work_type: type, heads: (H, HV, K, V), "
+     "ring: memoryview, replies, partial, out: list) -> int"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -5,6 +5,8 @@ so the link is built to take as little of it as possible and to add no Python th
 
 - the engine's event loop reads every connection (`loop.add_reader`): whatever frames are there
   with one system call, decoded (in C) and queued to the scheduler of their sessions' device;
+  on an engine of one device, runs of plain requests are decoded in place in the read buffer,
+  with no Python step per frame (gdn_server._native.take_link_requests);
   bf16 inputs stay bytes all the way into the backend's staging buffer (no tensors). With the
   CUDA backend the scheduler's rounds run on that same loop, so a request goes from the socket
   to its launch on one thread. A reader thread of its own (the design before) made every call of
@@ -30,6 +32,7 @@ import os
 import socket
 import threading
 from functools import partial
+from typing import Callable
 
 import grpc
 
@@ -42,7 +45,7 @@ from gdn_server.link import (
 )
 from gdn_server.link_ring import ReplyRing, map_shared
 from gdn_server.placement import Placement
-from gdn_server.work import DecodeResult
+from gdn_server.work import DecodeResult, DecodeWork
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +160,8 @@ class EngineLink:
         self._connections: set[_Connection] = set()
         self._dirty: set[_Connection] = set()  # connections with replies waiting in their outbox
         self._only_shard = placement.shards[0] if len(placement.shards) == 1 else None
+        self._take_native = getattr(native.module, "take_link_requests", None)
+        self._heads = (shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v)
         # the replies' sendmsg calls on a thread of their own, without the GIL (one hand-off a
         # round instead of a system call per worker), where gdn_server._native is built
         self._sender = native.module.LinkSender() if native.module is not None else None
@@ -276,8 +281,20 @@ class EngineLink:
         queued: dict = {}  # scheduler -> the (work, done, cancelled) of this read's requests, in order
         try:
             alive = conn.frames.fill(conn.sock)  # readable: does not block
-            for frame in conn.frames.frames():
-                self._take(conn, frame, queued)
+            take = self._native_take(conn, queued)
+            if take is None:
+                for frame in conn.frames.frames():
+                    self._take(conn, frame, queued)
+            else:
+                # runs of plain requests in C, straight from the read buffer; every other frame
+                # (acks, cancels, and what the C leaves to the Python) through _take, in order
+                frames = conn.frames
+                while True:
+                    frames.take_leading(take)
+                    frame = frames.next_frame()
+                    if frame is None:
+                        break
+                    self._take(conn, frame, queued)
         except OSError as e:
             alive = False
             if conn.open:
@@ -286,9 +303,22 @@ class EngineLink:
             log.exception("bad frame from a front-end worker; closing its link")
             alive = False
         for scheduler, requests in queued.items():  # those decoded before a bad frame still run
-            scheduler.submit_decodes(requests)
+            if requests:
+                scheduler.submit_decodes(requests)
         if not alive:
             self._drop(conn)
+
+    def _native_take(self, conn: _Connection, queued: dict) -> Callable[[bytearray, int, int], int] | None:
+        """The C reading of a connection's plain requests (gdn_server._native.take_link_requests),
+        appending to this read's requests for the one device, or None where it does not apply:
+        no native module, several devices (each request is placed by its sessions here), or a
+        worker without rings (its inputs ride in the frames)."""
+        take = self._take_native
+        if take is None or self._only_shard is None or conn.request_ring is None:
+            return None
+        requests = queued.setdefault(self._only_shard.scheduler, [])
+        heads, ring, replies = self._heads, conn.request_ring, conn.replies
+        return lambda buf, start, end: take(buf, start, end, DecodeWork, heads, ring, replies, partial, requests)
 
     def _drop(self, conn: _Connection) -> None:
         conn.close()

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
 import torch
@@ -351,23 +351,27 @@ class FrameBuffer:
         return n > 0
 
     def frames(self) -> Iterator[bytes | bytearray]:
+        while (frame := self.next_frame()) is not None:
+            yield frame
+
+    def next_frame(self) -> bytes | bytearray | None:
+        """The next complete frame (the caller's to keep), or None."""
         while True:
             if self._big is not None:
                 if self._big_have < len(self._big):
-                    return
+                    return None
                 big, self._big = self._big, None
-                yield big
-                continue
+                return big
             if self._end - self._start < LENGTH.size:
-                return
+                return None
             (size,) = LENGTH.unpack_from(self._buf, self._start)
             total = LENGTH.size + size
             if self._end - self._start >= total:
-                yield bytes(self._view[self._start + LENGTH.size : self._start + total])
+                frame = bytes(self._view[self._start + LENGTH.size : self._start + total])
                 self._start += total
                 if self._start == self._end:
                     self._start = self._end = 0
-                continue
+                return frame
             if total > len(self._buf):  # move what we have of it into its own buffer
                 self._big = bytearray(size)
                 have = self._end - self._start - LENGTH.size
@@ -375,4 +379,14 @@ class FrameBuffer:
                 self._big_have = have
                 self._start = self._end = 0
                 continue
+            return None
+
+    def take_leading(self, take: Callable[[bytearray, int, int], int]) -> None:
+        """Lets `take(buf, start, end)` consume complete frames at the front of the buffer, in
+        place (no copy per frame); it returns where it stopped, at a frame boundary. The frames
+        after it still come from `next_frame`."""
+        if self._big is not None:
             return
+        self._start = take(self._buf, self._start, self._end)
+        if self._start == self._end:
+            self._start = self._end = 0

@@ -1,6 +1,7 @@
 """The front-end link's frames (gdn_server.link): round trips and framing over a real socket pair."""
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 
@@ -14,7 +15,7 @@ from gdn_server import link
 from gdn_server.config import ModelShape
 from gdn_server.errors import FailedPrecondition, GdnError
 from gdn_server.link import (
-    KIND_CANCEL, KIND_DECODE, LENGTH, decode_cancel, decode_reply, decode_request, encode_cancel, encode_reply,
+    KIND_CANCEL, KIND_DECODE, LENGTH, decode_cancel, decode_reply, decode_request, encode_ack, encode_cancel, encode_reply,
     FrameBuffer, encode_request, send_frames,
 )
 from gdn_server.link_ring import ReplyRing, RequestRing
@@ -210,3 +211,103 @@ def test_native_decode_builds_tensors_on_read():
     assert tag == 11 and got.rows == 2 and got.owner == "bob" and got.positions == (4, 5)
     for name in ("q", "k", "v", "a", "b"):
         assert torch.equal(getattr(got, name), getattr(work, name))
+
+
+class _RecordingReplies:
+    """What EngineLink's reading calls on a connection's ReplyBox, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def expect(self, tag: int) -> None:
+        self.calls.append(("expect", tag))
+
+    def answer(self, tag: int, result: object) -> None:
+        self.calls.append(("answer", tag, result))
+
+    def dropped(self, tag: int) -> bool:
+        self.calls.append(("dropped", tag))
+        return False
+
+
+@native_only
+@settings(max_examples=60, deadline=None)
+@given(kinds=st.lists(st.sampled_from(["ring", "ring", "ring", "frame", "f32", "speculative", "ack", "cancel", "flip"]),
+                      min_size=1, max_size=12),
+       cut=st.integers(0, 200), seed=st.integers(0, 1000))
+def test_native_take_reads_plain_requests_as_the_python_would(kinds, cut, seed):
+    """gdn_server._native.take_link_requests, as EngineLink reads a connection: the C takes the
+    runs of in-ring requests at the front of the read buffer in place, and leaves every other
+    frame (acks, cancels, inputs in the frame, float32, speculative steps, a damaged frame, one not
+    all there yet) to next_frame and the Python, in order. Each request it takes is the Python's
+    decode, with replies.expect(tag) called and (work, answer, dropped) bound to its tag."""
+    view = memoryview(bytearray(1 << 16))
+    ring = RequestRing(view)
+    ring_view = view.toreadonly()
+    wire = b""
+    for i, kind in enumerate(kinds):
+        tag = 1000 + i
+        if kind == "ack":
+            wire += encode_ack(i * 64)
+        elif kind == "cancel":
+            wire += encode_cancel(tag - 1)
+        else:
+            dtype = torch.float32 if kind == "f32" else torch.bfloat16
+            work = _work(1 + (seed + i) % 3, 1, dtype, (seed, seed + 1, seed + 2)[: 1 + (seed + i) % 3] if i % 2 else None,
+                         kind == "speculative", "alice" if i % 3 else None, seed=seed + i)
+            frame = _frame(encode_request(tag, work, ring if kind in ("ring", "flip") else None))
+            if kind == "flip":  # the session id's length: no longer adds up
+                frame = frame[:23] + bytes([frame[23] ^ 0x40]) + frame[24:]
+            wire += LENGTH.pack(len(frame)) + frame
+    wire = wire[: len(wire) - cut] if cut < len(wire) else wire  # the last frame may be cut short
+
+    def read(native: bool) -> tuple[list, list, list]:
+        """Frames in order, as ("taken", tag, fields) or ("left", frame); and the replies' calls."""
+        left, right = socket.socketpair()
+        try:
+            left.sendall(wire)
+            buffer = FrameBuffer(buffer_bytes=1 << 20)
+            assert buffer.fill(right)
+        finally:
+            left.close()
+            right.close()
+        replies, out, seen = _RecordingReplies(), [], []
+        heads = link._heads(SHAPE)
+
+        def take(buf: bytearray, start: int, end: int) -> int:
+            before = len(out)
+            stop = native_module.take_link_requests(buf, start, end, DecodeWork, heads, ring_view, replies,
+                                                    functools.partial, out)
+            for work, done, dropped in out[before:]:
+                assert done.func == replies.answer and dropped.func == replies.dropped
+                seen.append(("taken", done.args[0], _fields(work)))
+            return stop
+
+        while True:
+            if native:
+                buffer.take_leading(take)
+            frame = buffer.next_frame()
+            if frame is None:
+                break
+            seen.append(("left", bytes(frame)))
+        return seen, replies.calls, out
+
+    python_frames, python_calls, _ = read(native=False)
+    native_frames, native_calls, requests = read(native=True)
+    # the same frames in the same order; each the C took is a plain in-ring request, decoded as the Python does
+    flattened = []
+    for entry in native_frames:
+        if entry[0] == "taken":
+            tag, fields = entry[1], entry[2]
+            assert fields["bf16_bytes"] is not None and not fields["speculative"]
+            frame = next(f for (_, f) in python_frames if f[:9] == bytes([KIND_DECODE]) + tag.to_bytes(8, "little"))
+            assert frame[9] & link.FLAG_IN_RING and _python_decode(frame, ring_view) == (tag, fields)
+            flattened.append(("left", frame))
+        else:
+            flattened.append(entry)
+    assert flattened == python_frames
+    taken = [e[1] for e in native_frames if e[0] == "taken"]
+    assert native_calls == [("expect", t) for t in taken] and python_calls == []
+    assert len(requests) == len(taken)
+    if kinds[0] == "ring" and cut == 0:  # a whole, valid in-ring request at the front is always the C's
+        assert native_frames[0][0] == "taken"
