@@ -84,3 +84,6 @@ def test_mapped_launch_rows_come_from_the_environment():
     mapped_max, graph_max = map(int, default.stdout.split())
     assert mapped_max == graph_max
     assert capped.stdout.split()[0] == "1"
+    wrong = subprocess.run([sys.executable, "-c", read], env={**env, "GDN_MAPPED_MAX_ROWS": "eight"},
+                           capture_output=True, text=True, timeout=120)
+    assert wrong.returncode != 0 and "GDN_MAPPED_MAX_ROWS must be a number of rows, got 'eight'" in wrong.stderr

@@ -76,7 +76,17 @@ MAPPED_STAGING = os.environ.get("GDN_MAPPED_STAGING", "1") != "0"
 # 50.0, and 8 clients ran fewer steps/s mapped in three of four pairs (bench/NOTES.md,
 # twenty-third session), which points at 1-2. Not yet changed: that needs its own A/B on the H200
 # (GDN_MAPPED_MAX_ROWS=1 against the default, in bench/gpu_session.sh's VARIANTS).
-MAPPED_MAX_ROWS = int(os.environ.get("GDN_MAPPED_MAX_ROWS", GRAPH_MAX_ROWS))
+def _rows_from_env(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        raise ValueError(f"{name} must be a number of rows, got {raw!r}") from None
+
+
+MAPPED_MAX_ROWS = _rows_from_env("GDN_MAPPED_MAX_ROWS", GRAPH_MAX_ROWS)
 
 
 def padded_rows(rows: int) -> int:
