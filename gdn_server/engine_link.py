@@ -41,7 +41,7 @@ from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError
 from gdn_server.link import (
     HELLO, KIND_ACK, KIND_CANCEL, LENGTH, FrameBuffer, decode_ack, decode_cancel, decode_hello, decode_request,
-    encode_reply, request_tag, send_frames,
+    encode_reply, native_heads, request_tag, send_frames,
 )
 from gdn_server.link_ring import ReplyRing, map_shared
 from gdn_server.placement import Placement
@@ -161,7 +161,7 @@ class EngineLink:
         self._dirty: set[_Connection] = set()  # connections with replies waiting in their outbox
         self._only_shard = placement.shards[0] if len(placement.shards) == 1 else None
         self._take_native = getattr(native.module, "take_link_requests", None)
-        self._heads = (shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v)
+        self._heads = native_heads(shape)
         # the replies' sendmsg calls on a thread of their own, without the GIL (one hand-off a
         # round instead of a system call per worker), where gdn_server._native is built
         self._sender = native.module.LinkSender() if native.module is not None else None
@@ -281,20 +281,17 @@ class EngineLink:
         queued: dict = {}  # scheduler -> the (work, done, cancelled) of this read's requests, in order
         try:
             alive = conn.frames.fill(conn.sock)  # readable: does not block
+            # runs of plain requests in C where it applies, straight from the read buffer; every
+            # other frame (acks, cancels, and what the C leaves to the Python) through _take, in order
             take = self._native_take(conn, queued)
-            if take is None:
-                for frame in conn.frames.frames():
-                    self._take(conn, frame, queued)
-            else:
-                # runs of plain requests in C, straight from the read buffer; every other frame
-                # (acks, cancels, and what the C leaves to the Python) through _take, in order
-                frames = conn.frames
-                while True:
+            frames = conn.frames
+            while True:
+                if take is not None:
                     frames.take_leading(take)
-                    frame = frames.next_frame()
-                    if frame is None:
-                        break
-                    self._take(conn, frame, queued)
+                frame = frames.next_frame()
+                if frame is None:
+                    break
+                self._take(conn, frame, queued)
         except OSError as e:
             alive = False
             if conn.open:

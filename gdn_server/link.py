@@ -191,7 +191,7 @@ def decode_request(frame: bytes | bytearray, shape: ModelShape, ring: memoryview
     (the worker did). The common frame is decoded in C where gdn_server._native is built; this
     Python is the reference, and decodes the rest."""
     if _native is not None:
-        decoded = _native.decode_link_request(frame, DecodeWork, _heads(shape), ring)
+        decoded = _native.decode_link_request(frame, DecodeWork, native_heads(shape), ring)
         if decoded is not None:
             return decoded
     _, tag, flags, layer, B, T, rid_len, ident_len = REQUEST.unpack_from(frame, 0)
@@ -236,7 +236,7 @@ def decode_request(frame: bytes | bytearray, shape: ModelShape, ring: memoryview
                            owner=identity, speculative=speculative, **tensors)
 
 
-def _heads(shape: ModelShape) -> tuple[int, int, int, int]:
+def native_heads(shape: ModelShape) -> tuple[int, int, int, int]:
     """(H, HV, K, V) of `shape`, as the native decode takes them (cached, as _layout)."""
     heads = _HEADS.get(id(shape))
     if heads is None or heads[0] is not shape:

@@ -15,8 +15,8 @@ from gdn_server import link
 from gdn_server.config import ModelShape
 from gdn_server.errors import FailedPrecondition, GdnError
 from gdn_server.link import (
-    KIND_CANCEL, KIND_DECODE, LENGTH, decode_cancel, decode_reply, decode_request, encode_ack, encode_cancel, encode_reply,
-    FrameBuffer, encode_request, send_frames,
+    KIND_CANCEL, KIND_DECODE, LENGTH, decode_cancel, decode_reply, decode_request, encode_ack, encode_cancel,
+    encode_reply, FrameBuffer, encode_request, send_frames,
 )
 from gdn_server.link_ring import ReplyRing, RequestRing
 from gdn_server.native import module as native_module
@@ -191,7 +191,7 @@ def test_native_decode_agrees_with_python(B, T, dtype, with_positions, speculati
     elif damage == "offset":  # the frame's last 8 bytes: a ring offset, or the tail of b
         frame = frame[:-8] + link.RING_OFFSET.pack(where * 7919)
     ring_view = view.toreadonly() if view is not None else None
-    native = native_module.decode_link_request(frame, DecodeWork, link._heads(SHAPE), ring_view)
+    native = native_module.decode_link_request(frame, DecodeWork, link.native_heads(SHAPE), ring_view)
     expected = _python_decode(frame, ring_view)
     if native is None:
         assert damage != "none" or dtype != torch.bfloat16, "a valid bf16 frame must take the native path"
@@ -207,7 +207,7 @@ def test_native_decode_agrees_with_python(B, T, dtype, with_positions, speculati
 def test_native_decode_builds_tensors_on_read():
     """The C-built DecodeWork behaves as DecodeWork.of_bf16's: its tensors come from the bytes."""
     work = _work(2, 3, torch.bfloat16, (4, 5), False, "bob")
-    tag, got = native_module.decode_link_request(_frame(encode_request(11, work)), DecodeWork, link._heads(SHAPE))
+    tag, got = native_module.decode_link_request(_frame(encode_request(11, work)), DecodeWork, link.native_heads(SHAPE))
     assert tag == 11 and got.rows == 2 and got.owner == "bob" and got.positions == (4, 5)
     for name in ("q", "k", "v", "a", "b"):
         assert torch.equal(getattr(got, name), getattr(work, name))
@@ -253,8 +253,9 @@ def test_native_take_reads_plain_requests_as_the_python_would(kinds, cut, seed):
             wire += encode_cancel(tag - 1)
         else:
             dtype = torch.float32 if kind == "f32" else torch.bfloat16
-            work = _work(1 + (seed + i) % 3, 1, dtype, (seed, seed + 1, seed + 2)[: 1 + (seed + i) % 3] if i % 2 else None,
-                         kind == "speculative", "alice" if i % 3 else None, seed=seed + i)
+            B = 1 + (seed + i) % 3
+            positions = tuple(range(seed, seed + B)) if i % 2 else None
+            work = _work(B, 1, dtype, positions, kind == "speculative", "alice" if i % 3 else None, seed=seed + i)
             frame = _frame(encode_request(tag, work, ring if kind in ("ring", "flip") else None))
             if kind == "flip":  # the session id's length: no longer adds up
                 frame = frame[:23] + bytes([frame[23] ^ 0x40]) + frame[24:]
@@ -272,7 +273,7 @@ def test_native_take_reads_plain_requests_as_the_python_would(kinds, cut, seed):
             left.close()
             right.close()
         replies, out, seen = _RecordingReplies(), [], []
-        heads = link._heads(SHAPE)
+        heads = link.native_heads(SHAPE)
 
         def take(buf: bytearray, start: int, end: int) -> int:
             before = len(out)
