@@ -70,7 +70,7 @@ def test_launches_pad_to_the_next_graph_bucket():
 
 def test_mapped_launch_rows_come_from_the_environment():
     """GDN_MAPPED_MAX_ROWS caps the rows of a launch that runs on the mapped staging (the GPU test
-    tests/gpu/test_cuda_backend.py runs the capture itself); unset, every graphed size may."""
+    tests/gpu/test_cuda_backend.py runs the capture itself); unset, only a one-row launch does."""
     import os
     import subprocess
     import sys
@@ -78,12 +78,12 @@ def test_mapped_launch_rows_come_from_the_environment():
     read = "from gdn_server.backends import cuda; print(cuda.MAPPED_MAX_ROWS, cuda.GRAPH_MAX_ROWS)"
     env = {k: v for k, v in os.environ.items() if k != "GDN_MAPPED_MAX_ROWS"}
     default = subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, timeout=120)
-    capped = subprocess.run([sys.executable, "-c", read], env={**env, "GDN_MAPPED_MAX_ROWS": "1"},
+    capped = subprocess.run([sys.executable, "-c", read], env={**env, "GDN_MAPPED_MAX_ROWS": "4"},
                             capture_output=True, text=True, timeout=120)
     assert default.returncode == 0 and capped.returncode == 0, default.stderr + capped.stderr
     mapped_max, graph_max = map(int, default.stdout.split())
-    assert mapped_max == graph_max
-    assert capped.stdout.split()[0] == "1"
+    assert mapped_max == 1 < graph_max
+    assert capped.stdout.split()[0] == "4"
     wrong = subprocess.run([sys.executable, "-c", read], env={**env, "GDN_MAPPED_MAX_ROWS": "eight"},
                            capture_output=True, text=True, timeout=120)
     assert wrong.returncode != 0 and "GDN_MAPPED_MAX_ROWS must be a number of rows, got 'eight'" in wrong.stderr

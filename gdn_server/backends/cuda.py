@@ -71,11 +71,11 @@ DRIVER_LAUNCH = os.environ.get("GDN_DRIVER_LAUNCH", "1") != "0"
 # twenty-second session). GDN_MAPPED_STAGING=0 keeps the copies.
 MAPPED_STAGING = os.environ.get("GDN_MAPPED_STAGING", "1") != "0"
 # The most rows a mapped launch has (bigger ones keep the copies). The kernel's reads over PCIe
-# grow with the rows faster than the copies do: on the H200 (bench/backend_step.py, submit + wait,
-# one run each) one row took 33.5 us mapped against 35.4 with the copies, eight rows 60.8 against
-# 50.0, and 8 clients ran fewer steps/s mapped in three of four pairs (bench/NOTES.md,
-# twenty-third session), which points at 1-2. Not yet changed: that needs its own A/B on the H200
-# (GDN_MAPPED_MAX_ROWS=1 against the default, in bench/gpu_session.sh's VARIANTS).
+# grow with the rows faster than the copies do: on the H200 (bench/backend_step.py, submit + wait)
+# one row took 33.5 us mapped against 35.4 with the copies, eight rows 60.8 against 50.0. Served
+# (bench/results/variants_mapped_cap_v1, one process), a cap of 1 ran 8 clients at 6,867 and 6,354
+# steps/s against 5,893 and 6,282 with a cap of 8, and one client's p50 was no worse. So only the
+# lone row runs mapped; GDN_MAPPED_MAX_ROWS=N (up to GRAPH_MAX_ROWS) maps more.
 def _rows_from_env(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None:
@@ -86,7 +86,7 @@ def _rows_from_env(name: str, default: int) -> int:
         raise ValueError(f"{name} must be a number of rows, got {raw!r}") from None
 
 
-MAPPED_MAX_ROWS = _rows_from_env("GDN_MAPPED_MAX_ROWS", GRAPH_MAX_ROWS)
+MAPPED_MAX_ROWS = _rows_from_env("GDN_MAPPED_MAX_ROWS", 1)
 
 
 def padded_rows(rows: int) -> int:

@@ -99,7 +99,7 @@ def test_small_launches_replay_graphs_bit_identical_to_direct_launches(through, 
     enough launches to go round the staging ring twice. The replays go straight to the CUDA
     driver (the native module's one call per launch, and its event poll) or through torch;
     "mapped": the graphs of up to 4 rows run the kernel alone on the pinned buffers (MAPPED_STAGING,
-    MAPPED_MAX_ROWS; more than the default, so that one backend mixes mapped and copying graphs)."""
+    MAPPED_MAX_ROWS; more than the default of 1, so that one backend mixes mapped and copying graphs)."""
     from gdn_server.backends import cuda
 
     driver = cuda.native is not None and hasattr(cuda.native, "cuda_launch_graph")
