@@ -59,7 +59,7 @@ from gdn_server.link_ring import REPLY_RING_BYTES, REQUEST_RING_BYTES, RequestRi
 from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
 from gdn_server.sessions import SessionTable
-from gdn_server.tuning import freeze_startup_objects
+from gdn_server.tuning import freeze_startup_objects, tune_gc
 from gdn_server.weights import random_gate_params
 from gdn_server.work import DecodeResult, DecodeWork, StepBatch
 
@@ -392,6 +392,7 @@ def main() -> None:
     torch.set_num_threads(1)  # every copy on the timed thread (thread_time would miss a pool's work)
     shape = PRESETS["qwen3-next"]
     engine = Engine(shape, args.sessions, max(per_round), rings=not args.no_rings)
+    tune_gc()  # as every engine process does at start (GDN_GC_GEN0)
     freeze_startup_objects()  # as the engine process does once it is ready to serve
     profiler = cProfile.Profile() if args.profile else None
     phases = PhaseTimer(engine) if args.phases else None

@@ -35,7 +35,7 @@ from gdn_server.scheduler import Scheduler
 from gdn_server.server import GdnApp, ServerSettings, serve
 from gdn_server.servicer import GdnDecodeServicer, encode_decode_reply
 from gdn_server.sessions import SessionTable
-from gdn_server.tuning import tune_malloc
+from gdn_server.tuning import tune_gc, tune_malloc
 from gdn_server.weights import random_gate_params
 from gdn_server.work import StepBatch
 
@@ -82,6 +82,7 @@ def run_server(
     batch_fill: float = SchedulerConfig.batch_fill, batch_fill_max_us: int = SchedulerConfig.batch_fill_max_us,
 ) -> None:
     tune_malloc()  # as gdn-server's entry points do
+    tune_gc()
     shape = ModelShape(num_layers=4, num_q_heads=16, num_v_heads=32)
     gates = random_gate_params(shape, 0)
     backend = HostOnlyBackend(shape, gates, sessions, speculative_sessions=0)

@@ -29,7 +29,7 @@ from gdn_client._echo import echo_request
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server.config import ModelShape
 from gdn_server.servicer import decode_response, decode_response_wire
-from gdn_server.tuning import tune_malloc
+from gdn_server.tuning import tune_gc, tune_malloc
 from gdn_server.validation import decode_work_from_request
 from gdn_server.work import DecodeResult
 
@@ -116,6 +116,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args()
     tune_malloc()  # as the server's entry points do
+    tune_gc()
     rows = measure(args.batch, args.tokens, args.dtype, args.iters)
     print(f"B={args.batch} T={args.tokens} {args.dtype}, qwen3-next heads, median of {args.iters}, "
           f"torch threads {torch.get_num_threads()}")

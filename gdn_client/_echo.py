@@ -34,6 +34,7 @@ from typing import AsyncIterator
 import grpc
 import grpc.aio
 
+from gdn_client._gc import tune_gc
 from gdn_client._malloc import tune_malloc
 
 __all__ = ["UNARY", "STREAM", "echo_request", "echo_env", "serve", "main"]
@@ -101,6 +102,7 @@ async def serve(host: str = "127.0.0.1", port: int = 0) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     tune_malloc(logger)  # the server's allocator settings (gdn_server.tuning): a like-for-like floor
+    tune_gc(logger)  # and its garbage collector's
     p = argparse.ArgumentParser(description="gRPC bytes echo server (the floor for gdn-loadtest --echo)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)

@@ -58,6 +58,7 @@ from gdn_client._echo import STREAM as ECHO_STREAM
 from gdn_client._echo import UNARY as ECHO_UNARY
 from gdn_client._echo import echo_env, echo_request
 from gdn_client._errors import GdnError, error_from_code, error_from_rpc
+from gdn_client._gc import tune_gc
 from gdn_client._malloc import tune_malloc
 from gdn_client._options import ClientOptions
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
@@ -867,6 +868,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # one client process drives both our server and the echo floor: tuned like the servers, it
     # adds no page-fault cost of its own to either side of the comparison
     tune_malloc(logger)
+    tune_gc(logger)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv == [_CHILD_FLAG]:  # a load process of a --processes run (see _spread)
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

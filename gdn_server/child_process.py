@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 from typing import TypeVar
 
-from gdn_server.tuning import tune_malloc
+from gdn_server.tuning import tune_gc, tune_malloc
 
 S = TypeVar("S", bound="JsonSettings")
 
@@ -29,6 +29,7 @@ def start_child(settings_type: type[S], name: str) -> S:
     """Process-wide set-up, then the settings from stdin; `name` is a format string of their
     fields ("engine[{device_index}]") that prefixes every log line."""
     tune_malloc()  # before any big buffer: see gdn_server/tuning.py
+    tune_gc()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the router decides
     settings = settings_type.from_json(sys.stdin.read())
     label = name.format(**vars(settings))

@@ -12,7 +12,7 @@ from gdn_server.event_loop import run as run_loop
 from gdn_server.security import SecurityConfig
 from gdn_server.server import ServerSettings, build_app, serve
 from gdn_server.snapshot import SnapshotError
-from gdn_server.tuning import tune_malloc
+from gdn_server.tuning import tune_gc, tune_malloc
 from gdn_server.weights import load_gate_params, random_gate_params
 
 log = logging.getLogger("gdn_server")
@@ -119,6 +119,7 @@ def shape_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 def main(argv: list[str] | None = None) -> int:
     tune_malloc()  # before any big buffer: see gdn_server/tuning.py
+    tune_gc()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

@@ -9,6 +9,10 @@ Every server entry point calls it: `gdn-server` (gdn_server.cli), each engine
 gdn-loadtest call the same helper (gdn_client._malloc), so the floor is measured under the same
 allocator settings as the service.
 
+`tune_gc` raises the garbage collector's first threshold from 700 to 20,000 objects, above what
+a serving process has in flight (gdn_client/_gc.py says why); the echo floor and gdn-loadtest
+set it too.
+
 `freeze_startup_objects`, called once a process is ready to serve, takes the objects alive then
 (torch's and gRPC's modules, the kernels, the staging buffers' tensors: ~190k of them) out of
 the garbage collector's full passes. Each full pass otherwise walks them all: ~90 ms with the
@@ -21,9 +25,10 @@ import gc
 import logging
 
 from gdn_client._malloc import MMAP_THRESHOLD, TRIM_THRESHOLD
+from gdn_client._gc import tune_gc as _tune_gc
 from gdn_client._malloc import tune_malloc as _tune_malloc
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "freeze_startup_objects", "tune_malloc"]
+__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "freeze_startup_objects", "tune_gc", "tune_malloc"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +38,12 @@ def tune_malloc() -> dict[str, int]:
     process, unless the environment sets them (MALLOC_*_ or GLIBC_TUNABLES); a no-op (a debug
     log) with GDN_MALLOC_TUNING=0 or off glibc. Returns the thresholds it set, by mallopt name."""
     return _tune_malloc(log)
+
+
+def tune_gc() -> int:
+    """The garbage collector's first threshold for this process (GDN_GC_GEN0, default 20,000).
+    Returns it."""
+    return _tune_gc(log)
 
 
 def freeze_startup_objects() -> int:
