@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|backendstep|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|backendstep|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants|lanefloor   (each part fits in one 10-minute call)
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
@@ -224,6 +224,10 @@ case "${1:-}" in
           --out "$out/backend_step_mapped${m}_$round" 2>&1 | grep '^| [0-9]' | sed "s/^/mapped=$m $round /"
       done
     done
+    ;;
+  lanefloor)  # bench/lane_floor.c: the CPU floor of a native lane's per-request work on this host (seconds)
+    gcc -O2 -pthread bench/lane_floor.c -o /tmp/lane_floor && /tmp/lane_floor ${PER_ROUND:-1 8 24 64 128} \
+      | tee "$out/lane_floor.md"
     ;;
   launchvariants)  # CudaBackend.submit's host time from cold caches: padded graph launches or direct ones, fill on one thread or the pool
     timeout 300 python3 bench/backend_step.py --variants --rows "${ROWS:-12,16,27,48,64,100}" --calls 80 --out "$out" 2>&1 \
