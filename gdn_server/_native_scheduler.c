@@ -28,9 +28,9 @@
    finish_plain(members, whole, row_bytes, tokens, tail, encode, result_type) -> None
        Scheduler._finish's answers for one finished batch, for every member (answers are alike
        for every kind of step, so nothing is left to the Python): each member's slice of the
-       output `whole`, encoded with encode(data, shape, positions, request_id) -> (wire,
-       offset) where encode is not None, kept as the step's record.out and passed to its
-       item's done().
+       output `whole` (the backend's reused buffer), encoded with encode(data, shape, positions,
+       request_id) -> (wire, offset) where encode is not None, else copied into bytes of its
+       own; kept as the step's record.out and passed to its item's done().
 
    tests/test_scheduler_native.py runs rounds of every kind through both paths and compares
    the answers and the session records. */
@@ -398,14 +398,31 @@ static int finish_one(PyObject *m, PyObject *whole, Py_ssize_t row_bytes, int si
     if (request_id == NULL) goto done;
     Py_ssize_t rows = PyObject_Length(sessions);
     if (rows < 0) goto done;
-    if (single) {
+    Py_ssize_t first = 0;
+    if (!single) {
+        PyObject *first_obj = PyObject_GetAttr(m, s_first_row);
+        first = first_obj ? PyLong_AsSsize_t(first_obj) : -1;
+        Py_XDECREF(first_obj);
+        if (PyErr_Occurred()) goto done;
+    }
+    if (encode == Py_None) {
+        /* bytes of the request's own, copied once straight out of the backend's buffer (which a
+           later launch reuses): the step's record.out and the answer's output */
+        Py_buffer view;
+        if (PyObject_GetBuffer(whole, &view, PyBUF_SIMPLE) < 0) goto done;
+        Py_ssize_t at = single ? 0 : first * row_bytes, len = single ? view.len : rows * row_bytes;
+        if (at < 0 || len < 0 || at + len > view.len) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_ValueError, "finish_plain: a member's rows lie outside the output");
+            goto done;
+        }
+        data = PyBytes_FromStringAndSize((const char *)view.buf + at, len);
+        PyBuffer_Release(&view);
+        if (data == NULL) goto done;
+    } else if (single) {
         Py_INCREF(whole);
         data = whole;
     } else {
-        PyObject *first_obj = PyObject_GetAttr(m, s_first_row);
-        Py_ssize_t first = first_obj ? PyLong_AsSsize_t(first_obj) : -1;
-        Py_XDECREF(first_obj);
-        if (PyErr_Occurred()) goto done;
         data = PySequence_GetSlice(whole, first * row_bytes, (first + rows) * row_bytes);
         if (data == NULL) goto done;
     }

@@ -744,8 +744,8 @@ class Scheduler:
             if self.on_launch is not None:
                 self.on_launch(batch.rows, max(started - m.item.enqueued for m in members), device_s)
             encode = self.encode_reply
-            if encode is None:  # one copy of the whole output, sliced per request
-                whole = bytes(whole)
+            # without encode (an engine behind workers) each request's output is copied once,
+            # straight out of the buffer, into bytes of its own: its record.out and its answer
             row_bytes = len(whole) // batch.rows
             single = len(members) == 1
             self.stats.requests += len(members)  # counted before the answers, as GetStats may follow one
@@ -762,6 +762,8 @@ class Scheduler:
                 if encode is not None:
                     wire, at = encode(data, shape, m.positions, request_id)
                     data = memoryview(wire)[at : at + len(data)]  # the output's copy in the reply
+                else:
+                    data = bytes(data)
                 m.record.out = data  # what a retry of this step is answered from, for each of its sessions
                 m.item.done(DecodeResult(data, shape, m.positions, request_id, wire))
 
