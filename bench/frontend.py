@@ -80,6 +80,7 @@ class HostOnlyBackend(CpuBackend):
 def run_server(
     port: int, sessions: int, runs_on: str = "auto", max_batch_rows: int | None = None, event_loop: str = "auto",
     batch_fill: float = SchedulerConfig.batch_fill, batch_fill_max_us: int = SchedulerConfig.batch_fill_max_us,
+    batch_fill_min_rows: int = SchedulerConfig.batch_fill_min_rows,
 ) -> None:
     tune_malloc()  # as gdn-server's entry points do
     tune_gc()
@@ -89,7 +90,8 @@ def run_server(
     table = SessionTable(sessions, shape.num_layers)
     rows = {} if max_batch_rows is None else {"max_batch_rows": max_batch_rows}
     scheduler = Scheduler(backend, table, SchedulerConfig(
-        runs_on=runs_on, batch_fill=batch_fill, batch_fill_max_us=batch_fill_max_us, **rows))
+        runs_on=runs_on, batch_fill=batch_fill, batch_fill_max_us=batch_fill_max_us,
+        batch_fill_min_rows=batch_fill_min_rows, **rows))
     scheduler.encode_reply = encode_decode_reply  # replies encoded from the output buffer, as gdn-server's are
     placement = Placement([Shard(0, backend, table, scheduler)])
     settings = ServerSettings(shape=shape, gates=gates, port=port, device="cpu")
@@ -109,6 +111,8 @@ def main() -> None:
                    help="the scheduler's --batch-fill")
     p.add_argument("--batch-fill-max-us", type=int, default=SchedulerConfig.batch_fill_max_us,
                    help="the scheduler's --batch-fill-max-us")
+    p.add_argument("--batch-fill-min-rows", type=int, default=SchedulerConfig.batch_fill_min_rows,
+                   help="the scheduler's --batch-fill-min-rows")
     p.add_argument("--event-loop", default="auto", choices=EVENT_LOOPS,
                    help="the server's loop, as gdn-server's --event-loop (auto: uvloop where installed)")
     p.add_argument("--clients", default="1,32")
@@ -118,11 +122,11 @@ def main() -> None:
     if args.serve:
         run_server(args.port, sessions=600, runs_on=args.runs_on, max_batch_rows=args.max_batch_rows,
                    event_loop=args.event_loop, batch_fill=args.batch_fill,
-                   batch_fill_max_us=args.batch_fill_max_us)
+                   batch_fill_max_us=args.batch_fill_max_us, batch_fill_min_rows=args.batch_fill_min_rows)
         return
     server = [sys.executable, __file__, "--serve", "--port", "0", "--runs-on", args.runs_on,
               "--event-loop", args.event_loop, "--batch-fill", str(args.batch_fill),
-              "--batch-fill-max-us", str(args.batch_fill_max_us)]
+              "--batch-fill-max-us", str(args.batch_fill_max_us), "--batch-fill-min-rows", str(args.batch_fill_min_rows)]
     if args.max_batch_rows is not None:
         server += ["--max-batch-rows", str(args.max_batch_rows)]
     proc, target = start_listening(server)

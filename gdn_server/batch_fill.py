@@ -17,6 +17,11 @@ its layers one at a time estimates to 1 and is never held; 64 such clients estim
 A session that steps rarely (a client thinking between requests) would count as a whole client
 while contributing almost no rows, so each sampled gap is capped at `gap_cap_s`: a session
 slower than that counts in proportion to how often it steps within the cap.
+
+Below `min_rows` in circulation there is no hold at all. There a round's wait costs its clients
+latency the loop had time to spare for: on the H200, one process at 8 clients ran 2-13% fewer
+steps/s with a hold of 0.5 (bench/NOTES.md, twenty-third session), while from 64 clients up the
+loop is saturated and a hold costs nothing there.
 """
 from __future__ import annotations
 
@@ -33,14 +38,17 @@ GAP_CAP_S = 0.02
 class BatchFill:
     """The estimate and the hold decision. One per scheduler, used on its thread only."""
 
-    def __init__(self, fraction: float, max_hold_s: float, gap_cap_s: float = GAP_CAP_S,
+    def __init__(self, fraction: float, max_hold_s: float, min_rows: float = 0.0, gap_cap_s: float = GAP_CAP_S,
                  period_s: float = ESTIMATE_PERIOD_S) -> None:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"fraction must be in [0, 1], got {fraction}")
         if max_hold_s < 0:
             raise ValueError(f"max_hold_s must be >= 0, got {max_hold_s}")
+        if min_rows < 0:
+            raise ValueError(f"min_rows must be >= 0, got {min_rows}")
         self.fraction = fraction
         self.max_hold_s = max_hold_s
+        self.min_rows = min_rows
         self.gap_cap_s = gap_cap_s
         self.period_s = period_s
         self.rows_in_circulation = 0.0  # the latest estimate (0 until the first period ends)
@@ -86,5 +94,7 @@ class BatchFill:
         """How much longer a round should wait for more rows: 0 to launch now."""
         target = self.target_rows()
         if pending_rows >= target or target < 2.0:  # nothing to gain by waiting for one more row
+            return 0.0
+        if self.rows_in_circulation < self.min_rows:  # too few clients to saturate the loop
             return 0.0
         return max(0.0, self.max_hold_s - (now - oldest_enqueued))

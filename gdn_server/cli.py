@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-fill-max-us", type=int, default=SchedulerConfig.batch_fill_max_us,
                    help="--batch-fill holds a launch at most this long after its oldest request "
                         "(default %(default)s)")
+    p.add_argument("--batch-fill-min-rows", type=int, default=SchedulerConfig.batch_fill_min_rows, metavar="N",
+                   help="--batch-fill holds nothing while fewer rows than this are in circulation: a loop with "
+                        "time to spare only makes its clients wait (default %(default)s)")
     p.add_argument("--scheduler-runs-on", choices=SCHEDULER_RUNS_ON, default=SchedulerConfig.runs_on,
                    help="where batches are formed and answered: 'loop' (on the gRPC event loop, polling the "
                         "device: no thread hand-offs), 'thread' (a thread per device), or 'auto' (loop for a "
@@ -137,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--batch-fill must be in 0..1")
     if args.batch_fill_max_us < 0:
         parser.error("--batch-fill-max-us must be >= 0")
+    if args.batch_fill_min_rows < 0:
+        parser.error("--batch-fill-min-rows must be >= 0")
     try:
         loop_factory(args.event_loop)  # --event-loop uvloop without uvloop: say so before anything starts
     except RuntimeError as e:
@@ -184,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         speculative_sessions=args.speculative_sessions,
         scheduler=SchedulerConfig(args.max_batch_rows, args.max_queue_delay_us, args.max_queue_rows,
                                   args.scheduler_runs_on, args.device_wait, args.busy_poll_us,
-                                  args.batch_fill, args.batch_fill_max_us),
+                                  args.batch_fill, args.batch_fill_max_us, args.batch_fill_min_rows),
         scale=args.scale,
         grace_s=args.drain_timeout_s,
         shutdown_delay_s=args.shutdown_delay_s,

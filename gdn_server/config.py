@@ -82,6 +82,10 @@ class SchedulerConfig:
     # twenty-second session). The cap: half of a 64-client cycle there (~6 ms)
     batch_fill: float = 0.0
     batch_fill_max_us: int = 3000
+    # no hold while fewer rows than this are in circulation: at 8 clients the loop has time to
+    # spare and a hold cost one process 2-13% of its steps/s on the H200 (bench/NOTES.md,
+    # twenty-third session); from 64 up it is saturated and a hold cost nothing. Between the two.
+    batch_fill_min_rows: int = 32
 
     def __post_init__(self) -> None:
         if self.runs_on not in SCHEDULER_RUNS_ON:
@@ -94,6 +98,8 @@ class SchedulerConfig:
             raise ValueError(f"batch_fill must be in [0, 1], got {self.batch_fill}")
         if self.batch_fill_max_us < 0:
             raise ValueError(f"batch_fill_max_us must be >= 0, got {self.batch_fill_max_us}")
+        if self.batch_fill_min_rows < 0:
+            raise ValueError(f"batch_fill_min_rows must be >= 0, got {self.batch_fill_min_rows}")
 
 
 SCHEDULER_RUNS_ON = ("auto", "loop", "thread")

@@ -142,7 +142,7 @@ class Scheduler:
         self.config = config
         self.stats = SchedulerStats()
         # --batch-fill: under load, a round waits for a share of the rows in circulation
-        self.batch_fill = BatchFill(config.batch_fill, config.batch_fill_max_us / 1e6)
+        self.batch_fill = BatchFill(config.batch_fill, config.batch_fill_max_us / 1e6, config.batch_fill_min_rows)
         # metrics hooks, called on the scheduler thread
         self.on_launch: Callable[[int, float, float], None] | None = None  # (rows, longest queue wait s, device s)
         self.on_dispatch: Callable[[float], None] | None = None  # (queue wait s) per request sent to the device

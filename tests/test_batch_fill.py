@@ -43,6 +43,16 @@ def test_one_client_stepping_alone_is_never_held():
     assert fill.hold_s(pending_rows=1, oldest_enqueued=0.0, now=0.0) == 0.0
 
 
+def test_no_hold_below_the_minimum_rows_in_circulation():
+    """8 clients (a loop with time to spare) are not held under a minimum of 32; 64 are."""
+    few, many = BatchFill(0.5, 0.001, min_rows=32), BatchFill(0.5, 0.001, min_rows=32)
+    _closed_loop(few, 8, 0.0011, 4, seconds=0.2)
+    _closed_loop(many, 64, 0.0058, 2, seconds=0.2)
+    assert few.target_rows() >= 2.0  # without the minimum, one row of a target of ~4 would wait
+    assert few.hold_s(pending_rows=1, oldest_enqueued=5.0, now=5.0) == 0.0
+    assert many.hold_s(pending_rows=10, oldest_enqueued=5.0, now=5.0002) == pytest.approx(0.0008)
+
+
 def test_the_hold_ends_at_the_target_or_after_max_hold():
     fill = BatchFill(0.5, 0.001)
     _closed_loop(fill, 64, 0.0058, 2, seconds=0.2)
@@ -81,6 +91,10 @@ def test_bad_settings_are_refused():
         SchedulerConfig(batch_fill=-0.1)
     with pytest.raises(ValueError, match="batch_fill_max_us"):
         SchedulerConfig(batch_fill=0.5, batch_fill_max_us=-1)
+    with pytest.raises(ValueError, match="batch_fill_min_rows"):
+        SchedulerConfig(batch_fill=0.5, batch_fill_min_rows=-1)
+    with pytest.raises(ValueError, match="min_rows"):
+        BatchFill(0.5, 0.001, min_rows=-1)
     assert not BatchFill(0.0, 0.001).enabled and not BatchFill(0.5, 0.0).enabled
 
 
@@ -92,7 +106,8 @@ def _held_scheduler(runs_on: str) -> tuple[Scheduler, list[str]]:
     backend = backend_type(SHAPE, random_gate_params(SHAPE, 0), 8)
     sessions = SessionTable(8, SHAPE.num_layers, range(backend.home_rows, backend.pool_rows))
     ids = [sessions.create().id for _ in range(8)]
-    config = SchedulerConfig(runs_on=runs_on, batch_fill=0.5, batch_fill_max_us=int(HOLD_S * 1e6))
+    # min rows 0: the hold of 8 clients' worth of rows is what these tests look at
+    config = SchedulerConfig(runs_on=runs_on, batch_fill=0.5, batch_fill_max_us=int(HOLD_S * 1e6), batch_fill_min_rows=0)
     scheduler = Scheduler(backend, sessions, config)
     # as if 8 clients were stepping in closed loops: launches wait for 4 rows
     scheduler.batch_fill.rows_in_circulation = 8.0
@@ -170,7 +185,7 @@ def test_the_thread_scheduler_answers_its_last_launch_before_it_holds():
     sessions = SessionTable(8, SHAPE.num_layers, range(backend.home_rows, backend.pool_rows))
     ids = [sessions.create().id for _ in range(5)]
     scheduler = Scheduler(backend, sessions, SchedulerConfig(
-        runs_on="thread", batch_fill=0.5, batch_fill_max_us=int(HOLD_S * 1e6)))
+        runs_on="thread", batch_fill=0.5, batch_fill_max_us=int(HOLD_S * 1e6), batch_fill_min_rows=0))
     scheduler.batch_fill.rows_in_circulation = 8.0  # launches wait for 4 rows
     scheduler.batch_fill.period_s = 1e9
     answered: dict[int, float] = {}

@@ -28,6 +28,7 @@ def test_bad_command_lines_fail_with_a_reason(tmp_path):
         ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--busy-poll-us", "-1"): "--busy-poll-us",
         ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--batch-fill", "1.5"): "--batch-fill",
         ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--batch-fill-max-us", "-1"): "--batch-fill-max-us",
+        ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--batch-fill-min-rows", "-1"): "--batch-fill-min-rows",
     }
     for args, reason in cases.items():
         result = _run_cli("--device", "cpu", "--port", "0", *args)

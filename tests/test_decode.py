@@ -56,7 +56,8 @@ def server(gates, request):
     if request.param == "loop":
         mode += ["--max-queue-delay-us", "3000"]
     elif request.param == "loop-fill":
-        mode += ["--batch-fill", "0.75", "--batch-fill-max-us", "3000"]
+        # min rows 0: this suite's few clients are held too (the hold's path end to end)
+        mode += ["--batch-fill", "0.75", "--batch-fill-max-us", "3000", "--batch-fill-min-rows", "0"]
     with start_server("--layers", str(LAYERS), "--q-heads", "2", "--v-heads", "4", "--weights", str(path),
                       "--max-sessions", "40", *mode) as srv:
         yield srv
