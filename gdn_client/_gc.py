@@ -7,8 +7,9 @@ decode request is a dozen or more objects alive from its read to its reply (the 
 queue item, its batch entry, its step records, its answer), so at 64 clients the threshold was
 crossed every round or so, and each pass walked every one of those live objects (and moved them
 into the older generations, walked again there). On the CPU box, bench/engine_path.py at 64
-requests a round ran ~1,700 young-generation passes per 90k requests, and the collector's
-functions were ~6% of the process's samples under perf; with 20,000 there were two, and ~2%.
+requests a round ran 1,300-1,700 young-generation passes per 90k requests, and the collector's
+functions were ~6% of the process's samples under perf; with 20,000 there was one, and the
+collector's ~3% of the samples were start-up's (the full collection before gc.freeze).
 Objects freed by their reference counts never wait for a pass: the threshold only decides how
 much cyclic garbage may build up before one, and how long a pass may take when it comes (a few
 ms for 20,000 objects, rarely).
