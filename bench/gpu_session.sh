@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|backendstep|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants|lanefloor   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|backendstep|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants|lanefloor|ablive   (each part fits in one 10-minute call)
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
@@ -224,6 +224,17 @@ case "${1:-}" in
           --out "$out/backend_step_mapped${m}_$round" 2>&1 | grep '^| [0-9]' | sed "s/^/mapped=$m $round /"
       done
     done
+    ;;
+  ablive)  # bench/ab_live.py: every side's server up at once, the load alternating between them (ABBA), no echo runs;
+           # SIDES (';'-separated LABEL|ROOT|ENV|FLAGS; default: base = BASE (.ab_base) and new = this tree, both
+           # with SERVER_FLAGS), CLIENTS (64), ROUNDS (8), DURATION (3), LOAD_PROCS (4); MODEL, MAX_SESSIONS (ab_live's defaults)
+    base=${BASE:-.ab_base}
+    [[ -d $base/gdn_server ]] && build_native "$base"
+    IFS=';' read -ra sides <<< "${SIDES:-base|$base||${SERVER_FLAGS:-};new|.||${SERVER_FLAGS:-}}"
+    side_args=()
+    for side in "${sides[@]}"; do side_args+=(--side "$side"); done
+    timeout 560 python3 bench/ab_live.py "${side_args[@]}" --clients "${CLIENTS:-64}" --rounds "${ROUNDS:-8}" \
+      ${MODEL:+--model "$MODEL"} ${MAX_SESSIONS:+--max-sessions "$MAX_SESSIONS"} --duration "${DURATION:-3}" --load-processes "${LOAD_PROCS:-4}" --out "$out/ablive" 2>&1 | tee "$out/ablive.log" | tail -30
     ;;
   lanefloor)  # bench/lane_floor.c: the CPU floor of a native lane's per-request work on this host (seconds)
     gcc -O2 -pthread bench/lane_floor.c -o /tmp/lane_floor && /tmp/lane_floor ${PER_ROUND:-1 8 24 64 128} \

@@ -14,21 +14,27 @@ LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 def wait_listening(proc: subprocess.Popen, timeout: float = 600) -> str:
     """HOST:PORT from `proc`'s output (a text pipe), read up to the listening line; the process is
-    killed and RuntimeError raised if it ends or `timeout` passes first."""
+    killed and RuntimeError raised if it ends or `timeout` passes first, with the last lines it
+    wrote (its reason, usually)."""
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
+    last: list[str] = []
     for line in proc.stdout:
         m = LISTENING.search(line)
         if m:
             return f"{m.group(1)}:{m.group(2)}"
+        last = (last + [line.rstrip()])[-12:]
         if time.monotonic() > deadline:
             break
     proc.kill()
-    raise RuntimeError(f"server did not start: {' '.join(map(str, proc.args))}")
+    said = "\n  ".join(last) if last else "(nothing)"
+    raise RuntimeError(f"server did not start: {' '.join(map(str, proc.args))}\n  its last output:\n  {said}")
 
 
-def start_listening(cmd: list[str], timeout: float = 600, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """Starts `cmd` (its stderr joined to stdout; `env`: its environment, default this process's)
-    and waits for its listening line."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+def start_listening(cmd: list[str], timeout: float = 600, env: dict[str, str] | None = None,
+                    cwd: str | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts `cmd` (its stderr joined to stdout; `env`: its environment, default this process's;
+    `cwd`: its working directory, default this process's) and waits for its listening line."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+                            cwd=cwd)
     return proc, wait_listening(proc, timeout)

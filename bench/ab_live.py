@@ -1,0 +1,173 @@
+"""A/B of servers that stay up: every side's server starts once, then the load alternates between
+them round after round (ABBA order), with no restart and no echo run in between.
+
+Why: on the H200 a `gpu_session.sh abserve` or `variants` run costs ~70 s (a fresh server, its
+load, then an echo of the same load), so a 10-minute call held two or three pairs, and pairs
+that close tell nothing at these runs' spread (bench/NOTES.md, twenty-fourth session). Here a
+pair costs two load runs (~2 x (duration + 3) s) after one start-up of every side together.
+The idle side's processes sleep between their runs (the scheduler's busy poll ends 1 ms after
+its last answer).
+
+    python bench/ab_live.py --side "base|.ab_base||--frontends 8" --side "new|.||--frontends 8" \\
+        --clients 64 --rounds 8 --duration 3 --load-processes 4 --out bench/results/ablive
+    python bench/ab_live.py --device cpu --model "--layers 2 --q-heads 2 --v-heads 4" \\
+        --side "a|.|GDN_GC_GEN0=700|" --side "b|.||" --clients 4 --rounds 2 --duration 1   # a smoke run
+
+A side is `LABEL|ROOT|ENV|FLAGS`: its checkout's root (run from there, on PYTHONPATH), environment
+settings (`NAME=value ...`) and gdn-server flags. The load generator is this tree's gdn-loadtest
+for every side. Prints a table of every run, each side's median, and the paired ratios of each
+side to the first; writes ab_live.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from listening import start_listening  # this folder (python bench/ab_live.py puts it on sys.path)
+
+HERE = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Side:
+    label: str
+    root: Path
+    env: dict[str, str]
+    flags: list[str]
+    proc: subprocess.Popen | None = None
+    target: str = ""
+    runs: list[dict] = field(default_factory=list)
+
+
+def parse_side(spec: str) -> Side:
+    parts = spec.split("|")
+    if len(parts) != 4 or not parts[0]:
+        raise argparse.ArgumentTypeError(f"a side is LABEL|ROOT|ENV|FLAGS, got {spec!r}")
+    label, root, env_text, flags = parts
+    env = {}
+    for word in env_text.split():
+        name, sep, value = word.partition("=")
+        if not sep or not name:
+            raise argparse.ArgumentTypeError(f"{spec!r}: environment settings are NAME=value, got {word!r}")
+        env[name] = value
+    path = (HERE / root).resolve() if not os.path.isabs(root) else Path(root)
+    if not (path / "gdn_server").is_dir():
+        raise argparse.ArgumentTypeError(f"{spec!r}: no gdn_server package under {path}")
+    return Side(label, path, env, flags.split())
+
+
+def _drain(proc: subprocess.Popen, label: str) -> None:
+    """Reads the server's output after its listening line, so a chatty one never blocks on a full
+    pipe; warnings are passed on with the side's label."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stderr.write(f"[{label}] {line}")
+
+
+def start(side: Side, args: argparse.Namespace) -> None:
+    cmd = [sys.executable, "-m", "gdn_server", "--host", "127.0.0.1", "--port", "0", "--device", args.device,
+           *args.model.split(), "--max-sessions", str(args.max_sessions), "--log-level", "WARNING", *side.flags]
+    env = {**os.environ, **side.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(side.root), os.environ.get("PYTHONPATH")]))}
+    side.proc, side.target = start_listening(cmd, timeout=args.start_timeout, env=env, cwd=str(side.root))
+    threading.Thread(target=_drain, args=(side.proc, side.label), daemon=True).start()
+
+
+def stop(side: Side) -> None:
+    if side.proc is None:
+        return
+    side.proc.terminate()
+    try:
+        side.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        side.proc.kill()
+
+
+def load(side: Side, args: argparse.Namespace, out: Path, round_index: int) -> dict:
+    path = out / f"{side.label}_{round_index}.json"
+    cmd = [sys.executable, "-m", "gdn_client.loadtest", "--target", side.target, "--no-progress", "--json", str(path),
+           "--clients", str(args.clients), "--mode", "stream", "--tokens", "1", "--duration", str(args.duration),
+           "--processes", str(args.load_processes), *args.load_flags.split()]
+    subprocess.run(cmd, check=True, timeout=600, cwd=HERE, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))})
+    run = next(r for r in json.loads(path.read_text())["runs"] if r["kind"] == "gdn")
+    server = run.get("server") or {}
+    return {"round": round_index, "steps_per_s": run["steps_per_s"], "p50_ms": run["latency_ms"]["p50"],
+            "p99_ms": run["latency_ms"]["p99"], "rows_per_launch": server.get("mean_rows_per_launch", float("nan")),
+            "errors": run.get("errors", 0)}
+
+
+def table(sides: list[Side]) -> str:
+    lines = ["| side | round | steps/s | p50 ms | p99 ms | rows/launch | errors |", "|---|---|---|---|---|---|---|"]
+    for side in sides:
+        for r in side.runs:
+            lines.append(f"| {side.label} | {r['round']} | {r['steps_per_s']:,.0f} | {r['p50_ms']:.3f} | "
+                         f"{r['p99_ms']:.3f} | {r['rows_per_launch']:.1f} | {r['errors']} |")
+    lines += ["", "| side | median steps/s | median p50 ms | median rows/launch | paired steps/s against "
+              f"{sides[0].label}: median ratio (rounds higher) |", "|---|---|---|---|---|"]
+    for side in sides:
+        med = lambda key: statistics.median(r[key] for r in side.runs)  # noqa: E731
+        if side is sides[0]:
+            paired = "-"
+        else:
+            ratios = [r["steps_per_s"] / b["steps_per_s"] for r, b in zip(side.runs, sides[0].runs)]
+            paired = f"{statistics.median(ratios):.3f} ({sum(x > 1 for x in ratios)} of {len(ratios)})"
+        lines.append(f"| {side.label} | {med('steps_per_s'):,.0f} | {med('p50_ms'):.3f} | {med('rows_per_launch'):.1f} | {paired} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--side", type=parse_side, action="append", required=True, help="LABEL|ROOT|ENV|FLAGS (two or more)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--model", default="--preset qwen3-next --devices 0", help="server shape flags (one GPU)")
+    p.add_argument("--max-sessions", type=int, default=512)
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--duration", type=float, default=3.0, help="seconds per load run")
+    p.add_argument("--rounds", type=int, default=6, help="load runs per side, alternating (ABBA)")
+    p.add_argument("--load-processes", type=int, default=4)
+    p.add_argument("--load-flags", default="", help="more gdn-loadtest flags for every run")
+    p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results/ab_live"))
+    args = p.parse_args()
+    sides: list[Side] = args.side
+    if len(sides) < 2 or len({s.label for s in sides}) != len(sides):
+        p.error("give two or more --side, each with its own label")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    try:
+        with ThreadPoolExecutor(len(sides)) as pool:  # every side's start-up at once
+            list(pool.map(lambda s: start(s, args), sides))
+        print(f"servers up in {time.monotonic() - started:.0f} s: "
+              + ", ".join(f"{s.label} {s.target}" for s in sides), flush=True)
+        for round_index in range(args.rounds):
+            order = sides if round_index % 2 == 0 else sides[::-1]
+            for side in order:
+                run = load(side, args, out, round_index)
+                side.runs.append(run)
+                print(f"{side.label} {round_index}: {run['steps_per_s']:,.0f} steps/s, p50 {run['p50_ms']:.3f} ms, "
+                      f"{run['rows_per_launch']:.1f} rows/launch", flush=True)
+    finally:
+        for side in sides:
+            stop(side)
+    text = table(sides)
+    print(text)
+    (out / "ab_live.md").write_text(text + "\n")
+    (out / "ab_live.json").write_text(json.dumps({
+        "args": {k: v for k, v in vars(args).items() if k != "side"},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "sides": [{"label": s.label, "root": str(s.root), "env": s.env, "flags": s.flags, "runs": s.runs} for s in sides],
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
