@@ -5,6 +5,11 @@
    Python objects (the sessions' records stay Python objects: this saves the bytecode, not the
    attribute traffic), and leaves the others to that Python untouched.
 
+   make_decode_items(requests, item_type, now) -> list
+       Scheduler.submit_decodes's items: for each (work, done, cancelled) of `requests`, an
+       item_type (_DecodeItem) with those, rows = len(work.session_ids) and enqueued = now, made
+       without running its __init__ (the front-end link queues every read's requests this way).
+
    admit_plain(items, start, rows, max_rows, ctx) -> (index, rows)
        Scheduler._launch's loop over items[start:]. A _DecodeItem is deferred
        when a session of it is busy in this round (or it would pass max_rows), whatever its step;
@@ -40,7 +45,7 @@
 static PyObject *s_work, *s_session_ids, *s_speculative, *s_layer, *s_positions, *s_owner, *s_tokens,
     *s_provisional, *s_scratch_current, *s_slot, *s_num_layers, *s_cancelled, *s_slots, *s_out_slots,
     *s_layers, *s_works, *s_read_rows, *s_write_rows, *s_item, *s_released, *s_enqueued, *s_sessions,
-    *s_record, *s_last_steps, *s_last_used, *s_first_row, *s_request_id, *s_out, *s_done;
+    *s_record, *s_last_steps, *s_last_used, *s_first_row, *s_request_id, *s_out, *s_done, *s_rows;
 
 /* PyObject_IsTrue(obj.name): 1, 0, or -1 with an error set. */
 static int attr_true(PyObject *obj, PyObject *name) {
@@ -507,7 +512,58 @@ static PyObject *finish_plain(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+/* make_decode_items: see the top of this file. */
+static PyObject *make_decode_items(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyType_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "make_decode_items(requests: list, item_type: type, now: float)");
+        return NULL;
+    }
+    PyObject *requests = args[0], *now = args[2];
+    PyTypeObject *item_type = (PyTypeObject *)args[1];
+    if (item_type->tp_new == NULL) {
+        PyErr_SetString(PyExc_TypeError, "make_decode_items: item_type cannot be instantiated");
+        return NULL;
+    }
+    PyObject *no_args = PyTuple_New(0);
+    Py_ssize_t n = PyList_GET_SIZE(requests);
+    PyObject *items = no_args ? PyList_New(n) : NULL;
+    if (items == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *request = PyList_GET_ITEM(requests, i);
+        if (!PyTuple_Check(request) || PyTuple_GET_SIZE(request) != 3) {
+            PyErr_SetString(PyExc_TypeError, "make_decode_items: each request is (work, done, cancelled)");
+            goto fail;
+        }
+        PyObject *work = PyTuple_GET_ITEM(request, 0);
+        PyObject *ids = PyObject_GetAttr(work, s_session_ids);
+        Py_ssize_t count = ids ? PyObject_Length(ids) : -1;
+        Py_XDECREF(ids);
+        if (count < 0) goto fail;
+        PyObject *rows = PyLong_FromSsize_t(count);
+        PyObject *item = rows ? item_type->tp_new(item_type, no_args, NULL) : NULL;
+        int failed = item == NULL || PyObject_SetAttr(item, s_work, work) < 0
+            || PyObject_SetAttr(item, s_done, PyTuple_GET_ITEM(request, 1)) < 0
+            || PyObject_SetAttr(item, s_rows, rows) < 0
+            || PyObject_SetAttr(item, s_cancelled, PyTuple_GET_ITEM(request, 2)) < 0
+            || PyObject_SetAttr(item, s_enqueued, now) < 0;
+        Py_XDECREF(rows);
+        if (failed) {
+            Py_XDECREF(item);
+            goto fail;
+        }
+        PyList_SET_ITEM(items, i, item);
+    }
+    Py_DECREF(no_args);
+    return items;
+fail:
+    Py_XDECREF(no_args);
+    Py_XDECREF(items); /* unfilled entries are NULL: list_dealloc skips them */
+    return NULL;
+}
+
 static PyMethodDef scheduler_methods[] = {
+    {"make_decode_items", (PyCFunction)(void (*)(void))make_decode_items, METH_FASTCALL,
+     "make_decode_items(requests: list, item_type: type, now: float) -> list"},
     {"admit_plain", (PyCFunction)(void (*)(void))admit_plain, METH_FASTCALL,
      "admit_plain(items: list, start: int, rows: int, max_rows: int, ctx: tuple) -> (int, int)"},
     {"submit_plain", (PyCFunction)(void (*)(void))submit_plain, METH_FASTCALL,
@@ -535,7 +591,7 @@ int add_scheduler_functions(PyObject *module) {
         {&s_record, "record"},       {&s_last_steps, "last_steps"},
         {&s_last_used, "last_used"}, {&s_first_row, "first_row"},
         {&s_request_id, "request_id"}, {&s_out, "out"},
-        {&s_done, "done"},
+        {&s_done, "done"},           {&s_rows, "rows"},
     };
     if (intern_names(names, sizeof(names) / sizeof(names[0])) < 0) return -1;
     return PyModule_AddFunctions(module, scheduler_methods);

@@ -183,6 +183,7 @@ class Scheduler:
         self._loop_peers: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # the schedulers on our loop
         # the C loops over plain steps (_native_scheduler.c), or None: everything in Python
         self._native = native if native is not None and hasattr(native, "admit_plain") else None
+        self._make_items = getattr(self._native, "make_decode_items", None)
 
     # -- called from any thread -------------------------------------------------------------
     def start(self) -> None:
@@ -208,8 +209,13 @@ class Scheduler:
 
     def submit_decodes(self, requests: list[tuple[DecodeWork, Done, Callable[[], bool] | None]]) -> None:
         """`submit_decode` of each (work, done, cancelled), in order, under one lock (the
-        front-end link queues all the requests of one read at once)."""
-        self._enqueue([_DecodeItem(work, done, len(work.session_ids), cancelled) for work, done, cancelled in requests])
+        front-end link queues all the requests of one read at once); the items are made in C
+        where gdn_server._native is built (one clock read for all of them)."""
+        if self._make_items is not None:
+            items = self._make_items(requests, _DecodeItem, time.monotonic())
+        else:
+            items = [_DecodeItem(work, done, len(work.session_ids), cancelled) for work, done, cancelled in requests]
+        self._enqueue(items)
 
     def submit_control(self, fn: Callable[[], Any], done: Done) -> None:
         """Runs `fn()` on the scheduler thread once every earlier request has finished."""
@@ -246,6 +252,13 @@ class Scheduler:
         refused: list[tuple[_DecodeItem | _ControlItem, GdnError]] = []
         with self._lock:
             queued = 0
+            total = sum(item.rows for item in items) if len(items) > 1 else -1
+            if 0 <= total and self._accepting and self._pending_rows + total <= self.config.max_queue_rows:
+                # all of them fit (the loop below would take each): one extend, not a step per item
+                self._pending.extend(items)
+                self._pending_rows += total
+                queued = len(items)
+                items = ()
             for item in items:
                 rows = item.rows
                 if not self._accepting:

@@ -117,11 +117,17 @@ _rounds = st.lists(
 )
 
 def _queue(world: _World, round_no: int, ops: list) -> None:
-    """Queues one round's operations; positions come from the world's records at the round's start."""
+    """Queues one round's operations; positions come from the world's records at the round's start.
+    The decode requests between control items go in with one submit_decodes, as the front-end
+    link queues a read's (its items made in C where the world's scheduler is native)."""
     expected: dict[tuple[int, int], int] = {}  # (session, layer) -> the position after earlier steps of this round
+    run: list[tuple] = []
     for k, op in enumerate(ops):
         request_id = f"r{round_no}.{k}"
         if op[0] == "commit":
+            if run:
+                world.scheduler.submit_decodes(run)
+                run = []
             _, index, accepted = op
             sid = world.ids[index]
             world.scheduler.submit_control(
@@ -151,7 +157,9 @@ def _queue(world: _World, round_no: int, ops: list) -> None:
         owner = OWNERS[indices[0]] if indices[0] < SESSIONS else None
         work.__dict__["owner"] = ("mallory" if owner is None else None) if other_owner else owner
         gone = (lambda: True) if cancelled else None
-        world.scheduler.submit_decode(work, world.answer(request_id), cancelled=gone)
+        run.append((work, world.answer(request_id), gone))
+    if run:
+        world.scheduler.submit_decodes(run)
 
 
 def _drain(world: _World) -> None:
@@ -212,3 +220,40 @@ def test_native_rounds_take_plain_steps():
     assert calls == {"admit_plain": 1, "submit_plain": 1, "finish_plain": 1}
     assert [a[1] for a in world.answers] == ["ok"] * SESSIONS
     assert [r[0][0] for r in world.records()] == [1] * SESSIONS
+
+
+def test_items_made_in_c_are_the_python_items():
+    """make_decode_items builds what submit_decodes' Python builds: the same work, done,
+    cancelled and rows, with the one clock reading it is given."""
+    from gdn_server.scheduler import _DecodeItem
+
+    table = SessionTable(2, SHAPE.num_layers)
+    ids = [table.create().id for _ in range(2)]
+    raw, dims = _bf16(1, 2, 1)
+    works = [DecodeWork.of_bf16(0, tuple(ids), None, "both", False, raw, dims, True),
+             DecodeWork.of_bf16(1, (ids[0],), None, "one", False, *_bf16(2, 1, 1), True)]
+    dones = [lambda r: None, lambda r: None]
+    requests = [(works[0], dones[0], None), (works[1], dones[1], lambda: False)]
+    items = native_module.make_decode_items(requests, _DecodeItem, 12.5)
+    assert [type(i) for i in items] == [_DecodeItem, _DecodeItem]
+    for item, (work, done, cancelled) in zip(items, requests):
+        reference = _DecodeItem(work, done, len(work.session_ids), cancelled)
+        assert (item.work, item.done, item.rows, item.cancelled) == (reference.work, reference.done,
+                                                                     reference.rows, reference.cancelled)
+        assert item.enqueued == 12.5
+    with pytest.raises(TypeError, match="each request is"):
+        native_module.make_decode_items([(works[0], dones[0])], _DecodeItem, 0.0)
+
+
+def test_a_read_that_fits_the_queue_goes_in_whole_and_in_order():
+    """submit_decodes' one-extend path (every request fits under --max-queue-rows) queues what
+    the item-by-item path would, in order."""
+    world = _World(native_module, 64, False)
+    raw, dims = _bf16(3, 1, 1)
+    requests = [(DecodeWork.of_bf16(layer, (world.ids[i],), None, f"q{i}.{layer}", False, raw, dims, True),
+                 world.answer(f"q{i}.{layer}"), None) for layer in range(2) for i in range(3)]
+    world.scheduler.submit_decodes(requests)
+    assert world.scheduler.queue_depth() == 6
+    _drain(world)
+    assert [(a[0], a[1]) for a in world.answers] == [(f"q{i}.{layer}", "ok") for layer in range(2) for i in range(3)]
+    assert [world.table.find(world.ids[i]).positions[:2] for i in range(3)] == [[1, 1]] * 3
