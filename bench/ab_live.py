@@ -34,7 +34,13 @@ from pathlib import Path
 
 from listening import start_listening  # this folder (python bench/ab_live.py puts it on sys.path)
 
-HERE = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent  # this tree: its gdn-loadtest drives every side
+
+
+def env_with_root(root: Path, **more: str) -> dict[str, str]:
+    """This process's environment, with `more` and with `root` first on PYTHONPATH."""
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, **more, "PYTHONPATH": path}
 
 
 @dataclass
@@ -59,7 +65,7 @@ def parse_side(spec: str) -> Side:
         if not sep or not name:
             raise argparse.ArgumentTypeError(f"{spec!r}: environment settings are NAME=value, got {word!r}")
         env[name] = value
-    path = (HERE / root).resolve() if not os.path.isabs(root) else Path(root)
+    path = (REPO / root).resolve() if not os.path.isabs(root) else Path(root)
     if not (path / "gdn_server").is_dir():
         raise argparse.ArgumentTypeError(f"{spec!r}: no gdn_server package under {path}")
     return Side(label, path, env, flags.split())
@@ -76,8 +82,8 @@ def _drain(proc: subprocess.Popen, label: str) -> None:
 def start(side: Side, args: argparse.Namespace) -> None:
     cmd = [sys.executable, "-m", "gdn_server", "--host", "127.0.0.1", "--port", "0", "--device", args.device,
            *args.model.split(), "--max-sessions", str(args.max_sessions), "--log-level", "WARNING", *side.flags]
-    env = {**os.environ, **side.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(side.root), os.environ.get("PYTHONPATH")]))}
-    side.proc, side.target = start_listening(cmd, timeout=args.start_timeout, env=env, cwd=str(side.root))
+    side.proc, side.target = start_listening(cmd, timeout=args.start_timeout, env=env_with_root(side.root, **side.env),
+                                             cwd=str(side.root))
     threading.Thread(target=_drain, args=(side.proc, side.label), daemon=True).start()
 
 
@@ -96,8 +102,7 @@ def load(side: Side, args: argparse.Namespace, out: Path, round_index: int) -> d
     cmd = [sys.executable, "-m", "gdn_client.loadtest", "--target", side.target, "--no-progress", "--json", str(path),
            "--clients", str(args.clients), "--mode", "stream", "--tokens", "1", "--duration", str(args.duration),
            "--processes", str(args.load_processes), *args.load_flags.split()]
-    subprocess.run(cmd, check=True, timeout=600, cwd=HERE, stdout=subprocess.DEVNULL,
-                   env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))})
+    subprocess.run(cmd, check=True, timeout=600, cwd=REPO, stdout=subprocess.DEVNULL, env=env_with_root(REPO))
     run = next(r for r in json.loads(path.read_text())["runs"] if r["kind"] == "gdn")
     server = run.get("server") or {}
     return {"round": round_index, "steps_per_s": run["steps_per_s"], "p50_ms": run["latency_ms"]["p50"],
