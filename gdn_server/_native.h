@@ -29,8 +29,34 @@ int add_scheduler_functions(PyObject *module);
    0 on success, -1 with an exception set. */
 int add_link_functions(PyObject *module);
 
+/* _native_link.c: the DecodeWork (of type work_type, made as DecodeWork.of_bf16 makes one) of a
+   link request whose bf16 inputs `raw` (five bytes-likes) the worker checked; B rows, T tokens,
+   heads = (H, HV, K, V). A new reference, or NULL with an exception set. */
+PyObject *link_work(PyObject *work_type, unsigned long layer, PyObject *ids, PyObject *positions, PyObject *request_id,
+                    PyObject *owner, int speculative, PyObject *raw, Py_ssize_t B, int T, const Py_ssize_t *heads);
+
 /* _native_replies.c: ReplyBox, one link connection's replies; 0 on success, -1 with an exception set. */
 int add_reply_box(PyObject *module);
+
+/* _native_replies.c, for the lane: whether obj is a ReplyBox; its expect(tag); its dropped(tag)
+   (1: cancelled and answered, 0: not, -1: error); its answer(tag, result); and the answer of a
+   one-row step's output `out` (a bytes-like) at `position` after the step. 0 or the said value on
+   success, -1 with an exception set. */
+int reply_box_check(PyObject *obj);
+int reply_box_expect(PyObject *box, PyObject *tag);
+int reply_box_dropped(PyObject *box, PyObject *tag);
+int reply_box_answer(PyObject *box, PyObject *tag, PyObject *result);
+int reply_box_answer_output(PyObject *box, PyObject *tag, unsigned long long position, long tokens, PyObject *out);
+
+/* _native_lane.c: LaneRun, the engine's plain one-row steps as records. lane_take_frame reads one
+   link frame into a LaneRun at the end of `out` (1), or leaves it (0: not a lane frame), or fails
+   (-1, an exception set); heads = (H, HV, K, V). lane_check: whether obj is a LaneRun. lane_stamp:
+   the queue time of its records not yet stamped. */
+int lane_take_frame(const uint8_t *base, Py_ssize_t len, PyObject *ring, PyObject *box, const Py_ssize_t *heads,
+                    PyObject *out);
+int lane_check(PyObject *obj);
+void lane_stamp(PyObject *run, double now);
+int add_lane_type(PyObject *module);
 
 /* _native_cuda.c: a small launch's graph launch and event record, straight to the CUDA driver
    (opened at first use); 0 on success, -1 with an exception set. */

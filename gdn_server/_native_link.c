@@ -23,7 +23,9 @@
        (buf[start:end], each frame behind its 4-byte length), for as long as they are decode
        requests with their inputs in the ring that decode as above: for each, replies.expect(tag)
        and (work, partial(replies.answer, tag), partial(replies.dropped, tag)) appended to `out`,
-       as EngineLink._take does. Returns where it stopped: the end, an incomplete frame, or a frame
+       as EngineLink._take does; with `lane`, a plain one-row step instead becomes a record of the
+       LaneRun at the end of `out` (one is added there when the last item is not one; see
+       _native_lane.c), with replies.expect(tag) done in C. Returns where it stopped: the end, an incomplete frame, or a frame
        it leaves to the Python (another kind, or one that does not decode here). It saves the
        Python's per-frame steps (a copy of the frame, the generator, _take's dispatch).
 
@@ -75,6 +77,35 @@ static int set_field(PyObject *fields, PyObject *key, PyObject *value) {
     int failed = PyDict_SetItem(fields, key, value);
     Py_DECREF(value);
     return failed;
+}
+
+PyObject *link_work(PyObject *work_type, unsigned long layer, PyObject *ids, PyObject *positions, PyObject *request_id,
+                    PyObject *owner, int speculative, PyObject *raw, Py_ssize_t B, int T, const Py_ssize_t *heads) {
+    /* DecodeWork.of_bf16's object: object.__new__ and the fields straight into its __dict__ */
+    Py_ssize_t H = heads[0], HV = heads[1], K = heads[2], V = heads[3], t = T;
+    PyObject *no_args = PyTuple_New(0);
+    if (no_args == NULL) return NULL;
+    PyObject *work = PyBaseObject_Type.tp_new((PyTypeObject *)work_type, no_args, NULL);
+    Py_DECREF(no_args);
+    if (work == NULL) return NULL;
+    PyObject *fields = PyObject_GenericGetDict(work, NULL);
+    if (fields == NULL) {
+        Py_DECREF(work);
+        return NULL;
+    }
+    int failed = set_field(fields, k_layer, PyLong_FromUnsignedLong(layer))
+        || PyDict_SetItem(fields, k_session_ids, ids) || PyDict_SetItem(fields, k_positions, positions)
+        || PyDict_SetItem(fields, k_request_id, request_id) || PyDict_SetItem(fields, k_owner, owner)
+        || PyDict_SetItem(fields, k_speculative, speculative ? Py_True : Py_False)
+        || PyDict_SetItem(fields, k_bf16_bytes, raw)
+        || set_field(fields, k_input_dims,
+                     Py_BuildValue("((nnnn)(nnnn)(nnnn)(nnn)(nnn))", B, t, H, K, B, t, H, K, B, t, HV, V, B, t, HV, B, t,
+                                   HV))
+        || PyDict_SetItem(fields, k_finite_checked, Py_True) /* the worker checked the inputs */
+        || set_field(fields, k_tokens, PyLong_FromLong(T));
+    Py_DECREF(fields);
+    if (failed) Py_CLEAR(work);
+    return work;
 }
 
 /* The DecodeWork of the frame of `len` bytes at `base` (what decode_link_request decodes), its tag
@@ -164,28 +195,9 @@ static PyObject *decode_frame(const uint8_t *base, Py_ssize_t len, PyObject *fra
         offset += nbytes[i];
     }
 
-    /* DecodeWork.of_bf16's object: object.__new__ and the fields straight into its __dict__ */
-    PyTypeObject *type = (PyTypeObject *)work_type;
-    PyObject *no_args = PyTuple_New(0);
-    if (no_args == NULL) goto fail;
-    work = PyBaseObject_Type.tp_new(type, no_args, NULL);
-    Py_DECREF(no_args);
+    work = link_work(work_type, layer, ids, positions, request_id, identity, flags & FLAG_SPECULATIVE, raw, B, T,
+                     (const Py_ssize_t[4]){H, HV, K, V});
     if (work == NULL) goto fail;
-    PyObject *fields = PyObject_GenericGetDict(work, NULL);
-    if (fields == NULL) goto fail;
-    Py_ssize_t bt = B;
-    int failed = set_field(fields, k_layer, PyLong_FromUnsignedLong(layer))
-        || PyDict_SetItem(fields, k_session_ids, ids) || PyDict_SetItem(fields, k_positions, positions)
-        || PyDict_SetItem(fields, k_request_id, request_id) || PyDict_SetItem(fields, k_owner, identity)
-        || PyDict_SetItem(fields, k_speculative, flags & FLAG_SPECULATIVE ? Py_True : Py_False)
-        || PyDict_SetItem(fields, k_bf16_bytes, raw)
-        || set_field(fields, k_input_dims,
-                     Py_BuildValue("((nnnn)(nnnn)(nnnn)(nnn)(nnn))", bt, (Py_ssize_t)T, H, K, bt, (Py_ssize_t)T, H,
-                                   K, bt, (Py_ssize_t)T, HV, V, bt, (Py_ssize_t)T, HV, bt, (Py_ssize_t)T, HV))
-        || PyDict_SetItem(fields, k_finite_checked, Py_True) /* the worker checked the inputs */
-        || set_field(fields, k_tokens, PyLong_FromLong(T));
-    Py_DECREF(fields);
-    if (failed) goto fail;
     *tag_out = tag;
     goto done;
 
@@ -228,12 +240,15 @@ static PyObject *decode_link_request(PyObject *self, PyObject *args) {
 
 /* take_link_requests: see the top of this file. */
 static PyObject *take_link_requests(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9 || !PyByteArray_Check(args[0]) || !PyType_Check(args[3]) || !PyTuple_Check(args[4]) ||
-        PyTuple_GET_SIZE(args[4]) != 4 || !PyList_Check(args[8])) {
+    if (nargs < 9 || nargs > 10 || !PyByteArray_Check(args[0]) || !PyType_Check(args[3]) ||
+        !PyTuple_Check(args[4]) || PyTuple_GET_SIZE(args[4]) != 4 || !PyList_Check(args[8])) {
         PyErr_SetString(PyExc_TypeError, "take_link_requests(buf: bytearray, start: int, end: int, work_type: type, "
-                                         "heads: (H, HV, K, V), ring: memoryview, replies, partial, out: list)");
+                                         "heads: (H, HV, K, V), ring: memoryview, replies, partial, out: list, "
+                                         "lane: bool = False)");
         return NULL;
     }
+    int lane = nargs == 10 ? PyObject_IsTrue(args[9]) : 0;
+    if (lane < 0) return NULL;
     Py_ssize_t start = PyLong_AsSsize_t(args[1]), end = PyLong_AsSsize_t(args[2]);
     if ((start == -1 || end == -1) && PyErr_Occurred()) return NULL;
     Py_ssize_t heads[4];
@@ -255,6 +270,14 @@ static PyObject *take_link_requests(PyObject *self, PyObject *const *args, Py_ss
     while (end - start >= 4) {
         Py_ssize_t size = (Py_ssize_t)u32_at(buf + start);
         if (end - start - 4 < size) break; /* not all there yet */
+        if (lane) { /* a plain one-row step: a record of a LaneRun (_native_lane.c) */
+            int taken = lane_take_frame(buf + start + 4, size, ring, replies, heads, out);
+            if (taken < 0) goto fail;
+            if (taken) {
+                start += 4 + size;
+                continue;
+            }
+        }
         uint64_t tag = 0;
         PyObject *work = decode_frame(buf + start + 4, size, NULL, work_type, heads[0], heads[1], heads[2], heads[3],
                                       ring, &tag);
@@ -294,7 +317,7 @@ static PyMethodDef link_methods[] = {
      " -> (tag, DecodeWork) | None"},
     {"take_link_requests", (PyCFunction)(void (*)(void))take_link_requests, METH_FASTCALL,
      "take_link_requests(buf: bytearray, start: int, end: int, work_type: type, heads: (H, HV, K, V), "
-     "ring: memoryview, replies, partial, out: list) -> int"},
+     "ring: memoryview, replies, partial, out: list, lane: bool = False) -> int"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -173,30 +173,14 @@ static long long ring_put(ReplyBox *self, const void *data, Py_ssize_t nbytes) {
     return (long long)start;
 }
 
-/* Appends the frame of a DecodeResult to the outbox (as link.encode_reply). */
-static int encode_result(ReplyBox *self, unsigned long long tag, PyObject *result) {
+/* Appends the frame of an answer with an output to the outbox (as link.encode_reply): `rows`
+   positions, T = `tokens`, and the output `out` (a bytes-like) in the ring, or after the frame's
+   head when the ring has no room. */
+static int encode_output(ReplyBox *self, unsigned long long tag, Py_ssize_t rows, long tokens,
+                         const unsigned long long *positions, PyObject *out) {
     int rc = -1;
-    PyObject *out = PyObject_GetAttr(result, r_out);
-    PyObject *shape = out ? PyObject_GetAttr(result, r_shape) : NULL;
-    PyObject *positions = shape ? PyObject_GetAttr(result, r_positions) : NULL;
     PyObject *frame = NULL;
     Py_buffer payload = {0};
-    if (positions == NULL) goto done;
-    if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) < 2 || !PyTuple_Check(positions)) {
-        PyErr_SetString(PyExc_TypeError, "a DecodeResult's shape and positions must be tuples");
-        goto done;
-    }
-    Py_ssize_t rows = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, 0));
-    long tokens = PyLong_AsLong(PyTuple_GET_ITEM(shape, 1));
-    if (PyErr_Occurred()) goto done;
-    if (rows < 0 || rows > UINT32_MAX || tokens < 0 || tokens > 255 || PyTuple_GET_SIZE(positions) != rows) {
-        PyErr_Format(PyExc_ValueError, "a reply of %zd rows, %ld tokens and %zd positions does not fit a frame",
-                     rows, tokens, PyTuple_GET_SIZE(positions));
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < rows; i++) /* each fits a u64: checked before the ring takes the payload */
-        if (PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(positions, i)) == (unsigned long long)-1 && PyErr_Occurred())
-            goto done;
     if (PyObject_GetBuffer(out, &payload, PyBUF_SIMPLE) < 0) goto done;
     long long at = ring_put(self, payload.buf, payload.len);
     Py_ssize_t head_bytes = 4 + REPLY_BYTES + 8 * rows;
@@ -214,8 +198,7 @@ static int encode_result(ReplyBox *self, unsigned long long tag, PyObject *resul
     put_u32(p + 13, (uint32_t)rows);
     p[17] = (uint8_t)tokens;
     put_u32(p + 18, 0);
-    for (Py_ssize_t i = 0; i < rows; i++)
-        put_u64(p + 4 + REPLY_BYTES + 8 * i, PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(positions, i)));
+    for (Py_ssize_t i = 0; i < rows; i++) put_u64(p + 4 + REPLY_BYTES + 8 * i, positions[i]);
     if (at >= 0) {
         put_u64(p + head_bytes, (unsigned long long)at);
         rc = PyList_Append(self->outbox, frame);
@@ -228,20 +211,56 @@ static int encode_result(ReplyBox *self, unsigned long long tag, PyObject *resul
 done:
     if (payload.obj != NULL) PyBuffer_Release(&payload);
     Py_XDECREF(frame);
+    return rc;
+}
+
+/* Appends the frame of a DecodeResult to the outbox (as link.encode_reply). */
+static int encode_result(ReplyBox *self, unsigned long long tag, PyObject *result) {
+    int rc = -1;
+    PyObject *out = PyObject_GetAttr(result, r_out);
+    PyObject *shape = out ? PyObject_GetAttr(result, r_shape) : NULL;
+    PyObject *positions = shape ? PyObject_GetAttr(result, r_positions) : NULL;
+    unsigned long long few[16], *counts = few;
+    if (positions == NULL) goto done;
+    if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) < 2 || !PyTuple_Check(positions)) {
+        PyErr_SetString(PyExc_TypeError, "a DecodeResult's shape and positions must be tuples");
+        goto done;
+    }
+    Py_ssize_t rows = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, 0));
+    long tokens = PyLong_AsLong(PyTuple_GET_ITEM(shape, 1));
+    if (PyErr_Occurred()) goto done;
+    if (rows < 0 || rows > UINT32_MAX || tokens < 0 || tokens > 255 || PyTuple_GET_SIZE(positions) != rows) {
+        PyErr_Format(PyExc_ValueError, "a reply of %zd rows, %ld tokens and %zd positions does not fit a frame",
+                     rows, tokens, PyTuple_GET_SIZE(positions));
+        goto done;
+    }
+    if (rows > 16 && (counts = PyMem_Malloc(sizeof(*counts) * (size_t)rows)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < rows; i++) { /* each fits a u64: checked before the ring takes the payload */
+        counts[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(positions, i));
+        if (counts[i] == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+    }
+    rc = encode_output(self, tag, rows, tokens, counts, out);
+done:
+    if (counts != few) PyMem_Free(counts);
     Py_XDECREF(out);
     Py_XDECREF(shape);
     Py_XDECREF(positions);
     return rc;
 }
 
+/* `tag` is answered: no longer outstanding. */
+static int forget(ReplyBox *self, PyObject *tag) {
+    if (PyDict_GetItemWithError(self->outstanding, tag) != NULL) return PyDict_DelItem(self->outstanding, tag);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
 static int answer(ReplyBox *self, PyObject *tag, PyObject *result) {
     unsigned long long tag_value = PyLong_AsUnsignedLongLong(tag);
     if (tag_value == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-    if (PyDict_GetItemWithError(self->outstanding, tag) != NULL) {
-        if (PyDict_DelItem(self->outstanding, tag) < 0) return -1;
-    } else if (PyErr_Occurred()) {
-        return -1;
-    }
+    if (forget(self, tag) < 0) return -1;
     if (!self->open) return 0;
     int is_result = PyObject_IsInstance(result, self->result_type);
     if (is_result < 0) return -1;
@@ -278,18 +297,20 @@ static PyObject *box_cancel(ReplyBox *self, PyObject *tag) {
     Py_RETURN_NONE;
 }
 
-static PyObject *box_dropped(ReplyBox *self, PyObject *tag) {
+/* 1: the caller gave up, and the request is answered with cancelled_error; 0: it did not; -1: error. */
+static int dropped(ReplyBox *self, PyObject *tag) {
     PyObject *cancelled = PyDict_GetItemWithError(self->outstanding, tag); /* borrowed */
-    if (cancelled == NULL) {
-        if (PyErr_Occurred()) return NULL;
-        Py_RETURN_FALSE;
-    }
+    if (cancelled == NULL) return PyErr_Occurred() ? -1 : 0;
     int truth = PyObject_IsTrue(cancelled);
-    if (truth < 0) return NULL;
-    if (!truth) Py_RETURN_FALSE;
+    if (truth <= 0) return truth;
     /* still answered: its reply is what frees its inputs in the worker's request ring */
-    if (answer(self, tag, self->cancelled_error) < 0) return NULL;
-    Py_RETURN_TRUE;
+    return answer(self, tag, self->cancelled_error) < 0 ? -1 : 1;
+}
+
+static PyObject *box_dropped(ReplyBox *self, PyObject *tag) {
+    int gone = dropped(self, tag);
+    if (gone < 0) return NULL;
+    return PyBool_FromLong(gone);
 }
 
 static PyObject *box_ack(ReplyBox *self, PyObject *arg) {
@@ -384,12 +405,37 @@ static PyType_Spec box_spec = {
     "gdn_server._native.ReplyBox", sizeof(ReplyBox), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, box_slots,
 };
 
+/* The lane's (_native_lane.c) way in: see _native.h. */
+static PyObject *reply_box_type;
+
+int reply_box_check(PyObject *obj) { return reply_box_type != NULL && (PyObject *)Py_TYPE(obj) == reply_box_type; }
+
+int reply_box_expect(PyObject *box, PyObject *tag) {
+    return PyDict_SetItem(((ReplyBox *)box)->outstanding, tag, Py_False);
+}
+
+int reply_box_dropped(PyObject *box, PyObject *tag) { return dropped((ReplyBox *)box, tag); }
+
+int reply_box_answer(PyObject *box, PyObject *tag, PyObject *result) { return answer((ReplyBox *)box, tag, result); }
+
+int reply_box_answer_output(PyObject *box, PyObject *tag, unsigned long long position, long tokens, PyObject *out) {
+    ReplyBox *self = (ReplyBox *)box;
+    unsigned long long tag_value = PyLong_AsUnsignedLongLong(tag);
+    if (tag_value == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    if (forget(self, tag) < 0) return -1;
+    if (!self->open) return 0;
+    if (encode_output(self, tag_value, 1, tokens, &position, out) < 0) return -1;
+    return PySet_Add(self->dirty, self->key);
+}
+
 int add_reply_box(PyObject *module) {
     static const InternedName names[] = {{&r_out, "out"}, {&r_shape, "shape"}, {&r_positions, "positions"}};
     if (intern_names(names, sizeof(names) / sizeof(names[0])) < 0) return -1;
     if (PyModule_AddFunctions(module, ring_methods) < 0) return -1;
     PyObject *box_type = PyType_FromSpec(&box_spec);
     if (box_type == NULL) return -1;
+    Py_INCREF(box_type);
+    reply_box_type = box_type; /* kept for the module's life */
     if (PyModule_AddObject(module, "ReplyBox", box_type) < 0) {
         Py_DECREF(box_type);
         return -1;

@@ -9,6 +9,7 @@
        Scheduler.submit_decodes's items: for each (work, done, cancelled) of `requests`, an
        item_type (_DecodeItem) with those, rows = len(work.session_ids) and enqueued = now, made
        without running its __init__ (the front-end link queues every read's requests this way).
+       A LaneRun among `requests` (_native_lane.c) is queued as it is, its records stamped `now`.
 
    admit_plain(items, start, rows, max_rows, ctx) -> (index, rows)
        Scheduler._launch's loop over items[start:]. A _DecodeItem is deferred
@@ -528,8 +529,16 @@ static PyObject *make_decode_items(PyObject *self, PyObject *const *args, Py_ssi
     Py_ssize_t n = PyList_GET_SIZE(requests);
     PyObject *items = no_args ? PyList_New(n) : NULL;
     if (items == NULL) goto fail;
+    double stamp = PyFloat_AsDouble(now);
+    if (stamp == -1.0 && PyErr_Occurred()) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *request = PyList_GET_ITEM(requests, i);
+        if (lane_check(request)) { /* the link's plain one-row steps: queued as they are */
+            lane_stamp(request, stamp);
+            Py_INCREF(request);
+            PyList_SET_ITEM(items, i, request);
+            continue;
+        }
         if (!PyTuple_Check(request) || PyTuple_GET_SIZE(request) != 3) {
             PyErr_SetString(PyExc_TypeError, "make_decode_items: each request is (work, done, cancelled)");
             goto fail;

@@ -6,7 +6,9 @@ so the link is built to take as little of it as possible and to add no Python th
 - the engine's event loop reads every connection (`loop.add_reader`): whatever frames are there
   with one system call, decoded (in C) and queued to the scheduler of their sessions' device;
   on an engine of one device, runs of plain requests are decoded in place in the read buffer,
-  with no Python step per frame (gdn_server._native.take_link_requests);
+  with no Python step per frame (gdn_server._native.take_link_requests), and plain one-row
+  steps become C records that go through the scheduler, staging and the reply ring with no
+  Python object per request but their session records (gdn_server/_native_lane.c, the lane);
   bf16 inputs stay bytes all the way into the backend's staging buffer (no tensors). With the
   CUDA backend the scheduler's rounds run on that same loop, so a request goes from the socket
   to its launch on one thread. A reader thread of its own (the design before) made every call of
@@ -161,6 +163,10 @@ class EngineLink:
         self._dirty: set[_Connection] = set()  # connections with replies waiting in their outbox
         self._only_shard = placement.shards[0] if len(placement.shards) == 1 else None
         self._take_native = getattr(native.module, "take_link_requests", None)
+        # plain one-row steps as C records (gdn_server/_native_lane.c) where the one device's
+        # scheduler takes them; GDN_LINK_LANE=0 queues them as DecodeWorks (A/Bs, and a way back)
+        self._lane = (self._only_shard is not None and getattr(self._only_shard.scheduler, "lane_type", None) is not None
+                      and os.environ.get("GDN_LINK_LANE", "1") != "0")
         self._heads = native_heads(shape)
         # the replies' sendmsg calls on a thread of their own, without the GIL (one hand-off a
         # round instead of a system call per worker), where gdn_server._native is built
@@ -314,8 +320,8 @@ class EngineLink:
         if take is None or self._only_shard is None or conn.request_ring is None:
             return None
         requests = queued.setdefault(self._only_shard.scheduler, [])
-        heads, ring, replies = self._heads, conn.request_ring, conn.replies
-        return lambda buf, start, end: take(buf, start, end, DecodeWork, heads, ring, replies, partial, requests)
+        heads, ring, replies, lane = self._heads, conn.request_ring, conn.replies, self._lane
+        return lambda buf, start, end: take(buf, start, end, DecodeWork, heads, ring, replies, partial, requests, lane)
 
     def _drop(self, conn: _Connection) -> None:
         conn.close()

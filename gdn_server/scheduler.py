@@ -48,6 +48,7 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 from gdn_server.backends.base import Backend, NonFiniteInputs
@@ -184,6 +185,9 @@ class Scheduler:
         # the C loops over plain steps (_native_scheduler.c), or None: everything in Python
         self._native = native if native is not None and hasattr(native, "admit_plain") else None
         self._make_items = getattr(self._native, "make_decode_items", None)
+        # the front-end link's plain one-row steps as C records (gdn_server/_native_lane.c), or
+        # None where the native module has no lane: the link then queues _DecodeItems only
+        self.lane_type: type | None = getattr(self._native, "LaneRun", None)
 
     # -- called from any thread -------------------------------------------------------------
     def start(self) -> None:
@@ -245,7 +249,12 @@ class Scheduler:
             self._thread.join(timeout)
 
     def queue_depth(self) -> int:
-        return len(self._pending)
+        """Requests (and control operations) waiting; a lane run counts each of its records."""
+        lane_type = self.lane_type
+        with self._lock:  # no iterating the deque while another thread queues
+            if lane_type is None:
+                return len(self._pending)
+            return sum(len(item) if type(item) is lane_type else 1 for item in self._pending)
 
     def _enqueue(self, items: list[_DecodeItem | _ControlItem]) -> None:
         post = False  # whether this call posts the loop's next round
@@ -259,11 +268,21 @@ class Scheduler:
                 self._pending_rows += total
                 queued = len(items)
                 items = ()
+            limit = self.config.max_queue_rows
             for item in items:
                 rows = item.rows
                 if not self._accepting:
                     refused.append((item, Unavailable("the server is shutting down")))
-                elif rows and self._pending_rows and self._pending_rows + rows > self.config.max_queue_rows:
+                elif type(item) is self.lane_type and self._pending_rows + rows > limit:
+                    # one-row requests, each taken or refused as a _DecodeItem would be: those that fit go in
+                    if self._pending_rows < limit:
+                        head = item.take(limit - self._pending_rows)
+                        self._pending.append(head)
+                        self._pending_rows += head.rows
+                        queued += 1
+                    refused.append((item, Unavailable(
+                        f"the server's queue is full ({self._pending_rows} rows waiting); retry later")))
+                elif rows and self._pending_rows and self._pending_rows + rows > limit:
                     # bounded: slow clients and bursts cannot pile up unbounded memory; clients retry
                     refused.append((item, Unavailable(
                         f"the server's queue is full ({self._pending_rows} rows waiting); retry later")))
@@ -385,7 +404,8 @@ class Scheduler:
         if self.answers_inline():  # only a round that launched nothing gets here with a launch in flight
             return False
         if mode == "auto":  # several requests in flight: the loop has their clients to serve meanwhile
-            return len(in_flight) > 1 or len(in_flight[0][2]) > 1
+            _, batch, members, _ = in_flight[0]
+            return len(in_flight) > 1 or len(members) + (len(batch.lane) if batch.lane is not None else 0) > 1
         return mode == "thread"
 
     def _hand_to_waiter(self, step: Any) -> None:
@@ -463,7 +483,7 @@ class Scheduler:
         fill = self.batch_fill
         if (delay <= 0 and not fill.enabled) or self._stopping or self._pending_rows >= self.config.max_batch_rows:
             return 0.0
-        first = next((i for i in self._pending if isinstance(i, _DecodeItem)), None)
+        first = next((i for i in self._pending if not isinstance(i, _ControlItem)), None)
         if first is None:  # control items only: they never wait
             return 0.0
         now = time.monotonic()
@@ -492,7 +512,7 @@ class Scheduler:
     def _requeue(self, deferred: list[_DecodeItem | _ControlItem]) -> None:
         with self._cv:
             self._pending.extendleft(reversed(deferred))
-            self._pending_rows += sum(i.rows for i in deferred if isinstance(i, _DecodeItem))
+            self._pending_rows += sum(i.rows for i in deferred)  # a _ControlItem's are 0
 
     def _wait_for_more(self) -> None:
         """On the scheduler's thread, with `_cv` held: waits out `_hold_s` (new work wakes it)."""
@@ -516,6 +536,9 @@ class Scheduler:
         fast = self._native.admit_plain if self._native is not None else None
         if fast is not None:
             state = (_DecodeItem, self.sessions.by_id, busy, deferred, batches, StepBatch, _Admitted)
+        lane_type = self.lane_type
+        if lane_type is not None:
+            lane_state = (self.sessions.by_id, busy, deferred, batches, StepBatch, _DecodeItem, DecodeWork, partial)
         idx, count = 0, len(items)
         while idx < count:
             if fast is not None:
@@ -526,6 +549,15 @@ class Scheduler:
                     break
             item = items[idx]
             idx += 1
+            if type(item) is lane_type:
+                # the link's plain one-row steps, in C; a record whose step is not plain comes back
+                # as a _DecodeItem, taken below in its place, and the run goes on after it
+                rows, odd = item.admit(rows, max_rows, lane_state)
+                if odd is None:
+                    continue
+                items.insert(idx, item)
+                count += 1
+                item = odd
             if isinstance(item, _ControlItem):
                 if deferred:  # an earlier request is held back: the barrier stays behind it
                     deferred.extend(items[idx - 1 :])
@@ -669,11 +701,18 @@ class Scheduler:
 
     def _submit(self, batch: StepBatch, members: list[_Admitted], in_flight: list) -> None:
         started = time.monotonic()
+        lane = batch.lane
+        if lane is not None:
+            lane.seal(batch)  # its rows after the members'
         if self.batch_fill.enabled:
             # one session's previous step (the time it was queued on the device, as `now` below),
             # read before this step sets last_used again
-            sampled = members[len(members) // 2].sessions
-            last_step = sampled[0].last_used if sampled else None
+            if members:
+                sampled = members[len(members) // 2].sessions
+                last_step = sampled[0].last_used if sampled else None
+            else:
+                sampled = lane.sample_session()
+                last_step = sampled.last_used if sampled is not None else None
         try:
             pending = self.backend.submit(batch)
         except NonFiniteInputs as e:  # nothing ran: answer the culprits, launch the others again
@@ -684,8 +723,8 @@ class Scheduler:
                     keep.append(m)
                 else:  # routed without touching session records (_launch checked those that would)
                     m.item.done(error)
-            if keep:
-                rest = StepBatch(batch.tokens)
+            if keep or lane is not None:
+                rest = StepBatch(batch.tokens, lane=lane)  # the lane's rows were checked by the workers
                 for m in keep:
                     m.first_row = rest.rows
                     rest.add(m.item.work, m.read_rows, m.write_rows)
@@ -698,6 +737,8 @@ class Scheduler:
                     for row in m.write_rows:
                         self.sessions.give_scratch(row)
                 m.item.done(GdnError(f"backend failure: {e}"))
+            if lane is not None:
+                lane.done(GdnError(f"backend failure: {e}"))
             return
         now = time.monotonic()
         on_dispatch = self.on_dispatch
@@ -733,6 +774,8 @@ class Scheduler:
             # rows superseded by this step: any later launch on the stream may write them again
             for released in m.released:
                 self.sessions.give_scratch(released)
+        if lane is not None:  # as the loop above, for the lane's rows
+            queue_wait += lane.submitted(now, started, on_dispatch, StepRecord, LastStep)
         self.stats.queue_wait_s += queue_wait
         if self.batch_fill.enabled:
             self.batch_fill.launched(batch.rows, None if last_step is None else now - last_step, now)
@@ -748,20 +791,29 @@ class Scheduler:
                 for m in members:
                     self._roll_back(m)
                     m.item.done(GdnError(f"backend failure: {e}"))
+                if batch.lane is not None:
+                    batch.lane.roll_back()
+                    batch.lane.done(GdnError(f"backend failure: {e}"))
                 continue
             device_s = time.monotonic() - started
             self.stats.launches += 1
             self.stats.rows_launched += batch.rows
             self.stats.batches += 1
             self.stats.device_s += device_s
+            lane = batch.lane
             if self.on_launch is not None:
-                self.on_launch(batch.rows, max(started - m.item.enqueued for m in members), device_s)
+                first = min([m.item.enqueued for m in members] + ([lane.enqueued] if lane else []))
+                self.on_launch(batch.rows, started - first, device_s)
             encode = self.encode_reply
             # without encode (an engine behind workers) each request's output is copied once,
             # straight out of the buffer, into bytes of its own: its record.out and its answer
             row_bytes = len(whole) // batch.rows
             single = len(members) == 1
-            self.stats.requests += len(members)  # counted before the answers, as GetStats may follow one
+            # counted before the answers, as GetStats may follow one
+            self.stats.requests += len(members) + (len(lane) if lane is not None else 0)
+            if lane is not None:  # each row's output into its step's record and its reply, in C
+                lane.finish(whole, row_bytes)
+                whole = whole[: (batch.rows - len(lane)) * row_bytes]  # the members' rows come first
             shp = self.backend.shape
             tail = (shp.num_v_heads, shp.head_dim_v)
             if self._native is not None:  # the loop below, in C (every member: answers are alike for every step)

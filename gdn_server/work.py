@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -138,6 +139,10 @@ class StepBatch:
     out_slots: list[int] = field(default_factory=list)  # pool slot each row writes its new state to
     layers: list[int] = field(default_factory=list)  # layer per row
     works: list[DecodeWork] = field(default_factory=list)  # the requests, in row order
+    # the front-end link's plain one-row steps as C records (gdn_server._native.LaneRun), or None:
+    # their rows come after the works' once the scheduler seals the batch (LaneRun.seal), and
+    # staging copies their inputs straight from the link's request ring (LaneRun.fill)
+    lane: Any = None
 
     @property
     def rows(self) -> int:
@@ -151,7 +156,8 @@ class StepBatch:
     def inputs(self, name: str) -> list[torch.Tensor]:
         """Each request's tensor `name` (q, k, v, a or b; [B_r, T, ...]), for backends that
         compute on the host (built from a bf16 request's bytes on first read)."""
-        return [getattr(w, name) for w in self.works]
+        works = self.works if self.lane is None else self.works + self.lane.works(DecodeWork)
+        return [getattr(w, name) for w in works]
 
     def add(self, work: DecodeWork, slots: list[int], out_slots: list[int] | None = None) -> None:
         self.slots.extend(slots)

@@ -28,6 +28,8 @@ from gdn_server.sessions import SessionTable
 from gdn_server.weights import random_gate_params
 from gdn_server.work import DecodeResult, DecodeWork
 
+from util import bf16_step_inputs, session_records, step_positions
+
 pytestmark = pytest.mark.skipif(
     native_module is None or not hasattr(native_module, "admit_plain"), reason="gdn_server._native is not built"
 )
@@ -75,29 +77,11 @@ class _World:
         return done
 
     def records(self) -> list:
-        out = []
-        for sid in self.ids:
-            s = self.table.find(sid)
-            if s is None:
-                out.append(None)
-                continue
-            last = {
-                layer: (ls.count_before, ls.row, ls.tokens, ls.rows, None if ls.out is None else bytes(ls.out))
-                for layer, ls in s.last_steps.items()
-            }
-            provisional = {
-                layer: (p.row, p.read_row, p.tokens, p.count_before) for layer, p in s.provisional.items()
-            }
-            out.append((list(s.positions), last, dict(s.scratch_current), provisional))
-        return out
+        return session_records(self.table, self.ids)
 
 
 def _bf16(seed: int, rows: int, T: int) -> tuple[tuple[bytes, ...], tuple[tuple[int, ...], ...]]:
-    g = torch.Generator().manual_seed(seed)
-    H, HV, K, V = SHAPE.num_q_heads, SHAPE.num_v_heads, SHAPE.head_dim_k, SHAPE.head_dim_v
-    dims = ((rows, T, H, K), (rows, T, H, K), (rows, T, HV, V), (rows, T, HV), (rows, T, HV))
-    raw = tuple(torch.randn(d, generator=g).to(torch.bfloat16).view(torch.int16).numpy().tobytes() for d in dims)
-    return raw, dims
+    return bf16_step_inputs(SHAPE, seed, rows, T)
 
 
 _step = st.tuples(
@@ -139,19 +123,8 @@ def _queue(world: _World, round_no: int, ops: list) -> None:
             continue
         _, indices, layer, T, pos_mode, speculative, other_owner, cancelled = op
         ids = tuple(world.ids[i] if i < SESSIONS else "nobody" for i in indices)
-        positions = None
-        if pos_mode != "none":
-            positions = []
-            for i in indices:
-                s = world.table.find(world.ids[i]) if i < SESSIONS else None
-                now = expected.get((i, layer), s.positions[layer] if s is not None else 0)
-                if pos_mode == "wrong":
-                    now += 5
-                elif pos_mode == "retry" and s is not None and layer in s.last_steps:
-                    now = s.last_steps[layer].count_before
-                positions.append(now)
-                expected[(i, layer)] = now + T
-            positions = tuple(positions)
+        found = [(i, world.table.find(world.ids[i]) if i < SESSIONS else None) for i in indices]
+        positions = step_positions(found, layer, T, pos_mode, expected)
         raw, dims = _bf16(1000 * round_no + k, len(ids), T)
         work = DecodeWork.of_bf16(layer, ids, positions, request_id, speculative, raw, dims, True)
         owner = OWNERS[indices[0]] if indices[0] < SESSIONS else None

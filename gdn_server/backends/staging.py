@@ -110,6 +110,8 @@ def fill(
         found = _fill_natively(batch, set(left), places, host_mem, host_views) if left else {}
     else:
         _fill_in_python(batch, places, host_mem, host_bytes, host_views)
+    if batch.lane is not None:  # the link's one-row steps, from its request ring (after the works' rows)
+        batch.lane.fill(host_mem, places)
     for name, values, padding in (("slots", batch.slots, -1), ("layers", batch.layers, 0)) + (
         () if batch.in_place else (("out_slots", batch.out_slots, -1),)
     ):
