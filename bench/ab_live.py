@@ -97,17 +97,112 @@ def stop(side: Side) -> None:
         side.proc.kill()
 
 
+def _proc_stats() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds so far) of every process (Linux /proc; {} elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        rest = text[text.rindex(")") + 2 :].split()
+        stats[int(entry)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / tick)
+    return stats
+
+
+def _thread_s(pid: int) -> dict[int, float]:
+    """tid -> CPU seconds so far of each of a process's threads."""
+    tick, threads = os.sysconf("SC_CLK_TCK"), {}
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            rest = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            rest = rest[rest.rindex(")") + 2 :].split()
+            threads[int(tid)] = (int(rest[11]) + int(rest[12])) / tick
+    except OSError:
+        pass
+    return threads
+
+
+def _role(pid: int) -> str:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "gone"
+    if "gdn_server.engine" in cmd:
+        return "engine"
+    if "gdn_server.frontend" in cmd:
+        return "worker"
+    return "router"
+
+
+def cpu_snapshot(server_pid: int, load_pid: int) -> dict[str, dict[int, float]]:
+    """CPU seconds so far of the server's processes by role and of the load's, each {pid: seconds},
+    and of the engine's threads ({tid: seconds})."""
+    stats = _proc_stats()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+
+    def tree(root: int) -> list[int]:
+        found, todo = [], [root]
+        while todo:
+            pid = todo.pop()
+            if pid in stats:
+                found.append(pid)
+            todo += children.get(pid, [])
+        return found
+
+    snap: dict[str, dict[int, float]] = {"load": {pid: stats[pid][1] for pid in tree(load_pid)}}
+    for pid in tree(server_pid):
+        role = _role(pid)
+        snap.setdefault(role, {})[pid] = stats[pid][1]
+        if role == "engine":
+            snap.setdefault("engine thread", {}).update(_thread_s(pid))
+    return snap
+
+
+def cores_used(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """Cores each role used between two snapshots: its processes' sum, and its busiest process."""
+    used = {}
+    for role, now in after.items():
+        deltas = [s - before.get(role, {}).get(pid, s) for pid, s in now.items()]
+        if not deltas:
+            continue
+        if role == "engine thread":  # its busiest thread (the loop's, where the engine's work runs)
+            used[role] = round(max(deltas) / seconds, 2)
+            continue
+        used[role] = round(sum(deltas) / seconds, 2)
+        if len(deltas) > 1:
+            used[f"{role} max"] = round(max(deltas) / seconds, 2)
+    return used
+
+
 def load(side: Side, args: argparse.Namespace, out: Path, round_index: int) -> dict:
     path = out / f"{side.label}_{round_index}.json"
     cmd = [sys.executable, "-m", "gdn_client.loadtest", "--target", side.target, "--no-progress", "--json", str(path),
            "--clients", str(args.clients), "--mode", "stream", "--tokens", "1", "--duration", str(args.duration),
            "--processes", str(args.load_processes), *args.load_flags.split()]
-    subprocess.run(cmd, check=True, timeout=600, cwd=REPO, stdout=subprocess.DEVNULL, env=env_with_root(REPO))
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env=env_with_root(REPO))
+    cores = {}
+    try:
+        if args.cpu_window > 0:  # the load's steady part: after its start-up, before its end
+            time.sleep(args.cpu_after)
+            before, at = cpu_snapshot(side.proc.pid, proc.pid), time.monotonic()
+            time.sleep(args.cpu_window)
+            cores = cores_used(before, cpu_snapshot(side.proc.pid, proc.pid), time.monotonic() - at)
+        if proc.wait(600) != 0:
+            raise RuntimeError(f"gdn-loadtest failed against {side.label} (exit {proc.returncode})")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     run = next(r for r in json.loads(path.read_text())["runs"] if r["kind"] == "gdn")
     server = run.get("server") or {}
     return {"round": round_index, "steps_per_s": run["steps_per_s"], "p50_ms": run["latency_ms"]["p50"],
             "p99_ms": run["latency_ms"]["p99"], "rows_per_launch": server.get("mean_rows_per_launch", float("nan")),
-            "errors": run.get("errors", 0)}
+            "errors": run.get("errors", 0), "cores": cores}
 
 
 def table(sides: list[Side]) -> str:
@@ -119,6 +214,8 @@ def table(sides: list[Side]) -> str:
     lines += ["", "| side | median steps/s | median p50 ms | median rows/launch | paired steps/s against "
               f"{sides[0].label}: median ratio (rounds higher) |", "|---|---|---|---|---|"]
     for side in sides:
+        if not side.runs:
+            continue
         med = lambda key: statistics.median(r[key] for r in side.runs)  # noqa: E731
         if side is sides[0]:
             paired = "-"
@@ -126,6 +223,16 @@ def table(sides: list[Side]) -> str:
             ratios = [r["steps_per_s"] / b["steps_per_s"] for r, b in zip(side.runs, sides[0].runs)]
             paired = f"{statistics.median(ratios):.3f} ({sum(x > 1 for x in ratios)} of {len(ratios)})"
         lines.append(f"| {side.label} | {med('steps_per_s'):,.0f} | {med('p50_ms'):.3f} | {med('rows_per_launch'):.1f} | {paired} |")
+    roles = sorted({role for side in sides for r in side.runs for role in r.get("cores", {})})
+    if roles:  # --cpu-window: where the cores went, median over each side's runs
+        lines += ["", "| side | " + " | ".join(f"{role} (cores)" for role in roles) + " |",
+                  "|---|" + "---|" * len(roles)]
+        for side in sides:
+            cells = []
+            for role in roles:
+                values = [r["cores"][role] for r in side.runs if role in r.get("cores", {})]
+                cells.append(f"{statistics.median(values):.2f}" if values else "-")
+            lines.append(f"| {side.label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -141,6 +248,12 @@ def main() -> None:
     p.add_argument("--load-processes", type=int, default=4)
     p.add_argument("--load-flags", default="", help="more gdn-loadtest flags for every run")
     p.add_argument("--start-timeout", type=float, default=600)
+    p.add_argument("--cpu-window", type=float, default=0.0,
+                   help="seconds of each load run over which the cores of the server's processes (by role: router, "
+                        "engine and its busiest thread, workers) and of the load are measured (Linux /proc; 0: not measured). "
+                        "On the H200 VM /proc read no CPU time for the server's processes (2026-12-01): "
+                        "check a table of zeros against top before reading anything into it")
+    p.add_argument("--cpu-after", type=float, default=2.0, help="seconds into each load run that window starts")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results/ab_live"))
     args = p.parse_args()
     sides: list[Side] = args.side
@@ -159,19 +272,26 @@ def main() -> None:
             for side in order:
                 run = load(side, args, out, round_index)
                 side.runs.append(run)
+                cores = ", ".join(f"{role} {n:.2f}" for role, n in sorted(run["cores"].items()))
                 print(f"{side.label} {round_index}: {run['steps_per_s']:,.0f} steps/s, p50 {run['p50_ms']:.3f} ms, "
-                      f"{run['rows_per_launch']:.1f} rows/launch", flush=True)
+                      f"{run['rows_per_launch']:.1f} rows/launch" + (f"; cores: {cores}" if cores else ""), flush=True)
+                save(sides, args, out)  # after every run: a call cut short by its time limit keeps what ran
     finally:
         for side in sides:
             stop(side)
+    print(save(sides, args, out))
+
+
+def save(sides: list[Side], args: argparse.Namespace, out: Path) -> str:
+    """Writes the table and the JSON of the runs so far; returns the table."""
     text = table(sides)
-    print(text)
     (out / "ab_live.md").write_text(text + "\n")
     (out / "ab_live.json").write_text(json.dumps({
         "args": {k: v for k, v in vars(args).items() if k != "side"},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "sides": [{"label": s.label, "root": str(s.root), "env": s.env, "flags": s.flags, "runs": s.runs} for s in sides],
     }, indent=1))
+    return text
 
 
 if __name__ == "__main__":
