@@ -21,6 +21,13 @@ C loops where gdn_server._native is built (_native_scheduler.c: admission and ro
 `_launch`, the position bookkeeping in `_submit`, the answers in `_finish`); everything else runs
 the Python below, which stays the reference (tests/test_scheduler_native.py).
 
+Behind `--frontends` workers, an engine's plain one-row steps come as C records (LaneRun,
+gdn_server/_native_lane.c), queued like any item: a run's records are admitted in C into the
+round's batch for T=1 (`StepBatch.lane`, its rows after the others'), deferred as a run of their
+own, or handed back one at a time as a _DecodeItem when a step is not plain, which then takes the
+Python path in the run's place; their positions, step records and replies are done in C too
+(tests/test_lane.py holds them to the Python path's answers).
+
 Where rounds run (`SchedulerConfig.runs_on`):
 - on a thread of their own (`start`): requests are handed over with a condition variable and
   answered through the `done` callbacks. For backends that compute on the host (the CPU one).
