@@ -45,8 +45,9 @@
    _native_scheduler.c adds the scheduler's loops over a round's plain steps (admit_plain,
    submit_plain, finish_plain), which do change the objects they are given, _native_link.c
    an engine's decode of front-end link frames (decode_link_request) and the thread that writes
-   its reply frames (LinkSender), and _native_replies.c the link rings' copies (ring_write) and
-   each link connection's replies (ReplyBox). */
+   its reply frames (LinkSender), _native_replies.c the link rings' copies (ring_write) and
+   each link connection's replies (ReplyBox), and _native_lane.c an engine's plain one-row steps
+   as C records from the link's frames to its replies (LaneRun). */
 #include "_native.h"
 #include <pthread.h>
 #include <stdint.h>

@@ -307,3 +307,23 @@ def test_a_step_record_made_in_c_is_the_python_one():
                 assert getattr(obj, slot) == getattr(ref, slot) or slot == "record", slot
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_gone_with_lane_steps_queued_leaves_the_engine_as_the_python_path_does():
+    """The worker's connection drops while its steps wait in the queue: they still run (their
+    sessions advance, as on the Python path), their replies go nowhere, and nothing fails."""
+    engines = [_Engine(True, 64, 10_000), _Engine(False, 64, 10_000)]
+    try:
+        for engine in engines:
+            _play(engine, 0, [_plain(s, 2) for s in range(SESSIONS - 1)], itertools.count())
+            engine.link._drop(engine.conn)
+            _drain(engine)
+        lane, python = engines
+        assert lane.lane_rows == SESSIONS - 1
+        assert lane.records() == python.records()
+        assert all(r is not None and r[0][2] == 1 for r in lane.records()[: SESSIONS - 1])
+        assert lane.scheduler.stats.requests == python.scheduler.stats.requests == SESSIONS - 1
+    finally:
+        for engine in engines:
+            engine.close()
