@@ -240,23 +240,24 @@ static int attr_true(PyObject *obj, PyObject *name) {
     return truth;
 }
 
-/* The session of a plain step (borrowed), NULL with no error when the record's step is not
-   plain (the Python path decides what it is), NULL with an error set when a call failed. As
+/* The session of a plain step (a new reference), NULL with no error when the record's step is
+   not plain (the Python path decides what it is), NULL with an error set when a call failed. As
    _native_scheduler.c's plain_sessions, for one session. */
 static PyObject *plain_session(LaneRecord *r, PyObject *by_id) {
     PyObject *s = PyDict_GetItemWithError(by_id, r->sid);
     if (s == NULL) return NULL;
+    Py_INCREF(s); /* held while its attributes are read */
+    int same = 0;
     PyObject *own = PyObject_GetAttr(s, l_owner);
-    if (own == NULL) return NULL;
+    if (own == NULL) goto done;
     int differs = PyObject_RichCompareBool(own, r->owner, Py_NE);
     Py_DECREF(own);
-    if (differs != 0) return NULL;
+    if (differs != 0) goto done;
     int open = attr_true(s, l_provisional);
     if (open == 0) open = attr_true(s, l_scratch_current);
-    if (open != 0) return NULL;
+    if (open != 0) goto done;
     PyObject *counts = PyObject_GetAttr(s, l_positions);
-    if (counts == NULL) return NULL;
-    int same = 0;
+    if (counts == NULL) goto done;
     if (PyList_Check(counts) && r->layer < PyList_GET_SIZE(counts)) {
         PyObject *count = PyList_GET_ITEM(counts, r->layer);
         unsigned long long value = PyLong_Check(count) ? PyLong_AsUnsignedLongLong(count) : (unsigned long long)-1;
@@ -264,7 +265,10 @@ static PyObject *plain_session(LaneRecord *r, PyObject *by_id) {
         else same = value == r->position;
     }
     Py_DECREF(counts);
-    return same ? s : NULL;
+done:
+    if (same) return s;
+    Py_DECREF(s);
+    return NULL;
 }
 
 /* The record as link.decode_request's DecodeWork (as _native_link.c's decode_frame makes one). */
@@ -409,12 +413,14 @@ static PyObject *run_admit(LaneRun *self, PyObject *const *args, Py_ssize_t narg
             return Py_BuildValue("(nN)", rows, item);
         }
         int gone = reply_box_dropped(r->box, r->tag);
-        if (gone < 0) return NULL;
-        if (gone) { /* the client gave up: never reaches the device */
-            record_release(r);
+        if (gone != 0) {
+            Py_DECREF(s);
+            if (gone < 0) return NULL;
+            record_release(r); /* the client gave up: never reaches the device */
             self->cursor++;
             continue;
         }
+        r->session = s; /* the record holds it from here on (released with the record) */
         if (PySet_Add(busy, r->sid) < 0) return NULL;
         PyObject *slot = PyObject_GetAttr(s, l_slot), *num_layers = slot ? PyObject_GetAttr(s, l_num_layers) : NULL;
         Py_ssize_t a = slot ? PyLong_AsSsize_t(slot) : -1, b = num_layers ? PyLong_AsSsize_t(num_layers) : -1;
@@ -423,8 +429,6 @@ static PyObject *run_admit(LaneRun *self, PyObject *const *args, Py_ssize_t narg
         if (PyErr_Occurred()) return NULL;
         if (admitted == NULL && (admitted = admitted_lane(batches, step_batch_type, self->heads)) == NULL) return NULL;
         r->slot = a * b + r->layer; /* Session.pool_slot: a plain step reads and writes its home row */
-        Py_INCREF(s);
-        r->session = s;
         if (run_push(admitted, r) < 0) return NULL;
         self->cursor++;
         rows++;
