@@ -29,6 +29,36 @@ int add_scheduler_functions(PyObject *module);
    0 on success, -1 with an exception set. */
 int add_link_functions(PyObject *module);
 
+/* The front-end link's request frame (gdn_server/link.py is the reference): its kind, flags
+   and fixed header, read little-endian. */
+#define LINK_INPUTS 5 /* q, k, v, a, b */
+#define KIND_DECODE 1
+#define FLAG_SPECULATIVE 1
+#define FLAG_POSITIONS 2
+#define FLAG_F32 4
+#define FLAG_IN_RING 8
+#define HEADER_BYTES 23 /* link.REQUEST: <BQBIIBHH */
+
+static inline uint16_t u16_at(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+static inline uint32_t u32_at(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static inline uint64_t u64_at(const uint8_t *p) { return (uint64_t)u32_at(p) | (uint64_t)u32_at(p + 4) << 32; }
+
+/* Bytes of each bf16 input of a request of `rows` x T token rows (rows = B * T): q, k
+   [.., H, K], v [.., HV, V], a, b [.., HV], which lie back to back; heads = (H, HV, K, V). */
+static inline void link_input_bytes(const Py_ssize_t *heads, Py_ssize_t rows, Py_ssize_t *nbytes) {
+    nbytes[0] = nbytes[1] = 2 * rows * heads[0] * heads[2];
+    nbytes[2] = 2 * rows * heads[1] * heads[3];
+    nbytes[3] = nbytes[4] = 2 * rows * heads[1];
+}
+
+/* _native_link.c: the five inputs as slices of `view` (a memoryview), back to back from
+   `offset`; a new tuple, or NULL with an exception set. */
+PyObject *link_inputs(PyObject *view, Py_ssize_t offset, const Py_ssize_t *nbytes);
+
 /* _native_link.c: the DecodeWork (of type work_type, made as DecodeWork.of_bf16 makes one) of a
    link request whose bf16 inputs `raw` (five bytes-likes) the worker checked; B rows, T tokens,
    heads = (H, HV, K, V). A new reference, or NULL with an exception set. */

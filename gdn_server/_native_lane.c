@@ -41,11 +41,6 @@
 #include "_native.h"
 #include <string.h>
 
-#define N_INPUTS 5
-#define KIND_DECODE 1
-#define FLAG_POSITIONS 2
-#define FLAG_IN_RING 8
-#define HEADER_BYTES 23 /* link.REQUEST: <BQBIIBHH */
 
 typedef struct {
     PyObject *box;     /* the connection's ReplyBox */
@@ -76,14 +71,6 @@ static PyObject *l_owner, *l_provisional, *l_scratch_current, *l_positions, *l_s
     *l_slots, *l_out_slots, *l_layers, *l_last_steps, *l_last_used, *l_tokens, *l_rows, *l_out, *l_count_before,
     *l_record, *l_row, *l_work, *l_done, *l_cancelled, *l_enqueued, *l_answer, *l_dropped;
 
-static uint16_t u16_at(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
-
-static uint32_t u32_at(const uint8_t *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static uint64_t u64_at(const uint8_t *p) { return (uint64_t)u32_at(p) | (uint64_t)u32_at(p + 4) << 32; }
-
 static void record_release(LaneRecord *r) {
     Py_CLEAR(r->box);
     Py_CLEAR(r->tag);
@@ -93,13 +80,6 @@ static void record_release(LaneRecord *r) {
     Py_CLEAR(r->ring);
     Py_CLEAR(r->session);
     Py_CLEAR(r->step);
-}
-
-static void input_bytes(const Py_ssize_t *heads, Py_ssize_t *nbytes) {
-    Py_ssize_t H = heads[0], HV = heads[1], K = heads[2], V = heads[3];
-    nbytes[0] = nbytes[1] = 2 * H * K;
-    nbytes[2] = 2 * HV * V;
-    nbytes[3] = nbytes[4] = 2 * HV;
 }
 
 static LaneRun *run_new(const Py_ssize_t *heads) {
@@ -161,9 +141,9 @@ int lane_take_frame(const uint8_t *base, Py_ssize_t len, PyObject *ring, PyObjec
     p += 10;
     if (end - p != id_len + rid_len + ident_len + 8) return 0;
     if (ring == Py_None || !PyMemoryView_Check(ring)) return 0;
-    Py_ssize_t ring_len = PyMemoryView_GET_BUFFER(ring)->len, nbytes[N_INPUTS], total = 0;
-    input_bytes(heads, nbytes);
-    for (int i = 0; i < N_INPUTS; i++) total += nbytes[i];
+    Py_ssize_t ring_len = PyMemoryView_GET_BUFFER(ring)->len, nbytes[LINK_INPUTS], total = 0;
+    link_input_bytes(heads, 1, nbytes);
+    for (int i = 0; i < LINK_INPUTS; i++) total += nbytes[i];
     if (ring_len <= 0) return 0;
     Py_ssize_t offset = (Py_ssize_t)(u64_at(p + id_len + rid_len + ident_len) % (uint64_t)ring_len);
     if (offset + total > ring_len) return 0;
@@ -274,15 +254,9 @@ done:
 /* The record as link.decode_request's DecodeWork (as _native_link.c's decode_frame makes one). */
 static PyObject *record_work(LaneRecord *r, const Py_ssize_t *heads, PyObject *work_type) {
     PyObject *work = NULL, *raw = NULL, *ids = NULL, *position = NULL, *positions = NULL;
-    Py_ssize_t nbytes[N_INPUTS], offset = r->offset;
-    input_bytes(heads, nbytes);
-    if ((raw = PyTuple_New(N_INPUTS)) == NULL) goto done;
-    for (int i = 0; i < N_INPUTS; i++) {
-        PyObject *piece = PySequence_GetSlice(r->ring, offset, offset + nbytes[i]);
-        if (piece == NULL) goto done;
-        PyTuple_SET_ITEM(raw, i, piece);
-        offset += nbytes[i];
-    }
+    Py_ssize_t nbytes[LINK_INPUTS];
+    link_input_bytes(heads, 1, nbytes);
+    if ((raw = link_inputs(r->ring, r->offset, nbytes)) == NULL) goto done;
     ids = PyTuple_Pack(1, r->sid);
     position = ids ? PyLong_FromUnsignedLongLong(r->position) : NULL;
     positions = position ? PyTuple_Pack(1, position) : NULL;
@@ -476,13 +450,13 @@ static PyObject *run_fill(LaneRun *self, PyObject *args) {
     Py_buffer dst;
     PyObject *places;
     if (!PyArg_ParseTuple(args, "w*O!", &dst, &PyTuple_Type, &places)) return NULL;
-    Py_ssize_t offset[N_INPUTS], per_row[N_INPUTS], nbytes[N_INPUTS];
-    input_bytes(self->heads, nbytes);
-    if (PyTuple_GET_SIZE(places) != N_INPUTS) {
+    Py_ssize_t offset[LINK_INPUTS], per_row[LINK_INPUTS], nbytes[LINK_INPUTS];
+    link_input_bytes(self->heads, 1, nbytes);
+    if (PyTuple_GET_SIZE(places) != LINK_INPUTS) {
         PyErr_SetString(PyExc_ValueError, "places: one (offset, bytes per row) for each of q, k, v, a, b");
         goto fail;
     }
-    for (int i = 0; i < N_INPUTS; i++) {
+    for (int i = 0; i < LINK_INPUTS; i++) {
         if (!PyArg_ParseTuple(PyTuple_GET_ITEM(places, i), "nn", &offset[i], &per_row[i])) goto fail;
         if (per_row[i] != nbytes[i]) {
             PyErr_Format(PyExc_ValueError, "a lane row's input %d is %zd bytes, the staging plan's %zd", i, nbytes[i],
@@ -494,7 +468,7 @@ static PyObject *run_fill(LaneRun *self, PyObject *args) {
         LaneRecord *r = &self->recs[i];
         Py_ssize_t row = self->first_row + (i - self->cursor), from = r->offset;
         Py_buffer *ring = PyMemoryView_GET_BUFFER(r->ring);
-        for (int j = 0; j < N_INPUTS; j++) {
+        for (int j = 0; j < LINK_INPUTS; j++) {
             Py_ssize_t to = offset[j] + row * per_row[j];
             if (to < 0 || to + nbytes[j] > dst.len || from + nbytes[j] > ring->len) {
                 PyErr_SetString(PyExc_ValueError, "fill: a lane row lies outside the staging buffer or its ring");

@@ -18,16 +18,17 @@
 
    tests/test_native.py compares it with the Python decode on the same frames.
 
-   take_link_requests(buf, start, end, work_type, heads, ring, replies, partial, out) -> int
+   take_link_requests(buf, start, end, work_type, heads, ring, replies, partial, out, lane=False) -> int
        The engine's reading of the complete frames at the front of a connection's read buffer
        (buf[start:end], each frame behind its 4-byte length), for as long as they are decode
        requests with their inputs in the ring that decode as above: for each, replies.expect(tag)
        and (work, partial(replies.answer, tag), partial(replies.dropped, tag)) appended to `out`,
        as EngineLink._take does; with `lane`, a plain one-row step instead becomes a record of the
        LaneRun at the end of `out` (one is added there when the last item is not one; see
-       _native_lane.c), with replies.expect(tag) done in C. Returns where it stopped: the end, an incomplete frame, or a frame
-       it leaves to the Python (another kind, or one that does not decode here). It saves the
-       Python's per-frame steps (a copy of the frame, the generator, _take's dispatch).
+       _native_lane.c), with replies.expect(tag) done in C. Returns where it stopped: the end, an
+       incomplete frame, or a frame it leaves to the Python (another kind, or one that does not
+       decode here). It saves the Python's per-frame steps (a copy of the frame, the generator,
+       _take's dispatch).
 
    LinkSender(): a thread of its own (no Python, no GIL) that writes frames to sockets.
        send(batch: list[(fd, parts)]) copies each connection's parts (bytes-likes, written back
@@ -52,24 +53,8 @@
 #define MSG_NOSIGNAL 0
 #endif
 
-#define N_INPUTS 5
-#define KIND_DECODE 1
-#define FLAG_SPECULATIVE 1
-#define FLAG_POSITIONS 2
-#define FLAG_F32 4
-#define FLAG_IN_RING 8
-#define HEADER_BYTES 23 /* link.REQUEST: <BQBIIBHH */
-
 static PyObject *k_layer, *k_session_ids, *k_positions, *k_request_id, *k_owner, *k_speculative, *k_bf16_bytes,
     *k_input_dims, *k_finite_checked, *k_tokens;
-
-static uint16_t u16_at(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
-
-static uint32_t u32_at(const uint8_t *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-static uint64_t u64_at(const uint8_t *p) { return (uint64_t)u32_at(p) | (uint64_t)u32_at(p + 4) << 32; }
 
 /* Sets work.__dict__[key] = value, taking the reference to value; -1 with an error set. */
 static int set_field(PyObject *fields, PyObject *key, PyObject *value) {
@@ -77,6 +62,21 @@ static int set_field(PyObject *fields, PyObject *key, PyObject *value) {
     int failed = PyDict_SetItem(fields, key, value);
     Py_DECREF(value);
     return failed;
+}
+
+PyObject *link_inputs(PyObject *view, Py_ssize_t offset, const Py_ssize_t *nbytes) {
+    PyObject *raw = PyTuple_New(LINK_INPUTS);
+    if (raw == NULL) return NULL;
+    for (int i = 0; i < LINK_INPUTS; i++) {
+        PyObject *piece = PySequence_GetSlice(view, offset, offset + nbytes[i]);
+        if (piece == NULL) {
+            Py_DECREF(raw);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(raw, i, piece);
+        offset += nbytes[i];
+    }
+    return raw;
 }
 
 PyObject *link_work(PyObject *work_type, unsigned long layer, PyObject *ids, PyObject *positions, PyObject *request_id,
@@ -113,8 +113,7 @@ PyObject *link_work(PyObject *work_type, unsigned long layer, PyObject *ids, PyO
    call failed. frame_obj holds the bytes, whose slices become the inputs of a frame without
    FLAG_IN_RING; NULL leaves every such frame to the Python. */
 static PyObject *decode_frame(const uint8_t *base, Py_ssize_t len, PyObject *frame_obj, PyObject *work_type,
-                              Py_ssize_t H, Py_ssize_t HV, Py_ssize_t K, Py_ssize_t V, PyObject *ring,
-                              uint64_t *tag_out) {
+                              const Py_ssize_t *heads, PyObject *ring, uint64_t *tag_out) {
     const uint8_t *end = base + len;
     PyObject *ids = NULL, *positions = NULL, *request_id = NULL, *identity = NULL, *view = NULL, *raw = NULL,
              *work = NULL;
@@ -169,10 +168,9 @@ static PyObject *decode_frame(const uint8_t *base, Py_ssize_t len, PyObject *fra
     p += ident_len;
 
     /* the inputs: q, k [B, T, H, K], v [B, T, HV, V], a, b [B, T, HV], each bf16, back to back */
-    Py_ssize_t n = (Py_ssize_t)B * T;
-    Py_ssize_t nbytes[N_INPUTS] = {2 * n * H * K, 2 * n * H * K, 2 * n * HV * V, 2 * n * HV, 2 * n * HV};
-    Py_ssize_t offset = p - base, total = 0;
-    for (int i = 0; i < N_INPUTS; i++) total += nbytes[i];
+    Py_ssize_t nbytes[LINK_INPUTS], offset = p - base, total = 0;
+    link_input_bytes(heads, (Py_ssize_t)B * T, nbytes);
+    for (int i = 0; i < LINK_INPUTS; i++) total += nbytes[i];
     if (flags & FLAG_IN_RING) { /* the frame ends with the inputs' monotonic offset in the ring */
         if (ring == Py_None || !PyMemoryView_Check(ring) || len - offset != 8 || flags & FLAG_SPECULATIVE)
             goto python;
@@ -187,16 +185,8 @@ static PyObject *decode_frame(const uint8_t *base, Py_ssize_t len, PyObject *fra
         if (len - offset != total) goto python;
         if ((view = PyMemoryView_FromObject(frame_obj)) == NULL) goto fail;
     }
-    if ((raw = PyTuple_New(N_INPUTS)) == NULL) goto fail;
-    for (int i = 0; i < N_INPUTS; i++) {
-        PyObject *piece = PySequence_GetSlice(view, offset, offset + nbytes[i]);
-        if (piece == NULL) goto fail;
-        PyTuple_SET_ITEM(raw, i, piece);
-        offset += nbytes[i];
-    }
-
-    work = link_work(work_type, layer, ids, positions, request_id, identity, flags & FLAG_SPECULATIVE, raw, B, T,
-                     (const Py_ssize_t[4]){H, HV, K, V});
+    if ((raw = link_inputs(view, offset, nbytes)) == NULL) goto fail;
+    work = link_work(work_type, layer, ids, positions, request_id, identity, flags & FLAG_SPECULATIVE, raw, B, T, heads);
     if (work == NULL) goto fail;
     *tag_out = tag;
     goto done;
@@ -223,7 +213,8 @@ static PyObject *decode_link_request(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*O!(nnnn)|O", &frame, &PyType_Type, &work_type, &H, &HV, &K, &V, &ring))
         return NULL;
     uint64_t tag = 0;
-    PyObject *work = decode_frame(frame.buf, frame.len, frame.obj, work_type, H, HV, K, V, ring, &tag);
+    PyObject *work = decode_frame(frame.buf, frame.len, frame.obj, work_type, (const Py_ssize_t[4]){H, HV, K, V}, ring,
+                                  &tag);
     PyObject *result;
     if (work != NULL) {
         result = Py_BuildValue("(KO)", (unsigned long long)tag, work);
@@ -279,8 +270,7 @@ static PyObject *take_link_requests(PyObject *self, PyObject *const *args, Py_ss
             }
         }
         uint64_t tag = 0;
-        PyObject *work = decode_frame(buf + start + 4, size, NULL, work_type, heads[0], heads[1], heads[2], heads[3],
-                                      ring, &tag);
+        PyObject *work = decode_frame(buf + start + 4, size, NULL, work_type, heads, ring, &tag);
         if (work == NULL) {
             if (PyErr_Occurred()) goto fail;
             break; /* another kind, or a frame the Python decodes (or answers as malformed) */

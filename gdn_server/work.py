@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -156,8 +157,13 @@ class StepBatch:
     def inputs(self, name: str) -> list[torch.Tensor]:
         """Each request's tensor `name` (q, k, v, a or b; [B_r, T, ...]), for backends that
         compute on the host (built from a bf16 request's bytes on first read)."""
-        works = self.works if self.lane is None else self.works + self.lane.works(DecodeWork)
-        return [getattr(w, name) for w in works]
+        return [getattr(w, name) for w in self._host_works]
+
+    @cached_property
+    def _host_works(self) -> list[DecodeWork]:
+        """The works, then the lane's rows as DecodeWorks: made once per batch, not for each of
+        the five inputs (a backend asks once the batch is sealed, so it does not change after)."""
+        return self.works if self.lane is None else self.works + self.lane.works(DecodeWork)
 
     def add(self, work: DecodeWork, slots: list[int], out_slots: list[int] | None = None) -> None:
         self.slots.extend(slots)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import select
 import socket
-from unittest import mock
 
 import pytest
 import torch
@@ -32,11 +31,10 @@ from gdn_server.link_ring import RequestRing
 from gdn_server.native import module as native_module
 from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
-from gdn_server.sessions import SessionTable
 from gdn_server.weights import random_gate_params
 from gdn_server.work import DecodeWork
 
-from util import bf16_step_inputs, session_records, step_positions
+from util import bf16_step_inputs, numbered_sessions, session_records, step_positions
 
 pytestmark = pytest.mark.skipif(
     native_module is None or not hasattr(native_module, "LaneRun"), reason="gdn_server._native is not built"
@@ -58,7 +56,7 @@ class _Engine:
         submit = self.backend.submit
 
         def recording_submit(batch):
-            # rows in the order the backend gets them: the lane's after the others'
+            # sorted: the lane's rows come after the others', the Python path's in admission order
             self.launches.append((batch.tokens, sorted(zip(batch.slots, batch.out_slots, batch.layers))))
             if self.fail_next:
                 self.fail_next = False
@@ -66,10 +64,7 @@ class _Engine:
             return submit(batch)
 
         self.backend.submit = recording_submit
-        self.table = SessionTable(SESSIONS, SHAPE.num_layers, range(self.backend.home_rows, self.backend.pool_rows))
-        counter = itertools.count()
-        with mock.patch.object(sessions_module, "new_session_id", lambda: f"s{next(counter)}"):
-            self.ids = [self.table.create(owner=OWNERS[i]).id for i in range(SESSIONS)]
+        self.table, self.ids = numbered_sessions(self.backend, SHAPE.num_layers, OWNERS)
         config = SchedulerConfig(max_batch_rows=max_rows, max_queue_rows=max_queue_rows)
         self.scheduler = Scheduler(self.backend, self.table, config, native=native_module)
         self.lane_rows = 0

@@ -8,15 +8,11 @@ the same order and leave the same session records and state pools.
 """
 from __future__ import annotations
 
-import itertools
-from unittest import mock
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gdn_server import sessions as sessions_module
 from gdn_server.backends.cpu import CpuBackend
 from gdn_server.config import ModelShape, SchedulerConfig
 from gdn_server.errors import GdnError
@@ -28,7 +24,7 @@ from gdn_server.sessions import SessionTable
 from gdn_server.weights import random_gate_params
 from gdn_server.work import DecodeResult, DecodeWork
 
-from util import bf16_step_inputs, session_records, step_positions
+from util import bf16_step_inputs, numbered_sessions, session_records, step_positions
 
 pytestmark = pytest.mark.skipif(
     native_module is None or not hasattr(native_module, "admit_plain"), reason="gdn_server._native is not built"
@@ -54,10 +50,7 @@ class _World:
             return submit(batch)
 
         self.backend.submit = recording_submit
-        self.table = SessionTable(SESSIONS, SHAPE.num_layers, range(self.backend.home_rows, self.backend.pool_rows))
-        counter = itertools.count()
-        with mock.patch.object(sessions_module, "new_session_id", lambda: f"s{next(counter)}"):
-            self.ids = [self.table.create(owner=OWNERS[i]).id for i in range(SESSIONS)]
+        self.table, self.ids = numbered_sessions(self.backend, SHAPE.num_layers, OWNERS)
         self.scheduler = Scheduler(self.backend, self.table, SchedulerConfig(max_batch_rows=max_rows), native=native)
         if encode:
             self.scheduler.encode_reply = encode_decode_reply

@@ -1,7 +1,9 @@
 """Small helpers for the end-to-end tests: request building and gate-parameter files."""
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
+from unittest import mock
 
 import torch
 from safetensors.torch import save_file
@@ -94,4 +96,17 @@ def bf16_step_inputs(shape, seed: int, rows: int, T: int) -> tuple[tuple[bytes, 
     dims = ((rows, T, H, K), (rows, T, H, K), (rows, T, HV, V), (rows, T, HV), (rows, T, HV))
     raw = tuple(torch.randn(d, generator=g).to(torch.bfloat16).view(torch.int16).numpy().tobytes() for d in dims)
     return raw, dims
+
+
+def numbered_sessions(backend, num_layers: int, owners: tuple) -> tuple:
+    """A session table over `backend`'s pool (its scratch rows after the homes) with a session per
+    owner in `owners`, whose ids are s0, s1, ...: two worlds built alike hold the same ids.
+    Returns (table, ids)."""
+    from gdn_server import sessions as sessions_module
+
+    table = sessions_module.SessionTable(len(owners), num_layers, range(backend.home_rows, backend.pool_rows))
+    counter = itertools.count()
+    with mock.patch.object(sessions_module, "new_session_id", lambda: f"s{next(counter)}"):
+        ids = [table.create(owner=owner).id for owner in owners]
+    return table, ids
 
