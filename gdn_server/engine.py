@@ -31,7 +31,7 @@ from gdn_server.child_process import JsonSettings, start_child
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape, SchedulerConfig
 from gdn_server.engine_link import EngineLink
 from gdn_server.event_loop import run as run_loop
-from gdn_server.metrics import GAUGE_REFRESH_S, EngineMetrics
+from gdn_server.metrics import GAUGE_REFRESH_S, EngineMetrics, ProcessCpu
 from gdn_server.security import ForwardedIdentity, RejectMalformed
 from gdn_server.snapshot import SnapshotError
 from gdn_server.server import (
@@ -97,11 +97,12 @@ async def serve_engine(settings: EngineSettings) -> None:
         scheduler=SchedulerConfig(**settings.scheduler), scale=settings.scale, grace_s=settings.grace_s,
         session_idle_timeout_s=settings.session_idle_timeout_s,
     ), replies_here=False)  # replies go back to the workers as link frames
-    refresher = None
+    refreshers: list[asyncio.Task] = []
     if settings.metrics_dir:  # PROMETHEUS_MULTIPROC_DIR is set for us: the families go to files
         app.engine_metrics = EngineMetrics(registry=None)
         app.engine_metrics.attach(app.placement)
-        refresher = asyncio.create_task(_refresh_gauges(app.engine_metrics))
+        refreshers = [asyncio.create_task(_refresh_gauges(app.engine_metrics)),
+                      asyncio.create_task(ProcessCpu("engine", None).count_forever())]
     # the router authenticated nothing itself: the identity comes from the worker that did
     server = grpc_server(app, [ForwardedIdentity(), RejectMalformed()])
     server.add_generic_rpc_handlers([list_sessions_handler(app)])
@@ -128,8 +129,8 @@ async def serve_engine(settings: EngineSettings) -> None:
     watcher = asyncio.create_task(_stop_when_orphaned(stop))
     await stop.wait()
     watcher.cancel()
-    if refresher is not None:
-        refresher.cancel()
+    for task in refreshers:
+        task.cancel()
     await app.health.enter_graceful_shutdown()
     try:
         await drain_shards(app, server)  # the workers were stopped first: nothing new arrives

@@ -38,7 +38,7 @@ from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape
 from gdn_server.event_loop import run as run_loop
 from gdn_server.protowire import decode_request_parsers
 from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
-from gdn_server.metrics import MetricsInterceptor, RpcMetrics
+from gdn_server.metrics import MetricsInterceptor, ProcessCpu, RpcMetrics
 from gdn_server.link import LENGTH, decode_reply, encode_ack, encode_cancel, encode_hello, encode_request
 from gdn_server.link_ring import REPLY_RING_BYTES, REQUEST_RING_BYTES, RequestRing, make_shared
 from gdn_server.security import (
@@ -493,6 +493,8 @@ async def serve_frontend(settings: FrontendSettings) -> int:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the router reads one line; later output is logs
     engine_gone = [asyncio.ensure_future(link.closed.wait()) for link in links]
     told = asyncio.ensure_future(stop.wait())
+    # this worker's CPU, in the router's /metrics (summed over workers)
+    cpu_counter = asyncio.ensure_future(ProcessCpu("worker", None).count_forever()) if metrics is not None else None
     await asyncio.wait([*engine_gone, told], return_when=asyncio.FIRST_COMPLETED)
     engine_lost = not stop.is_set()
     if engine_lost:
@@ -500,8 +502,9 @@ async def serve_frontend(settings: FrontendSettings) -> int:
         await server.stop(0)
     else:  # the router drains us first: in-flight calls finish while the engines still serve them
         await server.stop(settings.grace_s)
-    for waiter in (*engine_gone, told):
-        waiter.cancel()
+    for waiter in (*engine_gone, told, cpu_counter):
+        if waiter is not None:
+            waiter.cancel()
     for link in links:
         await link.close()
     await channel.close()

@@ -10,6 +10,10 @@ Families (all prefixed `gdn_`):
     gdn_queue_wait_seconds                   histogram  per request: submit -> its launch
     gdn_device_seconds                       histogram  per launch: submit -> output on the host
     gdn_sessions_in_use, gdn_sessions_capacity, gdn_state_pool_bytes, gdn_queue_depth   gauges
+    gdn_process_cpu_seconds_total{role}      counter    CPU seconds (user + system) of the processes
+                                                        that serve decode steps, by role: "server"
+                                                        (one process), or "engine" and "worker"
+                                                        (--frontends; the router's own is not counted)
 
 Each server has its own `CollectorRegistry`, so tests can run several in one process. RPC counts
 come from a server interceptor (`MetricsInterceptor`, outermost, so UNAUTHENTICATED is counted);
@@ -21,6 +25,7 @@ process's /metrics serves their sums.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -41,6 +46,9 @@ SERVICE_PREFIX = "/gdn.v1.GdnDecode/"
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _WAIT_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5)
 GAUGE_REFRESH_S = 0.5  # how often an engine process writes its gauges (--frontends)
+# how often a process adds its CPU seconds to gdn_process_cpu_seconds_total: a scrape lags the
+# truth by at most this, so two scrapes a few seconds apart give cores within a few percent
+CPU_REFRESH_S = 0.1
 _RPC_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -125,6 +133,32 @@ class EngineMetrics:
         self.device_seconds.observe(device_s)
 
 
+class ProcessCpu:
+    """This process's CPU seconds as `gdn_process_cpu_seconds_total{role}`, brought up to date by
+    `refresh` (every CPU_REFRESH_S in `count_forever`). It reads the process's own clock
+    (`time.process_time`: every thread, user and system): on a host whose /proc gives other
+    processes' CPU times as zero, as the H200 VMs' gVisor did (bench/NOTES.md), the sum over a
+    role's processes still says which role holds the cores."""
+
+    def __init__(self, role: str, registry: CollectorRegistry | None) -> None:
+        counter = Counter(
+            "gdn_process_cpu_seconds", "CPU seconds (user + system) of the server's processes by role",
+            ["role"], registry=registry,
+        )
+        self._counted = counter.labels(role)
+        self._seen = time.process_time()
+
+    def refresh(self) -> None:
+        now = time.process_time()
+        self._counted.inc(now - self._seen)
+        self._seen = now
+
+    async def count_forever(self) -> None:
+        while True:
+            await asyncio.sleep(CPU_REFRESH_S)
+            self.refresh()
+
+
 def _rows_in_circulation(shards) -> float:
     return sum(s.scheduler.batch_fill.rows_in_circulation for s in shards if s.scheduler.batch_fill.enabled)
 
@@ -140,9 +174,11 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.rpc: RpcMetrics | None = None
         self.engine: EngineMetrics | None = None
+        self.cpu: ProcessCpu | None = None  # one process: its own CPU (the owner runs `count_forever`)
         if files_dir is None:
             self.rpc = RpcMetrics(self.registry)
             self.engine = EngineMetrics(self.registry)
+            self.cpu = ProcessCpu("server", self.registry)
         else:
             MultiProcessCollector(self.registry, path=files_dir)
         self._http: Any = None

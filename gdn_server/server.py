@@ -277,6 +277,8 @@ async def serve(app: GdnApp) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     host = app.settings.host
+    if app.metrics is not None and app.metrics.cpu is not None:
+        app.background.append(asyncio.create_task(app.metrics.cpu.count_forever()))
     if app.metrics is not None and app.metrics.port is not None:
         print(f"metrics on http://{host}:{app.metrics.port}/metrics", flush=True)
     freeze_startup_objects()  # see gdn_server/tuning.py

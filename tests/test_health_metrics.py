@@ -137,6 +137,11 @@ def test_metrics(server):
         assert _value(m["gdn_state_pool_bytes"], "gdn_state_pool_bytes") == (64 + 2 * 32) * 2 * 3 * 4 * 128 * 128
         assert "gdn_queue_depth" in m
         assert _value(m["gdn_batch_fill_rows_in_circulation"], "gdn_batch_fill_rows_in_circulation") == 0  # off
+        # the processes' own CPU, by role: the workers' and the engine's with --frontends
+        roles = ("worker", "engine") if "--frontends" in server.proc.args else ("server",)
+        m = _scrape_until(server, lambda m: all(
+            _value(m.get("gdn_process_cpu_seconds", []), "gdn_process_cpu_seconds_total", role=r) > 0 for r in roles))
+        assert {s.labels["role"] for s in m["gdn_process_cpu_seconds"] if s.name.endswith("_total")} == set(roles)
         stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=sid), timeout=10)
         _scrape_until(server, lambda m: _value(m["gdn_sessions_in_use"], "gdn_sessions_in_use") == 0)
 
