@@ -20,7 +20,9 @@ echo rate moves by 10-20% from one run to the next, and so does a single percent
 process costs ~40-60 us of CPU per step, and near 64 clients can be the bound of a run). The
 JSON records, per run, how busy the load's host was (busy cores, and steal: time a VM's
 hypervisor gave to others): with the server on the same host, a run near all cores busy or with
-much steal measures the host.
+much steal measures the host. It also records the cores the load's own processes used
+(``load_cores``: their CPU seconds over the run): the part of the busy cores that is not the
+server's.
 
 Latency is what both kinds of client have in common: from handing a ready request to gRPC until
 its reply's bytes are in. Building the next request (our client adds each step's header to
@@ -122,6 +124,9 @@ class RunResult:
     round: int = 0  # which of --rounds this run belongs to (its echo run has the same)
     host_cpu: dict[str, float] | None = None  # the load host's CPU over the run (Linux; see host_cpu_usage)
     shared_connection: bool = False  # each load process's clients on one connection (LoadConfig)
+    # cores the load generator's own processes used over the run (their CPU seconds / elapsed):
+    # against host_cpu's busy_cores, what the load took of a host it shares with the server
+    load_cores: float | None = None
 
     def summary(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -340,9 +345,10 @@ class _EchoWorker:
 async def _drive(
     workers: Sequence[Any], cfg: LoadConfig, label: str, before_measure: Callable[[], Awaitable[None]] | None = None,
     bar: Any = None,
-) -> tuple[list[_ClientTally], float, dict[str, float] | None]:
+) -> tuple[list[_ClientTally], float, dict[str, float] | None, float]:
     """Opens and warms every worker up with one step, then runs the budget; returns tallies,
-    elapsed and the host's CPU use meanwhile. `bar` (update/refresh/close) replaces the progress bar."""
+    elapsed, the host's CPU use meanwhile and this process's CPU seconds meanwhile. `bar`
+    (update/refresh/close) replaces the progress bar."""
     await asyncio.gather(*(w.open() for w in workers))
     await asyncio.gather(*(w.exchange() for w in workers))  # warm-up: connections, first launch
     if before_measure is not None:
@@ -372,16 +378,16 @@ async def _drive(
 
     budget.start()
     ticks = _host_cpu_ticks()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     ticker = asyncio.ensure_future(_tick(bar, budget)) if cfg.duration is not None else None
     try:
         await asyncio.gather(*(loop(w, t) for w, t in zip(workers, tallies)))
     finally:
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
         if ticker is not None:
             ticker.cancel()
         bar.close()
-    return tallies, elapsed, host_cpu_usage(ticks, _host_cpu_ticks())
+    return tallies, elapsed, host_cpu_usage(ticks, _host_cpu_ticks()), cpu_s
 
 
 async def _tick(bar: Any, budget: _Budget) -> None:
@@ -400,7 +406,8 @@ def _progress(cfg: LoadConfig, label: str) -> Any:
 
 
 def _result(kind: str, cfg: LoadConfig, layers: int, tallies: list[_ClientTally], elapsed: float,
-            request_bytes: int, reply_bytes: int, server: dict | None, host: dict | None = None) -> RunResult:
+            request_bytes: int, reply_bytes: int, server: dict | None, host: dict | None = None,
+            load_cpu_s: float | None = None) -> RunResult:
     lat_ms = np.array([x for t in tallies for x in t.latencies], dtype=np.float64) * 1e3
     steps = int(lat_ms.size)
     pct = {}
@@ -416,6 +423,7 @@ def _result(kind: str, cfg: LoadConfig, layers: int, tallies: list[_ClientTally]
         request_bytes=request_bytes, reply_bytes=reply_bytes, server=server,
         error_samples=[s for t in tallies for s in t.error_samples][:5], latencies_ms=lat_ms.tolist(), host_cpu=host,
         shared_connection=cfg.shared_connection,
+        load_cores=None if load_cpu_s is None or elapsed <= 0 else load_cpu_s / elapsed,
     )
 
 
@@ -447,13 +455,13 @@ async def run_load(cfg: LoadConfig, processes: int = 1) -> RunResult:
 
     label = f"gdn {cfg.mode} x{cfg.clients}"
     if processes > 1:
-        tallies, elapsed, host, sizes = await _spread(cfg, "gdn", processes, {}, label, snapshot)
+        tallies, elapsed, host, cpu_s, sizes = await _spread(cfg, "gdn", processes, {}, label, snapshot)
         layers, request_bytes, reply_bytes = sizes
         _, after = await _server_view(cfg.target, cfg.timeout)
     else:
         workers = [_GdnWorker(cfg, info, i) for i in range(cfg.clients)]
         try:
-            tallies, elapsed, host = await _drive(workers, cfg, label, snapshot)
+            tallies, elapsed, host, cpu_s = await _drive(workers, cfg, label, snapshot)
             _, after = await _server_view(cfg.target, cfg.timeout)
         finally:
             await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
@@ -465,7 +473,7 @@ async def run_load(cfg: LoadConfig, processes: int = 1) -> RunResult:
         "requests": delta.requests, "batches": delta.batches, "mean_rows_per_launch": delta.mean_rows_per_launch,
         "device_seconds": delta.device_seconds, "queue_wait_seconds": delta.queue_wait_seconds,
     }
-    return _result("gdn", cfg, layers, tallies, elapsed, request_bytes, reply_bytes, server, host)
+    return _result("gdn", cfg, layers, tallies, elapsed, request_bytes, reply_bytes, server, host, cpu_s)
 
 
 async def run_echo(cfg: LoadConfig, address: str, request_bytes: int, reply_bytes: int, layers: int,
@@ -474,15 +482,15 @@ async def run_echo(cfg: LoadConfig, address: str, request_bytes: int, reply_byte
     label = f"echo {cfg.mode} x{cfg.clients}"
     if processes > 1:
         sizes = {"request_bytes": request_bytes, "reply_bytes": reply_bytes}
-        tallies, elapsed, host, _ = await _spread(dataclasses.replace(cfg, target=address), "echo", processes, sizes,
-                                                  label)
+        tallies, elapsed, host, cpu_s, _ = await _spread(dataclasses.replace(cfg, target=address), "echo", processes,
+                                                         sizes, label)
     else:
         workers = [_EchoWorker(cfg, address, request_bytes, reply_bytes) for _ in range(cfg.clients)]
         try:
-            tallies, elapsed, host = await _drive(workers, cfg, label)
+            tallies, elapsed, host, cpu_s = await _drive(workers, cfg, label)
         finally:
             await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
-    return _result("echo", cfg, layers, tallies, elapsed, request_bytes, reply_bytes, None, host)
+    return _result("echo", cfg, layers, tallies, elapsed, request_bytes, reply_bytes, None, host, cpu_s)
 
 
 # -- several load processes (--processes) ----------------------------------------------------------
@@ -507,10 +515,11 @@ def _shares(total: int, parts: int) -> list[int]:
 async def _spread(
     cfg: LoadConfig, kind: str, processes: int, extra: dict[str, Any], label: str,
     before_measure: Callable[[], Awaitable[None]] | None = None,
-) -> tuple[list[_ClientTally], float, dict[str, float] | None, list[int] | None]:
+) -> tuple[list[_ClientTally], float, dict[str, float] | None, float, list[int] | None]:
     """Runs `cfg`'s clients in child processes; returns their tallies (one per child), the
-    longest child's elapsed time, the host's CPU use from "go" to the last result, and for gdn
-    steps [layers, request bytes, reply bytes]."""
+    longest child's elapsed time, the host's CPU use from "go" to the last result, the CPU
+    seconds of every load process (this one's from "go" to the last result, the children's over
+    their runs), and for gdn steps [layers, request bytes, reply bytes]."""
     parts = min(processes, cfg.clients, cfg.clients if cfg.requests is None else max(1, cfg.requests))
     clients = _shares(cfg.clients, parts)
     requests = None if cfg.requests is None else _shares(cfg.requests, parts) or [0]
@@ -533,7 +542,7 @@ async def _spread(
             await _expect(child, index, "ready", _READY_TIMEOUT_S)
         if before_measure is not None:
             await before_measure()
-        ticks = _host_cpu_ticks()
+        ticks, cpu0 = _host_cpu_ticks(), time.process_time()
         for child in children:
             assert child.stdin is not None
             child.stdin.write(b"go\n")
@@ -542,7 +551,7 @@ async def _spread(
             results = await asyncio.gather(*(_child_result(c, i, cfg, bar) for i, c in enumerate(children)))
         finally:
             bar.close()
-        host = host_cpu_usage(ticks, _host_cpu_ticks())
+        host, own_cpu_s = host_cpu_usage(ticks, _host_cpu_ticks()), time.process_time() - cpu0
     finally:
         for child in children:
             if child.returncode is None:
@@ -553,7 +562,8 @@ async def _spread(
     for r in results:
         latencies = np.frombuffer(base64.b64decode(r["latencies"]), dtype=np.float64).tolist()
         tallies.append(_ClientTally(latencies, r["errors"], r["error_samples"]))
-    return tallies, max(r["elapsed"] for r in results), host, results[0]["sizes"]
+    cpu_s = own_cpu_s + sum(r["cpu_s"] for r in results)
+    return tallies, max(r["elapsed"] for r in results), host, cpu_s, results[0]["sizes"]
 
 
 async def _child_line(child: asyncio.subprocess.Process, index: int, timeout: float) -> tuple[str, str]:
@@ -636,13 +646,13 @@ async def _child(spec: dict[str, Any]) -> dict[str, Any]:
             raise GdnError("the parent load process went away", grpc.StatusCode.CANCELLED)
 
     try:
-        tallies, elapsed, _ = await _drive(workers, cfg, spec["kind"], wait_for_go, bar=_LineProgress())
+        tallies, elapsed, _, cpu_s = await _drive(workers, cfg, spec["kind"], wait_for_go, bar=_LineProgress())
     finally:
         await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
     w0 = workers[0]
     latencies = np.array([x for t in tallies for x in t.latencies], dtype=np.float64)
     return {
-        "elapsed": elapsed, "latencies": base64.b64encode(latencies.tobytes()).decode(),
+        "elapsed": elapsed, "cpu_s": cpu_s, "latencies": base64.b64encode(latencies.tobytes()).decode(),
         "errors": sum(t.errors for t in tallies), "error_samples": [m for t in tallies for m in t.error_samples][:5],
         # what a gdn step measured (its sizes are the echo's inputs; the echo's own are known)
         "sizes": [w0.layers, w0.request_bytes, w0.reply_bytes] if spec["kind"] == "gdn" else None,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,8 @@ def test_processes_split_the_clients_and_sum_their_steps(small_server, tmp_path)
     assert gdn["server"]["requests"] == 81 and gdn["server"]["mean_rows_per_launch"] >= 2
     assert (echo["request_bytes"], echo["reply_bytes"]) == (gdn["request_bytes"], gdn["reply_bytes"]) != (0, 0)
     assert gdn["layers_per_token"] == 3
+    for r in (gdn, echo):  # the load processes' own CPU (all three processes' seconds over the run)
+        assert 0 < r["load_cores"] <= (os.cpu_count() or 1) * 1.05
     if Path("/proc/stat").exists():  # the host's CPU over each run: the whole host's, from the parent
         cpu = gdn["host_cpu"]  # the CPU server computes all through ours (tens of ms: many clock ticks)
         assert 0 < cpu["busy_cores"] <= cpu["cores"] and 0 <= cpu["steal_pct"] <= 100
