@@ -23,14 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from listening import start_listening  # this folder (python bench/ab_live.py puts it on sys.path)
 
@@ -51,6 +55,7 @@ class Side:
     flags: list[str]
     proc: subprocess.Popen | None = None
     target: str = ""
+    metrics_url: str = ""  # its /metrics (--cpu-window: started with --metrics-port 0)
     runs: list[dict] = field(default_factory=list)
 
 
@@ -82,8 +87,12 @@ def _drain(proc: subprocess.Popen, label: str) -> None:
 def start(side: Side, args: argparse.Namespace) -> None:
     cmd = [sys.executable, "-m", "gdn_server", "--host", "127.0.0.1", "--port", "0", "--device", args.device,
            *args.model.split(), "--max-sessions", str(args.max_sessions), "--log-level", "WARNING", *side.flags]
+    if args.cpu_window > 0 and "--metrics-port" not in side.flags:
+        cmd += ["--metrics-port", "0"]
+    seen: list[str] = []
     side.proc, side.target = start_listening(cmd, timeout=args.start_timeout, env=env_with_root(side.root, **side.env),
-                                             cwd=str(side.root))
+                                             cwd=str(side.root), seen=seen)
+    side.metrics_url = next((m.group(1) for line in seen if (m := re.search(r"metrics on (\S+)", line))), "")
     threading.Thread(target=_drain, args=(side.proc, side.label), daemon=True).start()
 
 
@@ -138,46 +147,56 @@ def _role(pid: int) -> str:
     return "router"
 
 
-def cpu_snapshot(server_pid: int, load_pid: int) -> dict[str, dict[int, float]]:
-    """CPU seconds so far of the server's processes by role and of the load's, each {pid: seconds},
-    and of the engine's threads ({tid: seconds})."""
+def _metrics_cpu_s(url: str) -> dict[str, float]:
+    """role -> CPU seconds so far of the server's processes of that role, from its /metrics
+    (gdn_process_cpu_seconds_total: each process's own clock, so it counts where /proc does not)."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {s.labels["role"]: s.value for f in text_string_to_metric_families(text)
+            if f.name == "gdn_process_cpu_seconds" for s in f.samples if s.name.endswith("_total")}
+
+
+def cpu_snapshot(side: Side) -> tuple[dict[str, float], dict[str, dict[int, float]]]:
+    """The server's CPU seconds so far by role (/metrics), and per thread ({tid: seconds}, from
+    /proc) of its engine process and of all its workers together."""
     stats = _proc_stats()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in stats.items():
-        children.setdefault(ppid, []).append(pid)
-
-    def tree(root: int) -> list[int]:
-        found, todo = [], [root]
-        while todo:
-            pid = todo.pop()
-            if pid in stats:
-                found.append(pid)
-            todo += children.get(pid, [])
-        return found
-
-    snap: dict[str, dict[int, float]] = {"load": {pid: stats[pid][1] for pid in tree(load_pid)}}
-    for pid in tree(server_pid):
-        role = _role(pid)
-        snap.setdefault(role, {})[pid] = stats[pid][1]
-        if role == "engine":
-            snap.setdefault("engine thread", {}).update(_thread_s(pid))
-    return snap
+    children = {pid: _role(pid) for pid, (ppid, _) in stats.items() if ppid == side.proc.pid}
+    engines = [pid for pid, role in children.items() if role == "engine"] or [side.proc.pid]  # one process: its own
+    threads = {"engine thread": _thread_s(engines[0]), "worker thread": {}}
+    for pid, role in children.items():
+        if role == "worker":
+            threads["worker thread"].update(_thread_s(pid))
+    return _metrics_cpu_s(side.metrics_url), threads
 
 
-def cores_used(before: dict, after: dict, seconds: float) -> dict[str, float]:
-    """Cores each role used between two snapshots: its processes' sum, and its busiest process."""
-    used = {}
-    for role, now in after.items():
-        deltas = [s - before.get(role, {}).get(pid, s) for pid, s in now.items()]
-        if not deltas:
-            continue
-        if role == "engine thread":  # its busiest thread (the loop's, where the engine's work runs)
-            used[role] = round(max(deltas) / seconds, 2)
-            continue
-        used[role] = round(sum(deltas) / seconds, 2)
-        if len(deltas) > 1:
-            used[f"{role} max"] = round(max(deltas) / seconds, 2)
+def cores_used(before: tuple, after: tuple, seconds: float) -> dict[str, float]:
+    """Cores each role used between two snapshots, and the busiest thread of the engine (its
+    loop's, where the engine's work runs) and of the workers (a loop's: a worker's bound)."""
+    (roles0, threads0), (roles1, threads1) = before, after
+    used = {role: round((s - roles0.get(role, 0.0)) / seconds, 2) for role, s in roles1.items()}
+    for name, now in threads1.items():
+        deltas = [s - threads0.get(name, {}).get(tid, s) for tid, s in now.items()]
+        if deltas:
+            used[name] = round(max(deltas) / seconds, 2)
     return used
+
+
+def _decode_steps(url: str) -> float:
+    """The decode steps a server has answered so far (gdn_decode_requests_total, every code)."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "gdn_decode_requests"
+               for s in f.samples if s.name.endswith("_total"))
+
+
+def _wait_for_steps(side: Side, load_proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Returns once the server has answered steps since this call (the load has started)."""
+    first = _decode_steps(side.metrics_url)
+    deadline = time.monotonic() + timeout_s
+    while _decode_steps(side.metrics_url) == first:
+        if load_proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"no steps reached {side.label} from the load")
+        time.sleep(0.05)
 
 
 def load(side: Side, args: argparse.Namespace, out: Path, round_index: int) -> dict:
@@ -189,10 +208,13 @@ def load(side: Side, args: argparse.Namespace, out: Path, round_index: int) -> d
     cores = {}
     try:
         if args.cpu_window > 0:  # the load's steady part: after its start-up, before its end
+            # from the load's first steps on: its processes' start-up took over 6 s on the H200 VM,
+            # so a window timed from its launch fell before the load (the zeros of 2026-12-01)
+            _wait_for_steps(side, proc)
             time.sleep(args.cpu_after)
-            before, at = cpu_snapshot(side.proc.pid, proc.pid), time.monotonic()
+            before, at = cpu_snapshot(side), time.monotonic()
             time.sleep(args.cpu_window)
-            cores = cores_used(before, cpu_snapshot(side.proc.pid, proc.pid), time.monotonic() - at)
+            cores = cores_used(before, cpu_snapshot(side), time.monotonic() - at)
         if proc.wait(600) != 0:
             raise RuntimeError(f"gdn-loadtest failed against {side.label} (exit {proc.returncode})")
     finally:
@@ -200,6 +222,11 @@ def load(side: Side, args: argparse.Namespace, out: Path, round_index: int) -> d
             proc.kill()
     run = next(r for r in json.loads(path.read_text())["runs"] if r["kind"] == "gdn")
     server = run.get("server") or {}
+    if args.cpu_window > 0:  # over the whole run: the load's own processes, and the host's busy cores
+        if run.get("load_cores") is not None:
+            cores["load"] = round(run["load_cores"], 2)
+        if run.get("host_cpu"):
+            cores["host busy"] = round(run["host_cpu"]["busy_cores"], 2)
     return {"round": round_index, "steps_per_s": run["steps_per_s"], "p50_ms": run["latency_ms"]["p50"],
             "p99_ms": run["latency_ms"]["p99"], "rows_per_launch": server.get("mean_rows_per_launch", float("nan")),
             "errors": run.get("errors", 0), "cores": cores}
@@ -249,11 +276,13 @@ def main() -> None:
     p.add_argument("--load-flags", default="", help="more gdn-loadtest flags for every run")
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--cpu-window", type=float, default=0.0,
-                   help="seconds of each load run over which the cores of the server's processes (by role: router, "
-                        "engine and its busiest thread, workers) and of the load are measured (Linux /proc; 0: not measured). "
-                        "On the H200 VM /proc read no CPU time for the server's processes (2026-12-01): "
-                        "check a table of zeros against top before reading anything into it")
-    p.add_argument("--cpu-after", type=float, default=2.0, help="seconds into each load run that window starts")
+                   help="seconds of each load run over which the cores of the server's processes are measured, by "
+                        "role (server, or engine and worker: gdn_process_cpu_seconds_total from the side's /metrics, "
+                        "which it is then started with) and the engine's busiest thread (Linux /proc, which read "
+                        "zero on the H200 VM); the load's own cores and the host's busy cores come from gdn-loadtest, "
+                        "over the whole run (0: none of this)")
+    p.add_argument("--cpu-after", type=float, default=1.0,
+                   help="seconds after the load's first steps reach the server that the window starts")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results/ab_live"))
     args = p.parse_args()
     sides: list[Side] = args.side

@@ -228,7 +228,8 @@ case "${1:-}" in
   ablive)  # bench/ab_live.py: every side's server up at once, the load alternating between them (ABBA), no echo runs;
            # SIDES (';'-separated LABEL|ROOT|ENV|FLAGS; default: base = BASE (.ab_base) and new = this tree, both
            # with SERVER_FLAGS), CLIENTS (64), ROUNDS (8), DURATION (3), LOAD_PROCS (4); MODEL, MAX_SESSIONS (ab_live's defaults);
-           # CPU_WINDOW=s: the cores of each role (router, engine, its busiest thread, workers, load) over s seconds of each run
+           # CPU_WINDOW=s: the cores of each role (engine and workers from the servers' /metrics, the engine's busiest
+           # thread, the load, the host's busy cores) over s seconds of each run, from CPU_AFTER (1) s after its first steps
     base=${BASE:-.ab_base}
     [[ -d $base/gdn_server ]] && build_native "$base"
     IFS=';' read -ra sides <<< "${SIDES:-base|$base||${SERVER_FLAGS:-};new|.||${SERVER_FLAGS:-}}"
@@ -236,7 +237,7 @@ case "${1:-}" in
     for side in "${sides[@]}"; do side_args+=(--side "$side"); done
     timeout 560 python3 bench/ab_live.py "${side_args[@]}" --clients "${CLIENTS:-64}" --rounds "${ROUNDS:-8}" \
       ${MODEL:+--model "$MODEL"} ${MAX_SESSIONS:+--max-sessions "$MAX_SESSIONS"} --duration "${DURATION:-3}" --load-processes "${LOAD_PROCS:-4}" \
-      --cpu-window "${CPU_WINDOW:-0}" --out "$out/ablive" 2>&1 | tee "$out/ablive.log" | tail -30
+      --cpu-window "${CPU_WINDOW:-0}" --cpu-after "${CPU_AFTER:-1}" --out "$out/ablive" 2>&1 | tee "$out/ablive.log" | tail -30
     ;;
   lanefloor)  # bench/lane_floor.c: the CPU floor of a native lane's per-request work on this host (seconds)
     gcc -O2 -pthread bench/lane_floor.c -o /tmp/lane_floor && /tmp/lane_floor ${PER_ROUND:-1 8 24 64 128} \
