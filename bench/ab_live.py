@@ -278,9 +278,9 @@ def main() -> None:
     p.add_argument("--cpu-window", type=float, default=0.0,
                    help="seconds of each load run over which the cores of the server's processes are measured, by "
                         "role (server, or engine and worker: gdn_process_cpu_seconds_total from the side's /metrics, "
-                        "which it is then started with) and the engine's busiest thread (Linux /proc, which read "
-                        "zero on the H200 VM); the load's own cores and the host's busy cores come from gdn-loadtest, "
-                        "over the whole run (0: none of this)")
+                        "which it is then started with) and the busiest thread of the engine and of the workers "
+                        "(Linux /proc); the load's own cores and the host's busy cores come from gdn-loadtest, over "
+                        "the whole run (0: none of this)")
     p.add_argument("--cpu-after", type=float, default=1.0,
                    help="seconds after the load's first steps reach the server that the window starts")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results/ab_live"))
