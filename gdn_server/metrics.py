@@ -136,9 +136,9 @@ class EngineMetrics:
 class ProcessCpu:
     """This process's CPU seconds as `gdn_process_cpu_seconds_total{role}`, brought up to date by
     `refresh` (every CPU_REFRESH_S in `count_forever`). It reads the process's own clock
-    (`time.process_time`: every thread, user and system): on a host whose /proc gives other
-    processes' CPU times as zero, as the H200 VMs' gVisor did (bench/NOTES.md), the sum over a
-    role's processes still says which role holds the cores."""
+    (`time.process_time`: every thread, user and system), so it needs no view of the other
+    processes (a container's /proc, a monitoring agent): the sum over a role's processes says
+    which role holds a host's cores (bench/NOTES.md, twenty-sixth session)."""
 
     def __init__(self, role: str, registry: CollectorRegistry | None) -> None:
         counter = Counter(
