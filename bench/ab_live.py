@@ -147,13 +147,18 @@ def _role(pid: int) -> str:
     return "router"
 
 
-def _metrics_cpu_s(url: str) -> dict[str, float]:
-    """role -> CPU seconds so far of the server's processes of that role, from its /metrics
-    (gdn_process_cpu_seconds_total: each process's own clock, so it counts where /proc does not)."""
+def _totals(url: str, family: str) -> list:
+    """The `_total` samples of one counter family on a server's /metrics."""
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
-    return {s.labels["role"]: s.value for f in text_string_to_metric_families(text)
-            if f.name == "gdn_process_cpu_seconds" for s in f.samples if s.name.endswith("_total")}
+    return [s for f in text_string_to_metric_families(text) if f.name == family
+            for s in f.samples if s.name.endswith("_total")]
+
+
+def _metrics_cpu_s(url: str) -> dict[str, float]:
+    """role -> CPU seconds so far of the server's processes of that role, from its /metrics
+    (gdn_process_cpu_seconds_total: each process's own clock)."""
+    return {s.labels["role"]: s.value for s in _totals(url, "gdn_process_cpu_seconds")}
 
 
 def cpu_snapshot(side: Side) -> tuple[dict[str, float], dict[str, dict[int, float]]]:
@@ -183,10 +188,7 @@ def cores_used(before: tuple, after: tuple, seconds: float) -> dict[str, float]:
 
 def _decode_steps(url: str) -> float:
     """The decode steps a server has answered so far (gdn_decode_requests_total, every code)."""
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "gdn_decode_requests"
-               for s in f.samples if s.name.endswith("_total"))
+    return sum(s.value for s in _totals(url, "gdn_decode_requests"))
 
 
 def _wait_for_steps(side: Side, load_proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
