@@ -15,18 +15,23 @@ its last answer).
 
 A side is `LABEL|ROOT|ENV|FLAGS`: its checkout's root (run from there, on PYTHONPATH), environment
 settings (`NAME=value ...`) and gdn-server flags. The load generator is this tree's gdn-loadtest
-for every side. Prints a table of every run, each side's median, and the paired ratios of each
+for every side, or with `--load link` this tree's bench/link_load.py: the same clients' steps
+written straight onto the engine's decode link, no gRPC, no workers (sides need `--frontends`),
+which measures the engine's ceiling behind a front end that costs nothing. Prints a table of every run, each side's median, and the paired ratios of each
 side to the first; writes ab_live.json.
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -56,6 +61,8 @@ class Side:
     proc: subprocess.Popen | None = None
     target: str = ""
     metrics_url: str = ""  # its /metrics (--cpu-window: started with --metrics-port 0)
+    link_path: str = ""  # its engine's decode link (--load link)
+    tmpdir: str = ""  # its TMPDIR, ours to remove once it stopped (--load link)
     runs: list[dict] = field(default_factory=list)
 
 
@@ -89,9 +96,20 @@ def start(side: Side, args: argparse.Namespace) -> None:
            *args.model.split(), "--max-sessions", str(args.max_sessions), "--log-level", "WARNING", *side.flags]
     if args.cpu_window > 0 and "--metrics-port" not in side.flags:
         cmd += ["--metrics-port", "0"]
+    env = dict(side.env)
+    if args.load == "link":  # the router makes its private sockets under TMPDIR: one of our own, to find its link
+        if "--frontends" not in side.flags:
+            raise SystemExit(f"--load link: side {side.label} needs --frontends (an engine with a decode link)")
+        env["TMPDIR"] = tempfile.mkdtemp(prefix="ablive-")  # short: a Unix socket's path has ~107 bytes
     seen: list[str] = []
-    side.proc, side.target = start_listening(cmd, timeout=args.start_timeout, env=env_with_root(side.root, **side.env),
+    side.proc, side.target = start_listening(cmd, timeout=args.start_timeout, env=env_with_root(side.root, **env),
                                              cwd=str(side.root), seen=seen)
+    if args.load == "link":
+        links = glob.glob(os.path.join(env["TMPDIR"], "gdn-engine-*", "link-0.sock"))
+        if len(links) != 1:
+            raise SystemExit(f"side {side.label}: expected one engine link under {env['TMPDIR']}, found {links}")
+        side.link_path = links[0]
+        side.tmpdir = env["TMPDIR"]
     side.metrics_url = next((m.group(1) for line in seen if (m := re.search(r"metrics on (\S+)", line))), "")
     threading.Thread(target=_drain, args=(side.proc, side.label), daemon=True).start()
 
@@ -104,6 +122,8 @@ def stop(side: Side) -> None:
         side.proc.wait(60)
     except subprocess.TimeoutExpired:
         side.proc.kill()
+    if side.tmpdir:
+        shutil.rmtree(side.tmpdir, ignore_errors=True)
 
 
 def _proc_stats() -> dict[int, tuple[int, float]]:
@@ -186,16 +206,20 @@ def cores_used(before: tuple, after: tuple, seconds: float) -> dict[str, float]:
     return used
 
 
-def _decode_steps(url: str) -> float:
-    """The decode steps a server has answered so far (gdn_decode_requests_total, every code)."""
-    return sum(s.value for s in _totals(url, "gdn_decode_requests"))
+def _rows_launched(url: str) -> float:
+    """The rows a server's engines have launched so far (gdn_launch_rows' sum): counted where the
+    steps run, so a load on the engine's link (--load link), which no worker sees, counts too."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "gdn_launch_rows"
+               for s in f.samples if s.name == "gdn_launch_rows_sum")
 
 
 def _wait_for_steps(side: Side, load_proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    """Returns once the server has answered steps since this call (the load has started)."""
-    first = _decode_steps(side.metrics_url)
+    """Returns once the server has launched steps since this call (the load has started)."""
+    first = _rows_launched(side.metrics_url)
     deadline = time.monotonic() + timeout_s
-    while _decode_steps(side.metrics_url) == first:
+    while _rows_launched(side.metrics_url) == first:
         if load_proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"no steps reached {side.label} from the load")
         time.sleep(0.05)
@@ -203,9 +227,14 @@ def _wait_for_steps(side: Side, load_proc: subprocess.Popen, timeout_s: float = 
 
 def load(side: Side, args: argparse.Namespace, out: Path, round_index: int) -> dict:
     path = out / f"{side.label}_{round_index}.json"
-    cmd = [sys.executable, "-m", "gdn_client.loadtest", "--target", side.target, "--no-progress", "--json", str(path),
-           "--clients", str(args.clients), "--mode", "stream", "--tokens", "1", "--duration", str(args.duration),
-           "--processes", str(args.load_processes), *args.load_flags.split()]
+    if args.load == "link":
+        cmd = [sys.executable, str(REPO / "bench" / "link_load.py"), "--target", side.target, "--link", side.link_path,
+               "--json", str(path), "--clients", str(args.clients), "--duration", str(args.duration),
+               "--processes", str(args.load_processes)]
+    else:
+        cmd = [sys.executable, "-m", "gdn_client.loadtest", "--target", side.target, "--no-progress", "--json",
+               str(path), "--clients", str(args.clients), "--mode", "stream", "--tokens", "1", "--duration",
+               str(args.duration), "--processes", str(args.load_processes), *args.load_flags.split()]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, env=env_with_root(REPO))
     cores = {}
     try:
@@ -218,7 +247,7 @@ def load(side: Side, args: argparse.Namespace, out: Path, round_index: int) -> d
             time.sleep(args.cpu_window)
             cores = cores_used(before, cpu_snapshot(side), time.monotonic() - at)
         if proc.wait(600) != 0:
-            raise RuntimeError(f"gdn-loadtest failed against {side.label} (exit {proc.returncode})")
+            raise RuntimeError(f"the {args.load} load failed against {side.label} (exit {proc.returncode})")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -276,6 +305,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6, help="load runs per side, alternating (ABBA)")
     p.add_argument("--load-processes", type=int, default=4)
     p.add_argument("--load-flags", default="", help="more gdn-loadtest flags for every run")
+    p.add_argument("--load", choices=("grpc", "link"), default="grpc",
+                   help="grpc: gdn-loadtest's clients over the public port; link: bench/link_load.py's on the "
+                        "engine's decode link (no gRPC, no workers: the engine's ceiling; sides need --frontends)")
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--cpu-window", type=float, default=0.0,
                    help="seconds of each load run over which the cores of the server's processes are measured, by "

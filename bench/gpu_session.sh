@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|backendstep|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants|lanefloor|ablive   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|backendstep|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants|lanefloor|ablive|enginespy   (each part fits in one 10-minute call)
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
@@ -229,7 +229,8 @@ case "${1:-}" in
            # SIDES (';'-separated LABEL|ROOT|ENV|FLAGS; default: base = BASE (.ab_base) and new = this tree, both
            # with SERVER_FLAGS), CLIENTS (64), ROUNDS (8), DURATION (3), LOAD_PROCS (4); MODEL, MAX_SESSIONS (ab_live's defaults);
            # CPU_WINDOW=s: the cores of each role (engine and workers from the servers' /metrics, the engine's busiest
-           # thread, the load, the host's busy cores) over s seconds of each run, from CPU_AFTER (1) s after its first steps
+           # thread, the load, the host's busy cores) over s seconds of each run, from CPU_AFTER (1) s after its first steps;
+           # LOAD=link: bench/link_load.py's steps on the engines' decode links instead of gRPC (sides need --frontends)
     base=${BASE:-.ab_base}
     [[ -d $base/gdn_server ]] && build_native "$base"
     IFS=';' read -ra sides <<< "${SIDES:-base|$base||${SERVER_FLAGS:-};new|.||${SERVER_FLAGS:-}}"
@@ -237,7 +238,28 @@ case "${1:-}" in
     for side in "${sides[@]}"; do side_args+=(--side "$side"); done
     timeout 560 python3 bench/ab_live.py "${side_args[@]}" --clients "${CLIENTS:-64}" --rounds "${ROUNDS:-8}" \
       ${MODEL:+--model "$MODEL"} ${MAX_SESSIONS:+--max-sessions "$MAX_SESSIONS"} --duration "${DURATION:-3}" --load-processes "${LOAD_PROCS:-4}" \
-      --cpu-window "${CPU_WINDOW:-0}" --cpu-after "${CPU_AFTER:-1}" --out "$out/ablive" 2>&1 | tee "$out/ablive.log" | tail -30
+      --cpu-window "${CPU_WINDOW:-0}" --cpu-after "${CPU_AFTER:-1}" --load "${LOAD:-grpc}" --out "$out/ablive" 2>&1 | tee "$out/ablive.log" | tail -30
+    ;;
+  enginespy)  # py-spy of the engine under bench/link_load.py (no gRPC in front), CLIENTS (64) over LOAD_PROCS (8)
+               # link connections, SERVER_FLAGS; folded stacks per thread, Python frames and native ones, in enginespy_*.txt
+    tmp=$(mktemp -d /tmp/spy-XXXX)
+    TMPDIR=$tmp python3 -m gdn_server --host 127.0.0.1 --port 0 --device "${DEVICE:-cuda}" ${MODEL:---preset qwen3-next --devices 0} \
+      --max-sessions 512 --frontends 1 --log-level WARNING ${SERVER_FLAGS:-} > "$out/enginespy_server.log" 2>&1 &
+    srv=$!
+    for _ in $(seq 240); do grep -q "listening on" "$out/enginespy_server.log" && break; sleep 0.5; done
+    target=$(grep -o "listening on [0-9.:]*" "$out/enginespy_server.log" | awk '{print $3}')
+    epid=$(pgrep -f gdn_server.engine | head -1)
+    timeout 120 python3 bench/link_load.py --target "$target" --link "$(ls "$tmp"/gdn-engine-*/link-0.sock)" \
+      --clients "${CLIENTS:-64}" --processes "${LOAD_PROCS:-8}" --duration "${DURATION:-32}" --json "$out/enginespy_load.json" &
+    load=$!
+    sleep "${SPY_AFTER:-12}"
+    for kind in python native; do  # Python frames only, then with the C frames under them
+      .tools/py-spy record --pid "$epid" --duration "${SPY_S:-6}" --rate "${RATE:-400}" --threads \
+        $([[ $kind == native ]] && echo --native) --format raw -o "$out/enginespy_$kind.txt" > "$out/enginespy_$kind.log" 2>&1
+      tail -2 "$out/enginespy_$kind.log"
+    done
+    wait $load
+    kill $srv; wait $srv
     ;;
   lanefloor)  # bench/lane_floor.c: the CPU floor of a native lane's per-request work on this host (seconds)
     gcc -O2 -pthread bench/lane_floor.c -o /tmp/lane_floor && /tmp/lane_floor ${PER_ROUND:-1 8 24 64 128} \
