@@ -826,7 +826,8 @@ static PyObject *fill_bf16(PyObject *self, PyObject *args) {
         Py_END_ALLOW_THREADS
         PyMem_Free(found);
     } else {
-        for (Py_ssize_t i = 0; i < n_spans; i++) memcpy(spans[i].dst, spans[i].src, spans[i].len);
+        /* into pinned staging, read next by the device: streaming stores, as the lane's fill */
+        for (Py_ssize_t i = 0; i < n_spans; i++) copy_for_another_core(spans[i].dst, spans[i].src, (size_t)spans[i].len);
     }
     for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&pieces[i]);
     PyMem_Free(pieces);

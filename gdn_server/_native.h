@@ -18,8 +18,9 @@ typedef struct {
 /* Interns each name into its slot (once); 0 on success, -1 with an exception set. */
 int intern_names(const InternedName *names, size_t count);
 
-/* _native_replies.c: copies n bytes into memory another process reads next (a link ring), with
-   stores that bypass this core's caches where the CPU has them (x86-64), else memcpy. */
+/* _native_replies.c: copies n bytes into memory that another process (a link ring) or the device
+   (pinned staging, read by DMA or by a kernel through its mapping) reads next, with stores that
+   bypass this core's caches where the CPU has them (x86-64), else memcpy. */
 void copy_for_another_core(void *dst, const void *src, size_t n);
 
 /* _native_scheduler.c: the scheduler's plain steps; 0 on success, -1 with an exception set. */

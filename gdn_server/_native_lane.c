@@ -474,7 +474,9 @@ static PyObject *run_fill(LaneRun *self, PyObject *args) {
                 PyErr_SetString(PyExc_ValueError, "fill: a lane row lies outside the staging buffer or its ring");
                 goto fail;
             }
-            memcpy((uint8_t *)dst.buf + to, (const uint8_t *)ring->buf + from, (size_t)nbytes[j]);
+            /* the device's DMA (or the kernel, mapped) reads the staging next, not this core: streaming
+               stores skip reading each destination line in first (bench/NOTES.md, twenty-seventh session) */
+            copy_for_another_core((uint8_t *)dst.buf + to, (const uint8_t *)ring->buf + from, (size_t)nbytes[j]);
             from += nbytes[j];
         }
     }

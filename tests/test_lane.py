@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gdn_server import sessions as sessions_module
+from gdn_server.backends import staging
 from gdn_server.backends.cpu import CpuBackend
 from gdn_server.config import ModelShape, SchedulerConfig
 from gdn_server.engine_link import EngineLink
@@ -32,7 +33,7 @@ from gdn_server.native import module as native_module
 from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
 from gdn_server.weights import random_gate_params
-from gdn_server.work import DecodeWork
+from gdn_server.work import DecodeWork, StepBatch
 
 from util import bf16_step_inputs, numbered_sessions, session_records, step_positions
 
@@ -58,6 +59,8 @@ class _Engine:
         def recording_submit(batch):
             # sorted: the lane's rows come after the others', the Python path's in admission order
             self.launches.append((batch.tokens, sorted(zip(batch.slots, batch.out_slots, batch.layers))))
+            if batch.lane is not None:
+                _check_lane_staging(batch)
             if self.fail_next:
                 self.fail_next = False
                 raise RuntimeError("the device is gone")
@@ -119,6 +122,25 @@ class _Engine:
     def close(self) -> None:
         self.link.close()
         self.worker.close()
+
+
+def _check_lane_staging(batch: StepBatch) -> None:
+    """A GPU backend stages the lane's rows straight from the request ring (LaneRun.fill, in C):
+    the staging must hold what the same rows give as DecodeWorks through the Python fill."""
+    plan = staging.make_plan(SHAPE, batch.rows, batch.tokens)
+    as_works = StepBatch(tokens=batch.tokens, slots=list(batch.slots), out_slots=list(batch.out_slots),
+                         layers=list(batch.layers), works=list(batch._host_works))
+    filled = []
+    for b, module in ((batch, native_module), (as_works, None)):
+        buf = torch.full((plan.total,), 0xA5, dtype=torch.uint8)  # not zeros: a row left out shows
+        views = {name: staging.carve(buf, plan.entries[name]) for name in staging.INPUTS}
+        saved, staging.native = staging.native, module
+        try:
+            staging.fill(b, plan, memoryview(buf.numpy()), buf.numpy(), views)
+        finally:
+            staging.native = saved
+        filled.append(buf)
+    assert torch.equal(*filled)
 
 
 def _bf16(seed: int, rows: int, T: int) -> tuple[tuple[bytes, ...], tuple[tuple[int, ...], ...]]:
