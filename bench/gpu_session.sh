@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|backendstep|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants|lanefloor|ablive|enginespy   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|backendstep|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants|lanefloor|ablive|enginespy|h2floor   (each part fits in one 10-minute call)
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
@@ -260,6 +260,11 @@ case "${1:-}" in
     done
     wait $load
     kill $srv; wait $srv
+    ;;
+  h2floor)  # bench/h2_floor.py: the bytes echo in C over libnghttp2 against grpc.aio's, server CPU per step
+             # (CLIENTS 8,64; LOAD_PROCS 4; needs libnghttp2.so on the host: carry one if the image has none)
+    timeout 500 python3 bench/h2_floor.py --clients "${CLIENTS:-8,64}" --rounds "${ROUNDS:-2}" \
+      --load-processes "${LOAD_PROCS:-4}" --json "$out/h2_floor.json" 2>&1 | tee "$out/h2_floor.log" | tail -8
     ;;
   lanefloor)  # bench/lane_floor.c: the CPU floor of a native lane's per-request work on this host (seconds)
     gcc -O2 -pthread bench/lane_floor.c -o /tmp/lane_floor && /tmp/lane_floor ${PER_ROUND:-1 8 24 64 128} \

@@ -1,0 +1,134 @@
+"""The floor of a native gRPC front end: the bytes echo of gdn-loadtest served by bench/h2_floor.c
+(C, HTTP/2 through the system's libnghttp2) against the same echo in grpc.aio (gdn_client._echo),
+both driven by gdn-loadtest's own echo clients with a decode step's sizes.
+
+    python bench/h2_floor.py                                  # 8 and 64 clients, 2 rounds
+    python bench/h2_floor.py --clients 64 --rounds 3 --load-processes 4 --json out.json
+
+What it says: how much CPU a step's transport costs the server when no Python runs on the
+server's side, against grpc.aio's (~150-230 us per step on the hosts we measure; bench/NOTES.md).
+That is the floor of a C worker in front of the engine, before any of a worker's own work
+(parsing and checking the request, the link, the reply's encoding). Prints a table and writes
+JSON: steps/s, p50, and the server's CPU per step (its process's CPU time over the run, from
+/proc, divided by the steps).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes.util
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gdn_client._echo import echo_env  # noqa: E402
+from gdn_client.loadtest import LoadConfig, run_echo  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+REQUEST_BYTES = 16_614  # a qwen3-next DecodeRequest of one session, T=1, as gdn-loadtest sends it
+REPLY_BYTES = 8_213  # its DecodeResponse
+
+
+def build(out_dir: Path) -> Path:
+    """Compiles h2_floor.c against the system's libnghttp2 (no header needed: h2_floor.c declares
+    what it uses)."""
+    lib = ctypes.util.find_library("nghttp2")
+    if lib is None:
+        raise SystemExit("h2_floor: no libnghttp2 on this machine")
+    binary = out_dir / "h2_floor"
+    subprocess.run(["gcc", "-O2", "-pthread", str(HERE / "h2_floor.c"), "-o", str(binary), f"-l:{lib}"], check=True)
+    return binary
+
+
+def start(cmd: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        m = re.search(r"listening on (\S+:\d+)", line)
+        if m:
+            return proc, m.group(1)
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise SystemExit(f"{cmd[0]} did not start")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds so far of a process and all its threads."""
+    rest = Path(f"/proc/{pid}/stat").read_text()
+    fields = rest[rest.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_run(pid: int, address: str, clients: int, args: argparse.Namespace) -> dict:
+    cfg = LoadConfig(target=address, clients=clients, mode="stream", duration=args.duration, progress=False)
+    before, t0 = cpu_s(pid), time.monotonic()
+    result = asyncio.run(run_echo(cfg, address, args.request_bytes, args.reply_bytes, 1, args.load_processes))
+    used = cpu_s(pid) - before
+    # the server's CPU over the whole call (start-up and warm-up of the clients included, a few
+    # percent at these durations): an upper bound on its cost per measured step
+    return {"steps_per_s": result.steps_per_s, "p50_ms": result.latency_ms.get("p50", float("nan")),
+            "errors": result.errors, "steps": result.steps, "server_cpu_s": used,
+            "server_us_per_step": used / max(1, result.steps) * 1e6, "wall_s": time.monotonic() - t0,
+            "load_cores": result.load_cores}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", default="8,64")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--duration", type=float, default=4.0)
+    p.add_argument("--load-processes", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="the C echo's epoll threads")
+    p.add_argument("--request-bytes", type=int, default=REQUEST_BYTES)
+    p.add_argument("--reply-bytes", type=int, default=REPLY_BYTES)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    runs: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = build(Path(tmp))
+        servers = {
+            "c-nghttp2": start([str(binary), "0", str(args.threads)]),
+            "grpc.aio": start([sys.executable, "-m", "gdn_client._echo", "--host", "127.0.0.1", "--port", "0"],
+                              env=echo_env()),
+        }
+        try:
+            for clients in (int(c) for c in args.clients.split(",")):
+                for round_index in range(args.rounds):
+                    order = list(servers.items())
+                    for name, (proc, address) in order if round_index % 2 == 0 else order[::-1]:
+                        run = {"server": name, "clients": clients, "round": round_index,
+                               **one_run(proc.pid, address, clients, args)}
+                        runs.append(run)
+                        print(f"{name} x{clients} round {round_index}: {run['steps_per_s']:,.0f} steps/s, "
+                              f"p50 {run['p50_ms']:.3f} ms, server {run['server_us_per_step']:.1f} us CPU/step, "
+                              f"{run['errors']} errors", flush=True)
+        finally:
+            for proc, _ in servers.values():
+                proc.kill()
+                proc.wait()
+    lines = ["| server | clients | median steps/s | median p50 ms | median server CPU us/step |", "|---|---|---|---|---|"]
+    for clients in sorted({r["clients"] for r in runs}):
+        for name in ("c-nghttp2", "grpc.aio"):
+            rs = [r for r in runs if r["server"] == name and r["clients"] == clients]
+            med = lambda key: statistics.median(r[key] for r in rs)  # noqa: E731
+            lines.append(f"| {name} | {clients} | {med('steps_per_s'):,.0f} | {med('p50_ms'):.3f} | "
+                         f"{med('server_us_per_step'):.1f} |")
+    print("\n".join(lines))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
+                                         "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
