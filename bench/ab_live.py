@@ -17,8 +17,9 @@ A side is `LABEL|ROOT|ENV|FLAGS`: its checkout's root (run from there, on PYTHON
 settings (`NAME=value ...`) and gdn-server flags. The load generator is this tree's gdn-loadtest
 for every side, or with `--load link` this tree's bench/link_load.py: the same clients' steps
 written straight onto the engine's decode link, no gRPC, no workers (sides need `--frontends`),
-which measures the engine's ceiling behind a front end that costs nothing. Prints a table of every run, each side's median, and the paired ratios of each
-side to the first; writes ab_live.json.
+which measures the engine's ceiling behind a front end that costs nothing. Prints a table of
+every run, each side's median, and the paired ratios of each side to the first; writes
+ab_live.json.
 """
 from __future__ import annotations
 
@@ -167,18 +168,19 @@ def _role(pid: int) -> str:
     return "router"
 
 
-def _totals(url: str, family: str) -> list:
-    """The `_total` samples of one counter family on a server's /metrics."""
+def _samples(url: str, family: str, suffix: str) -> list:
+    """The samples of one metric family on a server's /metrics whose names end in `suffix`
+    (`_total` of a counter, `_sum` of a histogram)."""
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
     return [s for f in text_string_to_metric_families(text) if f.name == family
-            for s in f.samples if s.name.endswith("_total")]
+            for s in f.samples if s.name.endswith(suffix)]
 
 
 def _metrics_cpu_s(url: str) -> dict[str, float]:
     """role -> CPU seconds so far of the server's processes of that role, from its /metrics
     (gdn_process_cpu_seconds_total: each process's own clock)."""
-    return {s.labels["role"]: s.value for s in _totals(url, "gdn_process_cpu_seconds")}
+    return {s.labels["role"]: s.value for s in _samples(url, "gdn_process_cpu_seconds", "_total")}
 
 
 def cpu_snapshot(side: Side) -> tuple[dict[str, float], dict[str, dict[int, float]]]:
@@ -209,10 +211,7 @@ def cores_used(before: tuple, after: tuple, seconds: float) -> dict[str, float]:
 def _rows_launched(url: str) -> float:
     """The rows a server's engines have launched so far (gdn_launch_rows' sum): counted where the
     steps run, so a load on the engine's link (--load link), which no worker sees, counts too."""
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "gdn_launch_rows"
-               for s in f.samples if s.name == "gdn_launch_rows_sum")
+    return sum(s.value for s in _samples(url, "gdn_launch_rows", "_sum"))
 
 
 def _wait_for_steps(side: Side, load_proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
