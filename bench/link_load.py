@@ -24,10 +24,8 @@ import argparse
 import asyncio
 import base64
 import contextlib
-import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gdn_client._errors import GdnError as ClientError  # noqa: E402
 from gdn_client.loadtest import (  # noqa: E402  (the load's own machinery: one way to count)
-    LoadConfig, _child_line, _child_result, _ClientTally, _drive, _expect, _host_cpu_ticks, _LineProgress,
-    _result, _server_view, _shares, host_cpu_usage,
+    LoadConfig, _child_main, _drive, _LineProgress, _result, _server_view, _spread,
 )
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc  # noqa: E402
 from gdn_server.config import ModelShape  # noqa: E402
@@ -49,7 +46,6 @@ from gdn_server.link import input_shapes  # noqa: E402
 from gdn_server.work import DecodeResult, DecodeWork  # noqa: E402
 
 INPUT_SETS = 4  # pre-drawn inputs per client, rotated (fresh random data, never zeros)
-READY_TIMEOUT_S = 180.0
 
 
 class LinkClient:
@@ -111,7 +107,8 @@ def _bf16_bytes(t: torch.Tensor) -> bytes:
 
 
 async def _child(spec: dict[str, Any]) -> dict[str, Any]:
-    """One load process: one link, its share of the clients, measured from the parent's "go"."""
+    """One load process (gdn-loadtest's child protocol): one link, its share of the clients,
+    measured from the parent's "go"."""
     cfg = LoadConfig(**spec["config"])
     info, _ = await _server_view(cfg.target, cfg.timeout)
     shape = ModelShape(info.num_layers, info.num_q_heads, info.num_v_heads, info.head_dim_k, info.head_dim_v)
@@ -133,69 +130,34 @@ async def _child(spec: dict[str, Any]) -> dict[str, Any]:
     latencies = np.array([x for t in tallies for x in t.latencies], dtype=np.float64)
     return {"elapsed": elapsed, "cpu_s": cpu_s, "latencies": base64.b64encode(latencies.tobytes()).decode(),
             "errors": sum(t.errors for t in tallies), "error_samples": [m for t in tallies for m in t.error_samples][:5],
-            "reply_bytes": clients[0].reply_bytes, "request_bytes": sum(len(x) for x in clients[0].inputs[0])}
+            "sizes": [shape.num_layers, sum(len(x) for x in clients[0].inputs[0]), clients[0].reply_bytes]}
 
 
 async def run(cfg: LoadConfig, link: str, processes: int) -> dict[str, Any]:
-    """The whole run: children started and warmed up, the server's stats before "go" and after."""
-    children: list[asyncio.subprocess.Process] = []
-    try:
-        first = 0
-        for i, n in enumerate(_shares(cfg.clients, processes)):
-            spec = {"config": dataclasses.asdict(dataclasses.replace(cfg, clients=n, progress=False)),
-                    "link": link, "first_index": first}
-            first += n
-            child = await asyncio.create_subprocess_exec(
-                sys.executable, __file__, "--child", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                limit=1 << 30)
-            assert child.stdin is not None
-            child.stdin.write(json.dumps(spec).encode() + b"\n")
-            children.append(child)
-        for index, child in enumerate(children):
-            await _expect(child, index, "ready", READY_TIMEOUT_S)
+    """The whole run, through gdn-loadtest's own spreading over processes: children started and
+    warmed up, the server's stats taken before "go" and after the last result."""
+    before = None
+
+    async def snapshot() -> None:
+        nonlocal before
         _, before = await _server_view(cfg.target, cfg.timeout)
-        ticks, cpu0 = _host_cpu_ticks(), time.process_time()
-        for child in children:
-            assert child.stdin is not None
-            child.stdin.write(b"go\n")
-        results = await asyncio.gather(*(_child_result(c, i, cfg, _Quiet()) for i, c in enumerate(children)))
-        host, own_cpu_s = host_cpu_usage(ticks, _host_cpu_ticks()), time.process_time() - cpu0
-        _, after = await _server_view(cfg.target, cfg.timeout)
-    finally:
-        for child in children:
-            if child.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    child.kill()
-                await child.wait()
-    tallies = [_ClientTally(np.frombuffer(base64.b64decode(r["latencies"]), dtype=np.float64).tolist(), r["errors"],
-                            r["error_samples"]) for r in results]
+
+    tallies, elapsed, host, cpu_s, sizes = await _spread(
+        cfg, "link", processes, {"link": link}, "link", snapshot, child_command=(sys.executable, __file__, "--child"))
+    _, after = await _server_view(cfg.target, cfg.timeout)
     delta = after.since(before)
     server = {"backend": after.backend, "launches": delta.launches, "rows_launched": delta.rows_launched,
               "requests": delta.requests, "mean_rows_per_launch": delta.mean_rows_per_launch,
               "device_seconds": delta.device_seconds, "queue_wait_seconds": delta.queue_wait_seconds}
-    cpu_s = own_cpu_s + sum(r["cpu_s"] for r in results)
-    out = _result("gdn", cfg, 0, tallies, max(r["elapsed"] for r in results), results[0]["request_bytes"],
-                  results[0]["reply_bytes"], server, host, cpu_s)
-    summary = out.summary()
+    layers, request_bytes, reply_bytes = sizes
+    summary = _result("gdn", cfg, layers, tallies, elapsed, request_bytes, reply_bytes, server, host, cpu_s).summary()
     summary["load"] = "link"  # not gRPC: see this file's docstring
     return summary
 
 
-class _Quiet:
-    def update(self, n: int = 1) -> None: ...
-    def close(self) -> None: ...
-
-
 def main() -> int:
     if sys.argv[1:] == ["--child"]:
-        spec = json.loads(sys.stdin.readline())
-        try:
-            result = asyncio.run(_child(spec))
-        except ClientError as err:
-            print("error " + json.dumps({"message": str(err.message), "code": err.code.name}), flush=True)
-            return 1
-        print("result " + json.dumps(result), flush=True)
-        return 0
+        return _child_main(_child)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="the server's gRPC address (sessions, stats)")
     p.add_argument("--link", required=True, help="the engine's decode link socket")

@@ -514,12 +514,14 @@ def _shares(total: int, parts: int) -> list[int]:
 
 async def _spread(
     cfg: LoadConfig, kind: str, processes: int, extra: dict[str, Any], label: str,
-    before_measure: Callable[[], Awaitable[None]] | None = None,
+    before_measure: Callable[[], Awaitable[None]] | None = None, child_command: Sequence[str] | None = None,
 ) -> tuple[list[_ClientTally], float, dict[str, float] | None, float, list[int] | None]:
     """Runs `cfg`'s clients in child processes; returns their tallies (one per child), the
     longest child's elapsed time, the host's CPU use from "go" to the last result, the CPU
     seconds of every load process (this one's from "go" to the last result, the children's over
-    their runs), and for gdn steps [layers, request bytes, reply bytes]."""
+    their runs), and for gdn steps [layers, request bytes, reply bytes]. `child_command`: what
+    starts a child (default: this module's `--child`; a benchmark with clients of its own kind
+    gives its own, speaking the same protocol through `_child_main`)."""
     parts = min(processes, cfg.clients, cfg.clients if cfg.requests is None else max(1, cfg.requests))
     clients = _shares(cfg.clients, parts)
     requests = None if cfg.requests is None else _shares(cfg.requests, parts) or [0]
@@ -532,7 +534,7 @@ async def _spread(
             spec = {"kind": kind, "config": dataclasses.asdict(part), "first_index": first, **extra}
             first += n
             child = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gdn_client.loadtest", _CHILD_FLAG,
+                *(child_command or (sys.executable, "-m", "gdn_client.loadtest", _CHILD_FLAG)),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, limit=1 << 30,
             )
             assert child.stdin is not None
@@ -659,11 +661,12 @@ async def _child(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _child_main() -> int:
-    """`python -m gdn_client.loadtest --child`: one spec line on stdin, protocol lines on stdout."""
+def _child_main(child: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] = _child) -> int:
+    """`python -m gdn_client.loadtest --child`: one spec line on stdin, protocol lines on stdout
+    (`child` runs the spec: this module's clients by default)."""
     spec = json.loads(sys.stdin.readline())
     try:
-        result = asyncio.run(_child(spec))
+        result = asyncio.run(child(spec))
     except GdnError as err:
         print("error " + json.dumps({"message": str(err.message), "code": err.code.name}), flush=True)
         return 1
