@@ -11,8 +11,8 @@
  * serves; runs until killed. Not a server for anything else: no TLS, no deadlines, no compression
  * (a compressed message is refused), no limits beyond the message size.
  *
- * The system's libnghttp2 comes without its header here, so the few declarations this needs are
- * written out below, from nghttp2's documented, stable C API (nghttp2.h, ABI version 14).
+ * The system's libnghttp2 comes without its header here: bench/nghttp2_api.h declares what this
+ * uses.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -29,74 +29,7 @@
 #include <sys/types.h>
 #include <unistd.h>
 
-/* ---- nghttp2's API, as much of it as this uses ---- */
-typedef struct nghttp2_session nghttp2_session;
-typedef struct nghttp2_session_callbacks nghttp2_session_callbacks;
-typedef struct {
-    size_t length;
-    int32_t stream_id;
-    uint8_t type;
-    uint8_t flags;
-    uint8_t reserved;
-} nghttp2_frame_hd;
-typedef union {
-    nghttp2_frame_hd hd; /* the first member of every frame type */
-} nghttp2_frame;
-typedef struct {
-    uint8_t *name;
-    uint8_t *value;
-    size_t namelen;
-    size_t valuelen;
-    uint8_t flags;
-} nghttp2_nv;
-typedef struct {
-    int32_t settings_id;
-    uint32_t value;
-} nghttp2_settings_entry;
-typedef union {
-    int fd;
-    void *ptr;
-} nghttp2_data_source;
-typedef ssize_t (*nghttp2_data_source_read_callback)(nghttp2_session *, int32_t, uint8_t *, size_t, uint32_t *,
-                                                     nghttp2_data_source *, void *);
-typedef struct {
-    nghttp2_data_source source;
-    nghttp2_data_source_read_callback read_callback;
-} nghttp2_data_provider;
-
-int nghttp2_session_callbacks_new(nghttp2_session_callbacks **);
-void nghttp2_session_callbacks_del(nghttp2_session_callbacks *);
-void nghttp2_session_callbacks_set_on_begin_headers_callback(
-    nghttp2_session_callbacks *, int (*)(nghttp2_session *, const nghttp2_frame *, void *));
-void nghttp2_session_callbacks_set_on_header_callback(
-    nghttp2_session_callbacks *, int (*)(nghttp2_session *, const nghttp2_frame *, const uint8_t *, size_t,
-                                         const uint8_t *, size_t, uint8_t, void *));
-void nghttp2_session_callbacks_set_on_frame_recv_callback(
-    nghttp2_session_callbacks *, int (*)(nghttp2_session *, const nghttp2_frame *, void *));
-void nghttp2_session_callbacks_set_on_data_chunk_recv_callback(
-    nghttp2_session_callbacks *, int (*)(nghttp2_session *, uint8_t, int32_t, const uint8_t *, size_t, void *));
-void nghttp2_session_callbacks_set_on_stream_close_callback(
-    nghttp2_session_callbacks *, int (*)(nghttp2_session *, int32_t, uint32_t, void *));
-int nghttp2_session_server_new(nghttp2_session **, const nghttp2_session_callbacks *, void *);
-void nghttp2_session_del(nghttp2_session *);
-ssize_t nghttp2_session_mem_recv(nghttp2_session *, const uint8_t *, size_t);
-ssize_t nghttp2_session_mem_send(nghttp2_session *, const uint8_t **);
-int nghttp2_session_want_read(nghttp2_session *);
-int nghttp2_session_want_write(nghttp2_session *);
-int nghttp2_submit_settings(nghttp2_session *, uint8_t, const nghttp2_settings_entry *, size_t);
-int nghttp2_submit_response(nghttp2_session *, int32_t, const nghttp2_nv *, size_t, const nghttp2_data_provider *);
-int nghttp2_submit_trailer(nghttp2_session *, int32_t, const nghttp2_nv *, size_t);
-int nghttp2_session_resume_data(nghttp2_session *, int32_t);
-void *nghttp2_session_get_stream_user_data(nghttp2_session *, int32_t);
-int nghttp2_session_set_stream_user_data(nghttp2_session *, int32_t, void *);
-int nghttp2_session_set_local_window_size(nghttp2_session *, uint8_t, int32_t, int32_t);
-
-enum { FRAME_DATA = 0, FRAME_HEADERS = 1 };
-enum { FLAG_END_STREAM = 0x01 };
-enum { DATA_FLAG_EOF = 0x01, DATA_FLAG_NO_END_STREAM = 0x02 };
-enum { ERR_DEFERRED = -508 };
-enum { SETTINGS_MAX_CONCURRENT_STREAMS = 3, SETTINGS_INITIAL_WINDOW_SIZE = 4 };
-/* ---- end of nghttp2's API ---- */
+#include "nghttp2_api.h"
 
 #define WINDOW (16 << 20)
 #define MAX_MESSAGE (256u << 20)
@@ -233,7 +166,7 @@ static int on_data_chunk(nghttp2_session *session, uint8_t flags, int32_t id, co
         uint32_t be;
         memcpy(&be, s->in + at + 1, 4);
         size_t size = ntohl(be);
-        if (s->in[at] != 0 || size > MAX_MESSAGE) return -902; /* NGHTTP2_ERR_CALLBACK_FAILURE: drop the connection */
+        if (s->in[at] != 0 || size > MAX_MESSAGE) return ERR_CALLBACK_FAILURE; /* drop the connection */
         if (s->in_len - at - 5 < size) break;
         push_reply(s, s->in + at + 5, size);
         at += 5 + size;

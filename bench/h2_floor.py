@@ -23,6 +23,7 @@ import re
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -36,15 +37,69 @@ REQUEST_BYTES = 16_614  # a qwen3-next DecodeRequest of one session, T=1, as gdn
 REPLY_BYTES = 8_213  # its DecodeResponse
 
 
-def build(out_dir: Path) -> Path:
-    """Compiles h2_floor.c against the system's libnghttp2 (no header needed: h2_floor.c declares
-    what it uses)."""
+def _libnghttp2() -> str:
     lib = ctypes.util.find_library("nghttp2")
     if lib is None:
         raise SystemExit("h2_floor: no libnghttp2 on this machine")
+    return lib
+
+
+def build(out_dir: Path) -> Path:
+    """Compiles h2_floor.c against the system's libnghttp2 (no header needed: nghttp2_api.h
+    declares what it uses)."""
     binary = out_dir / "h2_floor"
-    subprocess.run(["gcc", "-O2", "-pthread", str(HERE / "h2_floor.c"), "-o", str(binary), f"-l:{lib}"], check=True)
+    subprocess.run(["gcc", "-O2", "-pthread", str(HERE / "h2_floor.c"), "-o", str(binary), f"-l:{_libnghttp2()}"],
+                   check=True)
     return binary
+
+
+def build_transport(out_dir: Path) -> None:
+    """Compiles h2_transport.c as the Python extension `h2_transport` into out_dir."""
+    target = out_dir / f"h2_transport{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
+                    str(HERE / "h2_transport.c"), "-o", str(target), f"-l:{_libnghttp2()}"], check=True)
+
+
+def serve_transport(build_dir: str) -> None:
+    """The echo through h2_transport: HTTP/2 in C, each message answered by Python on uvloop's
+    loop (`python bench/h2_floor.py --serve-transport DIR`, DIR holding the built extension)."""
+    sys.path.insert(0, build_dir)
+    import h2_transport  # noqa: PLC0415  (built at run time)
+    import uvloop  # noqa: PLC0415
+
+    from gdn_client._echo import STREAM, UNARY, _reply
+
+    OPEN, MESSAGE, HALF_CLOSE, GONE = 1, 2, 3, 4
+    paths = (STREAM, UNARY)
+
+    async def main() -> None:
+        transport = h2_transport.Transport(0)
+        loop = asyncio.get_running_loop()
+
+        echoes: set[int] = set()  # open streams of the echo's methods
+
+        def ready() -> None:
+            for event in transport.poll():
+                kind, handle = event[0], event[1]
+                if kind == OPEN:
+                    if event[2] in paths:
+                        echoes.add(handle)
+                    else:
+                        transport.finish(handle, 12)  # UNIMPLEMENTED
+                elif kind == MESSAGE and handle in echoes:
+                    transport.send(handle, _reply(event[2]))
+                elif kind == HALF_CLOSE and handle in echoes:
+                    transport.finish(handle, 0)
+                    echoes.discard(handle)
+                elif kind == GONE:
+                    echoes.discard(handle)
+            transport.flush()
+
+        loop.add_reader(transport.fileno(), ready)
+        print(f"listening on 127.0.0.1:{transport.port}", flush=True)
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
 
 
 def start(cmd: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
@@ -92,12 +147,18 @@ def main() -> None:
     p.add_argument("--request-bytes", type=int, default=REQUEST_BYTES)
     p.add_argument("--reply-bytes", type=int, default=REPLY_BYTES)
     p.add_argument("--json", type=Path)
+    p.add_argument("--serve-transport", metavar="DIR", help=argparse.SUPPRESS)  # a child: see serve_transport
     args = p.parse_args()
+    if args.serve_transport:
+        serve_transport(args.serve_transport)
+        return
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         binary = build(Path(tmp))
+        build_transport(Path(tmp))
         servers = {
             "c-nghttp2": start([str(binary), "0", str(args.threads)]),
+            "c-transport+python": start([sys.executable, __file__, "--serve-transport", tmp]),
             "grpc.aio": start([sys.executable, "-m", "gdn_client._echo", "--host", "127.0.0.1", "--port", "0"],
                               env=echo_env()),
         }
@@ -116,9 +177,10 @@ def main() -> None:
             for proc, _ in servers.values():
                 proc.kill()
                 proc.wait()
+    servers_order = ("c-nghttp2", "c-transport+python", "grpc.aio")
     lines = ["| server | clients | median steps/s | median p50 ms | median server CPU us/step |", "|---|---|---|---|---|"]
     for clients in sorted({r["clients"] for r in runs}):
-        for name in ("c-nghttp2", "grpc.aio"):
+        for name in servers_order:
             rs = [r for r in runs if r["server"] == name and r["clients"] == clients]
             med = lambda key: statistics.median(r[key] for r in rs)  # noqa: E731
             lines.append(f"| {name} | {clients} | {med('steps_per_s'):,.0f} | {med('p50_ms'):.3f} | "

@@ -1,0 +1,479 @@
+/* A gRPC server transport in C with the per-request work left to Python: the design that
+ * bench/NOTES.md's checklist (twenty-seventh session) proposes for the workers, in its least
+ * form, to measure what it would cost per step before it is built into them.
+ *
+ * HTTP/2 and gRPC's message framing run here (libnghttp2, bench/nghttp2_api.h); the caller's
+ * event loop watches `fileno()` (an epoll fd) and calls `poll()` when it is readable, handles the
+ * events in Python and answers with `send` and `finish`, then `flush()`. One thread: the loop's.
+ *
+ *   Transport(port) -> listens on 127.0.0.1:port (0: any free port; `.port` says which)
+ *   poll() -> [(OPEN, handle, path) | (MESSAGE, handle, bytes) | (HALF_CLOSE, handle) | (GONE, handle)]
+ *   send(handle, data) -> bool      a message on the stream (False: the stream is gone)
+ *   finish(handle, status) -> bool  the stream's trailers, after its messages
+ *   flush()                         writes what every connection has to send
+ *
+ * bench/h2_floor.py builds it as a Python extension and serves gdn-loadtest's echo with it. Not a
+ * server for anything else: no TLS, deadlines, compression or limits beyond the message size.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "nghttp2_api.h"
+
+enum { EV_OPEN = 1, EV_MESSAGE = 2, EV_HALF_CLOSE = 3, EV_GONE = 4 };
+#define WINDOW (16 << 20)
+#define MAX_MESSAGE (64u << 20)
+
+typedef struct Chunk {
+    struct Chunk *next;
+    size_t len, sent;
+    uint8_t data[];
+} Chunk;
+
+struct Conn;
+
+typedef struct Stream {
+    struct Stream *prev, *next; /* the connection's streams */
+    struct Conn *conn;
+    int32_t id;
+    long long handle;
+    PyObject *path;
+    int responded, finished, trailer_status;
+    uint8_t *in;
+    size_t in_len, in_cap;
+    Chunk *out_head, *out_tail;
+} Stream;
+
+typedef struct Conn {
+    int fd;
+    nghttp2_session *session;
+    Stream *streams;
+    uint8_t *pending;
+    size_t pending_len, pending_off;
+    struct Transport *owner;
+} Conn;
+
+typedef struct Transport {
+    PyObject_HEAD
+    int epfd, listen_fd, port;
+    long long next_handle;
+    PyObject *events;  /* list, handed out by poll() */
+    PyObject *handles; /* dict: handle -> Stream* (as an int) */
+    Conn **conns;      /* every open connection, for flush() */
+    size_t n_conns, cap_conns;
+} Transport;
+
+static nghttp2_session_callbacks *callbacks;
+
+static int emit(Transport *t, PyObject *event) {
+    if (event == NULL) return -1;
+    int rc = PyList_Append(t->events, event);
+    Py_DECREF(event);
+    return rc;
+}
+
+static Stream *stream_of(Transport *t, long long handle) {
+    PyObject *key = PyLong_FromLongLong(handle);
+    if (key == NULL) return NULL;
+    PyObject *ptr = PyDict_GetItemWithError(t->handles, key);
+    Py_DECREF(key);
+    return ptr == NULL ? NULL : (Stream *)PyLong_AsVoidPtr(ptr);
+}
+
+static void free_stream(Stream *s, int emit_gone) {
+    Transport *t = s->conn->owner;
+    if (emit_gone && !s->finished) emit(t, Py_BuildValue("(iL)", EV_GONE, s->handle));
+    PyObject *key = PyLong_FromLongLong(s->handle);
+    if (key != NULL) {
+        if (PyDict_DelItem(t->handles, key) < 0) PyErr_Clear();
+        Py_DECREF(key);
+    }
+    if (s->prev) s->prev->next = s->next;
+    else s->conn->streams = s->next;
+    if (s->next) s->next->prev = s->prev;
+    while (s->out_head) {
+        Chunk *c = s->out_head;
+        s->out_head = c->next;
+        free(c);
+    }
+    Py_XDECREF(s->path);
+    free(s->in);
+    free(s);
+}
+
+static nghttp2_nv nv(const char *name, const char *value) {
+    return (nghttp2_nv){(uint8_t *)name, (uint8_t *)value, strlen(name), strlen(value), 0};
+}
+
+static ssize_t read_out(nghttp2_session *session, int32_t id, uint8_t *buf, size_t length, uint32_t *flags,
+                        nghttp2_data_source *source, void *user) {
+    Stream *s = source->ptr;
+    size_t n = 0;
+    while (s->out_head != NULL && n < length) {
+        Chunk *c = s->out_head;
+        size_t take = c->len - c->sent < length - n ? c->len - c->sent : length - n;
+        memcpy(buf + n, c->data + c->sent, take);
+        c->sent += take;
+        n += take;
+        if (c->sent == c->len) {
+            s->out_head = c->next;
+            if (s->out_head == NULL) s->out_tail = NULL;
+            free(c);
+        }
+    }
+    if (n > 0) return (ssize_t)n;
+    if (!s->finished) return ERR_DEFERRED;
+    *flags |= DATA_FLAG_EOF | DATA_FLAG_NO_END_STREAM;
+    char status[16];
+    snprintf(status, sizeof status, "%d", s->trailer_status);
+    nghttp2_nv trailer = nv("grpc-status", status);
+    nghttp2_submit_trailer(session, id, &trailer, 1);
+    return 0;
+}
+
+static int on_begin_headers(nghttp2_session *session, const nghttp2_frame *frame, void *user) {
+    Conn *c = user;
+    if (frame->hd.type != FRAME_HEADERS || nghttp2_session_get_stream_user_data(session, frame->hd.stream_id))
+        return 0;
+    Stream *s = calloc(1, sizeof(Stream));
+    if (s == NULL) return ERR_CALLBACK_FAILURE;
+    s->conn = c;
+    s->id = frame->hd.stream_id;
+    s->handle = ++c->owner->next_handle;
+    s->next = c->streams;
+    if (c->streams) c->streams->prev = s;
+    c->streams = s;
+    PyObject *key = PyLong_FromLongLong(s->handle), *ptr = PyLong_FromVoidPtr(s);
+    int rc = key && ptr ? PyDict_SetItem(c->owner->handles, key, ptr) : -1;
+    Py_XDECREF(key);
+    Py_XDECREF(ptr);
+    nghttp2_session_set_stream_user_data(session, s->id, s);
+    return rc < 0 ? ERR_CALLBACK_FAILURE : 0;
+}
+
+static int on_header(nghttp2_session *session, const nghttp2_frame *frame, const uint8_t *name, size_t namelen,
+                     const uint8_t *value, size_t valuelen, uint8_t flags, void *user) {
+    Stream *s = nghttp2_session_get_stream_user_data(session, frame->hd.stream_id);
+    if (s != NULL && s->path == NULL && namelen == 5 && memcmp(name, ":path", 5) == 0) {
+        s->path = PyUnicode_DecodeUTF8((const char *)value, (Py_ssize_t)valuelen, "replace");
+        if (s->path == NULL) return ERR_CALLBACK_FAILURE;
+    }
+    return 0;
+}
+
+static int on_frame_recv(nghttp2_session *session, const nghttp2_frame *frame, void *user) {
+    Stream *s = nghttp2_session_get_stream_user_data(session, frame->hd.stream_id);
+    if (s == NULL) return 0;
+    Transport *t = s->conn->owner;
+    if (frame->hd.type == FRAME_HEADERS && !s->responded) {
+        s->responded = 1;
+        nghttp2_nv h[] = {nv(":status", "200"), nv("content-type", "application/grpc")};
+        nghttp2_data_provider provider = {{.ptr = s}, read_out};
+        nghttp2_submit_response(session, s->id, h, 2, &provider);
+        if (emit(t, Py_BuildValue("(iLO)", EV_OPEN, s->handle, s->path ? s->path : Py_None)) < 0)
+            return ERR_CALLBACK_FAILURE;
+    }
+    if ((frame->hd.type == FRAME_DATA || frame->hd.type == FRAME_HEADERS) && (frame->hd.flags & FLAG_END_STREAM))
+        if (emit(t, Py_BuildValue("(iL)", EV_HALF_CLOSE, s->handle)) < 0) return ERR_CALLBACK_FAILURE;
+    return 0;
+}
+
+static int on_data_chunk(nghttp2_session *session, uint8_t flags, int32_t id, const uint8_t *data, size_t len,
+                         void *user) {
+    Stream *s = nghttp2_session_get_stream_user_data(session, id);
+    if (s == NULL) return 0;
+    if (s->in_len + len > s->in_cap) {
+        size_t cap = s->in_cap < 65536 ? 65536 : s->in_cap;
+        while (cap < s->in_len + len) cap *= 2;
+        uint8_t *grown = realloc(s->in, cap);
+        if (grown == NULL) return ERR_CALLBACK_FAILURE;
+        s->in = grown;
+        s->in_cap = cap;
+    }
+    memcpy(s->in + s->in_len, data, len);
+    s->in_len += len;
+    size_t at = 0;
+    while (s->in_len - at >= 5) {
+        uint32_t be;
+        memcpy(&be, s->in + at + 1, 4);
+        size_t size = ntohl(be);
+        if (s->in[at] != 0 || size > MAX_MESSAGE) return ERR_CALLBACK_FAILURE; /* compressed or too big */
+        if (s->in_len - at - 5 < size) break;
+        PyObject *msg = PyBytes_FromStringAndSize((const char *)s->in + at + 5, (Py_ssize_t)size);
+        if (emit(s->conn->owner, msg ? Py_BuildValue("(iLN)", EV_MESSAGE, s->handle, msg) : NULL) < 0)
+            return ERR_CALLBACK_FAILURE;
+        at += 5 + size;
+    }
+    memmove(s->in, s->in + at, s->in_len - at);
+    s->in_len -= at;
+    return 0;
+}
+
+static int on_stream_close(nghttp2_session *session, int32_t id, uint32_t error_code, void *user) {
+    Stream *s = nghttp2_session_get_stream_user_data(session, id);
+    if (s != NULL) free_stream(s, 1);
+    return 0;
+}
+
+static void watch(Transport *t, Conn *c, int out) {
+    struct epoll_event ev = {.events = EPOLLIN | (out ? EPOLLOUT : 0), .data.ptr = c};
+    epoll_ctl(t->epfd, EPOLL_CTL_MOD, c->fd, &ev);
+}
+
+/* Writes what nghttp2 has for the connection: 0 while it lives, -1 once it is done or broken. */
+static int flush_conn(Transport *t, Conn *c) {
+    for (;;) {
+        if (c->pending_off == c->pending_len) {
+            const uint8_t *data;
+            ssize_t n = nghttp2_session_mem_send(c->session, &data);
+            if (n < 0) return -1;
+            if (n == 0) break;
+            ssize_t w = send(c->fd, data, (size_t)n, MSG_NOSIGNAL);
+            if (w == n) continue;
+            if (w < 0 && errno != EAGAIN) return -1;
+            size_t done = w > 0 ? (size_t)w : 0;
+            uint8_t *kept = realloc(c->pending, (size_t)n - done);
+            if (kept == NULL) return -1;
+            c->pending = kept;
+            memcpy(c->pending, data + done, (size_t)n - done);
+            c->pending_len = (size_t)n - done;
+            c->pending_off = 0;
+        }
+        ssize_t w = send(c->fd, c->pending + c->pending_off, c->pending_len - c->pending_off, MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno != EAGAIN) return -1;
+            watch(t, c, 1);
+            return 0;
+        }
+        c->pending_off += (size_t)w;
+        if (c->pending_off == c->pending_len) c->pending_off = c->pending_len = 0;
+    }
+    watch(t, c, 0);
+    return nghttp2_session_want_read(c->session) || nghttp2_session_want_write(c->session) ? 0 : -1;
+}
+
+static void close_conn(Transport *t, Conn *c) {
+    epoll_ctl(t->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+    close(c->fd);
+    while (c->streams) free_stream(c->streams, 1); /* nghttp2_session_del calls no stream callbacks */
+    nghttp2_session_del(c->session);
+    free(c->pending);
+    for (size_t i = 0; i < t->n_conns; i++)
+        if (t->conns[i] == c) {
+            t->conns[i] = t->conns[--t->n_conns];
+            break;
+        }
+    free(c);
+}
+
+static void accept_all(Transport *t) {
+    for (;;) {
+        int fd = accept4(t->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) return;
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        Conn *c = calloc(1, sizeof(Conn));
+        if (c == NULL || (t->n_conns == t->cap_conns &&
+                          (t->conns = realloc(t->conns, (t->cap_conns = t->cap_conns * 2 + 8) * sizeof(Conn *))) == NULL)) {
+            close(fd);
+            free(c);
+            return;
+        }
+        t->conns[t->n_conns++] = c;
+        c->fd = fd;
+        c->owner = t;
+        nghttp2_session_server_new(&c->session, callbacks, c);
+        nghttp2_settings_entry settings[] = {{SETTINGS_MAX_CONCURRENT_STREAMS, 1000}, {SETTINGS_INITIAL_WINDOW_SIZE, WINDOW}};
+        nghttp2_submit_settings(c->session, 0, settings, 2);
+        nghttp2_session_set_local_window_size(c->session, 0, 0, WINDOW);
+        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
+        epoll_ctl(t->epfd, EPOLL_CTL_ADD, fd, &ev);
+        if (flush_conn(t, c) < 0) close_conn(t, c);
+    }
+}
+
+static PyObject *transport_poll(Transport *t, PyObject *unused) {
+    static uint8_t buf[1 << 16];
+    struct epoll_event events[64];
+    int n = epoll_wait(t->epfd, events, 64, 0);
+    for (int i = 0; i < n; i++) {
+        Conn *c = events[i].data.ptr;
+        if (c == NULL) {
+            accept_all(t);
+            continue;
+        }
+        int broken = 0;
+        for (;;) {
+            ssize_t r = recv(c->fd, buf, sizeof buf, 0);
+            if (r == 0 || (r < 0 && errno != EAGAIN)) {
+                broken = 1;
+                break;
+            }
+            if (r < 0) break;
+            if (nghttp2_session_mem_recv(c->session, buf, (size_t)r) < 0) {
+                broken = 1;
+                break;
+            }
+            if ((size_t)r < sizeof buf) break;
+        }
+        if (broken || flush_conn(t, c) < 0) close_conn(t, c);
+    }
+    if (PyErr_Occurred()) return NULL;
+    PyObject *out = t->events;
+    t->events = PyList_New(0);
+    if (t->events == NULL) {
+        t->events = out;
+        return NULL;
+    }
+    return out;
+}
+
+static PyObject *transport_send(Transport *t, PyObject *args) {
+    long long handle;
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "Ly*", &handle, &data)) return NULL;
+    Stream *s = stream_of(t, handle);
+    if (s == NULL || s->finished) {
+        PyBuffer_Release(&data);
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_FALSE;
+    }
+    Chunk *c = malloc(sizeof(Chunk) + 5 + (size_t)data.len);
+    if (c == NULL) {
+        PyBuffer_Release(&data);
+        return PyErr_NoMemory();
+    }
+    c->next = NULL;
+    c->len = 5 + (size_t)data.len;
+    c->sent = 0;
+    c->data[0] = 0;
+    uint32_t be = htonl((uint32_t)data.len);
+    memcpy(c->data + 1, &be, 4);
+    memcpy(c->data + 5, data.buf, (size_t)data.len);
+    PyBuffer_Release(&data);
+    if (s->out_tail) s->out_tail->next = c;
+    else s->out_head = c;
+    s->out_tail = c;
+    nghttp2_session_resume_data(s->conn->session, s->id);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *transport_finish(Transport *t, PyObject *args) {
+    long long handle;
+    int status;
+    if (!PyArg_ParseTuple(args, "Li", &handle, &status)) return NULL;
+    Stream *s = stream_of(t, handle);
+    if (s == NULL || s->finished) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_FALSE;
+    }
+    s->finished = 1;
+    s->trailer_status = status;
+    nghttp2_session_resume_data(s->conn->session, s->id);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *transport_flush(Transport *t, PyObject *unused) {
+    for (size_t i = 0; i < t->n_conns;) {
+        Conn *c = t->conns[i];
+        if (flush_conn(t, c) < 0) close_conn(t, c); /* moves the last connection into slot i */
+        else i++;
+    }
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *transport_fileno(Transport *t, PyObject *unused) { return PyLong_FromLong(t->epfd); }
+
+static int transport_init(Transport *t, PyObject *args, PyObject *kwargs) {
+    int port = 0;
+    if (!PyArg_ParseTuple(args, "|i", &port)) return -1;
+    t->events = PyList_New(0);
+    t->handles = PyDict_New();
+    if (t->events == NULL || t->handles == NULL) return -1;
+    t->listen_fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    t->epfd = epoll_create1(EPOLL_CLOEXEC);
+    int one = 1;
+    setsockopt(t->listen_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    if (t->listen_fd < 0 || t->epfd < 0 || bind(t->listen_fd, (struct sockaddr *)&addr, sizeof addr) != 0 ||
+        listen(t->listen_fd, 1024) != 0 || getsockname(t->listen_fd, (struct sockaddr *)&addr, &len) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    t->port = ntohs(addr.sin_port);
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+    epoll_ctl(t->epfd, EPOLL_CTL_ADD, t->listen_fd, &ev);
+    return 0;
+}
+
+static void transport_dealloc(Transport *t) {
+    while (t->n_conns) close_conn(t, t->conns[t->n_conns - 1]);
+    free(t->conns);
+    if (t->listen_fd > 0) close(t->listen_fd);
+    if (t->epfd > 0) close(t->epfd);
+    Py_XDECREF(t->events);
+    Py_XDECREF(t->handles);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static PyObject *transport_port(Transport *t, void *unused) { return PyLong_FromLong(t->port); }
+
+static PyMethodDef transport_methods[] = {
+    {"poll", (PyCFunction)transport_poll, METH_NOARGS, "poll() -> list of events"},
+    {"send", (PyCFunction)transport_send, METH_VARARGS, "send(handle, data) -> bool"},
+    {"finish", (PyCFunction)transport_finish, METH_VARARGS, "finish(handle, status) -> bool"},
+    {"flush", (PyCFunction)transport_flush, METH_NOARGS, "flush() -> None"},
+    {"fileno", (PyCFunction)transport_fileno, METH_NOARGS, "fileno() -> int: the epoll fd to watch"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef transport_getset[] = {
+    {"port", (getter)transport_port, NULL, "the port it listens on", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject TransportType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "h2_transport.Transport",
+    .tp_basicsize = sizeof(Transport),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)transport_init,
+    .tp_dealloc = (destructor)transport_dealloc,
+    .tp_methods = transport_methods,
+    .tp_getset = transport_getset,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "h2_transport", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit_h2_transport(void) {
+    if (PyType_Ready(&TransportType) < 0) return NULL;
+    if (callbacks == NULL) {
+        nghttp2_session_callbacks_new(&callbacks);
+        nghttp2_session_callbacks_set_on_begin_headers_callback(callbacks, on_begin_headers);
+        nghttp2_session_callbacks_set_on_header_callback(callbacks, on_header);
+        nghttp2_session_callbacks_set_on_frame_recv_callback(callbacks, on_frame_recv);
+        nghttp2_session_callbacks_set_on_data_chunk_recv_callback(callbacks, on_data_chunk);
+        nghttp2_session_callbacks_set_on_stream_close_callback(callbacks, on_stream_close);
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&TransportType);
+    if (PyModule_AddObject(m, "Transport", (PyObject *)&TransportType) < 0) {
+        Py_DECREF(&TransportType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
