@@ -266,7 +266,7 @@ case "${1:-}" in
     wait $load
     kill $srv; wait $srv
     ;;
-  h2floor)  # bench/h2_floor.py: the bytes echo in C over libnghttp2 against grpc.aio's, server CPU per step
+  h2floor)  # bench/h2_floor.py: the bytes echo in C, in C with Python per message (h2_transport), and in grpc.aio: server CPU per step
              # (CLIENTS 8,64; LOAD_PROCS 4; needs libnghttp2.so on the host: carry one if the image has none)
     timeout 500 python3 bench/h2_floor.py --clients "${CLIENTS:-8,64}" --rounds "${ROUNDS:-2}" \
       --load-processes "${LOAD_PROCS:-4}" --json "$out/h2_floor.json" 2>&1 | tee "$out/h2_floor.log" | tail -8

@@ -1,6 +1,7 @@
 """The floor of a native gRPC front end: the bytes echo of gdn-loadtest served by bench/h2_floor.c
-(C, HTTP/2 through the system's libnghttp2) against the same echo in grpc.aio (gdn_client._echo),
-both driven by gdn-loadtest's own echo clients with a decode step's sizes.
+(C, HTTP/2 through the system's libnghttp2), by bench/h2_transport.c (the same HTTP/2 in C, each
+message answered by Python on uvloop: the design proposed for the workers) and by grpc.aio
+(gdn_client._echo), all driven by gdn-loadtest's own echo clients with a decode step's sizes.
 
     python bench/h2_floor.py                                  # 8 and 64 clients, 2 rounds
     python bench/h2_floor.py --clients 64 --rounds 3 --load-processes 4 --json out.json
