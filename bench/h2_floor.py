@@ -9,9 +9,9 @@ message answered by Python on uvloop: the design proposed for the workers) and b
 What it says: how much CPU a step's transport costs the server when no Python runs on the
 server's side, against grpc.aio's (~150-230 us per step on the hosts we measure; bench/NOTES.md).
 That is the floor of a C worker in front of the engine, before any of a worker's own work
-(parsing and checking the request, the link, the reply's encoding). Prints a table and writes
-JSON: steps/s, p50, and the server's CPU per step (its process's CPU time over the run, from
-/proc, divided by the steps).
+(parsing and checking the request, the link, the reply's encoding). Each server is first checked
+to be a correct echo (`check`). Prints a table and writes JSON: steps/s, p50, and the server's
+CPU per step (its process's CPU time over the run, from /proc, divided by the steps).
 """
 from __future__ import annotations
 
@@ -118,6 +118,48 @@ def start(cmd: list[str], env: dict[str, str] | None = None) -> tuple[subprocess
     raise SystemExit(f"{cmd[0]} did not start")
 
 
+async def check(address: str) -> None:
+    """Each server must be a correct echo before it is timed: unary and streamed replies byte for
+    byte (three streams on one connection), a 3 MB message, UNIMPLEMENTED for another method, a
+    stream cancelled mid-way and a connection dropped with a stream open, each followed by a
+    call that is still served."""
+    import grpc  # noqa: PLC0415
+
+    from gdn_client._echo import STREAM, UNARY, _reply, echo_request  # noqa: PLC0415
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        unary = channel.unary_unary(UNARY)
+        request = echo_request(REQUEST_BYTES, REPLY_BYTES)
+        assert await unary(request, timeout=10) == _reply(request), "unary echo"
+        calls = [channel.stream_stream(STREAM)() for _ in range(3)]
+        for i in range(50):
+            for call in calls:
+                message = echo_request(100 + i * 300, i * 97)
+                await call.write(message)
+                assert await call.read() == _reply(message), f"stream echo {i}"
+        for call in calls:
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF and await call.code() == grpc.StatusCode.OK, "stream end"
+        try:
+            await channel.unary_unary("/gdn.bench.Nope/Nope")(b"x", timeout=10)
+            raise AssertionError("an unknown method was answered")
+        except grpc.aio.AioRpcError as e:
+            assert e.code() == grpc.StatusCode.UNIMPLEMENTED, e.code()
+        big = echo_request(3_000_000, 2_000_000)
+        assert await unary(big, timeout=30) == _reply(big), "3 MB echo"
+        call = channel.stream_stream(STREAM)()
+        await call.write(request)
+        await call.read()
+        call.cancel()
+        assert await unary(request, timeout=10) == _reply(request), "after a cancelled stream"
+    async with grpc.aio.insecure_channel(address) as dropped:
+        call = dropped.stream_stream(STREAM)()
+        await call.write(request)
+        await call.read()
+    async with grpc.aio.insecure_channel(address) as channel:
+        assert await channel.unary_unary(UNARY)(request, timeout=10) == _reply(request), "after a dropped connection"
+
+
 def cpu_s(pid: int) -> float:
     """CPU seconds so far of a process and all its threads."""
     rest = Path(f"/proc/{pid}/stat").read_text()
@@ -164,6 +206,9 @@ def main() -> None:
                               env=echo_env()),
         }
         try:
+            for name, (_, address) in servers.items():
+                asyncio.run(check(address))
+                print(f"{name}: a correct echo", flush=True)
             for clients in (int(c) for c in args.clients.split(",")):
                 for round_index in range(args.rounds):
                     order = list(servers.items())

@@ -2,7 +2,8 @@
  * bench/NOTES.md's checklist (twenty-seventh session) proposes for the workers, in its least
  * form, to measure what it would cost per step before it is built into them.
  *
- * HTTP/2 and gRPC's message framing run here (libnghttp2, bench/nghttp2_api.h); the caller's
+ * HTTP/2 and gRPC's message framing run here (libnghttp2, bench/nghttp2_api.h, and what this
+ * shares with bench/h2_floor.c in bench/h2_common.h); the caller's
  * event loop watches `fileno()` (an epoll fd) and calls `poll()` when it is readable, handles the
  * events in Python and answers with `send` and `finish`, then `flush()`. One thread: the loop's.
  *
@@ -17,48 +18,30 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <arpa/inet.h>
-#include <errno.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <stdint.h>
-#include <string.h>
-#include <sys/epoll.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
-#include "nghttp2_api.h"
+#include "h2_common.h"
 
 enum { EV_OPEN = 1, EV_MESSAGE = 2, EV_HALF_CLOSE = 3, EV_GONE = 4 };
-#define WINDOW (16 << 20)
-#define MAX_MESSAGE (64u << 20)
-
-typedef struct Chunk {
-    struct Chunk *next;
-    size_t len, sent;
-    uint8_t data[];
-} Chunk;
 
 struct Conn;
 
 typedef struct Stream {
+    Outbox out; /* first: nghttp2's data source points at the stream; out.done: finish() was called */
+    Inbox in;
     struct Stream *prev, *next; /* the connection's streams */
     struct Conn *conn;
     int32_t id;
     long long handle;
     PyObject *path;
-    int responded, finished, trailer_status;
-    uint8_t *in;
-    size_t in_len, in_cap;
-    Chunk *out_head, *out_tail;
+    int responded;
 } Stream;
 
 typedef struct Conn {
-    int fd;
-    nghttp2_session *session;
+    Wire wire;
     Stream *streams;
-    uint8_t *pending;
-    size_t pending_len, pending_off;
     struct Transport *owner;
 } Conn;
 
@@ -91,7 +74,7 @@ static Stream *stream_of(Transport *t, long long handle) {
 
 static void free_stream(Stream *s, int emit_gone) {
     Transport *t = s->conn->owner;
-    if (emit_gone && !s->finished) emit(t, Py_BuildValue("(iL)", EV_GONE, s->handle));
+    if (emit_gone && !s->out.done) emit(t, Py_BuildValue("(iL)", EV_GONE, s->handle));
     PyObject *key = PyLong_FromLongLong(s->handle);
     if (key != NULL) {
         if (PyDict_DelItem(t->handles, key) < 0) PyErr_Clear();
@@ -100,44 +83,10 @@ static void free_stream(Stream *s, int emit_gone) {
     if (s->prev) s->prev->next = s->next;
     else s->conn->streams = s->next;
     if (s->next) s->next->prev = s->prev;
-    while (s->out_head) {
-        Chunk *c = s->out_head;
-        s->out_head = c->next;
-        free(c);
-    }
+    outbox_free(&s->out);
     Py_XDECREF(s->path);
-    free(s->in);
+    free(s->in.buf);
     free(s);
-}
-
-static nghttp2_nv nv(const char *name, const char *value) {
-    return (nghttp2_nv){(uint8_t *)name, (uint8_t *)value, strlen(name), strlen(value), 0};
-}
-
-static ssize_t read_out(nghttp2_session *session, int32_t id, uint8_t *buf, size_t length, uint32_t *flags,
-                        nghttp2_data_source *source, void *user) {
-    Stream *s = source->ptr;
-    size_t n = 0;
-    while (s->out_head != NULL && n < length) {
-        Chunk *c = s->out_head;
-        size_t take = c->len - c->sent < length - n ? c->len - c->sent : length - n;
-        memcpy(buf + n, c->data + c->sent, take);
-        c->sent += take;
-        n += take;
-        if (c->sent == c->len) {
-            s->out_head = c->next;
-            if (s->out_head == NULL) s->out_tail = NULL;
-            free(c);
-        }
-    }
-    if (n > 0) return (ssize_t)n;
-    if (!s->finished) return ERR_DEFERRED;
-    *flags |= DATA_FLAG_EOF | DATA_FLAG_NO_END_STREAM;
-    char status[16];
-    snprintf(status, sizeof status, "%d", s->trailer_status);
-    nghttp2_nv trailer = nv("grpc-status", status);
-    nghttp2_submit_trailer(session, id, &trailer, 1);
-    return 0;
 }
 
 static int on_begin_headers(nghttp2_session *session, const nghttp2_frame *frame, void *user) {
@@ -176,8 +125,8 @@ static int on_frame_recv(nghttp2_session *session, const nghttp2_frame *frame, v
     Transport *t = s->conn->owner;
     if (frame->hd.type == FRAME_HEADERS && !s->responded) {
         s->responded = 1;
-        nghttp2_nv h[] = {nv(":status", "200"), nv("content-type", "application/grpc")};
-        nghttp2_data_provider provider = {{.ptr = s}, read_out};
+        nghttp2_nv h[] = {h2_nv(":status", "200"), h2_nv("content-type", "application/grpc")};
+        nghttp2_data_provider provider = {{.ptr = s}, outbox_read};
         nghttp2_submit_response(session, s->id, h, 2, &provider);
         if (emit(t, Py_BuildValue("(iLO)", EV_OPEN, s->handle, s->path ? s->path : Py_None)) < 0)
             return ERR_CALLBACK_FAILURE;
@@ -187,35 +136,17 @@ static int on_frame_recv(nghttp2_session *session, const nghttp2_frame *frame, v
     return 0;
 }
 
+/* inbox_add's callback: each whole message up to Python as an event */
+static int message_up(void *ctx, const uint8_t *msg, size_t size) {
+    Stream *s = ctx;
+    PyObject *data = PyBytes_FromStringAndSize((const char *)msg, (Py_ssize_t)size);
+    return emit(s->conn->owner, data ? Py_BuildValue("(iLN)", EV_MESSAGE, s->handle, data) : NULL);
+}
+
 static int on_data_chunk(nghttp2_session *session, uint8_t flags, int32_t id, const uint8_t *data, size_t len,
                          void *user) {
     Stream *s = nghttp2_session_get_stream_user_data(session, id);
-    if (s == NULL) return 0;
-    if (s->in_len + len > s->in_cap) {
-        size_t cap = s->in_cap < 65536 ? 65536 : s->in_cap;
-        while (cap < s->in_len + len) cap *= 2;
-        uint8_t *grown = realloc(s->in, cap);
-        if (grown == NULL) return ERR_CALLBACK_FAILURE;
-        s->in = grown;
-        s->in_cap = cap;
-    }
-    memcpy(s->in + s->in_len, data, len);
-    s->in_len += len;
-    size_t at = 0;
-    while (s->in_len - at >= 5) {
-        uint32_t be;
-        memcpy(&be, s->in + at + 1, 4);
-        size_t size = ntohl(be);
-        if (s->in[at] != 0 || size > MAX_MESSAGE) return ERR_CALLBACK_FAILURE; /* compressed or too big */
-        if (s->in_len - at - 5 < size) break;
-        PyObject *msg = PyBytes_FromStringAndSize((const char *)s->in + at + 5, (Py_ssize_t)size);
-        if (emit(s->conn->owner, msg ? Py_BuildValue("(iLN)", EV_MESSAGE, s->handle, msg) : NULL) < 0)
-            return ERR_CALLBACK_FAILURE;
-        at += 5 + size;
-    }
-    memmove(s->in, s->in + at, s->in_len - at);
-    s->in_len -= at;
-    return 0;
+    return s == NULL ? 0 : inbox_add(&s->in, data, len, message_up, s);
 }
 
 static int on_stream_close(nghttp2_session *session, int32_t id, uint32_t error_code, void *user) {
@@ -224,49 +155,14 @@ static int on_stream_close(nghttp2_session *session, int32_t id, uint32_t error_
     return 0;
 }
 
-static void watch(Transport *t, Conn *c, int out) {
-    struct epoll_event ev = {.events = EPOLLIN | (out ? EPOLLOUT : 0), .data.ptr = c};
-    epoll_ctl(t->epfd, EPOLL_CTL_MOD, c->fd, &ev);
-}
-
-/* Writes what nghttp2 has for the connection: 0 while it lives, -1 once it is done or broken. */
-static int flush_conn(Transport *t, Conn *c) {
-    for (;;) {
-        if (c->pending_off == c->pending_len) {
-            const uint8_t *data;
-            ssize_t n = nghttp2_session_mem_send(c->session, &data);
-            if (n < 0) return -1;
-            if (n == 0) break;
-            ssize_t w = send(c->fd, data, (size_t)n, MSG_NOSIGNAL);
-            if (w == n) continue;
-            if (w < 0 && errno != EAGAIN) return -1;
-            size_t done = w > 0 ? (size_t)w : 0;
-            uint8_t *kept = realloc(c->pending, (size_t)n - done);
-            if (kept == NULL) return -1;
-            c->pending = kept;
-            memcpy(c->pending, data + done, (size_t)n - done);
-            c->pending_len = (size_t)n - done;
-            c->pending_off = 0;
-        }
-        ssize_t w = send(c->fd, c->pending + c->pending_off, c->pending_len - c->pending_off, MSG_NOSIGNAL);
-        if (w < 0) {
-            if (errno != EAGAIN) return -1;
-            watch(t, c, 1);
-            return 0;
-        }
-        c->pending_off += (size_t)w;
-        if (c->pending_off == c->pending_len) c->pending_off = c->pending_len = 0;
-    }
-    watch(t, c, 0);
-    return nghttp2_session_want_read(c->session) || nghttp2_session_want_write(c->session) ? 0 : -1;
-}
+static int flush_conn(Transport *t, Conn *c) { return wire_flush(&c->wire, t->epfd, c); }
 
 static void close_conn(Transport *t, Conn *c) {
-    epoll_ctl(t->epfd, EPOLL_CTL_DEL, c->fd, NULL);
-    close(c->fd);
+    epoll_ctl(t->epfd, EPOLL_CTL_DEL, c->wire.fd, NULL);
+    close(c->wire.fd);
     while (c->streams) free_stream(c->streams, 1); /* nghttp2_session_del calls no stream callbacks */
-    nghttp2_session_del(c->session);
-    free(c->pending);
+    nghttp2_session_del(c->wire.session);
+    free(c->wire.pending);
     for (size_t i = 0; i < t->n_conns; i++)
         if (t->conns[i] == c) {
             t->conns[i] = t->conns[--t->n_conns];
@@ -288,13 +184,15 @@ static void accept_all(Transport *t) {
             free(c);
             return;
         }
+        if (nghttp2_session_server_new(&c->wire.session, callbacks, c) != 0) {
+            close(fd);
+            free(c);
+            return;
+        }
         t->conns[t->n_conns++] = c;
-        c->fd = fd;
+        c->wire.fd = fd;
         c->owner = t;
-        nghttp2_session_server_new(&c->session, callbacks, c);
-        nghttp2_settings_entry settings[] = {{SETTINGS_MAX_CONCURRENT_STREAMS, 1000}, {SETTINGS_INITIAL_WINDOW_SIZE, WINDOW}};
-        nghttp2_submit_settings(c->session, 0, settings, 2);
-        nghttp2_session_set_local_window_size(c->session, 0, 0, WINDOW);
+        h2_server_settings(c->wire.session);
         struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
         epoll_ctl(t->epfd, EPOLL_CTL_ADD, fd, &ev);
         if (flush_conn(t, c) < 0) close_conn(t, c);
@@ -311,21 +209,7 @@ static PyObject *transport_poll(Transport *t, PyObject *unused) {
             accept_all(t);
             continue;
         }
-        int broken = 0;
-        for (;;) {
-            ssize_t r = recv(c->fd, buf, sizeof buf, 0);
-            if (r == 0 || (r < 0 && errno != EAGAIN)) {
-                broken = 1;
-                break;
-            }
-            if (r < 0) break;
-            if (nghttp2_session_mem_recv(c->session, buf, (size_t)r) < 0) {
-                broken = 1;
-                break;
-            }
-            if ((size_t)r < sizeof buf) break;
-        }
-        if (broken || flush_conn(t, c) < 0) close_conn(t, c);
+        if (wire_read(&c->wire, buf, sizeof buf) < 0 || flush_conn(t, c) < 0) close_conn(t, c);
     }
     if (PyErr_Occurred()) return NULL;
     PyObject *out = t->events;
@@ -342,28 +226,19 @@ static PyObject *transport_send(Transport *t, PyObject *args) {
     Py_buffer data;
     if (!PyArg_ParseTuple(args, "Ly*", &handle, &data)) return NULL;
     Stream *s = stream_of(t, handle);
-    if (s == NULL || s->finished) {
+    if (s == NULL || s->out.done) {
         PyBuffer_Release(&data);
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_FALSE;
     }
-    Chunk *c = malloc(sizeof(Chunk) + 5 + (size_t)data.len);
-    if (c == NULL) {
+    uint8_t *payload = outbox_message(&s->out, (size_t)data.len);
+    if (payload == NULL) {
         PyBuffer_Release(&data);
         return PyErr_NoMemory();
     }
-    c->next = NULL;
-    c->len = 5 + (size_t)data.len;
-    c->sent = 0;
-    c->data[0] = 0;
-    uint32_t be = htonl((uint32_t)data.len);
-    memcpy(c->data + 1, &be, 4);
-    memcpy(c->data + 5, data.buf, (size_t)data.len);
+    memcpy(payload, data.buf, (size_t)data.len);
     PyBuffer_Release(&data);
-    if (s->out_tail) s->out_tail->next = c;
-    else s->out_head = c;
-    s->out_tail = c;
-    nghttp2_session_resume_data(s->conn->session, s->id);
+    nghttp2_session_resume_data(s->conn->wire.session, s->id);
     Py_RETURN_TRUE;
 }
 
@@ -372,13 +247,13 @@ static PyObject *transport_finish(Transport *t, PyObject *args) {
     int status;
     if (!PyArg_ParseTuple(args, "Li", &handle, &status)) return NULL;
     Stream *s = stream_of(t, handle);
-    if (s == NULL || s->finished) {
+    if (s == NULL || s->out.done) {
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_FALSE;
     }
-    s->finished = 1;
-    s->trailer_status = status;
-    nghttp2_session_resume_data(s->conn->session, s->id);
+    s->out.done = 1;
+    s->out.status = status;
+    nghttp2_session_resume_data(s->conn->wire.session, s->id);
     Py_RETURN_TRUE;
 }
 
@@ -459,14 +334,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "h2_transport", NULL,
 
 PyMODINIT_FUNC PyInit_h2_transport(void) {
     if (PyType_Ready(&TransportType) < 0) return NULL;
-    if (callbacks == NULL) {
-        nghttp2_session_callbacks_new(&callbacks);
-        nghttp2_session_callbacks_set_on_begin_headers_callback(callbacks, on_begin_headers);
-        nghttp2_session_callbacks_set_on_header_callback(callbacks, on_header);
-        nghttp2_session_callbacks_set_on_frame_recv_callback(callbacks, on_frame_recv);
-        nghttp2_session_callbacks_set_on_data_chunk_recv_callback(callbacks, on_data_chunk);
-        nghttp2_session_callbacks_set_on_stream_close_callback(callbacks, on_stream_close);
-    }
+    if (callbacks == NULL)
+        callbacks = h2_callbacks(on_begin_headers, on_header, on_frame_recv, on_data_chunk, on_stream_close);
+    if (callbacks == NULL) return PyErr_NoMemory();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&TransportType);

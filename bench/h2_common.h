@@ -1,0 +1,207 @@
+/* What bench/h2_floor.c and bench/h2_transport.c share: a gRPC stream's outgoing messages
+ * (Outbox), its incoming bytes cut into messages (Inbox), and a connection's writes (Wire), over
+ * libnghttp2 (bench/nghttp2_api.h). Header-only: each file is built on its own. */
+#ifndef GDN_BENCH_H2_COMMON_H
+#define GDN_BENCH_H2_COMMON_H
+#include <arpa/inet.h>
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+
+#include "nghttp2_api.h"
+
+#define H2_WINDOW (16 << 20)   /* flow-control window we grant each stream and connection */
+#define H2_MAX_MESSAGE (256u << 20)
+
+static inline nghttp2_nv h2_nv(const char *name, const char *value) {
+    return (nghttp2_nv){(uint8_t *)name, (uint8_t *)value, strlen(name), strlen(value), 0};
+}
+
+typedef struct Chunk {
+    struct Chunk *next;
+    size_t len, sent;
+    uint8_t data[];
+} Chunk;
+
+/* A stream's messages on their way out, then its trailers (grpc-status `status`) once `done`. */
+typedef struct {
+    Chunk *head, *tail;
+    int done, status;
+} Outbox;
+
+/* A new message of `size` bytes at the end of the outbox, its 5-byte gRPC prefix written; the
+   caller fills the returned payload. NULL when out of memory. */
+static inline uint8_t *outbox_message(Outbox *o, size_t size) {
+    Chunk *c = malloc(sizeof(Chunk) + 5 + size);
+    if (c == NULL) return NULL;
+    c->next = NULL;
+    c->len = 5 + size;
+    c->sent = 0;
+    c->data[0] = 0; /* not compressed */
+    uint32_t be = htonl((uint32_t)size);
+    memcpy(c->data + 1, &be, 4);
+    if (o->tail) o->tail->next = c;
+    else o->head = c;
+    o->tail = c;
+    return c->data + 5;
+}
+
+static inline void outbox_free(Outbox *o) {
+    while (o->head) {
+        Chunk *c = o->head;
+        o->head = c->next;
+        free(c);
+    }
+    o->tail = NULL;
+}
+
+/* nghttp2's data source callback over an Outbox (source->ptr): its messages, then the trailers. */
+static ssize_t outbox_read(nghttp2_session *session, int32_t id, uint8_t *buf, size_t length, uint32_t *flags,
+                           nghttp2_data_source *source, void *user) {
+    Outbox *o = source->ptr;
+    size_t n = 0;
+    while (o->head != NULL && n < length) {
+        Chunk *c = o->head;
+        size_t take = c->len - c->sent < length - n ? c->len - c->sent : length - n;
+        memcpy(buf + n, c->data + c->sent, take);
+        c->sent += take;
+        n += take;
+        if (c->sent == c->len) {
+            o->head = c->next;
+            if (o->head == NULL) o->tail = NULL;
+            free(c);
+        }
+    }
+    if (n > 0) return (ssize_t)n;
+    if (!o->done) return ERR_DEFERRED;
+    *flags |= DATA_FLAG_EOF | DATA_FLAG_NO_END_STREAM;
+    char status[16];
+    snprintf(status, sizeof status, "%d", o->status);
+    nghttp2_nv trailer = h2_nv("grpc-status", status);
+    nghttp2_submit_trailer(session, id, &trailer, 1);
+    return 0;
+}
+
+/* A stream's bytes in, not yet whole messages. */
+typedef struct {
+    uint8_t *buf;
+    size_t len, cap;
+} Inbox;
+
+/* Adds `len` bytes and calls on_message(ctx, message, size) for each whole message. 0, or
+   ERR_CALLBACK_FAILURE (a compressed or oversized message, no memory, or on_message's own
+   failure): nghttp2 then drops the connection. */
+static inline int inbox_add(Inbox *in, const uint8_t *data, size_t len,
+                            int (*on_message)(void *, const uint8_t *, size_t), void *ctx) {
+    if (in->len + len > in->cap) {
+        size_t cap = in->cap < 65536 ? 65536 : in->cap;
+        while (cap < in->len + len) cap *= 2;
+        uint8_t *grown = realloc(in->buf, cap);
+        if (grown == NULL) return ERR_CALLBACK_FAILURE;
+        in->buf = grown;
+        in->cap = cap;
+    }
+    memcpy(in->buf + in->len, data, len);
+    in->len += len;
+    size_t at = 0;
+    while (in->len - at >= 5) {
+        uint32_t be;
+        memcpy(&be, in->buf + at + 1, 4);
+        size_t size = ntohl(be);
+        if (in->buf[at] != 0 || size > H2_MAX_MESSAGE) return ERR_CALLBACK_FAILURE;
+        if (in->len - at - 5 < size) break;
+        if (on_message(ctx, in->buf + at + 5, size) != 0) return ERR_CALLBACK_FAILURE;
+        at += 5 + size;
+    }
+    memmove(in->buf, in->buf + at, in->len - at);
+    in->len -= at;
+    return 0;
+}
+
+/* A connection's socket and session, and the bytes the socket did not take yet. */
+typedef struct {
+    int fd;
+    nghttp2_session *session;
+    uint8_t *pending;
+    size_t pending_len, pending_off;
+} Wire;
+
+/* Reads what the socket has into nghttp2 (its callbacks run meanwhile), through `buf`: 0 while
+   the connection lives, -1 once the peer closed it or it broke. */
+static int wire_read(Wire *w, uint8_t *buf, size_t cap) {
+    for (;;) {
+        ssize_t r = recv(w->fd, buf, cap, 0);
+        if (r < 0 && errno == EAGAIN) return 0;
+        if (r <= 0) return -1;
+        if (nghttp2_session_mem_recv(w->session, buf, (size_t)r) < 0) return -1;
+        if ((size_t)r < cap) return 0;
+    }
+}
+
+/* Writes what nghttp2 has to send, watching for EPOLLOUT (epoll data `tag`) while the socket is
+   full: 0 while the connection lives, -1 once it is done or broken. */
+static int wire_flush(Wire *w, int epfd, void *tag) {
+    for (;;) {
+        if (w->pending_off == w->pending_len) {
+            const uint8_t *data;
+            ssize_t n = nghttp2_session_mem_send(w->session, &data);
+            if (n < 0) return -1;
+            if (n == 0) break;
+            /* nghttp2's buffer is good until the next mem_send: try it straight */
+            ssize_t sent = send(w->fd, data, (size_t)n, MSG_NOSIGNAL);
+            if (sent == n) continue;
+            if (sent < 0 && errno != EAGAIN) return -1;
+            size_t done = sent > 0 ? (size_t)sent : 0;
+            uint8_t *kept = realloc(w->pending, (size_t)n - done);
+            if (kept == NULL) return -1;
+            w->pending = kept;
+            memcpy(w->pending, data + done, (size_t)n - done);
+            w->pending_len = (size_t)n - done;
+            w->pending_off = 0;
+        }
+        ssize_t sent = send(w->fd, w->pending + w->pending_off, w->pending_len - w->pending_off, MSG_NOSIGNAL);
+        if (sent < 0) {
+            if (errno != EAGAIN) return -1;
+            struct epoll_event ev = {.events = EPOLLIN | EPOLLOUT, .data.ptr = tag};
+            epoll_ctl(epfd, EPOLL_CTL_MOD, w->fd, &ev);
+            return 0;
+        }
+        w->pending_off += (size_t)sent;
+        if (w->pending_off == w->pending_len) w->pending_off = w->pending_len = 0;
+    }
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = tag};
+    epoll_ctl(epfd, EPOLL_CTL_MOD, w->fd, &ev);
+    return nghttp2_session_want_read(w->session) || nghttp2_session_want_write(w->session) ? 0 : -1;
+}
+
+/* A server's callbacks: a stream's headers begin and each header, a frame received, a DATA
+   chunk, a stream closed. */
+static inline nghttp2_session_callbacks *h2_callbacks(
+    int (*begin_headers)(nghttp2_session *, const nghttp2_frame *, void *),
+    int (*header)(nghttp2_session *, const nghttp2_frame *, const uint8_t *, size_t, const uint8_t *, size_t, uint8_t,
+                  void *),
+    int (*frame_recv)(nghttp2_session *, const nghttp2_frame *, void *),
+    int (*data_chunk)(nghttp2_session *, uint8_t, int32_t, const uint8_t *, size_t, void *),
+    int (*stream_close)(nghttp2_session *, int32_t, uint32_t, void *)) {
+    nghttp2_session_callbacks *cbs;
+    if (nghttp2_session_callbacks_new(&cbs) != 0) return NULL;
+    nghttp2_session_callbacks_set_on_begin_headers_callback(cbs, begin_headers);
+    nghttp2_session_callbacks_set_on_header_callback(cbs, header);
+    nghttp2_session_callbacks_set_on_frame_recv_callback(cbs, frame_recv);
+    nghttp2_session_callbacks_set_on_data_chunk_recv_callback(cbs, data_chunk);
+    nghttp2_session_callbacks_set_on_stream_close_callback(cbs, stream_close);
+    return cbs;
+}
+
+/* Our settings for a new server session: many streams, big windows. */
+static inline void h2_server_settings(nghttp2_session *session) {
+    nghttp2_settings_entry settings[] = {{SETTINGS_MAX_CONCURRENT_STREAMS, 1000}, {SETTINGS_INITIAL_WINDOW_SIZE, H2_WINDOW}};
+    nghttp2_submit_settings(session, 0, settings, 2);
+    nghttp2_session_set_local_window_size(session, 0, 0, H2_WINDOW); /* the connection's */
+}
+
+#endif
