@@ -6,8 +6,9 @@ message answered by Python on uvloop: the design proposed for the workers) and b
     python bench/h2_floor.py                                  # 8 and 64 clients, 2 rounds
     python bench/h2_floor.py --clients 64 --rounds 3 --load-processes 4 --json out.json
 
-What it says: how much CPU a step's transport costs the server when no Python runs on the
-server's side, against grpc.aio's (~150-230 us per step on the hosts we measure; bench/NOTES.md).
+What it says: how much CPU a step's transport costs the server when HTTP/2 runs in C, with and
+without Python answering each message, against grpc.aio's (~150-230 us per step on the hosts we
+measure; bench/NOTES.md).
 That is the floor of a C worker in front of the engine, before any of a worker's own work
 (parsing and checking the request, the link, the reply's encoding). Each server is first checked
 to be a correct echo (`check`). Prints a table and writes JSON: steps/s, p50, and the server's
