@@ -8,7 +8,7 @@ import threading
 import grpc
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gdn_server import link
@@ -163,6 +163,8 @@ def _fields(work: DecodeWork) -> dict:
        with_positions=st.booleans(), speculative=st.booleans(), owner=st.sampled_from([None, "alice", "ünï"]),
        tag=st.integers(0, 2**64 - 1), damage=st.sampled_from(["none", "truncate", "extend", "flip", "offset"]),
        where=st.integers(0, 10**6), byte=st.integers(0, 255), in_ring=st.booleans(), lead=st.integers(0, 40000))
+@example(B=2, T=1, dtype=torch.bfloat16, with_positions=True, speculative=False, owner=None, tag=0, damage="flip",
+         where=678, byte=2, in_ring=True, lead=0)  # the flip makes T 3: another valid frame (found 2026-12-01)
 def test_native_decode_agrees_with_python(B, T, dtype, with_positions, speculative, owner, tag, damage, where, byte,
                                           in_ring, lead):
     """The engine's C decode of a request frame (gdn_server/_native_link.c) gives the DecodeWork
@@ -199,7 +201,10 @@ def test_native_decode_agrees_with_python(B, T, dtype, with_positions, speculati
     assert expected[0] != "refused", f"native accepted a frame the Python refuses ({expected[1]})"
     got_tag, work = native
     assert (got_tag, _fields(work)) == expected
-    assert type(work) is DecodeWork and work.tokens == T and work.finite_checked
+    assert type(work) is DecodeWork and work.finite_checked
+    # a changed byte may make another valid frame (T 1 -> 3 with the inputs in the ring, whose
+    # bytes the frame's length does not bound): then both decodes agree on it, as checked above
+    assert work.tokens == T or damage != "none"
     assert all(isinstance(b, memoryview) and b.readonly for b in work.bf16_bytes)  # views of the frame or ring
 
 
