@@ -43,6 +43,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from listening import start_listening  # this folder (python bench/ab_live.py puts it on sys.path)
+from procstat import cpu_s, stat_fields  # this folder
 
 REPO = Path(__file__).resolve().parent.parent  # this tree: its gdn-loadtest drives every side
 
@@ -129,31 +130,21 @@ def stop(side: Side) -> None:
 
 def _proc_stats() -> dict[int, tuple[int, float]]:
     """pid -> (parent pid, CPU seconds so far) of every process (Linux /proc; {} elsewhere)."""
-    tick = os.sysconf("SC_CLK_TCK")
     stats = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.isdigit():
-            continue
-        try:
-            text = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        rest = text[text.rindex(")") + 2 :].split()
-        stats[int(entry)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / tick)
+        if entry.isdigit() and (fields := stat_fields(f"/proc/{entry}/stat")) is not None:
+            stats[int(entry)] = (int(fields[1]), cpu_s(fields))
     return stats
 
 
 def _thread_s(pid: int) -> dict[int, float]:
     """tid -> CPU seconds so far of each of a process's threads."""
-    tick, threads = os.sysconf("SC_CLK_TCK"), {}
     try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            rest = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            rest = rest[rest.rindex(")") + 2 :].split()
-            threads[int(tid)] = (int(rest[11]) + int(rest[12])) / tick
+        tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        pass
-    return threads
+        return {}
+    fields = {int(tid): stat_fields(f"/proc/{pid}/task/{tid}/stat") for tid in tids}
+    return {tid: cpu_s(f) for tid, f in fields.items() if f is not None}
 
 
 def _role(pid: int) -> str:

@@ -5,12 +5,15 @@
 #define GDN_BENCH_H2_COMMON_H
 #include <arpa/inet.h>
 #include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include "nghttp2_api.h"
 
@@ -176,6 +179,34 @@ static int wire_flush(Wire *w, int epfd, void *tag) {
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = tag};
     epoll_ctl(epfd, EPOLL_CTL_MOD, w->fd, &ev);
     return nghttp2_session_want_read(w->session) || nghttp2_session_want_write(w->session) ? 0 : -1;
+}
+
+/* A nonblocking socket listening on 127.0.0.1:port (0: any free port): its fd, with the port it
+   got in *bound; -1 with errno set. */
+static int h2_listen_loopback(int port, int *bound) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0), one = 1;
+    if (fd < 0) return -1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    if (bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0 || listen(fd, 1024) != 0 ||
+        getsockname(fd, (struct sockaddr *)&addr, &len) != 0) {
+        int saved = errno;
+        close(fd);
+        errno = saved;
+        return -1;
+    }
+    *bound = ntohs(addr.sin_port);
+    return fd;
+}
+
+/* The next connection waiting on listen_fd, nonblocking and without Nagle's delay (gRPC's
+   messages are small and answered at once); -1 when none is waiting. */
+static int h2_accept(int listen_fd) {
+    int fd = accept4(listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC), one = 1;
+    if (fd >= 0) setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    return fd;
 }
 
 /* A server's callbacks: a stream's headers begin and each header, a frame received, a DATA

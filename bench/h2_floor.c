@@ -15,10 +15,7 @@
  * uses; bench/h2_common.h holds what it shares with bench/h2_transport.c.
  */
 #define _GNU_SOURCE
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <pthread.h>
-#include <unistd.h>
 
 #include "h2_common.h"
 
@@ -145,10 +142,8 @@ static void *serve(void *arg) {
         int n = epoll_wait(epfd, events, 64, -1);
         for (int i = 0; i < n; i++) {
             if (events[i].data.ptr == NULL) { /* a new connection: this thread's from now on */
-                int fd = accept4(listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+                int fd = h2_accept(listen_fd);
                 if (fd < 0) continue;
-                int one = 1;
-                setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
                 Conn *c = calloc(1, sizeof(Conn));
                 if (c == NULL || nghttp2_session_server_new(&c->wire.session, callbacks, c) != 0) {
                     close(fd);
@@ -173,18 +168,12 @@ static void *serve(void *arg) {
 int main(int argc, char **argv) {
     int port = argc > 1 ? atoi(argv[1]) : 0, threads = argc > 2 ? atoi(argv[2]) : 1;
     callbacks = h2_callbacks(on_begin_headers, on_header, on_frame_recv, on_data_chunk, on_stream_close);
-    listen_fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    int one = 1;
-    setsockopt(listen_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof addr;
-    if (bind(listen_fd, (struct sockaddr *)&addr, sizeof addr) != 0 || listen(listen_fd, 1024) != 0 ||
-        getsockname(listen_fd, (struct sockaddr *)&addr, &len) != 0) {
+    int bound;
+    if ((listen_fd = h2_listen_loopback(port, &bound)) < 0) {
         perror("h2_floor");
         return 2;
     }
-    printf("listening on 127.0.0.1:%d\n", ntohs(addr.sin_port));
+    printf("listening on 127.0.0.1:%d\n", bound);
     fflush(stdout);
     pthread_t tid;
     for (int i = 1; i < threads; i++) pthread_create(&tid, NULL, serve, NULL);

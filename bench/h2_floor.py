@@ -20,8 +20,6 @@ import argparse
 import asyncio
 import ctypes.util
 import json
-import os
-import re
 import statistics
 import subprocess
 import sys
@@ -30,9 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gdn_client._echo import echo_env  # noqa: E402
+from gdn_client._echo import STREAM, UNARY, _reply, echo_env, echo_request  # noqa: E402
 from gdn_client.loadtest import LoadConfig, run_echo  # noqa: E402
+from listening import start_listening  # noqa: E402  (this folder)
+from procstat import cpu_s, stat_fields  # noqa: E402  (this folder)
 
 HERE = Path(__file__).resolve().parent
 REQUEST_BYTES = 16_614  # a qwen3-next DecodeRequest of one session, T=1, as gdn-loadtest sends it
@@ -67,9 +69,7 @@ def serve_transport(build_dir: str) -> None:
     loop (`python bench/h2_floor.py --serve-transport DIR`, DIR holding the built extension)."""
     sys.path.insert(0, build_dir)
     import h2_transport  # noqa: PLC0415  (built at run time)
-    import uvloop  # noqa: PLC0415
-
-    from gdn_client._echo import STREAM, UNARY, _reply
+    import uvloop  # noqa: PLC0415  (only this child needs it)
 
     OPEN, MESSAGE, HALF_CLOSE, GONE = 1, 2, 3, 4
     paths = (STREAM, UNARY)
@@ -104,30 +104,11 @@ def serve_transport(build_dir: str) -> None:
     uvloop.run(main())
 
 
-def start(cmd: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        m = re.search(r"listening on (\S+:\d+)", line)
-        if m:
-            return proc, m.group(1)
-        if not line and proc.poll() is not None:
-            break
-    proc.kill()
-    raise SystemExit(f"{cmd[0]} did not start")
-
-
 async def check(address: str) -> None:
     """Each server must be a correct echo before it is timed: unary and streamed replies byte for
     byte (three streams on one connection), a 3 MB message, UNIMPLEMENTED for another method, a
     stream cancelled mid-way and a connection dropped with a stream open, each followed by a
     call that is still served."""
-    import grpc  # noqa: PLC0415
-
-    from gdn_client._echo import STREAM, UNARY, _reply, echo_request  # noqa: PLC0415
-
     async with grpc.aio.insecure_channel(address) as channel:
         unary = channel.unary_unary(UNARY)
         request = echo_request(REQUEST_BYTES, REPLY_BYTES)
@@ -161,18 +142,12 @@ async def check(address: str) -> None:
         assert await channel.unary_unary(UNARY)(request, timeout=10) == _reply(request), "after a dropped connection"
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds so far of a process and all its threads."""
-    rest = Path(f"/proc/{pid}/stat").read_text()
-    fields = rest[rest.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def one_run(pid: int, address: str, clients: int, args: argparse.Namespace) -> dict:
     cfg = LoadConfig(target=address, clients=clients, mode="stream", duration=args.duration, progress=False)
-    before, t0 = cpu_s(pid), time.monotonic()
+    stat = f"/proc/{pid}/stat"
+    before, t0 = cpu_s(stat_fields(stat)), time.monotonic()
     result = asyncio.run(run_echo(cfg, address, args.request_bytes, args.reply_bytes, 1, args.load_processes))
-    used = cpu_s(pid) - before
+    used = cpu_s(stat_fields(stat)) - before
     # the server's CPU over the whole call (start-up and warm-up of the clients included, a few
     # percent at these durations): an upper bound on its cost per measured step
     return {"steps_per_s": result.steps_per_s, "p50_ms": result.latency_ms.get("p50", float("nan")),
@@ -201,10 +176,10 @@ def main() -> None:
         binary = build(Path(tmp))
         build_transport(Path(tmp))
         servers = {
-            "c-nghttp2": start([str(binary), "0", str(args.threads)]),
-            "c-transport+python": start([sys.executable, __file__, "--serve-transport", tmp]),
-            "grpc.aio": start([sys.executable, "-m", "gdn_client._echo", "--host", "127.0.0.1", "--port", "0"],
-                              env=echo_env()),
+            "c-nghttp2": start_listening([str(binary), "0", str(args.threads)], timeout=60),
+            "c-transport+python": start_listening([sys.executable, __file__, "--serve-transport", tmp], timeout=60),
+            "grpc.aio": start_listening([sys.executable, "-m", "gdn_client._echo", "--host", "127.0.0.1", "--port", "0"],
+                                        timeout=60, env=echo_env()),
         }
         try:
             for name, (_, address) in servers.items():

@@ -18,9 +18,6 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <unistd.h>
 
 #include "h2_common.h"
 
@@ -72,9 +69,17 @@ static Stream *stream_of(Transport *t, long long handle) {
     return ptr == NULL ? NULL : (Stream *)PyLong_AsVoidPtr(ptr);
 }
 
-static void free_stream(Stream *s, int emit_gone) {
+/* The stream of `handle` while Python may still answer on it; NULL when it is gone or finished
+   (with an error set only if the look-up itself failed). */
+static Stream *open_stream(Transport *t, long long handle) {
+    Stream *s = stream_of(t, handle);
+    return s != NULL && !s->out.done ? s : NULL;
+}
+
+/* Frees a closed stream; Python hears GONE of one it had not finished. */
+static void free_stream(Stream *s) {
     Transport *t = s->conn->owner;
-    if (emit_gone && !s->out.done) emit(t, Py_BuildValue("(iL)", EV_GONE, s->handle));
+    if (!s->out.done) emit(t, Py_BuildValue("(iL)", EV_GONE, s->handle));
     PyObject *key = PyLong_FromLongLong(s->handle);
     if (key != NULL) {
         if (PyDict_DelItem(t->handles, key) < 0) PyErr_Clear();
@@ -151,7 +156,7 @@ static int on_data_chunk(nghttp2_session *session, uint8_t flags, int32_t id, co
 
 static int on_stream_close(nghttp2_session *session, int32_t id, uint32_t error_code, void *user) {
     Stream *s = nghttp2_session_get_stream_user_data(session, id);
-    if (s != NULL) free_stream(s, 1);
+    if (s != NULL) free_stream(s);
     return 0;
 }
 
@@ -160,7 +165,7 @@ static int flush_conn(Transport *t, Conn *c) { return wire_flush(&c->wire, t->ep
 static void close_conn(Transport *t, Conn *c) {
     epoll_ctl(t->epfd, EPOLL_CTL_DEL, c->wire.fd, NULL);
     close(c->wire.fd);
-    while (c->streams) free_stream(c->streams, 1); /* nghttp2_session_del calls no stream callbacks */
+    while (c->streams) free_stream(c->streams); /* nghttp2_session_del calls no stream callbacks */
     nghttp2_session_del(c->wire.session);
     free(c->wire.pending);
     for (size_t i = 0; i < t->n_conns; i++)
@@ -173,18 +178,19 @@ static void close_conn(Transport *t, Conn *c) {
 
 static void accept_all(Transport *t) {
     for (;;) {
-        int fd = accept4(t->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        int fd = h2_accept(t->listen_fd);
         if (fd < 0) return;
-        int one = 1;
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-        Conn *c = calloc(1, sizeof(Conn));
-        if (c == NULL || (t->n_conns == t->cap_conns &&
-                          (t->conns = realloc(t->conns, (t->cap_conns = t->cap_conns * 2 + 8) * sizeof(Conn *))) == NULL)) {
-            close(fd);
-            free(c);
-            return;
+        if (t->n_conns == t->cap_conns) {
+            Conn **grown = realloc(t->conns, (t->cap_conns * 2 + 8) * sizeof(Conn *));
+            if (grown == NULL) {
+                close(fd);
+                return;
+            }
+            t->conns = grown;
+            t->cap_conns = t->cap_conns * 2 + 8;
         }
-        if (nghttp2_session_server_new(&c->wire.session, callbacks, c) != 0) {
+        Conn *c = calloc(1, sizeof(Conn));
+        if (c == NULL || nghttp2_session_server_new(&c->wire.session, callbacks, c) != 0) {
             close(fd);
             free(c);
             return;
@@ -225,8 +231,8 @@ static PyObject *transport_send(Transport *t, PyObject *args) {
     long long handle;
     Py_buffer data;
     if (!PyArg_ParseTuple(args, "Ly*", &handle, &data)) return NULL;
-    Stream *s = stream_of(t, handle);
-    if (s == NULL || s->out.done) {
+    Stream *s = open_stream(t, handle);
+    if (s == NULL) {
         PyBuffer_Release(&data);
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_FALSE;
@@ -246,8 +252,8 @@ static PyObject *transport_finish(Transport *t, PyObject *args) {
     long long handle;
     int status;
     if (!PyArg_ParseTuple(args, "Li", &handle, &status)) return NULL;
-    Stream *s = stream_of(t, handle);
-    if (s == NULL || s->out.done) {
+    Stream *s = open_stream(t, handle);
+    if (s == NULL) {
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_FALSE;
     }
@@ -275,19 +281,11 @@ static int transport_init(Transport *t, PyObject *args, PyObject *kwargs) {
     t->events = PyList_New(0);
     t->handles = PyDict_New();
     if (t->events == NULL || t->handles == NULL) return -1;
-    t->listen_fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     t->epfd = epoll_create1(EPOLL_CLOEXEC);
-    int one = 1;
-    setsockopt(t->listen_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof addr;
-    if (t->listen_fd < 0 || t->epfd < 0 || bind(t->listen_fd, (struct sockaddr *)&addr, sizeof addr) != 0 ||
-        listen(t->listen_fd, 1024) != 0 || getsockname(t->listen_fd, (struct sockaddr *)&addr, &len) != 0) {
+    if (t->epfd < 0 || (t->listen_fd = h2_listen_loopback(port, &t->port)) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
-    t->port = ntohs(addr.sin_port);
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
     epoll_ctl(t->epfd, EPOLL_CTL_ADD, t->listen_fd, &ev);
     return 0;
