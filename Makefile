@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 
 .PHONY: serve test proto bench-kernel clean
 
-$(VENV)/.installed: pyproject.toml $(wildcard gdn_server/_native*.[ch])  # the C sources too: an editable install builds them once
+$(VENV)/.installed: pyproject.toml $(wildcard gdn_server/_*.[ch])  # the C sources and headers too: an editable install builds them once
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")

@@ -11,13 +11,13 @@
  * serves; runs until killed. Not a server for anything else: no TLS, no deadlines, no compression
  * (a compressed message is refused), no limits beyond the message size.
  *
- * The system's libnghttp2 comes without its header here: bench/nghttp2_api.h declares what this
- * uses; bench/h2_common.h holds what it shares with bench/h2_transport.c.
+ * The system's libnghttp2 comes without its header here: gdn_server/_nghttp2_api.h declares what this
+ * uses; gdn_server/_h2_common.h holds what it shares with the workers' transport (gdn_server/_native_h2.c).
  */
 #define _GNU_SOURCE
 #include <pthread.h>
 
-#include "h2_common.h"
+#include "../gdn_server/_h2_common.h"
 
 typedef struct Stream {
     Outbox out; /* first: nghttp2's data source points at the stream */
@@ -108,7 +108,7 @@ static int on_data_chunk(nghttp2_session *session, uint8_t flags, int32_t id, co
     Stream *s = nghttp2_session_get_stream_user_data(session, id);
     if (s == NULL || !s->known_method) return 0;
     Chunk *before = s->out.tail;
-    int rc = inbox_add(&s->in, data, len, echo, s);
+    int rc = inbox_add(&s->in, data, len, H2_MAX_MESSAGE, echo, s);
     if (s->out.tail != before) nghttp2_session_resume_data(session, id);
     return rc;
 }

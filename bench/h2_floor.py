@@ -1,7 +1,8 @@
 """The floor of a native gRPC front end: the bytes echo of gdn-loadtest served by bench/h2_floor.c
-(C, HTTP/2 through the system's libnghttp2), by bench/h2_transport.c (the same HTTP/2 in C, each
-message answered by Python on uvloop: the design proposed for the workers) and by grpc.aio
-(gdn_client._echo), all driven by gdn-loadtest's own echo clients with a decode step's sizes.
+(C, HTTP/2 through the system's libnghttp2), by the workers' own transport (gdn_server._native's
+H2Transport, the same HTTP/2 in C, each message answered by Python on uvloop, as
+`--frontend-transport native` does) and by grpc.aio (gdn_client._echo), all driven by
+gdn-loadtest's own echo clients with a decode step's sizes.
 
     python bench/h2_floor.py                                  # 8 and 64 clients, 2 rounds
     python bench/h2_floor.py --clients 64 --rounds 3 --load-processes 4 --json out.json
@@ -20,10 +21,10 @@ import argparse
 import asyncio
 import ctypes.util
 import json
+import os
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -42,63 +43,64 @@ REPLY_BYTES = 8_213  # its DecodeResponse
 
 
 def _libnghttp2() -> str:
-    lib = ctypes.util.find_library("nghttp2")
+    """What to link: the file GDN_LIBNGHTTP2 names (bench/gpu_session.sh sets it, and
+    LD_LIBRARY_PATH, for a carried copy), else the system's library."""
+    lib = os.environ.get("GDN_LIBNGHTTP2") or ctypes.util.find_library("nghttp2")
     if lib is None:
-        raise SystemExit("h2_floor: no libnghttp2 on this machine")
-    return lib
+        raise SystemExit("h2_floor: no libnghttp2 on this machine (set GDN_LIBNGHTTP2 to a libnghttp2.so.14)")
+    return lib if "/" in lib else f"-l:{lib}"  # a file is linked as itself
 
 
 def build(out_dir: Path) -> Path:
     """Compiles h2_floor.c against the system's libnghttp2 (no header needed: nghttp2_api.h
     declares what it uses)."""
     binary = out_dir / "h2_floor"
-    subprocess.run(["gcc", "-O2", "-pthread", str(HERE / "h2_floor.c"), "-o", str(binary), f"-l:{_libnghttp2()}"],
+    subprocess.run(["gcc", "-O2", "-pthread", str(HERE / "h2_floor.c"), "-o", str(binary), _libnghttp2()],
                    check=True)
     return binary
 
 
-def build_transport(out_dir: Path) -> None:
-    """Compiles h2_transport.c as the Python extension `h2_transport` into out_dir."""
-    target = out_dir / f"h2_transport{sysconfig.get_config_var('EXT_SUFFIX')}"
-    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
-                    str(HERE / "h2_transport.c"), "-o", str(target), f"-l:{_libnghttp2()}"], check=True)
+def serve_transport() -> None:
+    """The echo through the workers' H2Transport: HTTP/2 in C, each message answered by Python on
+    uvloop's loop (`python bench/h2_floor.py --serve-transport`)."""
+    import socket
 
-
-def serve_transport(build_dir: str) -> None:
-    """The echo through h2_transport: HTTP/2 in C, each message answered by Python on uvloop's
-    loop (`python bench/h2_floor.py --serve-transport DIR`, DIR holding the built extension)."""
-    sys.path.insert(0, build_dir)
-    import h2_transport  # noqa: PLC0415  (built at run time)
     import uvloop  # noqa: PLC0415  (only this child needs it)
 
-    OPEN, MESSAGE, HALF_CLOSE, GONE = 1, 2, 3, 4
+    from gdn_server.native import module as native  # noqa: PLC0415
+
     paths = (STREAM, UNARY)
 
     async def main() -> None:
-        transport = h2_transport.Transport(0)
-        loop = asyncio.get_running_loop()
-
+        transport = native.H2Transport(256 << 20)
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        listener.setblocking(False)
+        transport.add_listener(listener.detach())
         echoes: set[int] = set()  # open streams of the echo's methods
 
-        def ready() -> None:
-            for event in transport.poll():
-                kind, handle = event[0], event[1]
-                if kind == OPEN:
+        def handle(events: list) -> None:
+            for event in events:
+                kind, h = event[0], event[1]
+                if kind == native.H2_OPEN:
                     if event[2] in paths:
-                        echoes.add(handle)
+                        echoes.add(h)
                     else:
-                        transport.finish(handle, 12)  # UNIMPLEMENTED
-                elif kind == MESSAGE and handle in echoes:
-                    transport.send(handle, _reply(event[2]))
-                elif kind == HALF_CLOSE and handle in echoes:
-                    transport.finish(handle, 0)
-                    echoes.discard(handle)
-                elif kind == GONE:
-                    echoes.discard(handle)
-            transport.flush()
+                        transport.finish(h, 12)  # UNIMPLEMENTED
+                elif kind == native.H2_MESSAGE and h in echoes:
+                    transport.send(h, _reply(event[2]))
+                elif kind == native.H2_HALF_CLOSE and h in echoes:
+                    transport.finish(h, 0)
+                    echoes.discard(h)
+                elif kind == native.H2_GONE:
+                    echoes.discard(h)
 
-        loop.add_reader(transport.fileno(), ready)
-        print(f"listening on 127.0.0.1:{transport.port}", flush=True)
+        def ready() -> None:
+            handle(transport.poll())
+            handle(transport.flush())
+
+        asyncio.get_running_loop().add_reader(transport.fileno(), ready)
+        print(f"listening on 127.0.0.1:{port}", flush=True)
         await asyncio.Event().wait()
 
     uvloop.run(main())
@@ -166,18 +168,17 @@ def main() -> None:
     p.add_argument("--request-bytes", type=int, default=REQUEST_BYTES)
     p.add_argument("--reply-bytes", type=int, default=REPLY_BYTES)
     p.add_argument("--json", type=Path)
-    p.add_argument("--serve-transport", metavar="DIR", help=argparse.SUPPRESS)  # a child: see serve_transport
+    p.add_argument("--serve-transport", action="store_true", help=argparse.SUPPRESS)  # a child: see serve_transport
     args = p.parse_args()
     if args.serve_transport:
-        serve_transport(args.serve_transport)
+        serve_transport()
         return
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         binary = build(Path(tmp))
-        build_transport(Path(tmp))
         servers = {
             "c-nghttp2": start_listening([str(binary), "0", str(args.threads)], timeout=60),
-            "c-transport+python": start_listening([sys.executable, __file__, "--serve-transport", tmp], timeout=60),
+            "c-transport+python": start_listening([sys.executable, __file__, "--serve-transport"], timeout=60),
             "grpc.aio": start_listening([sys.executable, "-m", "gdn_client._echo", "--host", "127.0.0.1", "--port", "0"],
                                         timeout=60, env=echo_env()),
         }

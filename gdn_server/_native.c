@@ -869,6 +869,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (!registered && pthread_atfork(NULL, NULL, pool_after_fork_in_child) == 0) registered = 1;
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && (add_scheduler_functions(m) < 0 || add_link_functions(m) < 0 || add_reply_box(m) < 0 ||
-                      add_lane_type(m) < 0 || add_cuda_functions(m) < 0)) Py_CLEAR(m);
+                      add_lane_type(m) < 0 || add_cuda_functions(m) < 0 ||
+                      add_h2_transport(m) < 0)) Py_CLEAR(m);
     return m;
 }

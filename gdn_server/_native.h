@@ -88,6 +88,7 @@ int lane_take_frame(const uint8_t *base, Py_ssize_t len, PyObject *ring, PyObjec
 int lane_check(PyObject *obj);
 void lane_stamp(PyObject *run, double now);
 int add_lane_type(PyObject *module);
+int add_h2_transport(PyObject *module); /* _native_h2.c: the workers' HTTP/2 transport */
 
 /* _native_cuda.c: a small launch's graph launch and event record, straight to the CUDA driver
    (opened at first use); 0 on success, -1 with an exception set. */

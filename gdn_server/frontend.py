@@ -36,6 +36,7 @@ from gdn_server.child_process import JsonSettings, start_child
 from gdn_server.busy_poll import LoopSpinner
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape
 from gdn_server.event_loop import run as run_loop
+from gdn_server.frontend_native import NativeFrontend
 from gdn_server.protowire import decode_request_parsers
 from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
 from gdn_server.metrics import MetricsInterceptor, ProcessCpu, RpcMetrics
@@ -83,6 +84,7 @@ class FrontendSettings(JsonSettings):
     # request at a time, the loop keeps polling this long instead of sleeping
     # (gdn_server.busy_poll; the server's --busy-poll-us); 0: off
     busy_poll_us: int = 0
+    transport: str = "grpc"  # the public port's gRPC: "grpc" (grpc.aio) or "native" (gdn_server.frontend_native)
 
 
 class EngineLinkClient:
@@ -348,6 +350,17 @@ def _methods_of(*services) -> dict[str, tuple[bool, bool]]:
     }
 
 
+def forwarded_methods() -> dict[str, tuple[bool, bool]]:
+    """What a worker passes to the router: every method but LOCAL_METHODS, by path, with its kind."""
+    proxied = _methods_of(
+        GDN_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"],
+        reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
+    )
+    for name in LOCAL_METHODS:
+        del proxied[f"/{GDN_SERVICE.full_name}/{name}"]
+    return proxied
+
+
 class EngineProxy(grpc.GenericRpcHandler):
     """Passes calls through to the router's gRPC server as raw bytes, with the caller's identity."""
 
@@ -437,6 +450,42 @@ async def pump_requests(requests, call) -> None:
         pass
 
 
+def _grpc_server(
+    settings: FrontendSettings, limits: list, rpcs: FrontendDecodeRpcs, channel: grpc.aio.Channel,
+    auth: AuthInterceptor | None, metrics: RpcMetrics | None,
+) -> grpc.aio.Server:
+    """The public port over grpc.aio (`--frontend-transport grpc`): Decode and DecodeStream here,
+    every other RPC through EngineProxy, bound to host:port beside the other workers."""
+    interceptors: list = []
+    if metrics is not None:  # outermost: counts auth failures
+        interceptors.append(MetricsInterceptor(metrics))
+    if auth is not None:
+        interceptors.append(auth)
+    interceptors.append(RejectMalformed(decode_request_parsers()))  # big tensors' bytes go to the link uncopied
+    # SO_REUSEPORT: every worker binds the same port; the router holds it reserved meanwhile
+    server = grpc.aio.server(interceptors=interceptors, options=[*limits, ("grpc.so_reuseport", 1)])
+    decode_handlers = {
+        "Decode": grpc.unary_unary_rpc_method_handler(
+            rpcs.Decode, request_deserializer=gdn_pb2.DecodeRequest.FromString,
+            response_serializer=gdn_pb2.DecodeResponse.SerializeToString,
+        ),
+        "DecodeStream": grpc.stream_stream_rpc_method_handler(
+            rpcs.DecodeStream, request_deserializer=gdn_pb2.DecodeRequest.FromString,
+            response_serializer=gdn_pb2.DecodeResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler(GDN_SERVICE.full_name, decode_handlers),
+         EngineProxy(channel, forwarded_methods())]
+    )
+    address = f"{settings.host}:{settings.port}"
+    credentials = server_credentials(SecurityConfig(**settings.security))
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if bound != settings.port:
+        raise OSError(f"front end {settings.index} could not bind {address}")
+    return server
+
+
 ENGINE_LOST_EXIT = 3  # the router restarts a worker that exits; this code says why in its log
 
 
@@ -449,42 +498,20 @@ async def serve_frontend(settings: FrontendSettings) -> int:
     spinner = LoopSpinner.of(asyncio.get_running_loop(), settings.busy_poll_us / 1e6) if settings.busy_poll_us else None
     links = [await EngineLinkClient.connect(path, shape, spinner=spinner) for path in settings.link_paths]
     channel = grpc.aio.insecure_channel(settings.engine_address, options=limits)
-    interceptors: list = []
     metrics = RpcMetrics(registry=None) if settings.metrics_dir else None  # written to the router's files
-    if metrics is not None:  # outermost: counts auth failures
-        interceptors.append(MetricsInterceptor(metrics))
-    if security.auth_token_file or security.mutual_tls:
-        tokens = load_tokens(security.auth_token_file) if security.auth_token_file else None
-        interceptors.append(AuthInterceptor(tokens, security.mutual_tls))
-    interceptors.append(RejectMalformed(decode_request_parsers()))  # big tensors' bytes go to the link uncopied
-    # SO_REUSEPORT: every worker binds the same port; the router holds it reserved meanwhile
-    server = grpc.aio.server(interceptors=interceptors, options=[*limits, ("grpc.so_reuseport", 1)])
+    tokens = load_tokens(security.auth_token_file) if security.auth_token_file else None
+    auth = AuthInterceptor(tokens, security.mutual_tls) if tokens is not None or security.mutual_tls else None
     rpcs = FrontendDecodeRpcs(shape, links, SessionRoutes(channel), metrics)
-    decode_handlers = {
-        "Decode": grpc.unary_unary_rpc_method_handler(
-            rpcs.Decode, request_deserializer=gdn_pb2.DecodeRequest.FromString,
-            response_serializer=gdn_pb2.DecodeResponse.SerializeToString,
-        ),
-        "DecodeStream": grpc.stream_stream_rpc_method_handler(
-            rpcs.DecodeStream, request_deserializer=gdn_pb2.DecodeRequest.FromString,
-            response_serializer=gdn_pb2.DecodeResponse.SerializeToString,
-        ),
-    }
-    proxied = _methods_of(
-        GDN_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"],
-        reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
-    )
-    for name in LOCAL_METHODS:
-        del proxied[f"/{GDN_SERVICE.full_name}/{name}"]
-    server.add_generic_rpc_handlers(
-        [grpc.method_handlers_generic_handler(GDN_SERVICE.full_name, decode_handlers), EngineProxy(channel, proxied)]
-    )
-    address = f"{settings.host}:{settings.port}"
-    credentials = server_credentials(security)
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    if bound != settings.port:
-        raise OSError(f"front end {settings.index} could not bind {address}")
-    await server.start()
+    if settings.transport == "native":  # TLS was refused at start (frontend_native.check_transport)
+        public = NativeFrontend(
+            settings.host, settings.port, settings.max_message_bytes, rpcs, channel, forwarded_methods(), auth, metrics
+        )
+        public.start()
+        stop_serving = public.stop
+    else:
+        server = _grpc_server(settings, limits, rpcs, channel, auth, metrics)
+        await server.start()
+        stop_serving = server.stop
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -499,9 +526,9 @@ async def serve_frontend(settings: FrontendSettings) -> int:
     engine_lost = not stop.is_set()
     if engine_lost:
         log.error("front end %d: an engine process went away; exiting", settings.index)
-        await server.stop(0)
+        await stop_serving(0)
     else:  # the router drains us first: in-flight calls finish while the engines still serve them
-        await server.stop(settings.grace_s)
+        await stop_serving(settings.grace_s)
     for waiter in (*engine_gone, told, cpu_counter):
         if waiter is not None:
             waiter.cancel()

@@ -433,6 +433,7 @@ async def serve_router(settings: ServerSettings) -> int:
                 # at a time (frontend.EngineLinkClient), which on the CPU box cut one client's
                 # p50 by ~27% and left 8 and 32 clients even (bench/NOTES.md)
                 busy_poll_us=settings.scheduler.busy_poll_us,
+                transport=settings.frontend_transport,
             )
 
         workers = FrontendPool(settings.frontends, worker_settings)
@@ -446,6 +447,9 @@ async def serve_router(settings: ServerSettings) -> int:
                  list(indices), [e.proc.pid for e in engines])
         freeze_startup_objects()  # see gdn_server/tuning.py
         print(f"listening on {settings.host}:{port}", flush=True)
+        # every process of the server runs this loop (as a one-process server says it)
+        log.info("event loop: %s; front-end transport: %s", type(asyncio.get_running_loop()).__module__.split(".")[0],
+                 settings.frontend_transport)
         code = await _run_until_stopped(settings, health, engine_pool)
     except BaseException:
         code = None

@@ -41,6 +41,16 @@ def current_identity() -> str | None:
     return _identity.get()
 
 
+def bind_identity(identity: str | None) -> contextvars.Token:
+    """Makes `identity` the current one until `unbind_identity(token)`: for code that serves
+    calls outside grpc's handlers (the workers' native transport, gdn_server.frontend_native)."""
+    return _identity.set(identity)
+
+
+def unbind_identity(token: contextvars.Token) -> None:
+    _identity.reset(token)
+
+
 @dataclass(frozen=True)
 class SecurityConfig:
     tls_cert: str | None = None  # PEM certificate chain of the server

@@ -59,6 +59,8 @@ class ServerSettings:
     session_idle_timeout_s: float | None = None  # evict sessions unused this long (None: never)
     frontends: int = 0  # gRPC worker processes in front of one engine process per device (gdn_server.router)
     event_loop: str = "auto"  # every process's asyncio loop (gdn_server.event_loop)
+    # how --frontends workers serve gRPC: "grpc" (grpc.aio) or "native" (gdn_server.frontend_native)
+    frontend_transport: str = "grpc"
 
 
 @dataclass

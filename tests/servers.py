@@ -20,6 +20,9 @@ from typing import Iterator
 
 
 SMALL_MODEL = ("--layers", "3", "--q-heads", "2", "--v-heads", "4", "--head-dim", "128")
+# the suite run against the workers' gRPC in C (GDN_TEST_SERVER_FLAGS="... --frontend-transport
+# native"): servers that need TLS or the Python decode path (GDN_NATIVE=0) cannot start there
+NATIVE_TRANSPORT_MODE = "native" in os.environ.get("GDN_TEST_SERVER_FLAGS", "").replace("=", " ").split()
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 

@@ -25,7 +25,7 @@ import torch
 
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from servers import SMALL_MODEL, start_server
-from util import decode_request, environ_of, random_inputs
+from util import NEEDS_NATIVE_TRANSPORT, decode_request, environ_of, random_inputs
 
 H, HV = 2, 4
 FRONTENDS = ("--frontends", "2")
@@ -97,15 +97,18 @@ def _script(stub) -> list[bytes]:
     return out
 
 
-@pytest.mark.parametrize("devices", [
-    (), TWO_DEVICES,
+@pytest.mark.parametrize("devices, transport", [
+    ((), "grpc"), (TWO_DEVICES, "grpc"),
     # the rounds on the event loop, as with a GPU: the engine's default there answers inline
     # (SchedulerConfig.device_wait), the one process's polls; the CPU's launches are done at once
-    ("--scheduler-runs-on", "loop"),
-], ids=["one-device", "two-devices", "one-device-rounds-on-loop"])
-def test_workers_answer_exactly_as_one_process(devices):
+    (("--scheduler-runs-on", "loop"), "grpc"),
+    # the workers' gRPC in C (tests/test_frontend_native.py has the transport's own cases)
+    pytest.param((), "native", marks=NEEDS_NATIVE_TRANSPORT), pytest.param(TWO_DEVICES, "native", marks=NEEDS_NATIVE_TRANSPORT),
+], ids=["one-device", "two-devices", "one-device-rounds-on-loop", "one-device-native", "two-devices-native"])
+def test_workers_answer_exactly_as_one_process(devices, transport):
     flags = (*SMALL_MODEL, "--seed", "3", "--max-sessions", "16", *devices)
-    with start_server(*flags) as plain, start_server(*flags, *FRONTENDS, "--metrics-port", "0") as fronted:
+    workers = (*FRONTENDS, "--frontend-transport", transport, "--metrics-port", "0")
+    with start_server(*flags) as plain, start_server(*flags, *workers) as fronted:
         with grpc.insecure_channel(plain.address) as ch:
             expected = _script(gdn_pb2_grpc.GdnDecodeStub(ch))
         with grpc.insecure_channel(fronted.address) as ch:
@@ -122,11 +125,13 @@ def test_workers_answer_exactly_as_one_process(devices):
         assert re.search(r'gdn_decode_requests_total\{code="OK",method="DecodeStream"\} 4\.0', text)
 
 
-def test_identity_ownership_and_quota_through_workers(tmp_path):
+@pytest.mark.parametrize("transport", ["grpc", pytest.param("native", marks=NEEDS_NATIVE_TRANSPORT)])
+def test_identity_ownership_and_quota_through_workers(tmp_path, transport):
     tokens = tmp_path / "tokens"
     tokens.write_text("alice:tok-alice-0123456789\nbob:tok-bob-0123456789\n")
     alice, bob = (("authorization", "Bearer tok-alice-0123456789"),), (("authorization", "Bearer tok-bob-0123456789"),)
-    with start_server(*SMALL_MODEL, *FRONTENDS, "--auth-token-file", str(tokens), "--max-sessions-per-client", "2") as s, \
+    workers = (*FRONTENDS, "--frontend-transport", transport)
+    with start_server(*SMALL_MODEL, *workers, "--auth-token-file", str(tokens), "--max-sessions-per-client", "2") as s, \
             grpc.insecure_channel(s.address) as ch:
         stub = gdn_pb2_grpc.GdnDecodeStub(ch)
         with pytest.raises(grpc.RpcError) as e:

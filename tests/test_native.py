@@ -24,6 +24,7 @@ from gdn_server.protowire import (
     parse_decode_request_python,
 )
 from gdn_server.validation import DEFERRED_CHECK_BYTES, decode_work_from_request
+from servers import NATIVE_TRANSPORT_MODE
 
 SHAPE = ModelShape(num_layers=3, num_q_heads=2, num_v_heads=4, head_dim_k=128, head_dim_v=128)
 H, HV, K, V = SHAPE.num_q_heads, SHAPE.num_v_heads, SHAPE.head_dim_k, SHAPE.head_dim_v
@@ -333,6 +334,7 @@ def test_copy_bf16_spans_refuses_what_does_not_fit():
         native_module.copy_bf16_spans(b"read-only", [(0, b"12", False)], 2)
 
 
+@pytest.mark.skipif(NATIVE_TRANSPORT_MODE, reason="--frontend-transport native needs the native module")
 def test_servers_with_and_without_the_native_module_answer_alike():
     """A real server on the Python path (GDN_NATIVE=0) and one on the native path: the same
     replies byte for byte over a stream of good steps, and the same errors for bad ones."""

@@ -5,11 +5,19 @@ import itertools
 from pathlib import Path
 from unittest import mock
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_client.wire import tensor_to_proto
+from gdn_client._h2_native import native_transport_problem
+
+
+# tests of `--frontend-transport native` and `gdn-loadtest --client-transport native`
+NEEDS_NATIVE_TRANSPORT = pytest.mark.skipif(
+    native_transport_problem() is not None, reason=f"no native transport: {native_transport_problem()}"
+)
 
 
 def write_gates(path: Path, layers: int, v_heads: int, seed: int = 0, hf_names: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,14 +1,16 @@
-/* The part of libnghttp2's C API (nghttp2.h, ABI version 14: documented and stable) that
- * bench/h2_floor.c and bench/h2_transport.c use. The system's libnghttp2 comes without its header
- * on the hosts we build on, so the declarations are written out here. */
-#ifndef GDN_BENCH_NGHTTP2_API_H
-#define GDN_BENCH_NGHTTP2_API_H
+/* The part of libnghttp2's C API (nghttp2.h, ABI version 14: documented and stable) that the
+ * workers' native transport (gdn_server/_native_h2.c, which loads the library with dlopen) and
+ * bench/h2_floor.c (linked with it) use. The system's libnghttp2 comes
+ * without its header on the hosts we build on, so the declarations are written out here. */
+#ifndef GDN_NGHTTP2_API_H
+#define GDN_NGHTTP2_API_H
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
 
 typedef struct nghttp2_session nghttp2_session;
 typedef struct nghttp2_session_callbacks nghttp2_session_callbacks;
+typedef struct nghttp2_option nghttp2_option;
 typedef struct {
     size_t length;
     int32_t stream_id;
@@ -72,7 +74,25 @@ enum { FRAME_DATA = 0, FRAME_HEADERS = 1 };
 enum { FLAG_END_STREAM = 0x01 };
 enum { DATA_FLAG_EOF = 0x01, DATA_FLAG_NO_END_STREAM = 0x02 };
 enum { ERR_DEFERRED = -508, ERR_CALLBACK_FAILURE = -902 };
-enum { SETTINGS_MAX_CONCURRENT_STREAMS = 3, SETTINGS_INITIAL_WINDOW_SIZE = 4 };
+enum { SETTINGS_MAX_CONCURRENT_STREAMS = 3, SETTINGS_INITIAL_WINDOW_SIZE = 4, SETTINGS_MAX_FRAME_SIZE = 5 };
 
 int nghttp2_submit_rst_stream(nghttp2_session *, uint8_t, int32_t, uint32_t);
+int nghttp2_option_new(nghttp2_option **);
+void nghttp2_option_del(nghttp2_option *);
+void nghttp2_option_set_no_auto_window_update(nghttp2_option *, int);
+int nghttp2_session_server_new2(nghttp2_session **, const nghttp2_session_callbacks *, void *, const nghttp2_option *);
+int nghttp2_session_consume_connection(nghttp2_session *, size_t);
+int nghttp2_session_consume_stream(nghttp2_session *, int32_t, size_t);
+int nghttp2_submit_shutdown_notice(nghttp2_session *);
+typedef ssize_t (*nghttp2_data_source_read_length_callback)(nghttp2_session *, uint8_t, int32_t, int32_t, int32_t,
+                                                            uint32_t, void *);
+void nghttp2_session_callbacks_set_data_source_read_length_callback(nghttp2_session_callbacks *,
+                                                                    nghttp2_data_source_read_length_callback);
+int nghttp2_session_client_new2(nghttp2_session **, const nghttp2_session_callbacks *, void *, const nghttp2_option *);
+/* the second argument is a const nghttp2_priority_spec *; we always pass NULL */
+int32_t nghttp2_submit_request(nghttp2_session *, const void *, const nghttp2_nv *, size_t, const nghttp2_data_provider *,
+                               void *);
+
+enum { FRAME_RST_STREAM = 3 };
+enum { H2_NO_ERROR = 0, H2_CANCEL = 8 };
 #endif
