@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|backendstep|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants|lanefloor|ablive|enginespy|h2floor   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|backendstep|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants|lanefloor|ablive|enginespy|workerspy|h2floor   (each part fits in one 10-minute call)
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
@@ -49,6 +49,13 @@ split_variant() {
   done
 }
 python3 -c "from gdn_server import protowire; print('native decode path:', protowire.native is not None)"
+# libnghttp2 for --frontend-transport native and h2floor: the image's, else one carried in .h2lib/
+# (git-ignored; a copy of the CPU box's /lib/x86_64-linux-gnu/libnghttp2.so.14, which needs only libc)
+if ! python3 -c "import ctypes; ctypes.CDLL('libnghttp2.so.14')" 2>/dev/null && [[ -f .h2lib/libnghttp2.so.14 ]]; then
+  export GDN_LIBNGHTTP2=$PWD/.h2lib/libnghttp2.so.14 LD_LIBRARY_PATH=$PWD/.h2lib:${LD_LIBRARY_PATH:-}
+fi
+python3 -c "from gdn_server.frontend_native import check_transport as c; from gdn_server.security import SecurityConfig as S; \
+print('native transport:', c('native', S()) or 'ready', '(GDN_LIBNGHTTP2=' + '${GDN_LIBNGHTTP2:-}' + ')')"
 python3 -c "from gdn_server.event_loop import loop_name; print('event loop (--event-loop auto):', loop_name('auto'))"
 case "${1:-}" in
   tests)
@@ -68,7 +75,7 @@ case "${1:-}" in
   serve)
     timeout 540 python3 bench/serve.py --device cuda --duration 3 --frontends "${FRONTENDS:-0,4}" --rounds "${ROUNDS:-1}" \
       --runs-on "${RUNS_ON:-auto}" --load-processes "${LOAD_PROCS:-1}" --skip "${SKIP:-}" --clients "${CLIENTS:-1,8,64,256}" \
-      ${SHARED_CONN:+--shared-connection} --server-flags "${SERVER_FLAGS:-}" --out "$out" 2>&1 \
+      ${SHARED_CONN:+--shared-connection} --server-flags "${SERVER_FLAGS:-}" --load-flags="${LOAD_FLAGS:-}" --out "$out" 2>&1 \
       | tee "$out/serve.log" | tail -30
     ;;
   scale)
@@ -235,6 +242,7 @@ case "${1:-}" in
            # with SERVER_FLAGS), CLIENTS (64), ROUNDS (8), DURATION (3), LOAD_PROCS (4); MODEL, MAX_SESSIONS (ab_live's defaults);
            # CPU_WINDOW=s: the cores of each role (engine and workers from the servers' /metrics, the engine's busiest
            # thread, the load, the host's busy cores) over s seconds of each run, from CPU_AFTER (1) s after its first steps;
+           # LOAD_FLAGS: more gdn-loadtest flags (e.g. --client-transport native);
            # LOAD=link: bench/link_load.py's steps on the engines' decode links instead of gRPC (sides need --frontends)
     base=${BASE:-.ab_base}
     [[ -d $base/gdn_server ]] && build_native "$base"
@@ -243,7 +251,8 @@ case "${1:-}" in
     for side in "${sides[@]}"; do side_args+=(--side "$side"); done
     timeout 560 python3 bench/ab_live.py "${side_args[@]}" --clients "${CLIENTS:-64}" --rounds "${ROUNDS:-8}" \
       ${MODEL:+--model "$MODEL"} ${MAX_SESSIONS:+--max-sessions "$MAX_SESSIONS"} --duration "${DURATION:-3}" --load-processes "${LOAD_PROCS:-4}" \
-      --cpu-window "${CPU_WINDOW:-0}" --cpu-after "${CPU_AFTER:-1}" --load "${LOAD:-grpc}" --out "$out/ablive" 2>&1 | tee "$out/ablive.log" | tail -30
+      --cpu-window "${CPU_WINDOW:-0}" --cpu-after "${CPU_AFTER:-1}" --load "${LOAD:-grpc}" ${LOAD_FLAGS:+--load-flags="$LOAD_FLAGS"} \
+      --out "$out/ablive" 2>&1 | tee "$out/ablive.log" | tail -30
     ;;
   enginespy)  # py-spy of the engine under bench/link_load.py (no gRPC in front), CLIENTS (64) over LOAD_PROCS (8)
                # link connections, SERVER_FLAGS; folded stacks per thread, Python frames and native ones, in enginespy_*.txt
@@ -266,7 +275,33 @@ case "${1:-}" in
     wait $load
     kill $srv; wait $srv
     ;;
-  h2floor)  # bench/h2_floor.py: the bytes echo in C, in C with Python per message (h2_transport), and in grpc.aio: server CPU per step
+  workerspy)  # py-spy of one front-end worker under gdn-loadtest: CLIENTS (64) streaming over LOAD_PROCS (12)
+               # processes, --frontends FRONTENDS (8) and SERVER_FLAGS (e.g. --frontend-transport native);
+               # folded stacks, Python frames and native ones, in workerspy_*.txt
+    python3 -m gdn_server --host 127.0.0.1 --port 0 --device "${DEVICE:-cuda}" ${MODEL:---preset qwen3-next --devices 0} \
+      --max-sessions 512 --frontends "${FRONTENDS:-8}" --log-level WARNING ${SERVER_FLAGS:-} > "$out/workerspy_server.log" 2>&1 &
+    srv=$!
+    for _ in $(seq 240); do grep -q "listening on" "$out/workerspy_server.log" && break; sleep 0.5; done
+    target=$(grep -o "listening on [0-9.:]*" "$out/workerspy_server.log" | awk '{print $3}')
+    wpid=$(pgrep -f gdn_server.frontend | head -1)
+    timeout 120 python3 -m gdn_client.loadtest --target "$target" --clients "${CLIENTS:-64}" --processes "${LOAD_PROCS:-12}" \
+      --duration "${DURATION:-30}" --no-progress --json "$out/workerspy_load.json" > "$out/workerspy_load.log" 2>&1 &
+    load=$!
+    sleep "${SPY_AFTER:-10}"
+    for kind in python native; do
+      .tools/py-spy record --pid "$wpid" --duration "${SPY_S:-6}" --rate "${RATE:-400}" --threads \
+        $([[ $kind == native ]] && echo --native) --format raw -o "$out/workerspy_$kind.txt" > "$out/workerspy_$kind.log" 2>&1
+      tail -2 "$out/workerspy_$kind.log"
+    done
+    lpid=$(pgrep -f "gdn_client.loadtest" | tail -1)  # one of the load's processes, Python frames
+    .tools/py-spy record --pid "$lpid" --duration "${SPY_S:-6}" --rate "${RATE:-400}" --threads --format raw \
+      -o "$out/workerspy_loadproc.txt" > "$out/workerspy_loadproc.log" 2>&1
+    tail -2 "$out/workerspy_loadproc.log"
+    wait $load
+    tail -6 "$out/workerspy_load.log"
+    kill $srv; wait $srv
+    ;;
+  h2floor)  # bench/h2_floor.py: the bytes echo in C, in C with Python per message (the workers' H2Transport), and in grpc.aio: server CPU per step
              # (CLIENTS 8,64; LOAD_PROCS 4; needs libnghttp2.so on the host: carry one if the image has none)
     timeout 500 python3 bench/h2_floor.py --clients "${CLIENTS:-8,64}" --rounds "${ROUNDS:-2}" \
       --load-processes "${LOAD_PROCS:-4}" --json "$out/h2_floor.json" 2>&1 | tee "$out/h2_floor.log" | tail -8

@@ -71,15 +71,18 @@ def main() -> None:
                    help="each load process's clients share one connection (gdn-loadtest --shared-connection)")
     p.add_argument("--server-flags", default="",
                    help="more gdn-server flags for every part, e.g. '--max-queue-delay-us 50'")
+    p.add_argument("--load-flags", default="",
+                   help="more gdn-loadtest flags for every part, e.g. '--client-transport native'")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
     results: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "parts": []}
     common = ["--mode", "stream", "--tokens", "1", "--duration", str(args.duration), "--rounds", str(args.rounds),
-              "--processes", str(args.load_processes), *(["--shared-connection"] if args.shared_connection else [])]
+              "--processes", str(args.load_processes), *(["--shared-connection"] if args.shared_connection else []),
+              *args.load_flags.split()]
     big = ["--clients", "1", "--batch", str(args.batch_sessions), "--mode", "unary", "--tokens", "1",
-           "--duration", str(args.duration), "--rounds", str(args.rounds)]
+           "--duration", str(args.duration), "--rounds", str(args.rounds), *args.load_flags.split()]
 
     variants = [(int(f), r) for f in args.frontends.split(",") for r in args.runs_on.split(",")]
     for i, (frontends, runs_on) in enumerate(variants):

@@ -61,6 +61,7 @@ from gdn_client._echo import UNARY as ECHO_UNARY
 from gdn_client._echo import echo_env, echo_request
 from gdn_client._errors import GdnError, error_from_code, error_from_rpc
 from gdn_client._gc import tune_gc
+from gdn_client._h2_native import NativeChannel
 from gdn_client._malloc import tune_malloc
 from gdn_client._options import ClientOptions
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
@@ -100,6 +101,8 @@ class LoadConfig:
     # the clients of one load process share one connection (grpc's default for channels alike)
     # instead of each having its own
     shared_connection: bool = False
+    # the clients' gRPC: "grpc" (grpc.aio) or "native" (HTTP/2 in C, gdn_client._h2_native)
+    client_transport: str = "grpc"
 
 
 @dataclass
@@ -244,8 +247,11 @@ class _GdnWorker:
             reply = await self.stub.CreateSession(request, timeout=self.cfg.timeout)
             self.session_ids.append(reply.session_id)
         self.bodies = [encode_request(0, self.session_ids, (), x).SerializeToString() for x in self.inputs]
+        self.native = _native_connection(self.cfg)
+        if self.native is not None:
+            self.decode = self.native.unary(_DECODE)
         if self.cfg.mode == "stream":
-            self.call = self.channel.stream_stream(_DECODE_STREAM)()
+            self.call = self.native.stream(_DECODE_STREAM) if self.native else self.channel.stream_stream(_DECODE_STREAM)()
 
     def prepare(self) -> bytes:
         self.layer = layer = self.step_index % self.layers
@@ -277,6 +283,8 @@ class _GdnWorker:
 
     async def close(self) -> None:
         await _end_stream(self.call)
+        if self.native is not None:
+            self.native.close()
         for sid in self.session_ids:
             with contextlib.suppress(grpc.RpcError):
                 await self.stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=sid), timeout=self.cfg.timeout)
@@ -288,7 +296,7 @@ async def _end_stream(call: Any) -> None:
     with; grpc.aio refuses to mix read() and iteration on one call)."""
     if call is None:
         return
-    with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+    with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError, GdnError):
         await call.done_writing()
         while await call.read() is not grpc.aio.EOF:
             pass
@@ -315,14 +323,19 @@ class _EchoWorker:
     def __init__(self, cfg: LoadConfig, address: str, request_bytes: int, reply_bytes: int) -> None:
         self.cfg = cfg
         self.channel = grpc.aio.insecure_channel(address, _client_channel_args(cfg))
+        self.address = address
         self.payload = echo_request(request_bytes, reply_bytes)
         self.reply_bytes = reply_bytes
         self.call: Any = None  # the open stream in stream mode
         self.unary = self.channel.unary_unary(ECHO_UNARY)
+        self.native: Any = None
 
     async def open(self) -> None:
+        self.native = _native_connection(dataclasses.replace(self.cfg, target=self.address))
+        if self.native is not None:
+            self.unary = self.native.unary(ECHO_UNARY)
         if self.cfg.mode == "stream":
-            self.call = self.channel.stream_stream(ECHO_STREAM)()
+            self.call = self.native.stream(ECHO_STREAM) if self.native else self.channel.stream_stream(ECHO_STREAM)()
 
     def prepare(self) -> bytes:
         return self.payload
@@ -339,7 +352,16 @@ class _EchoWorker:
 
     async def close(self) -> None:
         await _end_stream(self.call)
+        if self.native is not None:
+            self.native.close()
         await self.channel.close()
+
+
+def _native_connection(cfg: LoadConfig) -> Any:
+    """A client's connection over the native transport when cfg asks for it, else None."""
+    if cfg.client_transport != "native":
+        return None
+    return NativeChannel.current().connect(cfg.target, shared=cfg.shared_connection)
 
 
 async def _drive(
@@ -849,6 +871,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-connection", action="store_true",
                    help="the clients of a load process share one TCP connection (HTTP/2 streams on it; grpc's "
                         "default for alike channels) instead of one connection each, as separate clients have")
+    p.add_argument("--client-transport", choices=["grpc", "native"], default="grpc",
+                   help="the clients' gRPC: grpc.aio (default), or HTTP/2 in C (the server's workers' transport, "
+                        "over libnghttp2): a fraction of the CPU per step, for a load host that shares its cores "
+                        "with the server")
     p.add_argument("--json", type=Path, default=None, help="write results to this JSON file")
     p.add_argument("--plot", type=Path, default=None, help="write PNG charts into this folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -865,7 +891,7 @@ async def _run_all(args: argparse.Namespace, echo_address: str | None) -> list[R
                 target=args.target, clients=n, mode=args.mode, batch=args.batch, tokens=args.tokens,
                 layers_per_token=args.layers_per_token, requests=args.requests, duration=args.duration,
                 dtype=args.dtype, seed=args.seed, timeout=args.timeout, progress=not args.no_progress,
-                shared_connection=args.shared_connection,
+                shared_connection=args.shared_connection, client_transport=args.client_transport,
             )
             ours = dataclasses.replace(await run_load(cfg, args.processes), round=round_index)
             results.append(ours)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gdn_client import loadtest
+from util import NEEDS_NATIVE_TRANSPORT
 
 
 def _runs(path) -> list[dict]:
@@ -223,3 +224,58 @@ def test_tune_malloc_is_a_no_op_without_glibc(monkeypatch):
 
     monkeypatch.setattr(_malloc, "_glibc_mallopt", lambda: None)
     assert _malloc.tune_malloc() == {}
+
+
+@NEEDS_NATIVE_TRANSPORT
+@pytest.mark.parametrize("mode", ["stream", "unary"])
+def test_native_clients_drive_the_server_and_the_echo(small_server, tmp_path, mode):
+    """--client-transport native: the same runs over the HTTP/2 transport in C; every step is a
+    real call the server saw, every reply is parsed and checked, the echo gets the same sizes."""
+    out = tmp_path / "native.json"
+    rc = loadtest.main([
+        "--target", small_server.address, "--clients", "3", "--requests", "45", "--mode", mode, "--processes", "2",
+        "--batch", "2", "--echo", "--client-transport", "native", "--json", str(out), "--no-progress",
+    ])
+    assert rc == 0
+    gdn, echo = _runs(out)
+    for r in (gdn, echo):
+        assert r["steps"] == 45 and r["errors"] == 0 and 0 < r["latency_ms"]["p50"]
+    assert gdn["server"]["requests"] == 45 and gdn["server"]["mean_rows_per_launch"] >= 2
+    assert (echo["request_bytes"], echo["reply_bytes"]) == (gdn["request_bytes"], gdn["reply_bytes"]) != (0, 0)
+
+
+@NEEDS_NATIVE_TRANSPORT
+def test_native_calls_end_with_the_servers_status(small_server):
+    """A native client call's status is the server's: an error as GdnError with its code, a stream
+    whose bad request is answered in-band and that then ends OK, a closed connection's calls."""
+    import asyncio
+
+    import grpc
+    import grpc.aio
+
+    from gdn_client._errors import GdnError
+    from gdn_client._h2_native import NativeChannel
+    from gdn_client.proto.gdn.v1 import gdn_pb2
+
+    async def calls() -> None:
+        channel = NativeChannel.current()
+        connection = channel.connect(small_server.address)
+        with pytest.raises(GdnError) as e:
+            await connection.unary("/gdn.v1.GdnDecode/NoSuchMethod")(b"")
+        assert e.value.code == grpc.StatusCode.UNIMPLEMENTED
+        reply = await connection.unary("/gdn.v1.GdnDecode/GetModelInfo")(b"")
+        assert gdn_pb2.ModelInfo.FromString(reply).num_layers == 3
+        stream = connection.stream("/gdn.v1.GdnDecode/DecodeStream")
+        await stream.write(gdn_pb2.DecodeRequest(layer=99, session_ids=["x"], request_id="r").SerializeToString())
+        answer = gdn_pb2.DecodeResponse.FromString(await stream.read())
+        assert (answer.request_id, answer.error_code) == ("r", grpc.StatusCode.INVALID_ARGUMENT.value[0])
+        await stream.done_writing()
+        assert await stream.read() is grpc.aio.EOF
+        open_call = connection.stream("/gdn.v1.GdnDecode/DecodeStream")
+        connection.close()
+        with pytest.raises(GdnError) as e:
+            await open_call.read()
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        channel.close()
+
+    asyncio.run(calls())
