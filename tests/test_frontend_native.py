@@ -118,7 +118,7 @@ def test_a_stream_that_sends_everything_before_reading(server, stub):
     assert [r.positions[0] for r in replies] == [i // 3 + 1 for i in range(300)]
 
 
-def test_a_backlog_of_refused_requests_is_answered_in_order_in_one_pass():
+def test_a_backlog_of_refused_requests_is_answered_in_order():
     """The worker's side of a stream, with a stand-in transport and engine: 64 steps in flight,
     then 1,500 requests that validation refuses at once (they wait in the backlog, the stream
     paused), then one more step. As the 64 are answered, everything goes out in request order,
