@@ -1,6 +1,8 @@
 """Small helpers for the end-to-end tests: request building and gate-parameter files."""
 from __future__ import annotations
 
+import contextlib
+import io
 import itertools
 from pathlib import Path
 from unittest import mock
@@ -18,6 +20,23 @@ from gdn_client._h2_native import native_transport_problem
 NEEDS_NATIVE_TRANSPORT = pytest.mark.skipif(
     native_transport_problem() is not None, reason=f"no native transport: {native_transport_problem()}"
 )
+
+
+def cli_refusal(*argv: str) -> str:
+    """gdn-server's command line run in this process on `argv`, which it must refuse before
+    anything starts (exit code 2, as argparse's errors exit); returns what it printed on stderr.
+    In-process: a refusal checked in a fresh interpreter cost ~3 s of imports each."""
+    from gdn_server import cli
+
+    err = io.StringIO()
+    accepted = AssertionError(f"gdn-server {' '.join(argv)}: not refused, it went on to start")
+    with mock.patch.object(cli, "tune_malloc"), mock.patch.object(cli, "tune_gc"), contextlib.redirect_stderr(err), \
+            mock.patch.object(cli, "build_app", side_effect=accepted), \
+            mock.patch.object(cli, "run_loop", side_effect=accepted):  # a regression fails here, not hangs
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["--device", "cpu", "--port", "0", *argv])
+    assert exited.value.code == 2, (argv, err.getvalue())
+    return err.getvalue()
 
 
 def write_gates(path: Path, layers: int, v_heads: int, seed: int = 0, hf_names: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
