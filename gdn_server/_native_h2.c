@@ -51,7 +51,7 @@
     X(session_server_new2) X(session_del) X(session_mem_recv) X(session_mem_send) X(session_want_read)           \
     X(session_want_write) X(submit_settings) X(submit_response) X(submit_trailer) X(session_resume_data)         \
     X(session_get_stream_user_data) X(session_set_stream_user_data) X(session_set_local_window_size)             \
-    X(submit_rst_stream) X(option_new) X(option_set_no_auto_window_update) X(session_consume_connection)         \
+    X(option_new) X(option_set_no_auto_window_update) X(session_consume_connection)         \
     X(session_consume_stream) X(submit_shutdown_notice) X(session_client_new2) X(submit_request)     \
     X(session_callbacks_set_data_source_read_length_callback)
 
@@ -106,7 +106,6 @@ static int load_nghttp2(void) {
 #define nghttp2_session_get_stream_user_data h2lib.session_get_stream_user_data
 #define nghttp2_session_set_stream_user_data h2lib.session_set_stream_user_data
 #define nghttp2_session_set_local_window_size h2lib.session_set_local_window_size
-#define nghttp2_submit_rst_stream h2lib.submit_rst_stream
 #define nghttp2_option_new h2lib.option_new
 #define nghttp2_option_set_no_auto_window_update h2lib.option_set_no_auto_window_update
 #define nghttp2_session_consume_connection h2lib.session_consume_connection
@@ -605,15 +604,20 @@ static PyObject *transport_connect(H2Transport *t, PyObject *args) {
     return PyLong_FromLongLong(c->id);
 }
 
+/* The open connection `conn_id` names, or NULL. */
+static Conn *conn_of(H2Transport *t, long long conn_id) {
+    for (size_t i = 0; i < t->n_conns; i++)
+        if (t->conns[i]->id == conn_id) return t->conns[i];
+    return NULL;
+}
+
 /* request(connection id, path, authority) -> handle: a call on that connection; its requests go
    with send(), half_close() ends them, and its replies come as MESSAGE events, then CLOSED. */
 static PyObject *transport_request(H2Transport *t, PyObject *args) {
     long long conn_id;
     const char *path, *authority;
     if (!PyArg_ParseTuple(args, "Lss", &conn_id, &path, &authority)) return NULL;
-    Conn *c = NULL;
-    for (size_t i = 0; i < t->n_conns && c == NULL; i++)
-        if (t->conns[i]->id == conn_id) c = t->conns[i];
+    Conn *c = conn_of(t, conn_id);
     if (c == NULL) return PyErr_Format(PyExc_ConnectionError, "connection %lld is closed", conn_id);
     Stream *s = calloc(1, sizeof(Stream));
     if (s == NULL) return PyErr_NoMemory();
@@ -648,11 +652,8 @@ static PyObject *transport_request(H2Transport *t, PyObject *args) {
 static PyObject *transport_disconnect(H2Transport *t, PyObject *args) {
     long long conn_id;
     if (!PyArg_ParseTuple(args, "L", &conn_id)) return NULL;
-    for (size_t i = 0; i < t->n_conns; i++)
-        if (t->conns[i]->id == conn_id) {
-            close_conn(t, t->conns[i]);
-            break;
-        }
+    Conn *c = conn_of(t, conn_id);
+    if (c != NULL) close_conn(t, c);
     return take_events(t);
 }
 

@@ -93,6 +93,4 @@ int nghttp2_session_client_new2(nghttp2_session **, const nghttp2_session_callba
 int32_t nghttp2_submit_request(nghttp2_session *, const void *, const nghttp2_nv *, size_t, const nghttp2_data_provider *,
                                void *);
 
-enum { FRAME_RST_STREAM = 3 };
-enum { H2_NO_ERROR = 0, H2_CANCEL = 8 };
 #endif

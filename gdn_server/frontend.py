@@ -36,7 +36,6 @@ from gdn_server.child_process import JsonSettings, start_child
 from gdn_server.busy_poll import LoopSpinner
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape
 from gdn_server.event_loop import run as run_loop
-from gdn_server.frontend_native import NativeFrontend
 from gdn_server.protowire import decode_request_parsers
 from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
 from gdn_server.metrics import MetricsInterceptor, ProcessCpu, RpcMetrics
@@ -503,6 +502,8 @@ async def serve_frontend(settings: FrontendSettings) -> int:
     auth = AuthInterceptor(tokens, security.mutual_tls) if tokens is not None or security.mutual_tls else None
     rpcs = FrontendDecodeRpcs(shape, links, SessionRoutes(channel), metrics)
     if settings.transport == "native":  # TLS was refused at start (frontend_native.check_transport)
+        from gdn_server.frontend_native import NativeFrontend  # it passes calls on with pump_requests, below
+
         public = NativeFrontend(
             settings.host, settings.port, settings.max_message_bytes, rpcs, channel, forwarded_methods(), auth, metrics
         )

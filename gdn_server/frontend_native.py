@@ -30,6 +30,7 @@ import grpc
 
 from gdn_client._h2_native import TransportLoop, native_transport_problem
 from gdn_server.errors import GdnError
+from gdn_server.frontend import pump_requests
 from gdn_server.metrics import SERVICE_PREFIX, RpcMetrics
 from gdn_server.native import module as native
 from gdn_server.protowire import parse_decode_request
@@ -438,24 +439,22 @@ class _Forwarded(_Call):
         if self.task is not None:
             self.task.cancel()
 
-    async def _pump(self, call) -> None:
-        """Writes the client's messages to the router's call, one by one (when the router ends
-        the call early, the writes stop and its status is what the client gets)."""
-        try:
-            while True:
-                data = await self.queue.get()
-                if self.paused and self.queue.qsize() < MAX_FORWARD_QUEUED // 4:
-                    self.paused = False
-                    self.frontend.transport.pause(self.handle, False)
-                if data is None:
-                    await call.done_writing()
-                    return
-                await call.write(data)
-        except (grpc.RpcError, asyncio.InvalidStateError):  # the router ended the call first
-            pass
+    async def _requests(self):
+        """The client's messages as they come, until its half-close; its window reopens once the
+        router has taken most of what waited."""
+        while True:
+            data = await self.queue.get()
+            if self.paused and self.queue.qsize() < MAX_FORWARD_QUEUED // 4:
+                self.paused = False
+                self.frontend.transport.pause(self.handle, False)
+            if data is None:
+                return
+            yield data
 
     async def _run(self, call) -> None:
-        pump = asyncio.ensure_future(self._pump(call)) if self.client_streaming else None
+        # written one by one, as EngineProxy's: when the router ends the call early the writes
+        # stop and its status is what the client gets
+        pump = asyncio.ensure_future(pump_requests(self._requests(), call)) if self.client_streaming else None
         transport, handle = self.frontend.transport, self.handle
         try:
             if self.server_streaming:
