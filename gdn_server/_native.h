@@ -38,6 +38,7 @@ int add_link_functions(PyObject *module);
 #define FLAG_POSITIONS 2
 #define FLAG_F32 4
 #define FLAG_IN_RING 8
+#define FLAG_UNCHECKED 16
 #define HEADER_BYTES 23 /* link.REQUEST: <BQBIIBHH */
 
 static inline uint16_t u16_at(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
@@ -61,10 +62,12 @@ static inline void link_input_bytes(const Py_ssize_t *heads, Py_ssize_t rows, Py
 PyObject *link_inputs(PyObject *view, Py_ssize_t offset, const Py_ssize_t *nbytes);
 
 /* _native_link.c: the DecodeWork (of type work_type, made as DecodeWork.of_bf16 makes one) of a
-   link request whose bf16 inputs `raw` (five bytes-likes) the worker checked; B rows, T tokens,
-   heads = (H, HV, K, V). A new reference, or NULL with an exception set. */
+   link request with bf16 inputs `raw` (five bytes-likes), which the worker checked for NaN/Inf
+   unless `finite_checked` is 0; B rows, T tokens, heads = (H, HV, K, V). A new reference, or NULL
+   with an exception set. */
 PyObject *link_work(PyObject *work_type, unsigned long layer, PyObject *ids, PyObject *positions, PyObject *request_id,
-                    PyObject *owner, int speculative, PyObject *raw, Py_ssize_t B, int T, const Py_ssize_t *heads);
+                    PyObject *owner, int speculative, int finite_checked, PyObject *raw, Py_ssize_t B, int T,
+                    const Py_ssize_t *heads);
 
 /* _native_replies.c: ReplyBox, one link connection's replies; 0 on success, -1 with an exception set. */
 int add_reply_box(PyObject *module);

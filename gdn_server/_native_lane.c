@@ -261,7 +261,8 @@ static PyObject *record_work(LaneRecord *r, const Py_ssize_t *heads, PyObject *w
     position = ids ? PyLong_FromUnsignedLongLong(r->position) : NULL;
     positions = position ? PyTuple_Pack(1, position) : NULL;
     if (positions != NULL)
-        work = link_work(work_type, (unsigned long)r->layer, ids, positions, r->request_id, r->owner, 0, raw, 1, 1, heads);
+        work = link_work(work_type, (unsigned long)r->layer, ids, positions, r->request_id, r->owner, 0, 1, raw, 1, 1,
+                         heads);
 done:
     Py_XDECREF(raw);
     Py_XDECREF(ids);

@@ -80,7 +80,8 @@ PyObject *link_inputs(PyObject *view, Py_ssize_t offset, const Py_ssize_t *nbyte
 }
 
 PyObject *link_work(PyObject *work_type, unsigned long layer, PyObject *ids, PyObject *positions, PyObject *request_id,
-                    PyObject *owner, int speculative, PyObject *raw, Py_ssize_t B, int T, const Py_ssize_t *heads) {
+                    PyObject *owner, int speculative, int finite_checked, PyObject *raw, Py_ssize_t B, int T,
+                    const Py_ssize_t *heads) {
     /* DecodeWork.of_bf16's object: object.__new__ and the fields straight into its __dict__ */
     Py_ssize_t H = heads[0], HV = heads[1], K = heads[2], V = heads[3], t = T;
     PyObject *no_args = PyTuple_New(0);
@@ -101,7 +102,8 @@ PyObject *link_work(PyObject *work_type, unsigned long layer, PyObject *ids, PyO
         || set_field(fields, k_input_dims,
                      Py_BuildValue("((nnnn)(nnnn)(nnnn)(nnn)(nnn))", B, t, H, K, B, t, H, K, B, t, HV, V, B, t, HV, B, t,
                                    HV))
-        || PyDict_SetItem(fields, k_finite_checked, Py_True) /* the worker checked the inputs */
+        /* the worker checked the inputs, or left big ones to the staging copy (FLAG_UNCHECKED) */
+        || PyDict_SetItem(fields, k_finite_checked, finite_checked ? Py_True : Py_False)
         || set_field(fields, k_tokens, PyLong_FromLong(T));
     Py_DECREF(fields);
     if (failed) Py_CLEAR(work);
@@ -186,7 +188,8 @@ static PyObject *decode_frame(const uint8_t *base, Py_ssize_t len, PyObject *fra
         if ((view = PyMemoryView_FromObject(frame_obj)) == NULL) goto fail;
     }
     if ((raw = link_inputs(view, offset, nbytes)) == NULL) goto fail;
-    work = link_work(work_type, layer, ids, positions, request_id, identity, flags & FLAG_SPECULATIVE, raw, B, T, heads);
+    work = link_work(work_type, layer, ids, positions, request_id, identity, flags & FLAG_SPECULATIVE,
+                     !(flags & FLAG_UNCHECKED), raw, B, T, heads);
     if (work == NULL) goto fail;
     *tag_out = tag;
     goto done;

@@ -17,7 +17,8 @@ request  KIND_DECODE u8 | tag u64 | flags u8 | layer u32 | B u32 | T u8 | len(re
          | q | k | v | a | b (row-major, bf16, or f32 with FLAG_F32)
            or, with FLAG_IN_RING, ring offset u64: q | k | v | a | b (bf16) sit at that monotonic
            offset of the request ring instead (never for a speculative step: its inputs are kept
-           past the reply)
+           past the reply); FLAG_UNCHECKED: bf16 inputs the worker did not check for NaN/Inf
+           (big ones: the engine's staging copy checks them as it copies)
 cancel   KIND_CANCEL u8 | tag u64: the caller of request `tag` gave up (deadline, disconnect); if
          it has not reached the device yet it never will, and its reply says CANCELLED
 ack      KIND_ACK u8 | offset u64: the worker has copied out every reply payload before this
@@ -41,7 +42,7 @@ import torch
 from gdn_server import native
 from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError
-from gdn_server.link_ring import ReplyRing, RequestRing, as_bytes, payload_at, read_payload
+from gdn_server.link_ring import ReplyRing, RequestRing, as_bytes, payload_at, payload_view, read_payload
 from gdn_server.work import DecodeResult, DecodeWork
 
 LENGTH = struct.Struct("<I")
@@ -61,6 +62,7 @@ FLAG_SPECULATIVE = 1
 FLAG_POSITIONS = 2
 FLAG_F32 = 4  # inputs as float32 (requests that did not come all-bf16); else bfloat16
 FLAG_IN_RING = 8  # bf16 inputs in the request ring, at the offset that ends the frame
+FLAG_UNCHECKED = 16  # bf16 inputs not yet checked for NaN/Inf (DecodeWork.finite_checked False)
 
 _CODE_OF_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 _native = native.module  # decode_link_request, where gdn_server._native is built (tests set it to None)
@@ -95,6 +97,8 @@ def encode_request(tag: int, work: DecodeWork, ring: RequestRing | None = None) 
     if work.positions is not None:
         flags |= FLAG_POSITIONS
     if work.bf16_bytes is not None:
+        if not work.finite_checked:
+            flags |= FLAG_UNCHECKED
         tensors: list = list(work.bf16_bytes)
         offset = ring.put(tag, tensors) if ring is not None and not work.speculative else None
         if offset is not None:
@@ -212,6 +216,8 @@ def decode_request(frame: bytes | bytearray, shape: ModelShape, ring: memoryview
     identity = str(view[offset : offset + ident_len], "utf-8") if ident_len else None
     offset += ident_len
     f32 = flags & FLAG_F32
+    if f32 and flags & FLAG_UNCHECKED:
+        raise ValueError("link frame has float32 inputs marked unchecked (only bf16 ones may be)")
     sizes, dims = _layout(shape, B, T, 4 if f32 else 2)
     if flags & FLAG_IN_RING:
         if f32 or ring is None or flags & FLAG_SPECULATIVE:
@@ -230,7 +236,7 @@ def decode_request(frame: bytes | bytearray, shape: ModelShape, ring: memoryview
     speculative = bool(flags & FLAG_SPECULATIVE)
     if not f32:  # the common case: the fast constructor (a frozen dataclass's __init__ is ~5 us more)
         return tag, DecodeWork.of_bf16(layer, tuple(session_ids), positions, request_id, speculative, tuple(raw),
-                                       dims, True, owner=identity)
+                                       dims, not flags & FLAG_UNCHECKED, owner=identity)
     tensors = {name: torch.frombuffer(data, dtype=torch.float32).view(d) for name, data, d in zip(_INPUTS, raw, dims)}
     return tag, DecodeWork(layer=layer, session_ids=tuple(session_ids), positions=positions, request_id=request_id,
                            owner=identity, speculative=speculative, **tensors)
@@ -289,10 +295,13 @@ _REPLY_HEADS: dict[int, struct.Struct] = {}
 
 
 def decode_reply(
-    frame: bytes, shape: ModelShape, ring: memoryview | None = None
+    frame: bytes, shape: ModelShape, ring: memoryview | None = None, copy: bool = True
 ) -> tuple[int, DecodeResult | GdnError, int | None]:
     """A reply frame (without its length prefix) -> (tag, result or error, and where the reply
-    ring has been read to when its output came from `ring`, else None)."""
+    ring has been read to when its output came from `ring`, else None).
+
+    With `copy` False the output is a view, of the frame or of the ring: one in the ring must be
+    copied before the ring is acked past it (the worker encodes its reply from it at once)."""
     tag, status, B, T, msg_len = REPLY.unpack_from(frame, 0)
     offset = REPLY.size
     positions = struct.unpack_from(f"<{B}Q", frame, offset)
@@ -303,11 +312,12 @@ def decode_reply(
             raise ValueError("link reply has its output in a ring this link has not")
         (at,) = RING_OFFSET.unpack_from(frame, offset)
         nbytes = B * T * shape.num_v_heads * shape.head_dim_v * 2
-        return tag, DecodeResult(read_payload(ring, at, nbytes), out_shape, positions), at + nbytes
+        out = read_payload(ring, at, nbytes) if copy else payload_view(ring, at, nbytes)
+        return tag, DecodeResult(out, out_shape, positions), at + nbytes
     if status:
         message = frame[offset : offset + msg_len].decode("utf-8", "replace")
         return tag, GdnError(message, _CODE_OF_VALUE.get(status, grpc.StatusCode.INTERNAL)), None
-    return tag, DecodeResult(frame[offset:], out_shape, positions), None
+    return tag, DecodeResult(frame[offset:] if copy else memoryview(frame)[offset:], out_shape, positions), None
 
 
 def send_frames(sock: socket.socket, parts: list[bytes]) -> None:

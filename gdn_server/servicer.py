@@ -137,8 +137,8 @@ class DecodeRpcs:
 
     shape: ModelShape
     metrics = None  # gdn_server.metrics.RpcMetrics, when counted in this process
-    # big bf16 requests leave their NaN/Inf check to the backend (validation.DEFERRED_CHECK_BYTES);
-    # only where that backend is in this process: a front-end worker checks everything itself
+    # big bf16 requests leave their NaN/Inf check to the backend (validation.DEFERRED_CHECK_BYTES)
+    # where one runs them: in this process, or behind a front-end worker's link (which says so)
     defer_finite_check = False
 
     def _start_decode(self, request: gdn_pb2.DecodeRequest) -> asyncio.Future:

@@ -26,7 +26,9 @@ native_only = pytest.mark.skipif(native_module is None, reason="gdn_server._nati
 SHAPE = ModelShape(num_layers=5, num_q_heads=2, num_v_heads=4, head_dim_k=16, head_dim_v=16)
 
 
-def _work(B: int, T: int, dtype: torch.dtype, positions, speculative: bool, owner, seed: int = 0) -> DecodeWork:
+def _work(B: int, T: int, dtype: torch.dtype, positions, speculative: bool, owner, seed: int = 0,
+          checked: bool = True) -> DecodeWork:
+    """`checked` False: bf16 inputs left unchecked for NaN/Inf, as a worker leaves big ones."""
     g = torch.Generator().manual_seed(seed)
     H, HV, K, V = SHAPE.num_q_heads, SHAPE.num_v_heads, SHAPE.head_dim_k, SHAPE.head_dim_v
     shapes = {"q": (B, T, H, K), "k": (B, T, H, K), "v": (B, T, HV, V), "a": (B, T, HV), "b": (B, T, HV)}
@@ -35,7 +37,8 @@ def _work(B: int, T: int, dtype: torch.dtype, positions, speculative: bool, owne
     if dtype == torch.bfloat16:
         raw = tuple(tensors[n].view(torch.int16).numpy().tobytes() for n in shapes)
     return DecodeWork(layer=3, session_ids=tuple(f"s{i}-é" for i in range(B)), positions=positions,
-                      request_id="req-1", owner=owner, speculative=speculative, bf16_bytes=raw, **tensors)
+                      request_id="req-1", owner=owner, speculative=speculative, bf16_bytes=raw,
+                      finite_checked=checked or raw is None, **tensors)
 
 
 def _frame(parts: list[bytes]) -> bytes:
@@ -48,16 +51,18 @@ def _frame(parts: list[bytes]) -> bytes:
 @settings(max_examples=40, deadline=None)
 @given(B=st.integers(1, 5), T=st.integers(1, 8), dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
        with_positions=st.booleans(), speculative=st.booleans(), owner=st.sampled_from([None, "alice", "ünï"]),
-       tag=st.integers(0, 2**64 - 1))
-def test_request_round_trip(B, T, dtype, with_positions, speculative, owner, tag):
+       tag=st.integers(0, 2**64 - 1), checked=st.booleans())
+def test_request_round_trip(B, T, dtype, with_positions, speculative, owner, tag, checked):
     positions = tuple(range(2**64 - B, 2**64)) if with_positions else None  # the largest uint64 positions
-    work = _work(B, T, dtype, positions, speculative, owner)
+    work = _work(B, T, dtype, positions, speculative, owner, checked=checked)
     frame = _frame(encode_request(tag, work))
     assert frame[0] == KIND_DECODE
+    assert bool(frame[9] & link.FLAG_UNCHECKED) == (not work.finite_checked)
     got_tag, got = decode_request(frame, SHAPE)
     assert got_tag == tag
-    assert (got.layer, got.session_ids, got.positions, got.request_id, got.owner, got.speculative) == (
-        work.layer, work.session_ids, work.positions, work.request_id, work.owner, work.speculative)
+    assert (got.layer, got.session_ids, got.positions, got.request_id, got.owner, got.speculative,
+            got.finite_checked) == (work.layer, work.session_ids, work.positions, work.request_id, work.owner,
+                                    work.speculative, checked or dtype != torch.bfloat16)
     for name in ("q", "k", "v", "a", "b"):
         sent, received = getattr(work, name), getattr(got, name)
         assert received.shape == sent.shape
@@ -107,6 +112,10 @@ def test_bad_frames_are_refused():
     frame = _frame(encode_request(1, _work(2, 1, torch.bfloat16, None, False, None)))
     with pytest.raises(ValueError, match="too short"):
         decode_request(frame[:-1], SHAPE)
+    f32 = bytearray(_frame(encode_request(1, _work(2, 1, torch.float32, None, False, None))))
+    f32[9] |= link.FLAG_UNCHECKED  # only bf16 inputs are ever left unchecked
+    with pytest.raises(ValueError, match="float32 inputs marked unchecked"):
+        decode_request(bytes(f32), SHAPE)
     with pytest.raises(ValueError, match="past its tensors"):
         decode_request(frame + b"\0", SHAPE)
 
@@ -162,11 +171,12 @@ def _fields(work: DecodeWork) -> dict:
 @given(B=st.integers(1, 4), T=st.integers(1, 3), dtype=st.sampled_from([torch.bfloat16, torch.float32]),
        with_positions=st.booleans(), speculative=st.booleans(), owner=st.sampled_from([None, "alice", "ünï"]),
        tag=st.integers(0, 2**64 - 1), damage=st.sampled_from(["none", "truncate", "extend", "flip", "offset"]),
-       where=st.integers(0, 10**6), byte=st.integers(0, 255), in_ring=st.booleans(), lead=st.integers(0, 40000))
+       where=st.integers(0, 10**6), byte=st.integers(0, 255), in_ring=st.booleans(), lead=st.integers(0, 40000),
+       checked=st.booleans())
 @example(B=2, T=1, dtype=torch.bfloat16, with_positions=True, speculative=False, owner=None, tag=0, damage="flip",
-         where=678, byte=2, in_ring=True, lead=0)  # the flip makes T 3: another valid frame (found 2026-12-01)
+         where=678, byte=2, in_ring=True, lead=0, checked=True)  # the flip makes T 3: another valid frame (2026-12-01)
 def test_native_decode_agrees_with_python(B, T, dtype, with_positions, speculative, owner, tag, damage, where, byte,
-                                          in_ring, lead):
+                                          in_ring, lead, checked):
     """The engine's C decode of a request frame (gdn_server/_native_link.c) gives the DecodeWork
     the Python decode gives, field for field, or leaves the frame to the Python (None): always for
     float32 inputs, and for frames cut short, run long or with a byte changed anywhere (ids that
@@ -181,7 +191,7 @@ def test_native_decode_agrees_with_python(B, T, dtype, with_positions, speculati
         if lead:
             ring.put(-1, [b"\xee" * min(lead, len(view) // 2)])
             ring.free(-1)
-    frame = _frame(encode_request(tag, _work(B, T, dtype, positions, speculative, owner), ring))
+    frame = _frame(encode_request(tag, _work(B, T, dtype, positions, speculative, owner, checked=checked), ring))
     assert bool(frame[9] & link.FLAG_IN_RING) == (in_ring and dtype == torch.bfloat16 and not speculative)
     if damage == "truncate":
         frame = frame[: where % len(frame)]
@@ -201,7 +211,9 @@ def test_native_decode_agrees_with_python(B, T, dtype, with_positions, speculati
     assert expected[0] != "refused", f"native accepted a frame the Python refuses ({expected[1]})"
     got_tag, work = native
     assert (got_tag, _fields(work)) == expected
-    assert type(work) is DecodeWork and work.finite_checked
+    assert type(work) is DecodeWork
+    # FLAG_UNCHECKED carried, or a flip of that bit read as the Python reads it (compared above)
+    assert work.finite_checked == (checked or dtype != torch.bfloat16) or damage != "none"
     # a changed byte may make another valid frame (T 1 -> 3 with the inputs in the ring, whose
     # bytes the frame's length does not bound): then both decodes agree on it, as checked above
     assert work.tokens == T or damage != "none"

@@ -18,14 +18,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdn_server import engine_link, link
-from gdn_server.config import ModelShape
+from gdn_server.config import PRESETS, ModelShape
 from gdn_server.engine_link import EngineLink, PyReplyBox
 from gdn_server.errors import GdnError
 from gdn_server.link import (
     FLAG_IN_RING, FrameBuffer, LENGTH, STATUS_IN_RING, decode_ack, decode_hello, decode_reply, decode_request, encode_ack,
     encode_hello, encode_reply, encode_request,
 )
-from gdn_server.link_ring import ReplyRing, RequestRing, _place, make_shared, map_shared
+from gdn_server.link_ring import (
+    REPLY_RING_BYTES, REQUEST_RING_BYTES, ReplyRing, RequestRing, _place, make_shared, map_shared,
+)
 from gdn_server.native import module as native_module
 from gdn_server.placement import Placement, Shard
 from gdn_server.sessions import SessionTable
@@ -88,6 +90,25 @@ def test_a_request_in_the_ring_decodes_as_one_in_its_frame():
                 decode_request(bytes(forged), SHAPE, memory.toreadonly())
         finally:
             link._native = saved
+
+
+def test_the_rings_take_a_b256_step_of_qwen3_next():
+    """The issue's big request (B=256 sessions, T=1, qwen3-next's heads: 4.03 MiB of inputs, a
+    2 MiB reply) goes through the rings, not the socket, with as much already taken as a steady
+    stream of small steps leaves (the rings' room for one payload is half of each)."""
+    shape = PRESETS["qwen3-next"]
+    H, HV, K, V = shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v
+    inputs = 2 * sum(link.input_sizes(shape, 256, 1))  # bf16 bytes
+    assert inputs == 256 * 2 * (2 * H * K + HV * V + 2 * HV)
+    assert inputs <= REQUEST_RING_BYTES // 2 and 256 * HV * V * 2 <= REPLY_RING_BYTES // 2
+    requests = RequestRing(memoryview(bytearray(REQUEST_RING_BYTES)))
+    small = 2 * sum(link.input_sizes(shape, 1, 1))
+    for tag in range(100):  # the stream of one-row steps before: taken and freed, so the ring has wrapped
+        assert requests.put(tag, [b"\x01" * small]) is not None
+        requests.free(tag)
+    assert requests.put(1000, [b"\x02" * inputs]) is not None
+    replies = ReplyRing(memoryview(bytearray(REPLY_RING_BYTES)))
+    assert replies.put(b"\x03" * (256 * HV * V * 2)) is not None
 
 
 def test_the_request_ring_frees_in_any_order_and_keeps_what_is_taken():
