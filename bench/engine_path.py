@@ -100,6 +100,7 @@ class HostStagingRing:
         reserve = make_plan(shape, reserve_rows, shape.max_tokens_per_step) if reserve_rows else None
         self._ring: list[HostStaging | None] = [HostStaging(reserve) if reserve else None for _ in range(RING)]
         self._next = 0
+        self.found: dict[int, str] | None = {}
 
     def stage(self, batch: StepBatch) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Fills the next set with `batch` (CudaBackend's own fill); returns its input views and
@@ -113,7 +114,8 @@ class HostStagingRing:
             staging = self._ring[self._next] = HostStaging(plan)
         self._next = (self._next + 1) % RING
         host, out = staging.views_for(plan, (R, T))
-        fill(batch, plan, staging.host_mem, staging.host_bytes, host)
+        # what the fill's NaN/Inf check of unchecked inputs found ({} or None: see staging.fill)
+        self.found = fill(batch, plan, staging.host_mem, staging.host_bytes, host)
         return host, out
 
 

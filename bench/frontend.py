@@ -25,7 +25,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_path import HostStagingRing  # noqa: E402  (same folder: the engine benchmark's staging ring)
 from listening import start_listening  # noqa: E402  (same folder)
-from gdn_server.backends.base import PendingStep, check_unchecked_inputs
+from gdn_server.backends.base import NonFiniteInputs, PendingStep, check_unchecked_inputs
 from gdn_server.backends.cpu import CpuBackend
 from gdn_server.config import ModelShape, SchedulerConfig
 from gdn_server.event_loop import EVENT_LOOPS
@@ -37,6 +37,7 @@ from gdn_server.servicer import GdnDecodeServicer, encode_decode_reply
 from gdn_server.sessions import SessionTable
 from gdn_server.tuning import tune_gc, tune_malloc
 from gdn_server.weights import random_gate_params
+from gdn_server.validation import nonfinite_input
 from gdn_server.work import StepBatch
 
 GPU_WAIT_S = 60e-6
@@ -73,7 +74,12 @@ class HostOnlyBackend(CpuBackend):
 
     def submit(self, batch: StepBatch) -> PendingStep:
         _, out = self._staging.stage(batch)
-        check_unchecked_inputs(batch)  # as CudaBackend does (on its staged copy)
+        # as CudaBackend does: the native fill checked unchecked inputs as it copied them
+        found = self._staging.found
+        if found is None:
+            check_unchecked_inputs(batch)
+        elif found:
+            raise NonFiniteInputs({index: nonfinite_input(name) for index, name in found.items()})
         return _Waiting(out)
 
 

@@ -8,6 +8,9 @@ server, on one host (CLOCK_MONOTONIC is shared by the two processes).
     python bench/trace_step.py --echo-only --echo-work-us 200 --echo-work-kind spin   # the echo alone,
         # plain and with 200 us of work per step, in turn: does a server's own work lengthen its legs?
     python bench/trace_step.py --device cuda --server-flags "--frontends 8"   # through a worker and an engine
+    python bench/trace_step.py --device cpu --fake-device auto --batch 256 --mode unary --steps 100 \
+        --server-flags "--frontends 1 --frontend-transport native" --client-transport native
+        # (c) through a native worker on any machine: the engine's backend is the host-only one
 
 The server runs in a child process with a few of its methods wrapped to take a timestamp (this
 file, --serve; the product code has no tracing in it). One client, gdn-loadtest's own worker,
@@ -27,7 +30,7 @@ With --frontends N in --server-flags the router starts its workers and engines t
 bench/trace_child.py, which stamps them too (FRONTEND_STAGES): the worker's parse, its checks
 ("validated"), the request's ring copy and frame ("framed"), its link's frame out ("sent"), the
 engine's read of it ("link in"), the engine's stages as above, its replies handed to the link's
-sender ("flushed"), the worker's read of the reply ("reply in") and its stream's writer ("reply").
+sender ("flushed"), the worker's read of the reply ("reply in") and its DecodeResponse's bytes ("reply").
 Every process uses CLOCK_MONOTONIC, one clock on one host.
 """
 from __future__ import annotations
@@ -58,7 +61,7 @@ STAGES = ("parse", "parsed", "in", "queued", "round", "submit", "filled", "check
 FRONTEND_STAGES = ("parse", "parsed", "in", "validated", "framed", "sent", "link in", "queued", "round", "submit",
                    "filled", "checked", "submitted", "finish", "answered", "flushed", "reply in", "reply")
 # inside the CUDA backend's submit; "checked" only where validation left the NaN/Inf check to it
-OPTIONAL = ("submit", "filled", "checked")
+OPTIONAL = ("submit", "filled", "checked", "link in")  # "link in": not where the C takes a ring's request whole
 
 
 # -- the server side (--serve): wrap a few methods, dump the stamps at exit --------------------------
@@ -133,12 +136,16 @@ def install_stamps(role: str) -> dict[str, list[int]]:
     from gdn_server import protowire, scheduler, servicer
     from gdn_server.backends import cpu, cuda
 
+    if role == "worker":  # imported before protowire's parser is wrapped: it keeps the plain one, wrapped below
+        from gdn_server import frontend_native
+
     stamps: dict[str, list[int]] = {s: [] for s in (STAGES if role == "server" else FRONTEND_STAGES)}
     around = functools.partial(_around, stamps)
 
     if role in ("server", "worker"):
         # the server's DecodeRequest parser (RejectMalformed looks it up when the server is built)
         around(protowire, "parse_decode_request", before="parse", after="parsed")
+    if role == "server":  # (a worker's replies are made as it reads them from its link: stamped below)
         around(servicer, "_reply", before="reply")
     if role in ("server", "engine"):
         around(scheduler.Scheduler, "_launch", before="round", when=lambda self, items, *a, **k: bool(items))
@@ -153,15 +160,23 @@ def install_stamps(role: str) -> dict[str, list[int]]:
     elif role == "worker":
         from gdn_server import frontend
 
+        # --frontend-transport native: its parser (the grpc transport's is protowire's, wrapped above)
+        around(frontend_native, "parse_decode_request", before="parse", after="parsed")
         around(frontend.FrontendDecodeRpcs, "_submit_decode", before="in")  # a DecodeStream's request
         around(frontend.FrontendDecodeRpcs, "_validated", after="validated")
         around(frontend, "encode_request", after="framed")  # its inputs copied into the ring, its frame made
         around(frontend.EngineLinkClient, "_send", after="sent")  # submit and submit_to alike
         around(frontend, "decode_reply", before="reply in")  # the worker's read of the engine's reply frame
+        around(frontend, "encode_decode_reply", after="reply")  # its DecodeResponse's bytes, made from the ring
     elif role == "engine":
-        from gdn_server import engine_link
+        from gdn_server import engine_link, link
 
-        around(engine_link.EngineLink, "_read_from", before="link in")
+        if int(os.environ.get("GDN_TRACE_BATCH", "1")) > 1:
+            # a big request's frame comes in many reads; it is decoded once, by _take
+            around(engine_link.EngineLink, "_take", before="link in",
+                   when=lambda self, conn, frame, queued: frame[0] == link.KIND_DECODE)
+        else:  # a plain step is taken in C (no _take): its read is its stamp
+            around(engine_link.EngineLink, "_read_from", before="link in")
         around(scheduler.Scheduler, "submit_decodes", after="queued")
         # after each round of answers (and after each read, with nothing to send: not stamped)
         around(engine_link.EngineLink, "flush", after="flushed", when=lambda self: bool(self._dirty))
@@ -171,10 +186,28 @@ def install_stamps(role: str) -> dict[str, list[int]]:
 def stamp_child(role: str, out: Path) -> None:
     """For bench/trace_child.py: this --frontends child's stamps, written to `out` at its exit."""
     stamps = install_stamps(role)
+    if role == "engine" and os.environ.get("GDN_TRACE_FAKE_DEVICE"):
+        _fake_engine_device(stamps)
     atexit.register(lambda: out.write_text(json.dumps(stamps)))
 
 
-def _spawning_traced_children(stamps_dir: Path) -> None:
+def _fake_engine_device(stamps: dict[str, list[int]]) -> None:
+    """--fake-device with --frontends: this engine's backend is bench/frontend.py's host-only one
+    (CUDA's staging copies, a 60 us "device", zeros out), so a big request's hops through a worker
+    and the link can be traced on a machine without a GPU, with no CPU kernel in the way."""
+    from gdn_server import server
+
+    import frontend  # this folder, on the children's PYTHONPATH
+
+    _around(stamps, frontend.HostOnlyBackend, "submit", after="submitted")
+
+    def host_only_backends(device, devices, shape, gates, max_sessions, scale=None, speculative_sessions=None):
+        return [(0, frontend.HostOnlyBackend(shape, gates, max_sessions or 600, speculative_sessions=0))]
+
+    server.make_backends = host_only_backends
+
+
+def _spawning_traced_children(stamps_dir: Path, fake_device: bool = False) -> None:
     """Makes this --frontends router start its workers and engines through bench/trace_child.py,
     which stamps them (each writes its own file into `stamps_dir`)."""
     from gdn_server import frontend_pool, router
@@ -185,6 +218,7 @@ def _spawning_traced_children(stamps_dir: Path) -> None:
     def wrap(original):
         async def spawn_ready(module, settings_json, name, env):
             env = {**env, "GDN_TRACE_MODULE": module, "GDN_TRACE_ROLE": roles[module],
+                   **({"GDN_TRACE_FAKE_DEVICE": "1"} if fake_device else {}),
                    "GDN_TRACE_DIR": str(stamps_dir), "PYTHONPATH": os.pathsep.join(
                        [bench, str(Path(bench).parent), env.get("PYTHONPATH", "")])}
             return await original("trace_child", settings_json, name, env)
@@ -204,7 +238,7 @@ def _serve(trace_out: str, flags: list[str], fake_device: str | None, serial_cop
         staging.PARALLEL_COPY_BYTES = gdn_client.wire._PARALLEL_CHECK_BYTES = 1 << 62
 
     if _frontends(flags):  # the decode path runs in the children; this router only starts them
-        _spawning_traced_children(Path(trace_out).parent / "children")
+        _spawning_traced_children(Path(trace_out).parent / "children", fake_device is not None)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         return cli.main(flags)
     stamps = install_stamps("server")
@@ -247,20 +281,21 @@ async def _client_run(worker, warmup: int, steps: int) -> list[tuple[int, int]]:
     return times
 
 
-async def _gdn_client(target: str, warmup: int, steps: int, batch: int, mode: str):
+async def _gdn_client(target: str, warmup: int, steps: int, batch: int, mode: str, transport: str = "grpc"):
     from gdn_client.loadtest import LoadConfig, _GdnWorker, _server_view
 
-    cfg = LoadConfig(target=target, clients=1, batch=batch, mode=mode, progress=False)
+    cfg = LoadConfig(target=target, clients=1, batch=batch, mode=mode, progress=False, client_transport=transport)
     info, _ = await _server_view(target, 30)
     worker = _GdnWorker(cfg, info, 0)
     times = await _client_run(worker, warmup, steps)
     return times, worker.request_bytes, worker.reply_bytes
 
 
-async def _echo_client(address: str, request_bytes: int, reply_bytes: int, warmup: int, steps: int, mode: str):
+async def _echo_client(address: str, request_bytes: int, reply_bytes: int, warmup: int, steps: int, mode: str,
+                       transport: str = "grpc"):
     from gdn_client.loadtest import LoadConfig, _EchoWorker
 
-    cfg = LoadConfig(target=address, clients=1, mode=mode, progress=False)
+    cfg = LoadConfig(target=address, clients=1, mode=mode, progress=False, client_transport=transport)
     return await _client_run(_EchoWorker(cfg, address, request_bytes, reply_bytes), warmup, steps)
 
 
@@ -301,6 +336,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=300)
     p.add_argument("--batch", type=int, default=1, help="sessions per request (B)")
     p.add_argument("--mode", default="stream", choices=("stream", "unary"))
+    p.add_argument("--client-transport", default="grpc", choices=("grpc", "native"),
+                   help="the client's transport, ours and the echo's alike (gdn-loadtest --client-transport)")
     p.add_argument("--serial-copies", action="store_true",
                    help="no torch thread pool for big copies and checks (the server as before it used one)")
     p.add_argument("--fake-device", choices=("auto", "loop", "thread"),
@@ -333,8 +370,10 @@ def main() -> None:
            "--device", args.device, "--max-sessions", str(max(8, args.batch)), "--log-level", "WARNING", *args.model.split(),
            *args.server_flags.split(), *(["--fake-device", args.fake_device] if args.fake_device else []),
            *(["--serial-copies"] if args.serial_copies else [])]
+    os.environ["GDN_TRACE_BATCH"] = str(args.batch)  # the engines' stamps (install_stamps), through the router's env
     with _started(cmd) as target:
-        times, request_bytes, reply_bytes = asyncio.run(_gdn_client(target, args.warmup, args.steps, args.batch, args.mode))
+        times, request_bytes, reply_bytes = asyncio.run(
+            _gdn_client(target, args.warmup, args.steps, args.batch, args.mode, args.client_transport))
     echo_rows, echo = _echo_legs(args, out, request_bytes, reply_bytes, args.echo_work_us)
 
     frontends = _frontends(args.server_flags.split())
@@ -391,7 +430,8 @@ def _echo_legs(args, out: Path, request_bytes: int, reply_bytes: int, work_us: i
     from gdn_client._echo import echo_env  # the floor on gRPC's defaults, as gdn-loadtest --echo starts it
 
     with _started(cmd, env=echo_env()) as address:
-        echo_times = asyncio.run(_echo_client(address, request_bytes, reply_bytes, args.warmup, args.steps, args.mode))
+        echo_times = asyncio.run(_echo_client(address, request_bytes, reply_bytes, args.warmup, args.steps, args.mode,
+                                              getattr(args, "client_transport", "grpc")))
     w, n = args.warmup, args.steps
     # the echo's legs: its handler's stamps, after the warm-up (it served only this client)
     echo_stamps = {k: np.asarray(v[w:w + n], dtype=np.int64) for k, v in json.loads(echo_trace.read_text()).items()}
