@@ -81,59 +81,53 @@ def wide_server():
         yield srv
 
 
-@pytest.mark.parametrize("culprit", ["q", "v", "b"])
-def test_a_big_request_with_nan_is_invalid_argument_and_changes_nothing(wide_server, culprit):
-    channel = grpc.insecure_channel(wide_server.address, options=[("grpc.max_send_message_length", 64 << 20)])
-    stub = gdn_pb2_grpc.GdnDecodeStub(channel)
+GOOD = random_inputs(70, 1, 16, 32, gen=torch.Generator().manual_seed(5), dtype=torch.bfloat16)
+OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+def _refused_then_stepped(stub, culprit: str) -> bytes:
+    """On 70 new sessions: GOOD with an Inf in `culprit` is refused with INVALID_ARGUMENT naming
+    it, then GOOD itself is still their first step. Returns that step's output bytes (the
+    sessions are closed)."""
     sids = [stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=TIMEOUT).session_id for _ in range(70)]
-    gen = torch.Generator().manual_seed(5)
-    good = random_inputs(70, 1, 16, 32, gen=gen, dtype=torch.bfloat16)
-    bad = {k: v.clone() for k, v in good.items()}
+    bad = {k: v.clone() for k, v in GOOD.items()}
     bad[culprit][37, 0].view(-1)[0] = float("inf")
     with pytest.raises(grpc.RpcError) as err:
         stub.Decode(decode_request(0, sids, bad, positions=[0] * 70), timeout=TIMEOUT)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details() == f"{culprit} has NaN or Inf values"
-    # nothing moved: the same request without the Inf is a first step, and its outputs are the
-    # outputs of fresh sessions' first step on those inputs (after the refused request's sessions
-    # are closed: the pool holds 80)
-    reply = stub.Decode(decode_request(0, sids, good, positions=[0] * 70), timeout=TIMEOUT)
+    reply = stub.Decode(decode_request(0, sids, GOOD, positions=[0] * 70), timeout=TIMEOUT)
     assert list(reply.positions) == [1] * 70
     for sid in sids:
         stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=sid), timeout=TIMEOUT)
-    fresh = [stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=TIMEOUT).session_id for _ in range(70)]
-    assert stub.Decode(decode_request(0, fresh, good, positions=[0] * 70), timeout=TIMEOUT).o.data == reply.o.data
-    for sid in fresh:
+    return reply.o.data
+
+
+def _first_step(stub) -> bytes:
+    """GOOD as the first step of 70 fresh sessions: its output bytes (the sessions are closed)."""
+    sids = [stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=TIMEOUT).session_id for _ in range(70)]
+    out = stub.Decode(decode_request(0, sids, GOOD, positions=[0] * 70), timeout=TIMEOUT).o.data
+    for sid in sids:
         stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=sid), timeout=TIMEOUT)
-    channel.close()
+    return out
+
+
+@pytest.mark.parametrize("culprit", ["q", "v", "b"])
+def test_a_big_request_with_nan_is_invalid_argument_and_changes_nothing(wide_server, culprit):
+    # nothing moved: after the refusal the request without the Inf is a first step, and its
+    # outputs are those of fresh sessions' first step on the same inputs
+    with grpc.insecure_channel(wide_server.address, options=OPTIONS) as channel:
+        stub = gdn_pb2_grpc.GdnDecodeStub(channel)
+        assert _refused_then_stepped(stub, culprit) == _first_step(stub)
 
 
 def test_behind_a_worker_the_engine_refuses_a_big_request_with_nan(wide_server):
     """A front-end worker leaves a big request's NaN/Inf check to its engine (link.FLAG_UNCHECKED,
     checked as the engine stages it): the client gets the one-process server's answer, and nothing
-    moves. The good request's outputs are those of the one-process server's first step. (The
-    link is the same behind either worker transport; one server start is what the suite affords.)"""
-    culprit = "v"
-    gen = torch.Generator().manual_seed(6)
-    good = random_inputs(70, 1, 16, 32, gen=gen, dtype=torch.bfloat16)
-    bad = {k: v.clone() for k, v in good.items()}
-    bad[culprit][12, 0].view(-1)[5] = float("nan")
-    options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+    moves. (The link is the same behind either worker transport; one server start is what the
+    suite affords.)"""
     with start_server("--layers", "1", "--q-heads", "16", "--v-heads", "32", "--max-sessions", "80",
-                      "--frontends", "1") as srv, \
-            grpc.insecure_channel(srv.address, options=options) as channel:
-        stub = gdn_pb2_grpc.GdnDecodeStub(channel)
-        sids = [stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=TIMEOUT).session_id for _ in range(70)]
-        with pytest.raises(grpc.RpcError) as err:
-            stub.Decode(decode_request(0, sids, bad, positions=[0] * 70), timeout=TIMEOUT)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert err.value.details() == f"{culprit} has NaN or Inf values"
-        reply = stub.Decode(decode_request(0, sids, good, positions=[0] * 70), timeout=TIMEOUT)
-        assert list(reply.positions) == [1] * 70
-    with grpc.insecure_channel(wide_server.address, options=options) as channel:
-        stub = gdn_pb2_grpc.GdnDecodeStub(channel)
-        sids = [stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=TIMEOUT).session_id for _ in range(70)]
-        alone = stub.Decode(decode_request(0, sids, good, positions=[0] * 70), timeout=TIMEOUT)
-        for sid in sids:
-            stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=sid), timeout=TIMEOUT)
-    assert reply.o.data == alone.o.data
+                      "--frontends", "1") as srv, grpc.insecure_channel(srv.address, options=OPTIONS) as channel:
+        behind_worker = _refused_then_stepped(gdn_pb2_grpc.GdnDecodeStub(channel), "v")
+    with grpc.insecure_channel(wide_server.address, options=OPTIONS) as channel:
+        assert behind_worker == _first_step(gdn_pb2_grpc.GdnDecodeStub(channel))
