@@ -119,15 +119,3 @@ def test_a_big_request_with_nan_is_invalid_argument_and_changes_nothing(wide_ser
     with grpc.insecure_channel(wide_server.address, options=OPTIONS) as channel:
         stub = gdn_pb2_grpc.GdnDecodeStub(channel)
         assert _refused_then_stepped(stub, culprit) == _first_step(stub)
-
-
-def test_behind_a_worker_the_engine_refuses_a_big_request_with_nan(wide_server):
-    """A front-end worker leaves a big request's NaN/Inf check to its engine (link.FLAG_UNCHECKED,
-    checked as the engine stages it): the client gets the one-process server's answer, and nothing
-    moves. (The link is the same behind either worker transport; one server start is what the
-    suite affords.)"""
-    with start_server("--layers", "1", "--q-heads", "16", "--v-heads", "32", "--max-sessions", "80",
-                      "--frontends", "1") as srv, grpc.insecure_channel(srv.address, options=OPTIONS) as channel:
-        behind_worker = _refused_then_stepped(gdn_pb2_grpc.GdnDecodeStub(channel), "v")
-    with grpc.insecure_channel(wide_server.address, options=OPTIONS) as channel:
-        assert behind_worker == _first_step(gdn_pb2_grpc.GdnDecodeStub(channel))
