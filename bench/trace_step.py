@@ -172,7 +172,8 @@ def install_stamps(role: str) -> dict[str, list[int]]:
         from gdn_server import engine_link, link
 
         if int(os.environ.get("GDN_TRACE_BATCH", "1")) > 1:
-            # a big request's frame comes in many reads; it is decoded once, by _take
+            # a big request comes in many reads where it rides in its frame: its decode (_take) is
+            # its stamp; one whose inputs are in the ring is taken whole in C, unstamped (OPTIONAL)
             around(engine_link.EngineLink, "_take", before="link in",
                    when=lambda self, conn, frame, queued: frame[0] == link.KIND_DECODE)
         else:  # a plain step is taken in C (no _take): its read is its stamp
@@ -431,7 +432,7 @@ def _echo_legs(args, out: Path, request_bytes: int, reply_bytes: int, work_us: i
 
     with _started(cmd, env=echo_env()) as address:
         echo_times = asyncio.run(_echo_client(address, request_bytes, reply_bytes, args.warmup, args.steps, args.mode,
-                                              getattr(args, "client_transport", "grpc")))
+                                              args.client_transport))
     w, n = args.warmup, args.steps
     # the echo's legs: its handler's stamps, after the warm-up (it served only this client)
     echo_stamps = {k: np.asarray(v[w:w + n], dtype=np.int64) for k, v in json.loads(echo_trace.read_text()).items()}
