@@ -272,14 +272,11 @@ static ssize_t data_length(nghttp2_session *session, uint8_t frame_type, int32_t
     return n > 0 ? n : 1;
 }
 
-static int on_begin_headers(nghttp2_session *session, const nghttp2_frame *frame, void *user) {
-    Conn *c = user;
-    if (frame->hd.type != FRAME_HEADERS || nghttp2_session_get_stream_user_data(session, frame->hd.stream_id))
-        return 0;
-    Stream *s = calloc(1, sizeof(Stream));
-    if (s == NULL) return ERR_CALLBACK_FAILURE;
+/* Gives `s` (its id set) a handle, puts it on its connection's list and in the handles Python
+   looks streams up by: 0, or -1 with an error set (the stream is on the list either way, so it is
+   freed with its connection). */
+static int add_stream(Conn *c, Stream *s) {
     s->conn = c;
-    s->id = frame->hd.stream_id;
     s->handle = ++c->owner->next_handle;
     s->next = c->streams;
     if (c->streams) c->streams->prev = s;
@@ -288,6 +285,17 @@ static int on_begin_headers(nghttp2_session *session, const nghttp2_frame *frame
     int rc = key && ptr ? PyDict_SetItem(c->owner->handles, key, ptr) : -1;
     Py_XDECREF(key);
     Py_XDECREF(ptr);
+    return rc;
+}
+
+static int on_begin_headers(nghttp2_session *session, const nghttp2_frame *frame, void *user) {
+    Conn *c = user;
+    if (frame->hd.type != FRAME_HEADERS || nghttp2_session_get_stream_user_data(session, frame->hd.stream_id))
+        return 0;
+    Stream *s = calloc(1, sizeof(Stream));
+    if (s == NULL) return ERR_CALLBACK_FAILURE;
+    s->id = frame->hd.stream_id;
+    int rc = add_stream(c, s);
     nghttp2_session_set_stream_user_data(session, s->id, s);
     return rc < 0 ? ERR_CALLBACK_FAILURE : 0;
 }
@@ -623,7 +631,6 @@ static PyObject *transport_request(H2Transport *t, PyObject *args) {
     if (s == NULL) return PyErr_NoMemory();
     s->client = 1;
     s->grpc_status = -1;
-    s->conn = c;
     nghttp2_nv h[] = {h2_nv(":method", "POST"), h2_nv(":scheme", "http"), h2_nv(":path", path),
                       h2_nv(":authority", authority), h2_nv("content-type", "application/grpc"),
                       h2_nv("te", "trailers")};
@@ -634,18 +641,8 @@ static PyObject *transport_request(H2Transport *t, PyObject *args) {
         return PyErr_Format(PyExc_ConnectionError, "no new stream on connection %lld (nghttp2 error %d)", conn_id, id);
     }
     s->id = id;
-    s->handle = ++t->next_handle;
-    s->next = c->streams;
-    if (c->streams) c->streams->prev = s;
-    c->streams = s;
-    PyObject *key = PyLong_FromLongLong(s->handle), *ptr = PyLong_FromVoidPtr(s);
-    int rc = key && ptr ? PyDict_SetItem(t->handles, key, ptr) : -1;
-    Py_XDECREF(ptr);
-    if (rc < 0) {
-        Py_XDECREF(key);
-        return NULL; /* the stream stays nghttp2's; it is freed with its connection */
-    }
-    return key;
+    if (add_stream(c, s) < 0) return NULL; /* the stream stays nghttp2's; it is freed with its connection */
+    return PyLong_FromLongLong(s->handle);
 }
 
 /* disconnect(connection id) -> events: closes a client connection (CLOSED for its open calls). */

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import grpc
 
+# a status code by its number on the wire (grpc-status, the link's reply frames)
+STATUS_CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
 
 class GdnError(Exception):
     """A request that cannot be served as sent. Recoverable: the server and all states are unchanged."""

@@ -41,6 +41,11 @@ def loop_name(choice: str) -> str:
     return "asyncio" if loop_factory(choice) is None else "uvloop"
 
 
+def running_loop_name() -> str:
+    """What the running loop is: "uvloop" or "asyncio" (the servers log it once they listen)."""
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+
 def run(main: Coroutine[Any, Any, T], choice: str = "auto") -> T:
     """`asyncio.run(main)` on the loop `choice` names."""
     factory = loop_factory(choice)

@@ -29,7 +29,7 @@ from typing import Any
 import grpc
 
 from gdn_client._h2_native import TransportLoop, native_transport_problem
-from gdn_server.errors import GdnError
+from gdn_server.errors import STATUS_CODES, GdnError
 from gdn_server.frontend import pump_requests
 from gdn_server.metrics import SERVICE_PREFIX, RpcMetrics
 from gdn_server.native import module as native
@@ -142,7 +142,7 @@ class NativeFrontend:
                 elif kind == _GONE:
                     call = calls.get(handle)
                     if call is not None:
-                        call.gone(grpc.StatusCode.CANCELLED if event[2] == 1 else _CODES[event[2]])
+                        call.gone(STATUS_CODES[event[2]])
             except Exception:  # one call's bug must not stop the others or the port: that call ends
                 log.exception("serving an event of the native transport failed")
                 call = calls.get(event[1])
@@ -479,4 +479,3 @@ _OPEN, _MESSAGE, _HALF_CLOSE, _GONE = (
     (native.H2_OPEN, native.H2_MESSAGE, native.H2_HALF_CLOSE, native.H2_GONE)
     if native is not None and hasattr(native, "H2Transport") else (1, 2, 3, 4)
 )
-_CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}

@@ -41,7 +41,7 @@ import torch
 
 from gdn_server import native
 from gdn_server.config import ModelShape
-from gdn_server.errors import GdnError
+from gdn_server.errors import STATUS_CODES, GdnError
 from gdn_server.link_ring import ReplyRing, RequestRing, as_bytes, payload_at, payload_view, read_payload
 from gdn_server.work import DecodeResult, DecodeWork
 
@@ -64,7 +64,6 @@ FLAG_F32 = 4  # inputs as float32 (requests that did not come all-bf16); else bf
 FLAG_IN_RING = 8  # bf16 inputs in the request ring, at the offset that ends the frame
 FLAG_UNCHECKED = 16  # bf16 inputs not yet checked for NaN/Inf (DecodeWork.finite_checked False)
 
-_CODE_OF_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 _native = native.module  # decode_link_request, where gdn_server._native is built (tests set it to None)
 _INPUTS = ("q", "k", "v", "a", "b")
 
@@ -316,7 +315,7 @@ def decode_reply(
         return tag, DecodeResult(out, out_shape, positions), at + nbytes
     if status:
         message = frame[offset : offset + msg_len].decode("utf-8", "replace")
-        return tag, GdnError(message, _CODE_OF_VALUE.get(status, grpc.StatusCode.INTERNAL)), None
+        return tag, GdnError(message, STATUS_CODES.get(status, grpc.StatusCode.INTERNAL)), None
     return tag, DecodeResult(frame[offset:] if copy else memoryview(frame)[offset:], out_shape, positions), None
 
 

@@ -45,6 +45,7 @@ from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server.backends import resolve_device
 from gdn_server.config import GIL_SWITCH_INTERVAL_S
 from gdn_server.engine import LIST_SESSIONS, EngineSettings
+from gdn_server.event_loop import running_loop_name
 from gdn_server.frontend import (
     FrontendSettings, forwarded_reply, forwarded_stream, forwarding_options, pump_requests,
 )
@@ -448,8 +449,7 @@ async def serve_router(settings: ServerSettings) -> int:
         freeze_startup_objects()  # see gdn_server/tuning.py
         print(f"listening on {settings.host}:{port}", flush=True)
         # every process of the server runs this loop (as a one-process server says it)
-        log.info("event loop: %s; front-end transport: %s", type(asyncio.get_running_loop()).__module__.split(".")[0],
-                 settings.frontend_transport)
+        log.info("event loop: %s; front-end transport: %s", running_loop_name(), settings.frontend_transport)
         code = await _run_until_stopped(settings, health, engine_pool)
     except BaseException:
         code = None

@@ -22,6 +22,7 @@ from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server.backends import make_backends
 from gdn_server.busy_poll import LoopSpinner
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape, SchedulerConfig
+from gdn_server.event_loop import running_loop_name
 from gdn_server.protowire import decode_request_parsers
 from gdn_server.lifecycle import evict_idle, idle_sessions
 from gdn_server.metrics import EngineMetrics, Metrics, MetricsInterceptor
@@ -285,7 +286,7 @@ async def serve(app: GdnApp) -> None:
         print(f"metrics on http://{host}:{app.metrics.port}/metrics", flush=True)
     freeze_startup_objects()  # see gdn_server/tuning.py
     print(f"listening on {host}:{port}", flush=True)
-    log.info("event loop: %s", type(loop).__module__.split(".")[0])
+    log.info("event loop: %s", running_loop_name())
     for shard in app.placement:
         log.info(
             "device %d (%s): backend %s, %d sessions x %d layers, pool %.1f MiB",
