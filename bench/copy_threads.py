@@ -7,13 +7,16 @@ inputs, encode_decode_response for a big reply). This times, per thread count:
 - a call on 2 bytes: the cost of starting and joining the threads alone;
 - a B=256 request's inputs (q, k, v, a, b of qwen3-next, ~4.1 MiB) copied into a staging-sized
   buffer, with and without the NaN/Inf check in the same pass;
-- a B=256 reply (2 MiB of output) encoded.
+- a B=256 reply (2 MiB of output) encoded;
+- the same inputs written into a worker's request ring (ring_write: streaming stores, shared
+  memory of the link's size), at the ring's successive places.
 Sources are rotated over 4 sets, so no copy reads what the last one just read. Median of --runs.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import statistics
 import sys
 import time
@@ -22,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
+from gdn_server.link_ring import REQUEST_RING_BYTES  # noqa: E402
 from gdn_server.native import module as native  # noqa: E402
 from gdn_server.tuning import tune_malloc  # noqa: E402
 
@@ -58,6 +62,9 @@ def main() -> None:
     dst = bytearray(sum(2 * n for n in sizes) + 4096)
     offsets = np.cumsum([0, *[2 * n for n in sizes[:-1]]]).tolist()
     positions = tuple(range(B))
+    ring = mmap.mmap(-1, REQUEST_RING_BYTES)  # shared memory, as link_ring.make_shared maps it
+    ring_view = memoryview(ring)
+    laps = REQUEST_RING_BYTES // len(dst)
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
         row = {"threads": threads}
@@ -68,15 +75,19 @@ def main() -> None:
                 lambda i: native.copy_bf16_spans(dst, [(o, x, check) for o, x in zip(offsets, inputs[i % SETS])], threads),
                 args.runs,
             )
+        row["ring_write_us"] = _median_us(
+            lambda i: native.ring_write(ring_view, (i % laps) * len(dst), inputs[i % SETS], threads), args.runs
+        )
         row["reply_2mib_us"] = _median_us(
             lambda i: native.encode_decode_response(outputs[i % SETS], (B, 1, HV, K), positions, "r", threads), args.runs
         )
         rows.append(row)
-    print("| threads | start + join only us | B=256 inputs copy us | copy + NaN/Inf check us | 2 MiB reply us |")
-    print("|---|---|---|---|---|")
+    print("| threads | start + join only us | B=256 inputs copy us | copy + NaN/Inf check us | inputs into a request ring us "
+          "| 2 MiB reply us |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['threads']} | {r['start_join_us']:.1f} | {r['inputs_copy_us']:.1f} | {r['inputs_copy_check_us']:.1f} "
-              f"| {r['reply_2mib_us']:.1f} |")
+              f"| {r['ring_write_us']:.1f} | {r['reply_2mib_us']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}, indent=1))
 

@@ -427,13 +427,6 @@ release_error:
 #define MAX_COPY_THREADS 16
 
 typedef struct {
-    uint8_t *dst;
-    const uint8_t *src;
-    Py_ssize_t len;
-    int check; /* look for bf16 NaN/Inf while copying */
-} Span;
-
-typedef struct {
     const Span *spans;
     Py_ssize_t n_spans;
     Py_ssize_t begin, end; /* this thread's bytes, counted over all spans back to back */
@@ -462,8 +455,10 @@ static void *copy_part(void *arg) {
         Py_ssize_t lo = part->begin > at ? part->begin - at : 0;
         Py_ssize_t hi = part->end - at < sp->len ? part->end - at : sp->len;
         if (lo < hi) {
-            if (sp->check) {
+            if (sp->mode == SPAN_CHECK) {
                 if (copy_checking(sp->dst + lo, sp->src + lo, hi - lo)) part->found[i] = 1;
+            } else if (sp->mode == SPAN_STREAM) {
+                copy_for_another_core(sp->dst + lo, sp->src + lo, (size_t)(hi - lo));
             } else {
                 memcpy(sp->dst + lo, sp->src + lo, hi - lo);
             }
@@ -524,7 +519,7 @@ static void pool_after_fork_in_child(void) {
    included (the others from the pool, started the first time they are needed); ORs what each
    part found into found[]. Call without the GIL. Parts no worker could take (a thread that
    could not be started) run on this thread. */
-static void copy_spans(const Span *spans, Py_ssize_t n_spans, int threads, uint8_t *found) {
+void copy_spans(const Span *spans, Py_ssize_t n_spans, int threads, uint8_t *found) {
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < n_spans; i++) total += spans[i].len;
     if (threads < 1) threads = 1;
@@ -600,7 +595,7 @@ static PyObject *copy_bf16_spans(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "a span does not fit the buffer (or has an odd length)");
             goto done;
         }
-        spans[i] = (Span){(uint8_t *)dst.buf + offset, srcs[i].buf, srcs[i].len, check};
+        spans[i] = (Span){(uint8_t *)dst.buf + offset, srcs[i].buf, srcs[i].len, check ? SPAN_CHECK : SPAN_COPY};
     }
     Py_BEGIN_ALLOW_THREADS
     copy_spans(spans, n, threads, found);
@@ -706,7 +701,7 @@ static PyObject *encode_decode_response(PyObject *self, PyObject *args) {
         p = put_varint(p, data.len);
         at = p - start;
         if (threads > 1 && data.len % 2 == 0) { /* a big output: its copy split over threads */
-            Span span = {p, data.buf, data.len, 0};
+            Span span = {p, data.buf, data.len, SPAN_COPY};
             uint8_t found = 0;
             Py_BEGIN_ALLOW_THREADS
             copy_spans(&span, 1, threads, &found);
@@ -800,7 +795,7 @@ static PyObject *fill_bf16(PyObject *self, PyObject *args) {
         if (copy) {
             for (int i = 0; i < N_TENSORS; i++) {
                 Py_buffer *piece = &pieces[first + i];
-                spans[n_spans++] = (Span){(uint8_t *)dst.buf + offset[i] + row * per_row[i], piece->buf, piece->len, 0};
+                spans[n_spans++] = (Span){(uint8_t *)dst.buf + offset[i] + row * per_row[i], piece->buf, piece->len, SPAN_COPY};
                 total += piece->len;
             }
         } else {

@@ -18,6 +18,22 @@ typedef struct {
 /* Interns each name into its slot (once); 0 on success, -1 with an exception set. */
 int intern_names(const InternedName *names, size_t count);
 
+/* _native.c: a copy of len bytes (even) for copy_spans, and how it is done. */
+#define SPAN_COPY 0   /* memcpy */
+#define SPAN_CHECK 1  /* memcpy, looking for bf16 NaN/Inf as it goes */
+#define SPAN_STREAM 2 /* copy_for_another_core: another process or the device reads it next */
+typedef struct {
+    uint8_t *dst;
+    const uint8_t *src;
+    Py_ssize_t len;
+    int mode;
+} Span;
+
+/* _native.c: the spans' copies split evenly over `threads` threads (this one and a pool kept
+   between calls); found[i] is set when span i is SPAN_CHECK and holds a NaN/Inf. Call without
+   the GIL. */
+void copy_spans(const Span *spans, Py_ssize_t n_spans, int threads, uint8_t *found);
+
 /* _native_replies.c: copies n bytes into memory that another process (a link ring) or the device
    (pinned staging, read by DMA or by a kernel through its mapping) reads next, with stores that
    bypass this core's caches where the CPU has them (x86-64), else memcpy. */

@@ -31,6 +31,7 @@ import collections
 import mmap
 import os
 
+from gdn_server.native import COPY_THREADS, THREADED_COPY_BYTES
 from gdn_server.native import module as _native  # ring_write, where gdn_server._native is built
 
 # A payload goes in a ring when it is at most half of it. qwen3-next's B=256 step has 4.03 MiB of
@@ -101,7 +102,9 @@ class RequestRing:
             self._spans.append([start, True])
         pos = start % self.capacity
         if _native is not None:  # streaming stores: the engine, on another core, reads them next
-            _native.ring_write(self.view, pos, parts)
+            # a big request's megabytes on several threads: one thread's copy was ~450 us of a
+            # B=256 step's ~6.3 ms on the H200 host (bench/NOTES.md, twenty-ninth session)
+            _native.ring_write(self.view, pos, parts, COPY_THREADS if nbytes >= THREADED_COPY_BYTES else 1)
         else:
             view = self.view
             for p in parts:

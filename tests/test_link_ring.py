@@ -174,19 +174,23 @@ def test_reply_ring_round_trip_with_acks_and_fallback(sizes, ack_every):
 
 @pytest.mark.skipif(native_module is None, reason="gdn_server._native is not built")
 @settings(max_examples=60, deadline=None)
-@given(at=st.integers(0, 200), sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=4), seed=st.integers(0, 255))
-def test_the_native_ring_write_copies_as_slice_assignment(at, sizes, seed):
-    """ring_write (streaming stores from 1 KiB, at any alignment) writes what slice assignment
-    writes, and nothing around it; parts past the ring's end are refused."""
-    parts = [bytes((seed + i + j) % 256 for j in range(n)) for i, n in enumerate(sizes)]
+@given(at=st.integers(0, 200), sizes=st.lists(st.integers(0, 12000), min_size=1, max_size=4), seed=st.integers(0, 255),
+       threads=st.sampled_from([1, 2, 3, 8]), even=st.booleans())
+def test_the_native_ring_write_copies_as_slice_assignment(at, sizes, seed, threads, even):
+    """ring_write (streaming stores from 1 KiB, at any alignment, split over threads where every
+    part is of even length) writes what slice assignment writes, and nothing around it; parts past
+    the ring's end are refused."""
+    if even:  # bf16 inputs: the threaded split applies
+        sizes = [n - n % 2 for n in sizes]
+    parts = [bytes((seed + i + j) % 251 for j in range(n)) for i, n in enumerate(sizes)]
     total = sum(sizes)
     ring = bytearray(b"\xee" * (at + total + 70))
     expected = bytearray(ring)
     expected[at : at + total] = b"".join(parts)
-    assert native_module.ring_write(ring, at, [memoryview(p) for p in parts]) == total
+    assert native_module.ring_write(ring, at, [memoryview(p) for p in parts], threads) == total
     assert ring == expected
     with pytest.raises(ValueError, match="past the ring"):
-        native_module.ring_write(ring, len(ring) - 1, [b"ab"])
+        native_module.ring_write(ring, len(ring) - 1, [b"ab"], threads)
 
 
 _box_op = st.one_of(
