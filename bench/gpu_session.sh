@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 host runs for the issue-3/4/7/8 figures, in one place (see bench/NOTES.md).
 # Usage on the device host, from the repo root, after `source .devbundle/p2/activate.sh`:
-#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|backendstep|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants|lanefloor|ablive|enginespy|workerspy|h2floor   (each part fits in one 10-minute call)
+#   bash bench/gpu_session.sh tests|frontends|checks|serve|scale|scalecpu|profile|trace|echowork|tracebig|backendstep|tracebigab|tracebigthreads|probe|cpusplit|loops|ab|abserve|variants|schedround|delay|copythreads|speculative|launchvariants|lanefloor|ablive|enginespy|workerspy|h2floor|launchpairs   (each part fits in one 10-minute call)
 #   bash bench/gpu_session.sh pack   (last in a call: everything under $OUT as one results.tgz; the device
 #                                     tool brings back at most 8 files, and a few parts write more)
 # FRONTENDS=0,4 (serve) / 0,8 (scale): the --frontends values compared side by side; RUNS_ON=loop,thread
@@ -224,6 +224,13 @@ case "${1:-}" in
         --frontends "${FRONTENDS:-0}" --load-processes "${LOAD_PROCS:-1}" \
         --server-flags "--max-queue-delay-us $d ${SERVER_FLAGS:-}" --out "$out/delay_$d" 2>&1 | tail -2 | sed "s/^/delay $d us /"
     done
+    ;;
+  launchpairs)  # bench/launch_pairs.py: rows launch by launch at CLIENTS (8,64,256), each on a fresh server with
+                # SERVER_FLAGS (8 native workers) and LOAD_FLAGS (native clients over 8 processes); NAME: the
+                # results' folder under $OUT
+    timeout 540 python3 bench/launch_pairs.py --clients "${CLIENTS:-8,64,256}" --duration "${DURATION:-8}" \
+      --server-flags "${SERVER_FLAGS:---frontends 8 --frontend-transport native}" \
+      --load-flags "${LOAD_FLAGS:---client-transport native --processes 8}" --out "$out/${NAME:-launch_pairs}" 2>&1 | tail -8
     ;;
   copythreads)  # the native module's threaded copies: thread hand-off, a B=256 request's inputs, a 2 MiB reply
     timeout 120 python3 bench/copy_threads.py --json "$out/copy_threads.json" 2>&1 | tee "$out/copy_threads.md"

@@ -208,9 +208,9 @@ def _fake_engine_device(stamps: dict[str, list[int]]) -> None:
     server.make_backends = host_only_backends
 
 
-def _spawning_traced_children(stamps_dir: Path, fake_device: bool = False) -> None:
+def _spawning_traced_children(stamps_dir: Path, fake_device: bool = False, hook: str = "trace_step:stamp_child") -> None:
     """Makes this --frontends router start its workers and engines through bench/trace_child.py,
-    which stamps them (each writes its own file into `stamps_dir`)."""
+    which stamps them with `hook` (each writes its own file into `stamps_dir`)."""
     from gdn_server import frontend_pool, router
 
     bench = str(Path(__file__).resolve().parent)
@@ -218,7 +218,7 @@ def _spawning_traced_children(stamps_dir: Path, fake_device: bool = False) -> No
 
     def wrap(original):
         async def spawn_ready(module, settings_json, name, env):
-            env = {**env, "GDN_TRACE_MODULE": module, "GDN_TRACE_ROLE": roles[module],
+            env = {**env, "GDN_TRACE_MODULE": module, "GDN_TRACE_ROLE": roles[module], "GDN_TRACE_HOOK": hook,
                    **({"GDN_TRACE_FAKE_DEVICE": "1"} if fake_device else {}),
                    "GDN_TRACE_DIR": str(stamps_dir), "PYTHONPATH": os.pathsep.join(
                        [bench, str(Path(bench).parent), env.get("PYTHONPATH", "")])}
