@@ -227,8 +227,9 @@ case "${1:-}" in
     ;;
   launchpairs)  # bench/launch_pairs.py: rows launch by launch at CLIENTS (8,64,256), each on a fresh server with
                 # SERVER_FLAGS (8 native workers) and LOAD_FLAGS (native clients over 8 processes); NAME: the
-                # results' folder under $OUT
+                # results' folder under $OUT; TAKE_DELAYS (default 0): its --take-delay-us list
     timeout 540 python3 bench/launch_pairs.py --clients "${CLIENTS:-8,64,256}" --duration "${DURATION:-8}" \
+      --take-delay-us "${TAKE_DELAYS:-0}" \
       --server-flags "${SERVER_FLAGS:---frontends 8 --frontend-transport native}" \
       --load-flags "${LOAD_FLAGS:---client-transport native --processes 8}" --out "$out/${NAME:-launch_pairs}" 2>&1 | tail -8
     ;;

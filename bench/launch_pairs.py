@@ -3,8 +3,9 @@ in flight.
 
     python bench/launch_pairs.py --clients 8,64,256 --duration 8 \\
         --server-flags "--frontends 8 --frontend-transport native" --load-flags "--client-transport native --processes 8"
-    python bench/launch_pairs.py --device cpu --model "--layers 2 --q-heads 2 --v-heads 4" \\
+    python bench/launch_pairs.py --device cpu --fake-device --model "--layers 2 --q-heads 2 --v-heads 4" \\
         --server-flags "--frontends 2" --clients 8 --duration 3        # a smoke run on any machine
+    python bench/launch_pairs.py --clients 64 --take-delay-us 0,100,150,200,300   # how soon do answered clients return?
 
 The claim it tests (bench/NOTES.md, thirtieth session): a closed loop of N clients, each with one
 step in flight, served by an engine that takes its queue again as soon as it has answered a
@@ -21,7 +22,12 @@ the engine has time to spare, not at the N where it is the bound.
 gdn-server runs as a `--frontends` router whose engines start through bench/trace_child.py with
 this file's `log_child`: each engine logs, per launch, when its round took the queue and how many
 rows it launched, and when each round's replies went to the link's sender. Each clients value
-runs on a fresh server. Prints a table; writes launch_pairs.json. The middle 80% of each run's
+runs on a fresh server. Prints a table; writes launch_pairs.json.
+
+`--take-delay-us D` holds each take until D us after the engine's last replies, the loop reading
+the link meanwhile: an experiment, not a policy (the engine idles). Rows per launch against D
+says how many of the clients just answered are back D us later: what work moved from after the
+take to before it (as the staging fill could be) would gain without the idling. The middle 80% of each run's
 launches (by time) are used, which leaves out the ramp up and down.
 """
 from __future__ import annotations
@@ -52,6 +58,11 @@ def log_child(role: str, out: Path) -> None:
         return
     from gdn_server import engine_link, scheduler
 
+    if os.environ.get("GDN_TRACE_FAKE_DEVICE"):  # --fake-device: bench/frontend.py's host-only backend
+        from trace_step import _fake_engine_device  # this folder
+
+        _fake_engine_device({"submitted": []})
+
     log: dict[str, list[int]] = {"taken": [], "rows": [], "flushed": []}
     now = time.monotonic_ns
     taken_at = [0]
@@ -78,15 +89,30 @@ def log_child(role: str, out: Path) -> None:
 
     scheduler.Scheduler._launch, scheduler.Scheduler._submit = logged_launch, logged_submit
     engine_link.EngineLink.flush = logged_flush
+    delay_ns = int(float(os.environ.get("GDN_PAIRS_TAKE_DELAY_US", "0")) * 1000)
+    if delay_ns > 0:
+        # --take-delay-us: no take sooner than this after the last replies went out; the loop
+        # keeps reading the link meanwhile (the round polls again next iteration), so the
+        # clients just answered can come back into the next launch. A stand-in, idle, for work
+        # the engine could do there instead (bench/NOTES.md, thirtieth session)
+        is_due = scheduler.Scheduler._batch_is_due
+
+        @functools.wraps(is_due)
+        def held_until_delay(self):
+            if log["flushed"] and now() < log["flushed"][-1] + delay_ns:
+                return False
+            return is_due(self)
+
+        scheduler.Scheduler._batch_is_due = held_until_delay
     atexit.register(lambda: out.write_text(json.dumps(log)))
 
 
-def _serve(log_dir: str, flags: list[str]) -> int:
+def _serve(log_dir: str, flags: list[str], fake_device: bool) -> int:
     from gdn_server import cli
 
     from trace_step import _spawning_traced_children  # this folder
 
-    _spawning_traced_children(Path(log_dir), hook="launch_pairs:log_child")
+    _spawning_traced_children(Path(log_dir), fake_device, hook="launch_pairs:log_child")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     return cli.main(flags)
 
@@ -122,17 +148,18 @@ def analyse(log: dict[str, list[int]], clients: int, keep: float = 0.8) -> dict:
     }
 
 
-def run_one(args, clients: int, out: Path) -> dict:
-    log_dir = out / f"logs_{clients}"
+def run_one(args, clients: int, out: Path, delay_us: float = 0.0) -> dict:
+    log_dir = out / (f"logs_{clients}" if not delay_us else f"logs_{clients}_delay{delay_us:g}")
     log_dir.mkdir(parents=True, exist_ok=True)
     for old in log_dir.glob("*.json"):
         old.unlink()
     cmd = [sys.executable, __file__, "--serve", "--log-dir", str(log_dir), "--host", "127.0.0.1", "--port", "0",
            "--device", args.device, "--max-sessions", str(max(16, clients)), "--log-level", "WARNING",
-           *args.model.split(), *args.server_flags.split()]
-    proc, target = start_listening(cmd, cwd=str(REPO))
+           *args.model.split(), *args.server_flags.split(), *(["--fake-device"] if args.fake_device else [])]
+    env = {**os.environ, "GDN_PAIRS_TAKE_DELAY_US": str(delay_us)}
+    proc, target = start_listening(cmd, cwd=str(REPO), env=env)
     try:
-        load_json = out / f"load_{clients}.json"
+        load_json = out / f"{log_dir.name.replace('logs', 'load')}.json"
         subprocess.run([sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--no-progress",
                         "--json", str(load_json), "--clients", str(clients), "--mode", "stream", "--tokens", "1",
                         "--duration", str(args.duration), *args.load_flags.split()], cwd=REPO, check=True,
@@ -148,20 +175,20 @@ def run_one(args, clients: int, out: Path) -> dict:
     if len(logs) != 1:
         raise RuntimeError(f"expected one engine's log in {log_dir}, found {len(logs)}")
     result = analyse(logs[0], clients)
-    result.update(steps_per_s=run["steps_per_s"], p50_ms=run["latency_ms"]["p50"],
+    result.update(take_delay_us=delay_us, steps_per_s=run["steps_per_s"], p50_ms=run["latency_ms"]["p50"],
                   loadtest_rows_per_launch=(run.get("server") or {}).get("mean_rows_per_launch"))
     return result
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| clients | steps/s | launches | rows/launch (N/2) | loadtest's rows/launch | rows p10/p50/p90 | "
+    lines = ["| clients | take delay us | steps/s | launches | rows/launch (N/2) | loadtest's rows/launch | rows p10/p50/p90 | "
              "max rows of two launches | pairs over N | stragglers per launch | reply -> next take us p50/p90 | "
-             "round us p50 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "round us p50 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         gap = "/".join(f"{x:.0f}" for x in r["gap_us_p50_p90"]) or "-"
         lt = r["loadtest_rows_per_launch"]
         lines.append(
-            f"| {r['clients']} | {r['steps_per_s']:,.0f} | {r['launches']:,} | {r['mean_rows']:.2f} ({r['half']:g}) | "
+            f"| {r['clients']} | {r['take_delay_us']:g} | {r['steps_per_s']:,.0f} | {r['launches']:,} | {r['mean_rows']:.2f} ({r['half']:g}) | "
             f"{'-' if lt is None else f'{lt:.2f}'} | {'/'.join(f'{x:.0f}' for x in r['rows_p10_p50_p90'])} | "
             f"{r['pair_rows_max']} | {r['pairs_over_n_pct']:.2f}% | {r['stragglers_mean']:.2f} | {gap} | "
             f"{r['round_us_p50']:.0f} |")
@@ -173,19 +200,25 @@ def main() -> None:
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--log-dir", help=argparse.SUPPRESS)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--fake-device", action="store_true",
+                   help="the engine's backend is bench/frontend.py's host-only one (staging copies, a 60 us "
+                        "\"device\"): the CUDA engine's scheduler on any machine")
     p.add_argument("--model", default="--preset qwen3-next --devices 0")
     p.add_argument("--server-flags", default="--frontends 8 --frontend-transport native",
                    help="gdn-server flags (need --frontends: the log is an engine's)")
     p.add_argument("--load-flags", default="--client-transport native --processes 8", help="more gdn-loadtest flags")
     p.add_argument("--clients", default="64", help="a comma list: each value on a fresh server")
     p.add_argument("--duration", type=float, default=8.0)
+    p.add_argument("--take-delay-us", default="0",
+                   help="a comma list: the engine takes its queue no sooner than this after its last replies "
+                        "(an experiment: how soon do the clients just answered come back?); each on a fresh server")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results/launch_pairs"))
     args, rest = p.parse_known_args()
     if args.serve:
-        sys.exit(_serve(args.log_dir, rest))
+        sys.exit(_serve(args.log_dir, rest, args.fake_device))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = [run_one(args, int(n), out) for n in args.clients.split(",")]
+    results = [run_one(args, int(n), out, float(d)) for n in args.clients.split(",") for d in args.take_delay_us.split(",")]
     text = table(results)
     print(text)
     (out / "launch_pairs.md").write_text(text + "\n")
