@@ -22,13 +22,13 @@ the engine has time to spare, not at the N where it is the bound.
 gdn-server runs as a `--frontends` router whose engines start through bench/trace_child.py with
 this file's `log_child`: each engine logs, per launch, when its round took the queue and how many
 rows it launched, and when each round's replies went to the link's sender. Each clients value
-runs on a fresh server. Prints a table; writes launch_pairs.json.
+runs on a fresh server. Prints a table; writes launch_pairs.json. The middle 80% of each run's
+launches (by time) are used, which leaves out the ramp up and down.
 
 `--take-delay-us D` holds each take until D us after the engine's last replies, the loop reading
 the link meanwhile: an experiment, not a policy (the engine idles). Rows per launch against D
 says how many of the clients just answered are back D us later: what work moved from after the
-take to before it (as the staging fill could be) would gain without the idling. The middle 80% of each run's
-launches (by time) are used, which leaves out the ramp up and down.
+take to before it (as the staging fill could be) would gain without the idling.
 """
 from __future__ import annotations
 
