@@ -181,15 +181,16 @@ def run_one(args, clients: int, out: Path, delay_us: float = 0.0) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| clients | take delay us | steps/s | launches | rows/launch (N/2) | loadtest's rows/launch | rows p10/p50/p90 | "
-             "max rows of two launches | pairs over N | stragglers per launch | reply -> next take us p50/p90 | "
-             "round us p50 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| clients | take delay us | steps/s | launches | rows/launch (N/2) | loadtest's rows/launch | "
+             "rows p10/p50/p90 | max rows of two launches | pairs over N | stragglers per launch | "
+             "reply -> next take us p50/p90 | round us p50 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         gap = "/".join(f"{x:.0f}" for x in r["gap_us_p50_p90"]) or "-"
         lt = r["loadtest_rows_per_launch"]
+        spread = "/".join(f"{x:.0f}" for x in r["rows_p10_p50_p90"])
         lines.append(
-            f"| {r['clients']} | {r['take_delay_us']:g} | {r['steps_per_s']:,.0f} | {r['launches']:,} | {r['mean_rows']:.2f} ({r['half']:g}) | "
-            f"{'-' if lt is None else f'{lt:.2f}'} | {'/'.join(f'{x:.0f}' for x in r['rows_p10_p50_p90'])} | "
+            f"| {r['clients']} | {r['take_delay_us']:g} | {r['steps_per_s']:,.0f} | {r['launches']:,} | "
+            f"{r['mean_rows']:.2f} ({r['half']:g}) | {'-' if lt is None else f'{lt:.2f}'} | {spread} | "
             f"{r['pair_rows_max']} | {r['pairs_over_n_pct']:.2f}% | {r['stragglers_mean']:.2f} | {gap} | "
             f"{r['round_us_p50']:.0f} |")
     return "\n".join(lines)
@@ -218,7 +219,8 @@ def main() -> None:
         sys.exit(_serve(args.log_dir, rest, args.fake_device))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = [run_one(args, int(n), out, float(d)) for n in args.clients.split(",") for d in args.take_delay_us.split(",")]
+    results = [run_one(args, int(n), out, float(d))
+               for n in args.clients.split(",") for d in args.take_delay_us.split(",")]
     text = table(results)
     print(text)
     (out / "launch_pairs.md").write_text(text + "\n")
