@@ -33,7 +33,8 @@ from gdn_server.event_loop import run as run_loop
 from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
 from gdn_server.server import GdnApp, ServerSettings, serve
-from gdn_server.servicer import GdnDecodeServicer, encode_decode_reply
+from gdn_server.decode_rpcs import encode_decode_reply
+from gdn_server.servicer import GdnDecodeServicer
 from gdn_server.sessions import SessionTable
 from gdn_server.tuning import tune_gc, tune_malloc
 from gdn_server.weights import random_gate_params

@@ -28,7 +28,7 @@ from gdn_client._echo import _reply as echo_reply
 from gdn_client._echo import echo_request
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server.config import ModelShape
-from gdn_server.servicer import decode_response, decode_response_wire
+from gdn_server.decode_rpcs import decode_response, decode_response_wire
 from gdn_server.tuning import tune_gc, tune_malloc
 from gdn_server.validation import decode_work_from_request
 from gdn_server.work import DecodeResult

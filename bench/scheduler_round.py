@@ -36,7 +36,7 @@ from engine_path import HostStagingBackend  # noqa: E402  (this folder)
 from gdn_server.backends.base import PendingStep  # noqa: E402
 from gdn_server.config import PRESETS, SchedulerConfig  # noqa: E402
 from gdn_server.scheduler import Scheduler  # noqa: E402
-from gdn_server.servicer import encode_decode_reply  # noqa: E402
+from gdn_server.decode_rpcs import encode_decode_reply  # noqa: E402
 from gdn_server.sessions import SessionTable  # noqa: E402
 from gdn_server.work import DecodeWork, StepBatch  # noqa: E402
 

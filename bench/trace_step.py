@@ -133,7 +133,7 @@ def _around(stamps: dict[str, list[int]], owner, name: str, before: str | None =
 def install_stamps(role: str) -> dict[str, list[int]]:
     """Wraps this process's methods of `role` ("server": one process; "worker" and "engine":
     the --frontends children) to append a timestamp per stage; returns the stamps."""
-    from gdn_server import protowire, scheduler, servicer
+    from gdn_server import decode_rpcs, protowire, scheduler, servicer
     from gdn_server.backends import cpu, cuda
 
     if role == "worker":  # imported before protowire's parser is wrapped: it keeps the plain one, wrapped below
@@ -146,7 +146,7 @@ def install_stamps(role: str) -> dict[str, list[int]]:
         # the server's DecodeRequest parser (RejectMalformed looks it up when the server is built)
         around(protowire, "parse_decode_request", before="parse", after="parsed")
     if role == "server":  # (a worker's replies are made as it reads them from its link: stamped below)
-        around(servicer, "_reply", before="reply")
+        around(decode_rpcs, "_reply", before="reply")
     if role in ("server", "engine"):
         around(scheduler.Scheduler, "_launch", before="round", when=lambda self, items, *a, **k: bool(items))
         around(cuda.CudaBackend, "submit", before="submit", after="submitted")
@@ -234,9 +234,9 @@ def _serve(trace_out: str, flags: list[str], fake_device: str | None, serial_cop
     from gdn_server.backends import staging
 
     if serial_copies:  # big copies and NaN/Inf checks on one thread, as before they went to torch
-        import gdn_client.wire
+        import gdn_client.wire_checks
 
-        staging.PARALLEL_COPY_BYTES = gdn_client.wire._PARALLEL_CHECK_BYTES = 1 << 62
+        staging.PARALLEL_COPY_BYTES = gdn_client.wire_checks._PARALLEL_CHECK_BYTES = 1 << 62
 
     if _frontends(flags):  # the decode path runs in the children; this router only starts them
         _spawning_traced_children(Path(trace_out).parent / "children", fake_device is not None)

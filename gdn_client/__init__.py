@@ -13,23 +13,59 @@
 `AsyncClient` is the asyncio twin; `Client.stream()` pipelines steps over one DecodeStream.
 All failures raise `GdnError` (``.code`` is the grpc.StatusCode).
 """
-from gdn_client._aio import AsyncClient, AsyncSession
-from gdn_client._client import Client, Session, Speculation
-from gdn_client._replicas import ReplicaSet
-from gdn_client._sessions_ext import ExportedState
-from gdn_client._codec import DeviceInfo, ModelInfo, Stats
-from gdn_client._errors import (
-    DeadlineExceededError,
-    FailedPreconditionError,
-    GdnError,
-    InvalidArgumentError,
-    NotFoundError,
-    ResourceExhaustedError,
-    UnauthenticatedError,
-    UnavailableError,
-)
-from gdn_client._options import ClientOptions
-from gdn_client._stream import AsyncDecodeStream, DecodeStream
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Each public name and the module that defines it, imported on first use: `gdn_client.proto`
+# (the stubs) and `gdn_client._h2_native` then load without torch, which the server's
+# front-end workers import and never need for bf16 requests (~2 s of CPU and ~200 MB each).
+_EXPORTS = {
+    "AsyncClient": "_aio", "AsyncSession": "_aio",
+    "Client": "_client", "Session": "_client", "Speculation": "_client",
+    "ReplicaSet": "_replicas",
+    "ExportedState": "_sessions_ext",
+    "DeviceInfo": "_codec", "ModelInfo": "_codec", "Stats": "_codec",
+    "DeadlineExceededError": "_errors", "FailedPreconditionError": "_errors", "GdnError": "_errors",
+    "InvalidArgumentError": "_errors", "NotFoundError": "_errors", "ResourceExhaustedError": "_errors",
+    "UnauthenticatedError": "_errors", "UnavailableError": "_errors",
+    "ClientOptions": "_options",
+    "AsyncDecodeStream": "_stream", "DecodeStream": "_stream",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see: the plain imports
+    from gdn_client._aio import AsyncClient, AsyncSession
+    from gdn_client._client import Client, Session, Speculation
+    from gdn_client._codec import DeviceInfo, ModelInfo, Stats
+    from gdn_client._errors import (
+        DeadlineExceededError,
+        FailedPreconditionError,
+        GdnError,
+        InvalidArgumentError,
+        NotFoundError,
+        ResourceExhaustedError,
+        UnauthenticatedError,
+        UnavailableError,
+    )
+    from gdn_client._options import ClientOptions
+    from gdn_client._replicas import ReplicaSet
+    from gdn_client._sessions_ext import ExportedState
+    from gdn_client._stream import AsyncDecodeStream, DecodeStream
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gdn_client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"gdn_client.{module}"), name)
+    globals()[name] = value  # the next look-up is a plain global
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
 
 __all__ = [
     "AsyncClient",

@@ -6,7 +6,7 @@ Data flows one way: request -> `validation` (tensors) -> `scheduler` (batches) -
 """
 import os
 
-# torch's OpenMP threads (big copies and NaN/Inf checks, backends/staging.py, gdn_client/wire.py)
+# torch's OpenMP threads (big copies and NaN/Inf checks, backends/staging.py, gdn_client/wire_checks.py)
 # spin after each parallel region by default, taking cores from gRPC's and the clients' threads:
 # a B=256 step took 12.7 ms with spinning threads, 8.4 ms with passive ones and 9.4 ms on one
 # thread (H200 host, bench/results/trace_big_v3). Read by OpenMP when torch loads, so set here,

@@ -54,7 +54,7 @@
 #endif
 
 static PyObject *k_layer, *k_session_ids, *k_positions, *k_request_id, *k_owner, *k_speculative, *k_bf16_bytes,
-    *k_input_dims, *k_finite_checked, *k_tokens;
+    *k_f32_bytes, *k_input_dims, *k_finite_checked, *k_tokens;
 
 /* Sets work.__dict__[key] = value, taking the reference to value; -1 with an error set. */
 static int set_field(PyObject *fields, PyObject *key, PyObject *value) {
@@ -98,7 +98,7 @@ PyObject *link_work(PyObject *work_type, unsigned long layer, PyObject *ids, PyO
         || PyDict_SetItem(fields, k_session_ids, ids) || PyDict_SetItem(fields, k_positions, positions)
         || PyDict_SetItem(fields, k_request_id, request_id) || PyDict_SetItem(fields, k_owner, owner)
         || PyDict_SetItem(fields, k_speculative, speculative ? Py_True : Py_False)
-        || PyDict_SetItem(fields, k_bf16_bytes, raw)
+        || PyDict_SetItem(fields, k_bf16_bytes, raw) || PyDict_SetItem(fields, k_f32_bytes, Py_None)
         || set_field(fields, k_input_dims,
                      Py_BuildValue("((nnnn)(nnnn)(nnnn)(nnn)(nnn))", B, t, H, K, B, t, H, K, B, t, HV, V, B, t, HV, B, t,
                                    HV))
@@ -532,7 +532,7 @@ int add_link_functions(PyObject *module) {
         {&k_layer, "layer"},           {&k_session_ids, "session_ids"}, {&k_positions, "positions"},
         {&k_request_id, "request_id"}, {&k_owner, "owner"},             {&k_speculative, "speculative"},
         {&k_bf16_bytes, "bf16_bytes"}, {&k_input_dims, "input_dims"},   {&k_finite_checked, "finite_checked"},
-        {&k_tokens, "_tokens"},
+        {&k_tokens, "_tokens"},        {&k_f32_bytes, "f32_bytes"},
     };
     if (intern_names(names, sizeof(names) / sizeof(names[0])) < 0) return -1;
     if (PyModule_AddFunctions(module, link_methods) < 0) return -1;

@@ -45,7 +45,7 @@ from gdn_server.security import (
     IDENTITY_METADATA, AuthInterceptor, RejectMalformed, SecurityConfig, current_identity, load_tokens,
     server_credentials,
 )
-from gdn_server.servicer import DecodeRpcs, encode_decode_reply
+from gdn_server.decode_rpcs import DecodeRpcs, encode_decode_reply
 from gdn_server.tuning import freeze_startup_objects
 from gdn_server.work import DecodeResult, DecodeWork
 
@@ -312,6 +312,7 @@ class FrontendDecodeRpcs(DecodeRpcs):
     # copy checks them as it copies, where a check here was a pass of its own over the bytes
     # (~0.9 ms of a B=256 step's round trip on the CPU box, bench/NOTES.md)
     defer_finite_check = True
+    f32_as_bytes = True  # f16/f32 requests widened with numpy: a worker never loads torch
 
     def __init__(
         self, shape: ModelShape, links: list[EngineLinkClient], routes: SessionRoutes, metrics: RpcMetrics | None

@@ -37,7 +37,7 @@ from gdn_server.protowire import parse_decode_request
 from gdn_server.security import (
     HEALTH_PREFIX, IDENTITY_METADATA, AuthInterceptor, SecurityConfig, bind_identity, unbind_identity,
 )
-from gdn_server.servicer import MAX_STREAM_IN_FLIGHT, decode_response_wire, error_response
+from gdn_server.decode_rpcs import MAX_STREAM_IN_FLIGHT, decode_response_wire, error_response
 
 log = logging.getLogger("gdn_server.frontend")
 

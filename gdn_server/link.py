@@ -37,7 +37,6 @@ import struct
 from typing import Callable, Iterator
 
 import grpc
-import torch
 
 from gdn_server import native
 from gdn_server.config import ModelShape
@@ -105,7 +104,12 @@ def encode_request(tag: int, work: DecodeWork, ring: RequestRing | None = None) 
             tensors = [RING_OFFSET.pack(offset)]
     else:
         flags |= FLAG_F32
-        tensors = [t.to(torch.float32).contiguous().numpy().tobytes() for t in (work.q, work.k, work.v, work.a, work.b)]
+        if work.f32_bytes is not None:  # a worker's validation widened them (no torch there)
+            tensors = list(work.f32_bytes)
+        else:
+            import torch  # the tensors' own: torch is loaded where they were made
+
+            tensors = [t.to(torch.float32).contiguous().numpy().tobytes() for t in (work.q, work.k, work.v, work.a, work.b)]
     head = [REQUEST.pack(KIND_DECODE, tag, flags, work.layer, B, T, len(request_id), len(identity)),
             struct.pack(f"<{B}H", *(len(i) for i in ids))]
     if work.positions is not None:
@@ -236,6 +240,8 @@ def decode_request(frame: bytes | bytearray, shape: ModelShape, ring: memoryview
     if not f32:  # the common case: the fast constructor (a frozen dataclass's __init__ is ~5 us more)
         return tag, DecodeWork.of_bf16(layer, tuple(session_ids), positions, request_id, speculative, tuple(raw),
                                        dims, not flags & FLAG_UNCHECKED, owner=identity)
+    import torch  # the engine's side: its backends have loaded it
+
     tensors = {name: torch.frombuffer(data, dtype=torch.float32).view(d) for name, data, d in zip(_INPUTS, raw, dims)}
     return tag, DecodeWork(layer=layer, session_ids=tuple(session_ids), positions=positions, request_id=request_id,
                            owner=identity, speculative=speculative, **tensors)

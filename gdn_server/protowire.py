@@ -1,6 +1,6 @@
 """Protobuf's wire format by hand, where the serving path moves megabytes: the DecodeRequest
 parser (protobuf's own, except for big messages, whose tensor bytes stay where gRPC put them),
-and the varint the hand-written DecodeResponse needs (gdn_server.servicer.decode_response_wire).
+and the varint the hand-written DecodeResponse needs (gdn_server.decode_rpcs.decode_response_wire).
 
 protobuf (upb) copies every bytes field twice on the way to Python: into its arena when it
 parses, and into a new bytes object on each `.data` read. For a B=256 step that is 8 MiB of

@@ -10,7 +10,7 @@ A wrapped handler also takes responses that are already serialized (`Serialized`
 serializer passes their bytes through. A behaviour learns that it may answer so from
 `serialized_responses_ok()`, true inside any call of a wrapped handler; it lets the decode RPCs
 write a multi-MiB reply with one copy of the output instead of the three that filling a protobuf
-message and serializing it cost (gdn_server.servicer.decode_response_wire).
+message and serializing it cost (gdn_server.decode_rpcs.decode_response_wire).
 """
 from __future__ import annotations
 

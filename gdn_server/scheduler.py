@@ -160,7 +160,7 @@ class Scheduler:
         self.loop_serves_rpcs = True
         # called after each round of answers (e.g. to write buffered replies with one system call)
         self.after_answers: list[Callable[[], None]] = []
-        # where this process's gRPC servicer sends the replies (gdn_server.servicer.encode_decode_reply:
+        # where this process's gRPC servicer sends the replies (gdn_server.decode_rpcs.encode_decode_reply:
         # (output, shape, positions, request_id) -> (wire, offset of the output in it)): each is
         # then encoded straight from the backend's output buffer, one copy of the output instead
         # of one into a bytes object and another into the reply. None: answers carry bytes.

@@ -29,7 +29,8 @@ from gdn_server.metrics import EngineMetrics, Metrics, MetricsInterceptor
 from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
 from gdn_server.security import AuthInterceptor, RejectMalformed, SecurityConfig, load_tokens, server_credentials
-from gdn_server.servicer import GdnDecodeServicer, encode_decode_reply
+from gdn_server.decode_rpcs import encode_decode_reply
+from gdn_server.servicer import GdnDecodeServicer
 from gdn_server.sessions import OwnerQuota, SessionTable
 from gdn_server.snapshot import device_snapshot_dirs, load_snapshots, save_snapshot
 from gdn_server.tuning import freeze_startup_objects

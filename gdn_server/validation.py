@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_client.wire import WireFormatError, check_layout, first_nonfinite, tensor_from_parts
+from gdn_client.wire_checks import WireFormatError, as_float32_bytes, check_layout, first_nonfinite, has_nonfinite
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
 from gdn_server.native import module as native
@@ -35,12 +35,14 @@ DEFERRED_CHECK_BYTES = 1 << 20
 
 def decode_work_from_request(
     req: gdn_pb2.DecodeRequest | DecodeRequestView | ParsedDecodeRequest, shape: ModelShape,
-    defer_finite_check: bool = False,
+    defer_finite_check: bool = False, f32_as_bytes: bool = False,
 ) -> DecodeWork:
     """Validates a DecodeRequest against the model shape; raises InvalidArgument with a precise reason.
 
     With `defer_finite_check`, bf16 inputs of DEFERRED_CHECK_BYTES or more are not checked for
-    NaN/Inf here: the work says so (`finite_checked=False`) and the backend checks them."""
+    NaN/Inf here: the work says so (`finite_checked=False`) and the backend checks them. With
+    `f32_as_bytes` (a front-end worker), inputs not all in BF16 become float32 bytes
+    (`DecodeWork.f32_bytes`, what the link carries) instead of tensors: no torch."""
     if type(req) is ParsedDecodeRequest:
         work = _checked_natively(req, shape, defer_finite_check)
         if work is not None:
@@ -85,7 +87,14 @@ def decode_work_from_request(
             finite_checked = False
         else:
             check_finite(raw)
+    elif f32_as_bytes:  # f16/f32 (or a mix) in a worker: each checked for NaN/Inf, then widened
+        for name, msg, data in zip(INPUT_NAMES, messages, raw):
+            if has_nonfinite(data, msg.dtype, parallel=False):  # numpy's, not torch's threads
+                raise nonfinite_input(name)
+        f32 = tuple(as_float32_bytes(msg.dtype, data) for msg, data in zip(messages, raw))
     else:  # f16/f32 (or a mix): tensors now, each checked for NaN/Inf
+        from gdn_client.wire import tensor_from_parts  # torch: loaded already where tensors are wanted
+
         for name, msg, d, data in zip(INPUT_NAMES, messages, dims, raw):
             try:
                 tensors[name] = tensor_from_parts(msg.dtype, d, data, name, finite=True)
@@ -104,6 +113,8 @@ def decode_work_from_request(
     )
     if all_bf16:
         return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), finite_checked=finite_checked)
+    if f32_as_bytes:
+        return DecodeWork(**common, f32_bytes=f32, input_dims=tuple(dims))
     return DecodeWork(**common, **tensors)
 
 

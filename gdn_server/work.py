@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # a front-end worker imports this module and needs no torch for bf16 requests
+    import torch
 
 
 INPUT_NAMES = ("q", "k", "v", "a", "b")
@@ -28,10 +29,14 @@ class _Input:
     def __get__(self, work: "DecodeWork | None", owner: type | None = None) -> torch.Tensor | None:
         if work is None:
             return None  # the dataclass field's default
-        raw, dims = work.bf16_bytes, work.input_dims
+        import torch  # loaded by then wherever tensors are wanted (the backends import it)
+
+        raw, dtype, dims = work.bf16_bytes, torch.bfloat16, work.input_dims
+        if raw is None:
+            raw, dtype = work.f32_bytes, torch.float32
         if raw is None or dims is None:
-            raise AttributeError(f"DecodeWork has neither {self._name} nor bf16 bytes with input_dims to build it from")
-        tensor = torch.frombuffer(raw[self._index], dtype=torch.bfloat16).view(dims[self._index])
+            raise AttributeError(f"DecodeWork has neither {self._name} nor raw bytes with input_dims to build it from")
+        tensor = torch.frombuffer(raw[self._index], dtype=dtype).view(dims[self._index])
         work.__dict__[self._name] = tensor  # frozen: set the cache directly, as functools.cached_property does
         return tensor
 
@@ -57,7 +62,10 @@ class DecodeWork:
     # received message), when all five came as BF16: a GPU backend copies them into its pinned
     # staging buffer with plain memcpys
     bf16_bytes: tuple[bytes | memoryview, ...] | None = None
-    # shapes of q, k, v, a, b; needed only when the tensors are not given (built from bf16_bytes)
+    # q, k, v, a, b widened to float32 bytes, for requests not all in BF16 that a front-end
+    # worker checked: the engine takes them so (link.FLAG_F32), and the worker needs no torch
+    f32_bytes: tuple[bytes, ...] | None = None
+    # shapes of q, k, v, a, b; needed only when the tensors are not given (built from the bytes)
     input_dims: tuple[tuple[int, ...], ...] | None = None
     # False: validation left the NaN/Inf check of the inputs to the backend, which does it before
     # the step touches any state (big bf16 requests: gdn_server.validation.DEFERRED_CHECK_BYTES)
@@ -66,8 +74,8 @@ class DecodeWork:
     def __post_init__(self) -> None:
         d = self.__dict__
         if d["q"] is None:  # not given: the descriptor builds each from the bytes when first read
-            if self.bf16_bytes is None or self.input_dims is None:
-                raise TypeError("DecodeWork needs q, k, v, a, b, or bf16_bytes and input_dims")
+            if (self.bf16_bytes is None and self.f32_bytes is None) or self.input_dims is None:
+                raise TypeError("DecodeWork needs q, k, v, a, b, or bf16_bytes or f32_bytes and input_dims")
             for name in INPUT_NAMES:
                 del d[name]
             d["_tokens"] = self.input_dims[0][1]
@@ -87,8 +95,8 @@ class DecodeWork:
         work = object.__new__(cls)
         work.__dict__.update(
             layer=layer, session_ids=session_ids, positions=positions, request_id=request_id, owner=owner,
-            speculative=speculative, bf16_bytes=bf16_bytes, input_dims=input_dims, finite_checked=finite_checked,
-            _tokens=input_dims[0][1],
+            speculative=speculative, bf16_bytes=bf16_bytes, f32_bytes=None, input_dims=input_dims,
+            finite_checked=finite_checked, _tokens=input_dims[0][1],
         )
         return work
 

@@ -92,6 +92,24 @@ def as_sent(x) -> torch.Tensor:
     return t.float()
 
 
+def test_the_package_exports_every_name_it_lists_and_the_stubs_load_no_torch():
+    """gdn_client's names load on first use: every name in __all__ resolves, an unknown one is an
+    AttributeError, and the stubs (what a server worker imports) come without torch."""
+    import subprocess
+    import sys
+
+    import gdn_client
+
+    assert sorted(gdn_client.__all__) == sorted(gdn_client._EXPORTS)
+    for name in gdn_client.__all__:
+        assert getattr(gdn_client, name).__name__ == name
+    with pytest.raises(AttributeError):
+        gdn_client.NoSuchName  # noqa: B018
+    code = "import sys, gdn_client.proto.gdn.v1.gdn_pb2, gdn_client.wire_checks; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
 def test_model_info(client):
     info = client.model_info()
     assert (info.num_layers, info.num_q_heads, info.num_v_heads, info.head_dim_k, info.head_dim_v) == (L, H, HV, K, K)

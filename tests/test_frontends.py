@@ -71,6 +71,16 @@ def _script(stub) -> list[bytes]:
         out.append(stub.Decode(decode_request(layer, [a, b], x, positions=[0, 0]), timeout=30).SerializeToString())
     x = random_inputs(1, 2, H, HV, gen=gen)  # float32 inputs, T = 2
     out.append(stub.Decode(decode_request(0, [a], x), timeout=30).SerializeToString())
+    x = random_inputs(1, 1, H, HV, gen=gen, dtype=torch.float16)  # float16 inputs
+    out.append(stub.Decode(decode_request(2, [a], x), timeout=30).SerializeToString())
+    x = random_inputs(1, 1, H, HV, gen=gen)
+    x["v"] = x["v"].bfloat16()  # dtypes mixed in one request
+    out.append(stub.Decode(decode_request(2, [b], x), timeout=30).SerializeToString())
+    x = random_inputs(1, 1, H, HV, gen=gen)
+    x["k"][0, 0, 1, 5] = float("nan")  # a NaN in a float32 input: refused, naming it
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Decode(decode_request(2, [b], x), timeout=30)
+    out.append(f"{e.value.code()} {e.value.details()}".encode())
     stream = [decode_request(layer, [b], random_inputs(1, 1, H, HV, gen=gen), request_id=f"r{layer}")
               for layer in (1, 2, 0, 1)]
     out += [r.SerializeToString() for r in stub.DecodeStream(iter(stream), timeout=30)]
@@ -121,7 +131,7 @@ def test_workers_answer_exactly_as_one_process(devices, transport):
 
         text = urllib.request.urlopen(url, timeout=10).read().decode()
         ok_decodes = sum(float(v) for v in re.findall(r'gdn_decode_requests_total\{code="OK",method="Decode"\} (\S+)', text))
-        assert ok_decodes == 8  # 3 layers, f32, speculative, 3 after fork/import
+        assert ok_decodes == 10  # 3 layers, f32, f16, mixed, speculative, 3 after fork/import
         assert re.search(r'gdn_rpcs_total\{code="OK",method="CreateSession"\} 2\.0', text), text
         assert re.search(r'gdn_decode_requests_total\{code="OK",method="DecodeStream"\} 4\.0', text)
 
@@ -209,6 +219,36 @@ def test_workers_and_engines_load_grpc_with_the_servers_io_path(monkeypatch):
     with start_server(*SMALL_MODEL, *ONE_WORKER) as s:
         for pid in _worker_pids(s) + _pids(s, _ENGINE_PIDS):
             assert environ_of(pid).get("GRPC_EXPERIMENTS") == gdn_server.GRPC_EXPERIMENTS, pid
+
+
+def _loads_torch(pid: int) -> bool:
+    """Whether process `pid` has torch's library mapped (Linux: /proc/PID/maps)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+def test_a_worker_serves_requests_without_torch():
+    """A worker imports no torch (~2 s of CPU and ~200 MB a process) and loads none to serve
+    steps, unary and streamed, bf16 or not (it widens f16/f32 inputs to float32 bytes with
+    numpy); its engine does."""
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("no /proc here to read a process's mappings from")
+    with start_server(*SMALL_MODEL, *ONE_WORKER) as s, grpc.insecure_channel(s.address) as ch:
+        stub = gdn_pb2_grpc.GdnDecodeStub(ch)
+        sid = stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10).session_id
+        gen = torch.Generator().manual_seed(3)
+        x = random_inputs(1, 1, H, HV, gen=gen, dtype=torch.bfloat16)
+        assert list(stub.Decode(decode_request(0, [sid], x, positions=[0]), timeout=10).positions) == [1]
+        steps = [decode_request(layer, [sid], random_inputs(1, 1, H, HV, gen=gen, dtype=torch.bfloat16),
+                                positions=[0]) for layer in (1, 2)]
+        assert [list(r.positions) for r in stub.DecodeStream(iter(steps), timeout=10)] == [[1], [1]]
+        for position, dtype in enumerate((torch.float16, torch.float32), start=1):
+            x = random_inputs(1, 1, H, HV, gen=gen, dtype=dtype)
+            assert list(stub.Decode(decode_request(0, [sid], x, positions=[position]), timeout=10).positions) == [
+                position + 1]
+        (worker,) = _worker_pids(s)
+        assert not _loads_torch(worker)
+        assert all(_loads_torch(pid) for pid in _pids(s, _ENGINE_PIDS))
 
 
 def test_one_engine_per_device_places_and_limits_across_them():

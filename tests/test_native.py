@@ -207,8 +207,8 @@ def test_of_bf16_builds_what_the_dataclass_does():
     view=st.booleans(), threaded=st.booleans(),
 )
 def test_native_reply_is_protobufs_bytes(rows, tail, positions, request_id, view, threaded):
-    import gdn_server.servicer as servicer
-    from gdn_server.servicer import (
+    import gdn_server.decode_rpcs as decode_rpcs
+    from gdn_server.decode_rpcs import (
         decode_response,
         encode_decode_response,
         encode_decode_response_python,
@@ -216,8 +216,8 @@ def test_native_reply_is_protobufs_bytes(rows, tail, positions, request_id, view
     from gdn_server.work import DecodeResult
 
     if threaded:  # every output counts as big: copied on several threads
-        saved = servicer.THREADED_COPY_BYTES, servicer.COPY_THREADS
-        servicer.THREADED_COPY_BYTES, servicer.COPY_THREADS = 0, 3
+        saved = decode_rpcs.THREADED_COPY_BYTES, decode_rpcs.COPY_THREADS
+        decode_rpcs.THREADED_COPY_BYTES, decode_rpcs.COPY_THREADS = 0, 3
 
     shape = (rows, *tail)
     out = bytes(np.random.default_rng(rows).integers(0, 256, 2 * int(np.prod(shape)), dtype=np.uint8))
@@ -226,7 +226,7 @@ def test_native_reply_is_protobufs_bytes(rows, tail, positions, request_id, view
         wire, at = encode_decode_response(result)
     finally:
         if threaded:
-            servicer.THREADED_COPY_BYTES, servicer.COPY_THREADS = saved
+            decode_rpcs.THREADED_COPY_BYTES, decode_rpcs.COPY_THREADS = saved
     assert (wire, at) == encode_decode_response_python(result)
     assert wire == decode_response(result).SerializeToString()
     assert wire[at : at + len(out)] == out

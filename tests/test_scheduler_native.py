@@ -19,7 +19,7 @@ from gdn_server.errors import GdnError
 from gdn_server.lifecycle import commit_speculation
 from gdn_server.native import module as native_module
 from gdn_server.scheduler import Scheduler
-from gdn_server.servicer import encode_decode_reply
+from gdn_server.decode_rpcs import encode_decode_reply
 from gdn_server.sessions import SessionTable
 from gdn_server.weights import random_gate_params
 from gdn_server.work import DecodeResult, DecodeWork

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_client import wire
+from gdn_client import wire_checks
 from gdn_client.wire import WireFormatError, tensor_from_proto, tensor_to_proto
 
 
@@ -37,7 +37,7 @@ def test_non_finite_values_are_found_anywhere(dtype, bad):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_non_finite_values_are_found_in_every_chunk(dtype):
     # the check runs chunk by chunk over big tensors: the first and last word of every chunk count
-    chunk = wire._CHECK_CHUNK
+    chunk = wire_checks._CHECK_CHUNK
     n = 2 * chunk + 5
     clean = tensor_to_proto(torch.randn(n).to(dtype))
     tensor_from_proto(clean, finite=True)
@@ -50,7 +50,7 @@ def test_non_finite_values_are_found_in_every_chunk(dtype):
 
 
 def test_finite_check_leaves_the_tensor_as_sent():
-    x = torch.randn(3, wire._CHECK_CHUNK + 1).bfloat16()
+    x = torch.randn(3, wire_checks._CHECK_CHUNK + 1).bfloat16()
     assert torch.equal(tensor_from_proto(tensor_to_proto(x), finite=True), x)
 
 
@@ -70,13 +70,13 @@ def test_inconsistent_messages_are_refused():
         tensor_to_proto(torch.zeros(2, dtype=torch.int64))
 
 
-# -- replies written without a protobuf message (gdn_server.servicer.decode_response_wire) ------------
+# -- replies written without a protobuf message (gdn_server.decode_rpcs.decode_response_wire) ------------
 
 
 @pytest.mark.parametrize("rows,tokens", [(1, 1), (3, 2), (256, 1), (0, 1)])
 @pytest.mark.parametrize("positions,request_id", [((), ""), (None, "7"), (None, "r" * 300)])
 def test_reply_wire_is_the_message_serialized_byte_for_byte(rows, tokens, positions, request_id):
-    from gdn_server.servicer import decode_response, decode_response_wire
+    from gdn_server.decode_rpcs import decode_response, decode_response_wire
     from gdn_server.work import DecodeResult
 
     out = torch.randn(rows, tokens, 4, 8).bfloat16().view(torch.int16).numpy().tobytes()
@@ -124,9 +124,9 @@ def test_wrapped_handlers_send_serialized_replies_as_they_are():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_big_tensors_nonfinite_check_takes_the_parallel_path(dtype, where, bad):
     """From 1 MiB on the NaN/Inf check runs in torch (one min/max pass): same answers."""
-    from gdn_client.wire import _PARALLEL_CHECK_BYTES
+    from gdn_client.wire_checks import _PARALLEL_CHECK_BYTES
 
-    n = 2 * wire._CHECK_CHUNK * 8 + 7  # an odd length: no even split over threads
+    n = 2 * wire_checks._CHECK_CHUNK * 8 + 7  # an odd length: no even split over threads
     assert n * torch.tensor([], dtype=dtype).element_size() >= _PARALLEL_CHECK_BYTES
     x = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(dtype)
     x[0], x[-2] = torch.finfo(dtype).max, -torch.finfo(dtype).max  # finite extremes are fine
@@ -141,7 +141,7 @@ def test_big_tensors_nonfinite_check_takes_the_parallel_path(dtype, where, bad):
 def test_every_bf16_nan_and_inf_pattern_is_caught(bits, big):
     """Quiet and signalling NaNs of either sign, with any payload, and both infinities: by the
     numpy check of small buffers and the torch one of big buffers alike."""
-    from gdn_client.wire import _PARALLEL_CHECK_BYTES, first_nonfinite
+    from gdn_client.wire_checks import _PARALLEL_CHECK_BYTES, first_nonfinite
 
     n = _PARALLEL_CHECK_BYTES // 2 + 3 if big else 1001
     words = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).view(torch.int16)

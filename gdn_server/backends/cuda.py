@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from gdn_client.wire import all_finite
+from gdn_client.wire_checks import all_finite
 from gdn_server.backends.base import Backend, NonFiniteInputs, PendingStep
 from gdn_server.backends.mapped import device_alias
 from gdn_server.backends.staging import INPUTS, Plan as _Plan, carve as _carve, fill as _fill_staging, make_plan
