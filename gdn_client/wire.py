@@ -6,20 +6,17 @@ tensor is a read-only view of the message bytes (copy it before writing into it)
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
-# the raw-byte checks (no torch), re-exported: this module is where clients look for them
+# the raw-byte checks (no torch), re-exported: this module is where clients look for them. It also
+# silences torch.frombuffer's warning about read-only buffers, which this module's views are too.
 from gdn_client.wire_checks import (  # noqa: F401
     ITEMSIZE_OF, WireFormatError, all_finite, check_layout, first_nonfinite, has_nonfinite,
 )
-
-# torch.frombuffer warns once per process that a bytes object is not writable; we only read.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 TORCH_DTYPE_OF: dict[int, torch.dtype] = {
     gdn_pb2.BF16: torch.bfloat16,

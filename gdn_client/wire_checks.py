@@ -1,8 +1,8 @@
 """Checks on a `gdn.v1.Tensor`'s raw bytes, without torch: its layout (dtype, shape and byte
 length agree) and NaN/Inf values.
 
-The server validates every request with these (gdn_server.validation), and a front-end worker
-imports nothing else of gdn_client.wire, so that it serves bf16 requests without loading torch.
+The server validates every request with these (gdn_server.validation); a front-end worker
+imports them and nothing of gdn_client.wire, so that it serves requests without loading torch.
 gdn_client.wire builds on them for the tensors.
 """
 from __future__ import annotations
@@ -127,8 +127,9 @@ def _has_nonfinite_parallel(data: Any, wire_dtype: int) -> bool:
     """`has_nonfinite` in torch (`all_finite`): loaded here on the first big check."""
     import torch
 
-    dtype = {gdn_pb2.BF16: torch.bfloat16, gdn_pb2.F16: torch.float16, gdn_pb2.F32: torch.float32}[wire_dtype]
-    return not all_finite(torch.frombuffer(data, dtype=dtype))
+    from gdn_client.wire import TORCH_DTYPE_OF  # the tensor codec: it needs torch, loaded here anyway
+
+    return not all_finite(torch.frombuffer(data, dtype=TORCH_DTYPE_OF[wire_dtype]))
 
 
 def all_finite(x: torch.Tensor) -> bool:
