@@ -1,13 +1,15 @@
 """Host staging of a launch (gdn_server.backends.staging): what the CUDA backend copies to the
 device, filled here into an ordinary buffer (no GPU needed), for every way a request's inputs
 reach it: small bf16 requests (slice copies), big ones (torch's parallel copy), f32 requests
-(casting copies), in one batch."""
+(casting copies), in one batch; and the NaN/Inf check of the staged copies of the requests
+validation left unchecked."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
-from gdn_server.backends.staging import PARALLEL_COPY_BYTES, carve, fill, make_plan
+from gdn_server.backends.staging import PARALLEL_COPY_BYTES, carve, fill, make_plan, nonfinite
 from gdn_server.config import ModelShape
 from gdn_server.work import DecodeWork, StepBatch
 
@@ -15,49 +17,112 @@ SHAPE = ModelShape(num_layers=3, num_q_heads=2, num_v_heads=4)  # K = V = 128
 INPUTS = ("q", "k", "v", "a", "b")
 
 
-def _work(rows: int, dtype: torch.dtype, seed: int) -> DecodeWork:
+def _work(rows: int, dtype: torch.dtype, seed: int, finite_checked: bool = True,
+          poison: dict[str, float] | None = None) -> DecodeWork:
+    """A request of `rows` sessions; `poison` puts its value at the last element of each named input."""
     g = torch.Generator().manual_seed(seed)
     H, HV, K, V = SHAPE.num_q_heads, SHAPE.num_v_heads, SHAPE.head_dim_k, SHAPE.head_dim_v
     shapes = {"q": (rows, 1, H, K), "k": (rows, 1, H, K), "v": (rows, 1, HV, V), "a": (rows, 1, HV), "b": (rows, 1, HV)}
     tensors = {n: torch.randn(*s, generator=g).to(dtype) for n, s in shapes.items()}
+    for name, value in (poison or {}).items():
+        tensors[name].view(-1)[-1] = value
     ids = tuple(f"s{seed}-{i}" for i in range(rows))
     if dtype == torch.bfloat16:  # as validation makes them: raw bytes, tensors built on demand
         raw = tuple(tensors[n].view(torch.int16).numpy().tobytes() for n in INPUTS)
-        return DecodeWork(1, ids, bf16_bytes=raw, input_dims=tuple(shapes[n] for n in INPUTS))
-    return DecodeWork(1, ids, **tensors)
+        return DecodeWork(1 + seed % 2, ids, bf16_bytes=raw, input_dims=tuple(shapes[n] for n in INPUTS),
+                          finite_checked=finite_checked)
+    return DecodeWork(1 + seed % 2, ids, **tensors)
+
+
+def _staged(works: list[DecodeWork], room: int | None = None, speculative: bool = False):
+    """`works` as one batch (slots 10, 11, ...; scratch slots 100, 101, ... where speculative),
+    filled into a buffer of 0xAB bytes laid out for `room` rows (the batch's rows by default)."""
+    batch = StepBatch(1)
+    slot = 10
+    for w in works:
+        slots = list(range(slot, slot + w.rows))
+        batch.add(w, slots, [s + 90 for s in slots] if speculative else None)
+        slot += w.rows
+    plan = make_plan(SHAPE, room or batch.rows, 1)
+    buf = torch.full((plan.total,), 0xAB, dtype=torch.uint8)
+    host_bytes = buf.numpy()
+    views = {name: carve(buf, e) for name, e in plan.entries.items()}
+    fill(batch, plan, memoryview(host_bytes), host_bytes, views)
+    return batch, plan, host_bytes, views
 
 
 def test_fill_places_small_big_and_f32_requests_row_by_row():
     big_rows = PARALLEL_COPY_BYTES // (SHAPE.num_v_heads * SHAPE.head_dim_v * 2) + 1  # its v takes the big path
     works = [_work(3, torch.bfloat16, 1), _work(big_rows, torch.bfloat16, 2), _work(2, torch.float32, 3)]
-    batch = StepBatch(1)
-    slot = 0
-    for w in works:
-        slots = list(range(slot, slot + w.rows))
-        batch.add(w, slots)
-        slot += w.rows
-    plan = make_plan(SHAPE, batch.rows, 1)
-    buf = torch.full((plan.total,), 0xAB, dtype=torch.uint8)
-    host_bytes = buf.numpy()
-    views = {name: carve(buf, e) for name, e in plan.entries.items()}
     assert len(works[1].bf16_bytes[2]) >= PARALLEL_COPY_BYTES
+    batch, plan, host_bytes, views = _staged(works)
 
-    fill(batch, plan, memoryview(host_bytes), host_bytes, views)
-
-    for name in INPUTS:
+    for name in INPUTS:  # bit for bit: the bf16 bytes as they came, the f32 ones rounded to bf16
         want = torch.cat([getattr(w, name).to(torch.bfloat16) for w in works])
         assert torch.equal(views[name].view(torch.int16), want.view(torch.int16)), name
-    assert views["slots"].tolist() == list(range(batch.rows))
-    assert views["layers"].tolist() == [1] * batch.rows
+    assert views["slots"].tolist() == list(range(10, 10 + batch.rows))
+    assert views["layers"].tolist() == [2] * 3 + [1] * big_rows + [2] * 2
     assert np.all(host_bytes[plan.entries["out_slots"][0]:][:4] == 0xAB)  # in place: out_slots left alone
+    assert nonfinite(batch, views) == {}
+
+
+def test_fill_pads_a_launch_with_rows_that_touch_no_state():
+    """A padded launch (its plan has room for more rows than the batch has): the batch's rows
+    first, then slot and out_slot -1, layer 0; the padding rows' inputs are not written."""
+    works = [_work(2, torch.bfloat16, 1), _work(1, torch.float16, 2)]
+    batch, plan, _, views = _staged(works, room=8, speculative=True)
+    assert views["slots"].tolist() == [10, 11, 12] + [-1] * 5
+    assert views["out_slots"].tolist() == [100, 101, 102] + [-1] * 5
+    assert views["layers"].tolist() == [2, 2, 1] + [0] * 5
+    for name in INPUTS:
+        want = torch.cat([getattr(w, name).to(torch.bfloat16) for w in works])
+        assert torch.equal(views[name][:3].view(torch.int16), want.view(torch.int16)), name
+        assert torch.all(views[name][3:].view(torch.uint8) == 0xAB), name
+    with pytest.raises(ValueError, match="does not fit"):
+        _staged(works, room=2)
+
+
+def test_nonfinite_names_each_unchecked_culprit_and_its_first_bad_input():
+    """Only requests validation left unchecked are looked at (a checked one was checked before);
+    each culprit is named with the first of q, k, v, a, b holding a NaN or Inf, by its index in
+    batch.works; padding rows (whatever they hold) are not read."""
+    nan, inf = float("nan"), float("inf")
+    works = [
+        _work(2, torch.bfloat16, 1, finite_checked=False, poison={"k": nan}),
+        _work(3, torch.bfloat16, 2),  # checked: clean
+        _work(1, torch.bfloat16, 3, finite_checked=False),  # unchecked, clean
+        _work(2, torch.bfloat16, 4, finite_checked=False, poison={"b": -inf, "v": nan}),  # v is named, not b
+        _work(1, torch.float32, 5),
+        _work(4, torch.bfloat16, 6, finite_checked=False, poison={"a": inf}),
+    ]
+    batch, _, _, views = _staged(works, room=16)
+    for name in INPUTS:  # padding rows full of NaN (0xFFFF) must not count
+        views[name][batch.rows:].view(torch.int16).fill_(-1)
+    assert nonfinite(batch, views) == {0: "k", 3: "v", 5: "a"}
+
+    # the same culprits once validation has checked them: nothing for the backend to find
+    checked = [_work(2, torch.bfloat16, 1, poison={"k": nan}), _work(1, torch.bfloat16, 3, finite_checked=False)]
+    batch, _, _, views = _staged(checked)
+    assert nonfinite(batch, views) == {}
+
+
+def test_nonfinite_reads_the_staged_copy_of_a_big_request():
+    """A big request (torch's parallel copy) with one Inf in its last row's v is found in staging."""
+    big_rows = PARALLEL_COPY_BYTES // (SHAPE.num_v_heads * SHAPE.head_dim_v * 2) + 1
+    works = [_work(1, torch.bfloat16, 1, finite_checked=False),
+             _work(big_rows, torch.bfloat16, 2, finite_checked=False, poison={"v": float("-inf")})]
+    batch, _, _, views = _staged(works)
+    assert torch.isinf(views["v"][-1]).any()
+    assert nonfinite(batch, views) == {1: "v"}
 
 
 def test_launches_pad_to_the_next_graph_bucket():
     """The CUDA backend's padded launches (gdn_server.backends.cuda.padded_rows): small ones as
     they are (each has its own graph), bigger ones up to the largest bucket to the next bucket,
-    bigger still as they are."""
-    from gdn_server.backends.cuda import GRAPH_BUCKETS, GRAPH_MAX_ROWS, padded_rows
+    bigger still as they are. Mapped launches are among the graphed ones."""
+    from gdn_server.backends.cuda import GRAPH_BUCKETS, GRAPH_MAX_ROWS, MAPPED_MAX_ROWS, padded_rows
 
+    assert 0 <= MAPPED_MAX_ROWS <= GRAPH_MAX_ROWS
     assert [padded_rows(r) for r in range(1, GRAPH_MAX_ROWS + 1)] == list(range(1, GRAPH_MAX_ROWS + 1))
     last = 0
     for rows in range(GRAPH_MAX_ROWS + 1, GRAPH_BUCKETS[-1] + 1):
@@ -66,24 +131,3 @@ def test_launches_pad_to_the_next_graph_bucket():
         assert padded == min(b for b in GRAPH_BUCKETS if b >= rows)
         last = padded
     assert padded_rows(GRAPH_BUCKETS[-1] + 1) == GRAPH_BUCKETS[-1] + 1
-
-
-def test_mapped_launch_rows_come_from_the_environment():
-    """GDN_MAPPED_MAX_ROWS caps the rows of a launch that runs on the mapped staging (the GPU test
-    tests/gpu/test_cuda_backend.py runs the capture itself); unset, only a one-row launch does."""
-    import os
-    import subprocess
-    import sys
-
-    read = "from gdn_server.backends import cuda; print(cuda.MAPPED_MAX_ROWS, cuda.GRAPH_MAX_ROWS)"
-    env = {k: v for k, v in os.environ.items() if k != "GDN_MAPPED_MAX_ROWS"}
-    default = subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, timeout=120)
-    capped = subprocess.run([sys.executable, "-c", read], env={**env, "GDN_MAPPED_MAX_ROWS": "4"},
-                            capture_output=True, text=True, timeout=120)
-    assert default.returncode == 0 and capped.returncode == 0, default.stderr + capped.stderr
-    mapped_max, graph_max = map(int, default.stdout.split())
-    assert mapped_max == 1 < graph_max
-    assert capped.stdout.split()[0] == "4"
-    wrong = subprocess.run([sys.executable, "-c", read], env={**env, "GDN_MAPPED_MAX_ROWS": "eight"},
-                           capture_output=True, text=True, timeout=120)
-    assert wrong.returncode != 0 and "GDN_MAPPED_MAX_ROWS must be a number of rows, got 'eight'" in wrong.stderr

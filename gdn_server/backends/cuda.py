@@ -1,8 +1,10 @@
 """CUDA backend ("cuda-cute"): the state pool on the GPU, one CuTe DSL launch per batch.
 
 Per batch, on the backend's own stream:
-  1. the requests' tensors are copied into one pinned host staging buffer (a memcpy per request
-     and input; no per-row Python work), slot and layer indices included;
+  1. the requests' inputs are copied into one pinned host staging buffer (a memcpy per request
+     and input; no per-row Python work), slot and layer indices included (layout:
+     gdn_server/backends/staging.py); requests validation left unchecked for NaN/Inf are checked
+     there, on their staged copies, before anything is queued;
   2. one host-to-device copy of that buffer;
   3. one `gdn_decode` launch over all rows (mixed sessions, clients and layers);
   4. one device-to-host copy of the outputs into pinned memory, and an event.
@@ -10,11 +12,12 @@ Per batch, on the backend's own stream:
 assemble batch n+1 while batch n runs: a set is reused only after its previous event completed.
 Small in-place launches (GRAPH_MAX_ROWS rows, T=1) replay steps 2-4 as a CUDA graph captured per
 staging set at warm-up; bigger ones up to the largest of GRAPH_BUCKETS are padded to the next
-bucket's rows (padding rows touch no state) and replay that bucket's graph. Where gdn_server._native
-is built, a replay and its event record are one call to the CUDA driver (_native_cuda.c), and so
-is the poll of a launch's event. With MAPPED_STAGING, the graphs of up to MAPPED_MAX_ROWS rows hold
-the kernel alone: it reads the pinned staging buffer and writes the pinned outputs in place
-(gdn_server/backends/mapped.py), with no copy before or after it.
+bucket's rows (padding rows touch no state) and replay that bucket's graph. Graphs by bucket, not
+one per row count: a replay is one host call where a direct launch makes three (copy, kernel,
+copy), and a few buckets keep the captures (per staging set) few, at the cost of padding rows'
+device time. The graphs of up to MAPPED_MAX_ROWS rows hold the kernel alone: it reads the pinned
+staging buffer and writes the pinned outputs in place (gdn_server/backends/mapped.py), with no
+copy before or after it.
 
 Shapes the kernel does not cover (head dims other than 128) run the same pipeline through the
 torch math on the GPU instead.
@@ -23,20 +26,15 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from gdn_client.wire_checks import all_finite
 from gdn_server.backends.base import Backend, NonFiniteInputs, PendingStep
 from gdn_server.backends.mapped import device_alias
-from gdn_server.backends.staging import INPUTS, Plan as _Plan, carve as _carve, fill as _fill_staging, make_plan
+from gdn_server.backends.staging import Plan as _Plan, carve as _carve, fill as _fill_staging, make_plan, nonfinite
 from gdn_server.backends.torch_math import gdn_step_fp32
 from gdn_server.config import ModelShape
-from gdn_server.errors import InvalidArgument
-from gdn_server.native import module as native
 from gdn_server.validation import nonfinite_input
 from gdn_server.weights import GateParams
 from gdn_server.work import StepBatch
@@ -48,8 +46,9 @@ POOL_MEMORY_FRACTION = 0.8  # of the free device memory, for the default --max-s
 RING = 8  # staging sets; more than the batches the scheduler keeps in flight
 # Launches of up to this many rows (T=1, in place) replay a CUDA graph of their three device
 # operations, captured per staging set at warm-up: one host call instead of a copy, a kernel
-# launch through tvm-ffi and a copy. On the H200 at N=1 the launch stage went 196 -> 171 us and
-# the device time per launch 239 -> 164 us (bench/NOTES.md, serve_v8). 0 turns graphs off.
+# launch through tvm-ffi and a copy. On the H200 at one client a step's launch stage took 171 us
+# with the graph against 196 without, and the device time per launch 164 us against 239
+# (bench/NOTES.md). 0 turns graphs off.
 GRAPH_MAX_ROWS = 8
 # Bigger in-place T=1 launches are padded to the next of these row counts and replay its graph:
 # a direct launch's host calls (H2D copy, kernel through tvm-ffi, D2H copy) took ~80 us per
@@ -58,35 +57,15 @@ GRAPH_MAX_ROWS = 8
 # bytes; their CTAs read and write no state), which is why the steps are ~1.5x apart and end at
 # 128, where the launch calls are a small share of a launch's host work.
 GRAPH_BUCKETS = (12, 16, 24, 32, 48, 64, 96, 128)
-# Whether a graph's replay and event record go to the driver in one native call (_native_cuda.c)
-# instead of torch's stream context, CUDAGraph.replay and Event.record: at one client that was a
-# step's largest server stage, ~76 us with the caches cold (bench/NOTES.md). GDN_DRIVER_LAUNCH=0
-# keeps torch's calls.
-DRIVER_LAUNCH = os.environ.get("GDN_DRIVER_LAUNCH", "1") != "0"
-# Whether the graphs of up to MAPPED_MAX_ROWS rows run the kernel on the pinned staging and output
-# buffers themselves (mapped into the device's address space), instead of a host-to-device copy,
-# the kernel and a device-to-host copy. For one client's step: one graph node instead of three,
-# and ~16 KiB read and ~8 KiB written over PCIe by the kernel. On the H200 host the launch stage
-# of a lone step went from 22 to 9 us and the kernel's own stage stayed at ~21 us (bench/NOTES.md,
-# twenty-second session). GDN_MAPPED_STAGING=0 keeps the copies.
-MAPPED_STAGING = os.environ.get("GDN_MAPPED_STAGING", "1") != "0"
-# The most rows a mapped launch has (bigger ones keep the copies). The kernel's reads over PCIe
-# grow with the rows faster than the copies do: on the H200 (bench/backend_step.py, submit + wait)
-# one row took 33.5 us mapped against 35.4 with the copies, eight rows 60.8 against 50.0. Served
-# (bench/results/variants_mapped_cap_v1, one process), a cap of 1 ran 8 clients at 6,867 and 6,354
-# steps/s against 5,893 and 6,282 with a cap of 8, and one client's p50 was no worse. So only the
-# lone row runs mapped; GDN_MAPPED_MAX_ROWS=N (up to GRAPH_MAX_ROWS) maps more.
-def _rows_from_env(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return max(0, int(raw))
-    except ValueError:
-        raise ValueError(f"{name} must be a number of rows, got {raw!r}") from None
-
-
-MAPPED_MAX_ROWS = _rows_from_env("GDN_MAPPED_MAX_ROWS", 1)
+# In-place T=1 launches of up to this many rows (at most GRAPH_MAX_ROWS) have graphs of the kernel
+# alone on the pinned staging and output buffers, mapped into the device's address space, instead
+# of a host-to-device copy, the kernel and a device-to-host copy: one graph node instead of three.
+# One row, because that is where it pays: on the H200 a lone step's launch stage took 9 us mapped
+# against 22 with the copies, the kernel's own time the same. The kernel's reads over PCIe grow with
+# the rows faster than the copies do (submit + wait, one row: 33.5 us mapped against 35.4 copied;
+# eight rows: 60.8 against 50.0), and served, mapping one row ran 8 clients faster than mapping up
+# to 8 did, with one client's latency no worse (bench/NOTES.md). 0 keeps the copies everywhere.
+MAPPED_MAX_ROWS = 1
 
 
 def padded_rows(rows: int) -> int:
@@ -114,10 +93,7 @@ class _Staging:
         self.used = False
         self._views: dict[tuple[int, int], _Views] = {}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (R, T) -> in-place launch
-        # (R, T) -> a graph's replay and `done`'s record in one driver call (CudaBackend._use_driver)
-        self.launches: dict[tuple[int, int], Callable[[], None]] = {}
-        self.query: Callable[[], bool] = self.done.query  # whether `done`'s last record has passed
-        # `host` and `out_host` as tensors on the device (MAPPED_STAGING), made on first use
+        # `host` and `out_host` as tensors on the device (MAPPED_MAX_ROWS), made on first use
         self._mapped: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def mapped(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,35 +144,6 @@ class _Views:
     out_host_bytes: memoryview  # out_host's bytes, what the scheduler reads replies from
 
 
-def _staged_nonfinite(batch: StepBatch, plan: _Plan, views: _Views) -> dict[int, InvalidArgument]:
-    """The NaN/Inf check of requests validation left unchecked, on their copies in the staging
-    buffer, just written there (the event loop's validation skipped its own pass over them).
-
-    The whole batch first, q to v as one span where nothing lies between them (K = V = 128:
-    every row is a multiple of ALIGN bytes), then a and b; only if that finds a NaN or Inf,
-    each unchecked request and input on its own, to answer the culprits."""
-    e = plan.entries
-    q_at, k_at, v_at = e["q"][0], e["k"][0], e["v"][0]
-    R = batch.rows
-    if R < plan.rows:  # a padded launch: its padding rows hold whatever was there, unchecked
-        spans = [views.host[name][:R] for name in INPUTS]
-    elif k_at == q_at + e["q"][3] and v_at == k_at + e["k"][3]:
-        spans = [views.host_all[q_at : v_at + e["v"][3]].view(torch.bfloat16), views.host["a"], views.host["b"]]
-    else:
-        spans = [views.host[name] for name in INPUTS]
-    if all(all_finite(x) for x in spans):
-        return {}
-    errors, row = {}, 0
-    for index, work in enumerate(batch.works):
-        n = len(work.session_ids)
-        if not work.finite_checked:
-            bad = next((name for name in INPUTS if not all_finite(views.host[name][row : row + n])), None)
-            if bad is not None:
-                errors[index] = nonfinite_input(bad)
-        row += n
-    return errors
-
-
 class _CudaStep(PendingStep):
     def __init__(self, staging: _Staging, views: _Views, device: torch.device, rows: int) -> None:
         self._staging = staging
@@ -216,7 +163,7 @@ class _CudaStep(PendingStep):
         return out[: len(out) // len(self._views.out_host) * self._rows] if self._padded else out
 
     def ready(self) -> bool:
-        return self._staging.query()
+        return self._staging.done.query()
 
     def wait(self) -> None:
         # called on the scheduler's waiter thread, whose current device is nobody's choice
@@ -317,19 +264,11 @@ class CudaBackend(Backend):
 
         # 1. requests -> pinned staging: a memcpy per request and input for bf16 requests, a
         #    casting copy for f16/f32 ones; no per-row work
-        found = _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
+        _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
         if not all(w.finite_checked for w in batch.works):
-            if found is None:  # the fill did not check them (no native module): check the staged copy
-                errors = _staged_nonfinite(batch, plan, views)
-            else:
-                errors = {index: nonfinite_input(name) for index, name in found.items()}
-            if errors:
-                raise NonFiniteInputs(errors)  # before anything is queued on the device
-        if in_place:
-            launch = staging.launches.get((rows, T))
-            if launch is not None:  # steps 2-4 as captured, and the event, in one driver call
-                launch()
-                return _CudaStep(staging, views, self.device, R)
+            found = nonfinite(batch, views.host)
+            if found:  # before anything is queued on the device
+                raise NonFiniteInputs({index: nonfinite_input(name) for index, name in found.items()})
         graph = staging.graphs.get((rows, T)) if in_place else None
         with self._on_stream:
             if graph is not None:  # steps 2-4 as captured for this staging set and (rows, T)
@@ -380,7 +319,7 @@ class CudaBackend(Backend):
                 self._ring[idx] = self._new_staging()
         # and every staging set's views for one-token launches of up to rows_hint rows: building
         # them on first use (~20 torch calls per (R, T) and set) was 3% of the event loop's
-        # samples over the first seconds of load at 64 clients (bench/NOTES.md, profile_v2).
+        # samples over the first seconds of load at 64 clients (bench/NOTES.md).
         # At the default rows_hint that is 2,048 views, ~40k tensor objects: ~36 MB of host
         # memory and ~0.3 s once (measured for as many views on the CPU box)
         for staging in self._ring:
@@ -395,15 +334,16 @@ class CudaBackend(Backend):
             compile_variant(T, s.num_q_heads, s.num_v_heads)
         try:
             self._capture_graphs()
-        except Exception:  # a driver or library that cannot capture: launch eagerly, as always
+        except Exception:  # a driver or library that cannot capture: launch directly
             log.exception("could not capture the small launches as CUDA graphs; launching them directly")
             for staging in self._ring:
                 staging.graphs.clear()
-        self._use_driver()
         torch.cuda.synchronize(self.device)
 
     def _capture_graphs(self, tokens: int = 1) -> None:
-        """A graph of `_device_steps` per staging set and row count up to GRAPH_MAX_ROWS.
+        """A graph of each staging set's in-place launch for every row count up to GRAPH_MAX_ROWS
+        and every bucket up to rows_hint: `_device_steps`, or for up to MAPPED_MAX_ROWS rows the
+        kernel alone on the mapped buffers.
 
         Rows are padding (slot -1: no state read or written) while anything runs here: one eager
         launch per row count (the launcher's first call sets itself up, which a capture must not
@@ -411,7 +351,7 @@ class CudaBackend(Backend):
         if GRAPH_MAX_ROWS < 1:
             return
         buckets = tuple(b for b in GRAPH_BUCKETS if b <= self._rows_hint) if tokens == 1 else ()
-        mapped_rows = min(MAPPED_MAX_ROWS, GRAPH_MAX_ROWS) if MAPPED_STAGING and self.use_kernel else 0
+        mapped_rows = min(MAPPED_MAX_ROWS, GRAPH_MAX_ROWS) if self.use_kernel else 0
         mapped = mapped_rows > 0 and self._mapped_staging_works(mapped_rows)
         with torch.cuda.device(self.device):  # a capture records on the current device
             side = torch.cuda.Stream(self.device)
@@ -443,44 +383,16 @@ class CudaBackend(Backend):
             self._bucket_max = buckets[-1]
 
     def _mapped_staging_works(self, rows: int) -> bool:
-        """Whether every staging set's buffers can be mapped for the kernel (MAPPED_STAGING) for the
-        launches of up to `rows` rows; where they cannot, says why and keeps the copies."""
+        """Whether every staging set's buffers can be mapped for the kernel, for the launches of up
+        to `rows` rows (MAPPED_MAX_ROWS); where they cannot, says why and keeps the copies."""
         try:
             for staging in self._ring:
                 staging.mapped()
         except Exception:
             log.exception("pinned staging cannot be mapped for the kernel; the small graphs keep their copies")
             return False
-        log.info("launches of up to %d rows run the kernel on mapped pinned staging (GDN_MAPPED_STAGING=0: copies)",
-                 rows)
+        log.info("launches of up to %d rows run the kernel on mapped pinned staging", rows)
         return True
-
-    def _use_driver(self) -> None:
-        """Sets up each staging set's graph launches and event poll as calls straight to the CUDA
-        driver (see DRIVER_LAUNCH), where gdn_server._native is built; else torch's stay."""
-        if not DRIVER_LAUNCH or native is None or not hasattr(native, "cuda_launch_graph"):
-            return
-        try:
-            with torch.cuda.device(self.device):
-                context = native.cuda_current_context()  # the device's primary context, made current by torch
-            if not context:
-                raise RuntimeError("no current CUDA context after selecting the device")
-            stream = self.stream.cuda_stream
-            for staging in self._ring:
-                staging.done.record(self.stream)  # a torch event has a driver handle from its first record
-                event = staging.done.cuda_event
-                query = functools.partial(native.cuda_event_query, context, event)
-                query()  # fails here, not in a round, if the driver refuses the handles
-                launches = {
-                    key: functools.partial(native.cuda_launch_graph, context, graph.raw_cuda_graph_exec(), stream, event)
-                    for key, graph in staging.graphs.items()
-                }
-                staging.query, staging.launches = query, launches
-            self.stream.synchronize()
-        except Exception:  # an older torch or a driver that refuses: torch's calls, as before
-            log.exception("graph launches through the CUDA driver are off; using torch's replay")
-            for staging in self._ring:
-                staging.launches, staging.query = {}, staging.done.query
 
     # -- session operations (called with no step in flight) ----------------------------------
     def _rows(self, session_slot: int) -> slice:

@@ -1,9 +1,11 @@
-"""Host staging of one launch: where a batch's inputs and indices sit in one flat buffer, and the
-host work that fills it.
+"""Host staging of one launch: where a batch's inputs and indices sit in one flat buffer, the host
+work that fills it, and the NaN/Inf check of the inputs validation left to the backend.
 
-The CUDA backend fills a pinned buffer with this and copies it to the device in one transfer;
-bench/engine_path.py fills an ordinary buffer with the same code, so the engine's host cost can be
-measured on any machine without skipping the copies the real path makes.
+The layout (`make_plan`): q, k, v, a, b as bf16 [rows, T, ...], then the int32 slots, out_slots
+and layers [rows], each entry at a multiple of ALIGN bytes. The CUDA backend fills a pinned
+buffer with this and copies it to the device in one transfer (or lets the kernel read it in
+place); bench/engine_path.py fills an ordinary buffer with the same code, so the engine's host
+cost can be measured on any machine without skipping the copies the real path makes.
 """
 from __future__ import annotations
 
@@ -14,22 +16,13 @@ import numpy as np
 import torch
 
 from gdn_server.config import ModelShape
-from gdn_server.native import COPY_THREADS, THREADED_COPY_BYTES
-from gdn_server.native import module as native
 from gdn_server.work import StepBatch
 
 ALIGN = 128  # bytes; keeps every carved view 16-byte aligned for the kernel's vector loads
-# A request input at least this big is copied by torch (its intra-op thread pool splits the
-# memcpy across cores); smaller ones by one slice assignment, which costs far less to start.
-# One thread fills pinned memory at a few GB/s: 1.2 ms for a B=256 request on the H200 host.
+# A bf16 request input at least this big is copied by torch, whose intra-op thread pool splits
+# the memcpy across cores; smaller ones by one memoryview slice assignment, which costs far less
+# to start. One thread fills pinned memory at a few GB/s: 1.2 ms for a B=256 request on the H200 host.
 PARALLEL_COPY_BYTES = 512 << 10
-# A launch's small requests whose bytes add up to this much are copied by FILL_THREADS threads
-# (the native module's pool, without the GIL). From cold caches, as in the server, on the H200
-# host (bench/backend_step.py --variants): 100 one-row qwen3-next requests (1.6 MB) 847 -> 707 us
-# of CudaBackend.submit; 27 (450 KB) 391 -> 431 us and 48-64 even, where waking the pool costs
-# as much as it saves.
-FILL_THREADED_BYTES = 1 << 20
-FILL_THREADS = min(4, COPY_THREADS)
 INPUTS = ("q", "k", "v", "a", "b")
 
 
@@ -81,21 +74,17 @@ def carve(buf: torch.Tensor, entry: tuple) -> torch.Tensor:
 
 def fill(
     batch: StepBatch, plan: Plan, host_mem: memoryview, host_bytes: np.ndarray, host_views: dict[str, torch.Tensor]
-) -> dict[int, str] | None:
+) -> None:
     """Copies `batch` into a staging buffer laid out by `plan`: a memcpy per request and input for
-    bf16 requests (their raw bytes), a casting copy for the others, then the int32 index arrays.
-    A plan with more rows than the batch (a padded launch) gets padding rows after the batch's:
-    slot and out_slot -1 (the kernel reads and writes no state for them), layer 0, inputs left
-    as they are (unread).
+    bf16 requests (their raw bytes; torch's parallel copy for inputs of PARALLEL_COPY_BYTES or
+    more), a casting copy for the others, then the int32 index arrays. A plan with more rows than
+    the batch (a padded launch) gets padding rows after the batch's: slot and out_slot -1 (the
+    kernel reads and writes no state for them), layer 0, inputs left as they are (unread).
+    out_slots is written only for a batch that is not in place (the in-place kernel ignores it).
 
     `host_mem` and `host_bytes` are the buffer as a memoryview and a uint8 numpy array (slice
     assignment into a memoryview is the cheapest copy Python has); `host_views` the plan's tensor
-    views of it, used only by requests that did not come as bf16.
-
-    With the native module, the inputs of requests not yet checked for NaN/Inf
-    (`finite_checked` False) are checked as they are copied, and the result says which hold one:
-    {work index: first such input's name}. Without it the result is None: the caller checks the
-    staged copy.
+    views of it, used by requests that did not come as bf16 and by `nonfinite`.
     """
     R = batch.rows
     room = plan.rows
@@ -103,65 +92,7 @@ def fill(
         raise ValueError(f"a batch of {R} rows does not fit a plan of {room}")
     entries = plan.entries
     # (byte offset, bytes per row) of each input: a request's bytes go at offset + first row * per row
-    places = tuple([(entries[name][0], entries[name][3] // room) for name in INPUTS])
-    found = None
-    if native is not None:  # the small checked bf16 requests in one C call; the rest below
-        left = native.fill_bf16(host_mem, places, batch.works, PARALLEL_COPY_BYTES, FILL_THREADED_BYTES, FILL_THREADS)
-        found = _fill_natively(batch, set(left), places, host_mem, host_views) if left else {}
-    else:
-        _fill_in_python(batch, places, host_mem, host_bytes, host_views)
-    if batch.lane is not None:  # the link's one-row steps, from its request ring (after the works' rows)
-        batch.lane.fill(host_mem, places)
-    for name, values, padding in (("slots", batch.slots, -1), ("layers", batch.layers, 0)) + (
-        () if batch.in_place else (("out_slots", batch.out_slots, -1),)
-    ):
-        offset, _, _, nbytes = entries[name]
-        column = host_bytes[offset : offset + nbytes].view(np.int32)
-        if R == room:
-            column[:] = values
-        else:
-            column[:R] = values
-            column[R:] = padding
-    return found
-
-
-def _fill_natively(
-    batch: StepBatch, which: set[int], places: tuple, host_mem: memoryview, host_views: dict[str, torch.Tensor]
-) -> dict[int, str]:
-    """`fill`'s copies of the works `fill_bf16` left: bf16 ones in one `copy_bf16_spans` call
-    (several threads for big ones, checking the unchecked as they are copied), others by torch."""
-    spans, owners = [], []  # owners[i]: (work index, input name) of spans[i] when it is checked
-    first_row = 0
-    for index, work in enumerate(batch.works):
-        row = first_row
-        n = len(work.session_ids)
-        first_row += n
-        if index not in which:
-            continue
-        raw = work.bf16_bytes
-        if raw is None:
-            for name, part in zip(INPUTS, (work.q, work.k, work.v, work.a, work.b)):
-                host_views[name][row : row + n].copy_(part)
-            continue
-        check = not work.finite_checked
-        for name, (offset, per_row), data in zip(INPUTS, places, raw):
-            spans.append((offset + row * per_row, data, check))
-            owners.append((index, name))
-    if not spans:
-        return {}
-    big = sum(len(span[1]) for span in spans) >= THREADED_COPY_BYTES
-    hits = native.copy_bf16_spans(host_mem, spans, COPY_THREADS if big else 1)
-    found: dict[int, str] = {}
-    for hit, (index, name) in zip(hits, owners):
-        if hit and index not in found:  # spans run q to b: the first is the one to name
-            found[index] = name
-    return found
-
-
-def _fill_in_python(
-    batch: StepBatch, places: tuple, host_mem: memoryview, host_bytes: np.ndarray, host_views: dict[str, torch.Tensor]
-) -> None:
-    """`fill`'s copies without the native module."""
+    places = [(entries[name][0], entries[name][3] // room) for name in INPUTS]
     row = 0
     for work in batch.works:
         n = len(work.session_ids)
@@ -178,3 +109,35 @@ def _fill_in_python(
             for name, part in zip(INPUTS, (work.q, work.k, work.v, work.a, work.b)):
                 host_views[name][row : row + n].copy_(part)
         row += n
+    for name, values, padding in (("slots", batch.slots, -1), ("layers", batch.layers, 0)) + (
+        () if batch.in_place else (("out_slots", batch.out_slots, -1),)
+    ):
+        offset, _, _, nbytes = entries[name]
+        column = host_bytes[offset : offset + nbytes].view(np.int32)
+        if R == room:
+            column[:] = values
+        else:
+            column[:R] = values
+            column[R:] = padding
+
+
+def nonfinite(batch: StepBatch, host_views: dict[str, torch.Tensor]) -> dict[int, str]:
+    """The requests of `batch` that validation left unchecked (`finite_checked` False) and whose
+    staged inputs hold a NaN or Inf: {index in batch.works: the first such input's name}.
+
+    It reads the copies `fill` has just written (in cache, where the request's own bytes may not
+    be), each unchecked request's rows of each input in one read-only pass: aminmax, split over
+    torch's intra-op threads, makes the min or the max NaN or infinite exactly where a value is.
+    """
+    found: dict[int, str] = {}
+    row = 0
+    for index, work in enumerate(batch.works):
+        n = len(work.session_ids)
+        if not work.finite_checked:
+            for name in INPUTS:
+                low, high = host_views[name][row : row + n].aminmax()
+                if not (math.isfinite(low.item()) and math.isfinite(high.item())):
+                    found[index] = name
+                    break
+        row += n
+    return found
