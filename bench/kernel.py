@@ -1,7 +1,8 @@
 """Check and time the CuTe DSL GDN decode kernel on one GPU, in one go.
 
-    python bench/kernel.py                      # checks, timings, candidate variants
-    python bench/kernel.py --skip-baselines --variants 2:2x4:prep,2:2x4:inline --out bench/results
+    python bench/kernel.py                      # candidate variants, checks, timings, baselines
+    python bench/kernel.py --skip-baselines     # the figures of bench/RESULTS.md
+    python bench/kernel.py --skip-sweep --skip-baselines --variants 2:2x4:prep,2:2x4:inline
 
 Checks (against tests/reference.py in float64): T = 1..8 (16:32) and 1..4 (8:32, 32:32), B in
 {1, 7, 64, 513}, rows of mixed layers and padding rows in one launch, slots that no row names
@@ -9,13 +10,18 @@ left bit-for-bit untouched, the output poisoned before the launch; out_slots (re
 write another; in place; outputs only); 64 consecutive steps against a reference whose state is
 rounded to bf16 once per step; a CUDA-graph replay; every candidate variant at B=64.
 
-Timings (ANCHORS.md method): H=16, HV=32, a 4096-slot (4 GiB) pool, random slots, 16 rotated
-slot sets, device time by CUDA-graph replay (triton.testing.do_bench_cudagraph, median), host
-time per call by do_bench and by a plain loop; side by side with fla's fused_recurrent
-(gathering the state from the pool and scattering it back) and torch eager fp32.
+Timings (the method of the shared ANCHORS.md, whose FlashInfer and seed-kernel figures the table
+repeats): H=16, HV=32, a 4096-slot (4 GiB) pool, random slots, 16 rotated slot sets, device time
+by CUDA-graph replay (triton.testing.do_bench_cudagraph, median), host time per call by do_bench
+and by a plain loop; side by side with fla's fused_recurrent (gathering the state from the pool
+and scattering it back) and torch eager fp32.
 
-Writes kernel.json and kernel.md under --out (default $OUT, else bench/results) and prints a
-short table last.
+The candidate sweep times tilings of the kernel (compile_variant's options) and names the fastest
+correct one per T beside the shipped default (default_variant): where another wins, the default
+is the thing to change. Checks and timings always run the shipped defaults.
+
+Writes bench/out/kernel-<UTC time>.json (with date, commit and command; rewritten after each
+stage) and prints the tables last.
 """
 from __future__ import annotations
 
@@ -23,14 +29,13 @@ import argparse
 import importlib.util
 import json
 import math
-import os
 import time
 import traceback
-from pathlib import Path
 
+import common  # first: it puts this checkout on sys.path
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = common.REPO
 
 
 def _load_reference():
@@ -41,11 +46,13 @@ def _load_reference():
 
 
 ref = _load_reference()
-from gdn_server.kernels import CHECKED_HEADS, SUPPORTED_T, UNROLLED_T, compile_variant, gdn_decode  # noqa: E402
+from gdn_server.kernels import (  # noqa: E402
+    CHECKED_HEADS, SUPPORTED_T, UNROLLED_T, compile_variant, default_variant, gdn_decode,
+)
 
 DEV = "cuda"
 D = 128
-ANCHORS = {  # (B, T): (seed us, FlashInfer us, fla us, torch us) from ANCHORS.md
+ANCHORS = {  # (B, T): (seed us, FlashInfer us, fla us, torch us) from the shared ANCHORS.md
     (1, 1): (2.5, 2.4, 14.9, 75),
     (16, 1): (12.0, 11.9, 72, 259),
     (128, 1): (76.5, 76.6, 565, 1569),
@@ -419,7 +426,7 @@ def sweep_variants(variants, batches, pool, gen, log):
             for vt, warps, rpt, prep, scatter in variants:
                 if vt != T:
                     continue
-                name = f"{warps}x{rpt}:{'prep' if prep else 'inline'}{'+rs' if scatter else ''}"
+                name = _name(warps, rpt, prep, scatter)
                 try:
                     fn = tiled(T, H, HV, warps, rpt, prep, scatter)
                     ok = True
@@ -455,7 +462,7 @@ def fla_check(gen, log):
 
 
 def to_markdown(res):
-    lines = [f"# GDN decode kernel on {res['device']} ({res['date']})", "",
+    lines = [f"# GDN decode kernel on {res['device']} ({time.strftime('%Y-%m-%d')})", "",
              "Device time per call, CUDA-graph replay, median; H=16, HV=32, 4096-slot pool, 16 rotated slot sets.",
              "% = bytes moved (state read+write + q/k/v/a/b/o) over the 4290 GB/s copy ceiling.", "",
              "| B | T | ours | % | FlashInfer (anchor) | seed (anchor) | fla (here) | torch fp32 (here) | target |",
@@ -476,9 +483,15 @@ def to_markdown(res):
     for d in res.get("out_slots", []):
         lines.append(f"\nout_slots B={d['B']} T={d['T']}: out {d['err_out']:.2e}, written state {d['err_state']:.2e}, "
                      f"other slots untouched={d['untouched_ok']}, ok={d['ok']}")
-    if res.get("picks"):
-        lines += ["", "Defaults picked from the candidates below (checks and timings above use them): "
-                  + ", ".join(f"T={t}: {v}" for t, v in res["picks"].items())]
+    for t, f in res.get("fastest", {}).items():
+        if f["default_is_fastest"]:
+            verdict = "the default"
+        elif f["default_us"] is None:
+            verdict = f"the default, {f['default']}, was not among the candidates"
+        else:
+            verdict = f"the default, {f['default']}, took {f['default_us']:.1f} us"
+        lines.append(f"\nT={t}: fastest candidate {f['fastest']}, {f['fastest_us']:.1f} us summed over the swept "
+                     f"batches: {verdict}")
     if res.get("sweep"):
         lines += ["", "## Candidate variants (us; checked at B=64)", "",
                   "| B | T | warps x rows/thread | per-token prep | dot reduction | us | ok |",
@@ -491,43 +504,36 @@ def to_markdown(res):
     return "\n".join(lines) + "\n"
 
 
-def pick_defaults(sweep, log):
-    """Per swept T, the correct candidate with the least summed time over the swept batches;
-    installed as gdn_decode's default for that T and for the unswept T it stands for (the next
-    swept T above, on the same side of 4, else the one below). Returns {T: variant name}."""
-    import gdn_server.kernels._api as api
+def _name(warps, rpt, prep, scatter):
+    return f"{warps}x{rpt}:{'prep' if prep else 'inline'}{'+rs' if scatter else ''}"
 
-    best = {}
+
+def fastest_candidates(sweep, log):
+    """Per swept T, the correct candidate with the least summed time over the swept batches,
+    beside the shipped default's sum (when the default was among the candidates)."""
+    found = {}
     for T in sorted({s["T"] for s in sweep}):
         total = {}
         for s in sweep:
-            if s["T"] == T:
-                key = (s["warps"], s["rows_per_thread"], s["prep"], s["scatter"])
-                ok = s["ok"] and s["us"] is not None and total.get(key, 0.0) is not None
-                total[key] = total.get(key, 0.0) + s["us"] if ok else None
+            if s["T"] != T:
+                continue
+            key = (s["warps"], s["rows_per_thread"], s["prep"], s["scatter"])
+            ok = s["ok"] and s["us"] is not None and total.get(key, 0.0) is not None
+            total[key] = total.get(key, 0.0) + s["us"] if ok else None
         ranked = sorted((us, key) for key, us in total.items() if us is not None)
-        if ranked:
-            best[T] = ranked[0][1]
-    if not best:
-        return {}
-    default = api.default_variant
-
-    def picked(T, H, HV):
-        same_side = [t for t in best if (t > 4) == (T > 4)] or list(best)
-        src = T if T in best else min((t for t in same_side if t > T), default=max(same_side))
-        w, r, prep, scatter = best[src]
-        return api.Variant(T, H, HV, w, r, prep or T > 4, scatter)
-
-    api.default_variant = picked
-    picks = {T: str(picked(T, 16, 32)) for T in SUPPORTED_T}
-    log(f"picked defaults (from {default.__name__} candidates): {json.dumps(picks)}")
-    return picks
+        if not ranked:
+            continue
+        d = default_variant(T, 16, 32)
+        default_key = (d.warps, d.rows_per_thread, d.prep, d.scatter)
+        found[T] = dict(fastest=_name(*ranked[0][1]), fastest_us=ranked[0][0], default=_name(*default_key),
+                        default_us=total.get(default_key), default_is_fastest=ranked[0][1] == default_key)
+    log(f"fastest candidates: {json.dumps(found)}")
+    return found
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "bench" / "results"))
-    p.add_argument("--tag", default="kernel")
+    p.add_argument("--out", default=None, help="folder of the result file (default bench/out)")
     p.add_argument("--skip-checks", action="store_true")
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--skip-baselines", action="store_true")
@@ -538,26 +544,19 @@ def main():
                    "8:2x4:prep,8:2x4:prep+rs,8:4x4:prep",
                    help="candidate variants to check and time, T:WARPSxROWS:prep|inline[+rs]")
     p.add_argument("--variant-batches", default="128,512")
-    p.add_argument("--pick", action="store_true",
-                   help="make the fastest correct candidate of each swept T gdn_decode's default for the checks and timings")
     args = p.parse_args()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log_f = open(out_dir / f"{args.tag}.log", "w")
+    path = common.out_path("kernel", args.out)
 
     def log(msg):
         print(msg, flush=True)
-        log_f.write(msg + "\n")
-        log_f.flush()
 
     gen = torch.Generator(device=DEV)
     gen.manual_seed(1234)
-    res = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), torch=torch.__version__)
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
     res["checks"], res["drift"], res["out_slots"], res["timings"], res["sweep"] = [], [], [], [], []
 
     def save():
-        (out_dir / f"{args.tag}.json").write_text(json.dumps(res, indent=1))
-        (out_dir / f"{args.tag}.md").write_text(to_markdown(res))
+        common.write_json(path, {"args": vars(args), **res})
 
     pool = None
     if not (args.skip_timing and args.skip_sweep):
@@ -568,8 +567,7 @@ def main():
         batches = [int(x) for x in args.variant_batches.split(",")]
         res["sweep"] = sweep_variants(variants, batches, pool, gen, log)
         log(f"sweep took {time.time() - t0:.1f} s")
-        if args.pick:
-            res["picks"] = pick_defaults(res["sweep"], log)
+        res["fastest"] = fastest_candidates(res["sweep"], log)
         save()
 
     t0 = time.time()
@@ -609,6 +607,7 @@ def main():
     save()
     print()
     print(to_markdown(res))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,207 +1,158 @@
-"""Scale-out benchmark (issue 8): one server process over one GPU against the same over two.
+"""Scale benchmark: K plain server processes on one GPU, the clients shared out among them.
 
-For each device set it starts `gdn-server --preset qwen3-next --devices ...`, reads the session
-capacity from GetModelInfo, then drives N streaming clients (T=1, every layer cycled) from
-several `gdn-loadtest` processes at once (one Python load process tops out long before a GPU
-does), and sums their throughput. The same load against the gRPC echo floor, with as many
-processes, says whether the bound is the GPU, the server's Python front end, or the loader.
+For each K of --processes it starts K independent `gdn-server` processes on the same device
+(each with its own port and its own sessions; they share nothing but the GPU and the host),
+then for each clients value N runs one gdn-loadtest per server at once, each with N/K of the
+clients (DecodeStream, T=1, every layer cycled), and sums their steps/s. K=1 is one server
+with all the clients: the reference the others are read against.
 
-    python bench/scale.py --frontends 0,8 --out bench/results   # on a host with two GPUs (~5 min)
+    python bench/scale.py                                  # K = 1, 4, 8 at 64 and 256 clients (H200)
+    python bench/scale.py --processes 4 --clients 256 --duration 10
+    python bench/scale.py --launch one-command             # one `gdn-server --processes K` instead
+    python bench/scale.py --device cpu --model "--layers 4 --q-heads 2 --v-heads 4" \\
+        --processes 1,2 --clients 8 --duration 2           # a smoke run on any machine
 
-With --no-echo it also reports the CPU cores each process of the server (router or one process,
-engines, workers) and the load processes used during each point, from /proc: what bounds a point
-(a process at ~1.0 core is saturated; all cores busy means the host is).
+The K load runs start together but each warms up on its own, so their measured windows differ
+by up to a second or two. The table's "overlap" is the share of the shortest measured window
+that all K had in common (estimated from when each ended and how long it measured); far below
+1 means the sum overstates what K servers do at once: run longer (--duration).
+
+With --launch one-command it starts one `gdn-server --processes K` (K server processes behind
+one port) and one gdn-loadtest with all N clients against it.
+
+No echo floor here: bench/serve.py measures it beside one server.
+
+Prints one table; writes bench/out/scale-<UTC time>.json (every gdn-loadtest document, the
+commands, date, commit and this command line).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import subprocess
-import sys
+import math
+import shlex
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve import start_server, stop  # noqa: E402  (same folder: the serving bench's helpers)
+import common
+
+ONE_COMMAND_FLAG = "--processes"  # gdn-server's flag for K processes on one device
 
 
-def model_info(target: str) -> dict:
-    from gdn_client import Client
-
-    with Client(target) as client:
-        info = client.model_info()
-    return {"max_sessions": info.max_sessions, "backend": info.backend}
+def shares(total: int, parts: int) -> list[int]:
+    """`total` split into `parts` near-equal whole numbers, larger first."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-def parallel_load(target: str, clients: int, procs: int, duration: float, echo: bool) -> dict:
-    """Runs `procs` loadtest processes with clients/procs clients each; sums their results."""
-    per = max(1, clients // procs)
-    outs, running = [], []
-    tmp = Path(tempfile.mkdtemp())
-    for p in range(procs):
-        out = tmp / f"load{p}.json"
-        cmd = [sys.executable, "-m", "gdn_client.loadtest", "--target", target, "--clients", str(per), "--mode",
-               "stream", "--tokens", "1", "--duration", str(duration), "--no-progress", "--json", str(out),
-               "--seed", str(p)]
-        if echo:
-            cmd.append("--echo")
-        running.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-        outs.append(out)
-    for proc in running:
-        _, err = proc.communicate(timeout=900)
+def start_servers(args: argparse.Namespace, k: int) -> list[common.Server]:
+    flags = shlex.split(args.server_flags)
+    if args.launch == "one-command":
+        if k > 1:
+            flags = [ONE_COMMAND_FLAG, str(k), *flags]
+        cmds = [common.server_command(args.device, args.model, args.max_sessions, flags)]
+    else:
+        per_server = args.max_sessions or math.ceil(max(args.clients) / k) + 16
+        cmds = [common.server_command(args.device, args.model, per_server, flags) for _ in range(k)]
+    servers = [common.Server(cmd).start() for cmd in cmds]  # their warm-ups overlap
+    try:
+        for server in servers:
+            server.wait()
+    except Exception:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def load_point(args: argparse.Namespace, servers: list[common.Server], clients: int, tmp: Path) -> dict:
+    """N clients over the servers, one gdn-loadtest each, at once; their documents and the sums."""
+    per_server = shares(clients, len(servers))
+    load_procs = shares(max(args.load_processes, len(servers)), len(servers))
+    running = []
+    for i, (server, n, procs) in enumerate(zip(servers, per_server, load_procs)):
+        if n == 0:
+            continue
+        flags = ["--mode", "stream", "--tokens", "1", "--clients", str(n), "--processes", str(procs),
+                 "--duration", str(args.duration), "--seed", str(i), *shlex.split(args.load_flags)]
+        out = tmp / f"k{len(servers)}_n{clients}_{i}.json"
+        running.append((out, flags, common.start_loadtest(server.target, out, flags)))
+    docs, ended = [], []
+    for out, flags, proc in running:
+        _, err = proc.communicate(timeout=args.duration + 900)
+        ended.append(time.monotonic())
         if proc.returncode:
-            raise RuntimeError(f"loadtest failed: {err[-2000:]}")
-    result = {"clients": per * procs, "procs": procs, "gdn_steps_per_s": 0.0, "echo_steps_per_s": 0.0,
-              "p50_ms": [], "p99_ms": [], "rows_per_launch": []}
-    for out in outs:
-        for run in json.loads(out.read_text())["runs"]:
-            key = "gdn_steps_per_s" if run["kind"] == "gdn" else "echo_steps_per_s"
-            result[key] += run["steps_per_s"]
-            if run["kind"] == "gdn":
-                result["p50_ms"].append(run["latency_ms"]["p50"])
-                result["p99_ms"].append(run["latency_ms"]["p99"])
-                if run.get("server"):
-                    result["rows_per_launch"].append(run["server"]["mean_rows_per_launch"])
-    return result
-
-
-# -- where the CPU goes: per process of the server, and the load processes --------------------------
-
-def _cpu_seconds_by_pid() -> dict[int, tuple[int, str, float]]:
-    """pid -> (parent pid, command line, user+system CPU seconds so far), from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        rest = stat[stat.rindex(")") + 2 :].split()  # fields from 3 (state) on
-        table[int(entry)] = (int(rest[1]), cmd, (int(rest[11]) + int(rest[12])) / tick)
-    return table
-
-
-def _role(cmd: str) -> str:
-    if "gdn_server.engine" in cmd:
-        return "engine"
-    if "gdn_server.frontend" in cmd:
-        return "worker"
-    return "server"  # the one process, or the router with --frontends
-
-
-def server_cpu(root: int) -> dict[int, tuple[str, float]]:
-    """CPU seconds so far of every process of the server rooted at `root`, with its role."""
-    table = _cpu_seconds_by_pid()
-    tree, grew = {root}, True
-    while grew:
-        grew = False
-        for pid, (ppid, _, _) in table.items():
-            if ppid in tree and pid not in tree:
-                tree.add(pid)
-                grew = True
-    return {pid: (_role(table[pid][1]), table[pid][2]) for pid in tree if pid in table}
-
-
-def children_cpu() -> float:
-    """CPU seconds of this process's reaped children (the load processes, once they ended)."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
-def cores_used(before: dict, after: dict, seconds: float) -> dict[str, list[float]]:
-    """Cores (CPU seconds per second) each server process used between two `server_cpu` looks,
-    by role, busiest first."""
-    by_role: dict[str, list[float]] = {}
-    for pid, (role, cpu) in after.items():
-        used = cpu - before.get(pid, (role, 0.0))[1]
-        by_role.setdefault(role, []).append(round(used / seconds, 2))
-    return {role: sorted(v, reverse=True) for role, v in by_role.items()}
+            raise RuntimeError(f"gdn-loadtest failed ({' '.join(flags)}):\n{err[-3000:]}")
+        docs.append(json.loads(out.read_text()))
+    gdn = [common.runs(doc)[0] for doc in docs]
+    # each run measured for elapsed_s up to about when its process ended (closing sessions after
+    # it takes about as long in every process): the window they all shared, over the shortest
+    starts = [end - r["elapsed_s"] for end, r in zip(ended, gdn)]
+    shared = min(ended) - max(starts)
+    p50s = [r["latency_ms"]["p50"] for r in gdn]
+    return {
+        "clients": clients, "servers": len(servers), "clients_per_server": per_server[: len(gdn)],
+        "load_processes": load_procs[: len(gdn)],
+        "steps_per_s": sum(r["steps_per_s"] for r in gdn),
+        "p50_ms_median_of_servers": statistics.median(p50s),
+        "p99_ms_max_of_servers": max(r["latency_ms"]["p99"] for r in gdn),
+        "rows_per_launch_mean": statistics.fmean(common.rows_per_launch(r) for r in gdn),
+        "overlap": min(1.0, max(0.0, shared) / min(r["elapsed_s"] for r in gdn)),
+        "errors": sum(r["errors"] for r in gdn),
+        "loadtests": docs,
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--model", default="--preset qwen3-next")
-    p.add_argument("--device-sets", default="0;0,1", help="semicolon list of --devices values")
-    p.add_argument("--clients", default="128,512")
-    p.add_argument("--procs", type=int, default=8, help="load processes per point")
-    p.add_argument("--duration", type=float, default=4.0)
-    p.add_argument("--max-sessions", type=int, default=1300, help="per device, for the throughput runs (room for every point's clients at once)")
-    p.add_argument("--frontends", default="0", help="comma list of --frontends values per device set")
-    p.add_argument("--no-echo", action="store_true", help="skip the echo floor (then CPU per process is reported)")
-    p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    p.add_argument("--model", default="--preset qwen3-next --devices 0", help="server shape flags (one GPU)")
+    p.add_argument("--processes", default="1,4,8", help="server processes K, a comma list")
+    p.add_argument("--clients", default="64,256", help="clients N over all servers, a comma list")
+    p.add_argument("--duration", type=float, default=6.0, help="seconds per run")
+    p.add_argument("--load-processes", type=int, default=8,
+                   help="load processes in all, shared out among the servers (at least one each)")
+    p.add_argument("--max-sessions", type=int, default=None,
+                   help="per server (default: its share of the largest clients value, plus 16; "
+                        "the server's own default would give each process most of the GPU's memory)")
+    p.add_argument("--launch", choices=("separate", "one-command"), default="separate",
+                   help="K separate gdn-server commands (default), or one `gdn-server --processes K`")
+    p.add_argument("--server-flags", default="", help="more gdn-server flags for every server")
+    p.add_argument("--load-flags", default="", help="more gdn-loadtest flags for every load run")
+    p.add_argument("--out", default=None, help="folder of the result file (default bench/out)")
     args = p.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "capacity": {}, "throughput": []}
+    args.clients = [int(c) for c in args.clients.split(",")]
+    ks = [int(k) for k in args.processes.split(",")]
 
-    for devices in args.device_sets.split(";"):
-        # capacity with the default sizing (80% of each GPU's free memory)
-        cap_args = argparse.Namespace(device=args.device, model=f"{args.model} --devices {devices}", max_sessions=None)
-        proc, target = start_server(cap_args)
-        try:
-            results["capacity"][devices] = model_info(target)
-        finally:
-            stop(proc)
-        run_args = argparse.Namespace(device=args.device, model=f"{args.model} --devices {devices}",
-                                      max_sessions=args.max_sessions)
-        for i, frontends in enumerate(int(f) for f in args.frontends.split(",")):
-            proc, target = start_server(run_args, "--frontends", str(frontends))
+    path = common.out_path("scale", args.out)
+    points: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in ks:
+            servers = start_servers(args, k)
             try:
-                for clients in (int(c) for c in args.clients.split(",")):
-                    # the echo floor does not depend on the server: once per device set
-                    echo = i == 0 and not args.no_echo
-                    cpu_before, load_before, started = server_cpu(proc.pid), children_cpu(), time.monotonic()
-                    r = parallel_load(target, clients, args.procs, args.duration, echo=echo)
-                    if not echo:
-                        # the server works only while the load runs (`duration`); the loaders also
-                        # spend their start-up (imports) inside the window
-                        window = time.monotonic() - started
-                        r["cores"] = cores_used(cpu_before, server_cpu(proc.pid), args.duration)
-                        r["cores"]["load procs (sum)"] = [round((children_cpu() - load_before) / window, 2)]
-                        r["cpu_window_s"] = round(window, 2)
-                    r["devices"] = devices
-                    r["frontends"] = frontends
-                    results["throughput"].append(r)
-                    print(json.dumps(r), flush=True)
+                for clients in args.clients:
+                    # one-command: one address, and the server shares the connections out
+                    point = load_point(args, servers, clients, Path(tmp))
+                    point.update(processes=k, launch=args.launch,
+                                 server_commands=[common.shown(s.cmd) for s in servers])
+                    points.append(point)
+                    print(f"K={k} N={clients}: {point['steps_per_s']:,.0f} steps/s, overlap {point['overlap']:.2f}",
+                          flush=True)
+                    common.write_json(path, {"args": vars(args), "points": points})
             finally:
-                stop(proc)
+                for server in servers:
+                    server.stop()
 
-    (out / "scale.json").write_text(json.dumps(results, indent=1))
-    lines = ["| devices | sessions (default sizing) |", "|---|---|"]
-    lines += [f"| {d} | {c['max_sessions']:,} |" for d, c in results["capacity"].items()]
-    lines += ["", "| devices | frontends | clients | load procs | steps/s | echo steps/s (same procs) | % of echo | "
-              "p50 ms (median over procs) | rows/launch |", "|---|---|---|---|---|---|---|---|---|"]
-    echo = {(r["devices"], r["clients"]): r["echo_steps_per_s"] for r in results["throughput"] if r["echo_steps_per_s"]}
-    for r in results["throughput"]:
-        p50 = sorted(r["p50_ms"])[len(r["p50_ms"]) // 2] if r["p50_ms"] else float("nan")
-        rpl = sum(r["rows_per_launch"]) / len(r["rows_per_launch"]) if r["rows_per_launch"] else float("nan")
-        floor = echo.get((r["devices"], r["clients"]))
-        pct = f"{100 * r['gdn_steps_per_s'] / floor:.0f}%" if floor else "-"
-        lines.append(f"| {r['devices']} | {r['frontends']} | {r['clients']} | {r['procs']} | {r['gdn_steps_per_s']:,.0f} | "
-                     f"{floor or float('nan'):,.0f} | {pct} | {p50:.2f} | {rpl:.1f} |")
-    cpu_rows = [r for r in results["throughput"] if "cores" in r]
-    if cpu_rows:
-        lines += ["", "CPU cores used per process (busiest first): server processes over the load's duration, "
-                  "load processes over the whole window (with their start-up):", "",
-                  "| devices | frontends | clients | window s | " + " | ".join(("server", "engine", "worker", "load procs (sum)"))
-                  + " |", "|---|---|---|---|---|---|---|---|"]
-        for r in cpu_rows:
-            cells = [", ".join(f"{c:.2f}" for c in r["cores"].get(k, [])) or "-"
-                     for k in ("server", "engine", "worker", "load procs (sum)")]
-            lines.append(f"| {r['devices']} | {r['frontends']} | {r['clients']} | {r['cpu_window_s']} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    (out / "scale.md").write_text(table + "\n")
-    print(table)
-
+    rows = [[pt["processes"], pt["clients"], "/".join(map(str, sorted(set(pt["clients_per_server"])))),
+             common.fmt(pt["steps_per_s"]), f"{pt['p50_ms_median_of_servers']:.3f}",
+             f"{pt['p99_ms_max_of_servers']:.3f}", common.fmt(pt["rows_per_launch_mean"], ".1f"),
+             f"{pt['overlap']:.2f}", pt["errors"]] for pt in points]
+    print()
+    print(common.markdown_table(["processes K", "clients N", "clients per server", "steps/s (sum)",
+                                 "p50 ms (median of servers)", "p99 ms (worst server)", "rows/launch",
+                                 "overlap", "errors"], rows))
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

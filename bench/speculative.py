@@ -1,4 +1,4 @@
-"""Cost of speculative steps on the GPU (issue 7), side by side with the plain step.
+"""Cost of speculative steps on the GPU, side by side with the plain step.
 
 A speculative step is the plain kernel writing its new state to a scratch slot (`out_slots`)
 instead of in place, so the step it started from survives until Commit. A full accept adopts the
@@ -9,16 +9,16 @@ step (replay(n) <= plain(T)).
 Method as bench/kernel.py: H=16, HV=32, a 4096-slot pool, random slots, 8 rotated slot sets, device
 time by CUDA-graph replay (median).
 
-    python bench/speculative.py --out bench/results
+    python bench/speculative.py
+
+Prints one table; writes bench/out/speculative-<UTC time>.json (with date, commit and command).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import time
-from pathlib import Path
 
+import common  # first: it puts this checkout on sys.path
 import torch
 
 from gdn_server.kernels import gdn_decode
@@ -45,7 +45,7 @@ def _time(fn) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="128x4,512x4,128x8,512x8", help="BxT list")
-    p.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    p.add_argument("--out", default=None, help="folder of the result file (default bench/out)")
     args = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     pool = (torch.randn(SLOTS, HV, D, D, device="cuda", generator=gen) * 0.3).to(torch.bfloat16)
@@ -64,7 +64,7 @@ def main() -> None:
 
         def step(spec: bool, tokens: int):
             # a replay of the accepted prefix gets contiguous inputs, as the server stages them;
-            # made here, outside the timed launch (v1 copied them inside it: ~20 us of copy kernels)
+            # made here, outside the timed launch, so copy kernels are not counted as the replay's
             inputs = [{n: x[n][:, :tokens].contiguous() for n in x} for *_, x in sets]
 
             def run():
@@ -82,17 +82,15 @@ def main() -> None:
                "rollback_replay_us": replays, "worst_rollback_over_plain": max(replays.values()) / plain}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "speculative.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": rows}, indent=1))
-    lines = ["| B | T | plain us | speculative us | spec/plain (<= 1.25) | rollback replay us (n: us) | worst replay / plain (<= 1) |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        reps = ", ".join(f"{n}: {t:.1f}" for n, t in r["rollback_replay_us"].items())
-        lines.append(f"| {r['B']} | {r['T']} | {r['plain_us']:.1f} | {r['speculative_us']:.1f} | "
-                     f"{r['spec_over_plain']:.2f} | {reps} | {r['worst_rollback_over_plain']:.2f} |")
-    (out / "speculative.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    path = common.write_json(common.out_path("speculative", args.out), {"args": vars(args), "rows": rows})
+    table = common.markdown_table(
+        ["B", "T", "plain us", "speculative us", "spec/plain (<= 1.25)", "rollback replay us (n: us)",
+         "worst replay / plain (<= 1)"],
+        [[r["B"], r["T"], f"{r['plain_us']:.1f}", f"{r['speculative_us']:.1f}", f"{r['spec_over_plain']:.2f}",
+          ", ".join(f"{n}: {t:.1f}" for n, t in r["rollback_replay_us"].items()),
+          f"{r['worst_rollback_over_plain']:.2f}"] for r in rows])
+    print(table)
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":
