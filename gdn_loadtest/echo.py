@@ -6,38 +6,40 @@ little-endian reply size followed by any payload; the reply is that many bytes (
 truncated or zero-padded). That lets the load tool reproduce a decode step's sizes exactly
 (e.g. 16.5 KiB in, 8 KiB out) with the least work a Python gRPC service can do.
 
-    python -m gdn_client._echo --host 127.0.0.1 --port 0     # prints "listening on HOST:PORT"
+    python -m gdn_loadtest.echo --host 127.0.0.1 --port 0     # prints "listening on HOST:PORT"
 
-`bench/echo_server.py` runs the same thing from a checkout.
-
-The floor runs on asyncio's own loop, as a plain gRPC service would. `--uvloop` (or
-GDN_ECHO_UVLOOP=1 in the environment, which reaches the echo that gdn-loadtest --echo starts)
-runs it on uvloop instead: the floor a service on uvloop would have, to tell how much of
-gdn-server's gain from uvloop (`--event-loop`) any service would get.
-
-Likewise its gRPC runs with gRPC's own defaults, although gdn-server sets GRPC_EXPERIMENTS for
-its processes (gdn_server/__init__.py: the older I/O path for accepted connections). Whoever
-starts the floor gives it `echo_env()`, which keeps the caller's GRPC_EXPERIMENTS (one set by
-importing gdn_server, say) from reaching it; GDN_ECHO_GRPC_EXPERIMENTS=-event_engine_listener
-gives the floor gdn-server's transport instead.
+The floor runs on asyncio's own loop and with gRPC's own defaults, as a plain gRPC service
+would. gdn-server sets GRPC_EXPERIMENTS for its processes (gdn_server/__init__.py), and a process
+that imported gdn_server passes that on to its children: whoever starts the floor gives it
+`echo_env()`, which keeps the caller's GRPC_EXPERIMENTS from reaching it;
+GDN_ECHO_GRPC_EXPERIMENTS=-event_engine_listener gives the floor gdn-server's transport instead.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import re
+import select
 import signal
 import struct
-from typing import AsyncIterator
+import subprocess
+import sys
+import threading
+import time
+from typing import AsyncIterator, Iterator
 
 import grpc
 import grpc.aio
 
+# the server's allocator and collector settings (gdn_server/tuning.py calls the same helpers):
+# a floor measured under the settings the service runs under
 from gdn_client._gc import tune_gc
 from gdn_client._malloc import tune_malloc
 
-__all__ = ["UNARY", "STREAM", "echo_request", "echo_env", "serve", "main"]
+__all__ = ["UNARY", "STREAM", "echo_request", "echo_env", "echo_server", "serve", "main"]
 
 SERVICE = "gdn.bench.Echo"
 UNARY = f"/{SERVICE}/Unary"
@@ -45,7 +47,7 @@ STREAM = f"/{SERVICE}/Stream"
 _HEADER = struct.Struct("<I")
 _MAX_MESSAGE = 256 << 20
 
-logger = logging.getLogger("gdn_client.echo")
+logger = logging.getLogger("gdn_loadtest.echo")
 
 
 def echo_request(request_bytes: int, reply_bytes: int) -> bytes:
@@ -101,19 +103,60 @@ async def serve(host: str = "127.0.0.1", port: int = 0) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    tune_malloc(logger)  # the server's allocator settings (gdn_server.tuning): a like-for-like floor
-    tune_gc(logger)  # and its garbage collector's
+    tune_malloc(logger)
+    tune_gc(logger)
     p = argparse.ArgumentParser(description="gRPC bytes echo server (the floor for gdn-loadtest --echo)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--uvloop", action="store_true", default=os.environ.get("GDN_ECHO_UVLOOP") == "1",
-                   help="run on uvloop instead of asyncio's loop (also GDN_ECHO_UVLOOP=1)")
     args = p.parse_args(argv)
-    if args.uvloop:
-        import uvloop  # only for this reference point: not a dependency of the client library
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     asyncio.run(serve(args.host, args.port))
+
+
+# -- the floor as a subprocess of the load tool ----------------------------------------------------
+
+_LISTENING = re.compile(r"listening on (\S+):(\d+)\r?\n")  # a whole line: the output comes in chunks
+
+
+def _drain(fd: int) -> None:
+    """Reads a child's output to its end, so that a child which goes on writing (warnings, logs)
+    never blocks on a full pipe."""
+    while os.read(fd, 1 << 16):
+        pass
+
+
+@contextlib.contextmanager
+def echo_server(timeout: float = 30.0) -> Iterator[str]:
+    """Starts this module on 127.0.0.1, port 0, as a subprocess; yields its address."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gdn_loadtest.echo", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=echo_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        output = b""
+        match = None
+        while match is None:
+            left = deadline - time.monotonic()
+            # raw reads with a deadline: a floor that hangs silently must not hang the run
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise RuntimeError(f"echo server did not start within {timeout:.0f} s:\n{output.decode(errors='replace')}")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise RuntimeError(f"echo server exited ({proc.wait()}) before listening:\n"
+                                   f"{output.decode(errors='replace')}")
+            output += chunk
+            match = _LISTENING.search(output.decode(errors="replace"))
+        threading.Thread(target=_drain, args=(fd,), daemon=True).start()
+        yield f"{match.group(1)}:{match.group(2)}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 if __name__ == "__main__":
