@@ -12,21 +12,16 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-# the server's allocator and collector settings (gdn_server/tuning.py calls the same helpers):
-# the load, like the echo floor, adds no page-fault or collector cost of its own to either side
-from gdn_client._gc import tune_gc
-from gdn_client._malloc import tune_malloc
 from gdn_client import GdnError
 from gdn_loadtest.config import LoadConfig, RunResult
 from gdn_loadtest.echo import echo_server
 from gdn_loadtest.report import format_table, pct_of_echo, pct_of_echo_by_point, write_plots
 from gdn_loadtest.run import run_echo, run_load
+from gdn_loadtest.tuning import tune_process
 from gdn_loadtest.verify import VerificationError
 from gdn_loadtest.workers import DTYPES
 
 __all__ = ["build_parser", "main"]
-
-logger = logging.getLogger("gdn_loadtest")
 
 
 def _clients_list(text: str) -> list[int]:
@@ -134,8 +129,7 @@ def results_document(args: argparse.Namespace, results: Sequence[RunResult]) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    tune_malloc(logger)
-    tune_gc(logger)
+    tune_process()
     args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.duration is None and args.requests is None:

@@ -13,13 +13,13 @@ would. gdn-server sets GRPC_EXPERIMENTS for its processes (gdn_server/__init__.p
 that imported gdn_server passes that on to its children: whoever starts the floor gives it
 `echo_env()`, which keeps the caller's GRPC_EXPERIMENTS from reaching it;
 GDN_ECHO_GRPC_EXPERIMENTS=-event_engine_listener gives the floor gdn-server's transport instead.
+Its allocator and collector settings are gdn-server's (gdn_loadtest.tuning).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import logging
 import os
 import re
 import select
@@ -34,10 +34,7 @@ from typing import AsyncIterator, Iterator
 import grpc
 import grpc.aio
 
-# the server's allocator and collector settings (gdn_server/tuning.py calls the same helpers):
-# a floor measured under the settings the service runs under
-from gdn_client._gc import tune_gc
-from gdn_client._malloc import tune_malloc
+from gdn_loadtest.tuning import tune_process
 
 __all__ = ["UNARY", "STREAM", "echo_request", "echo_env", "echo_server", "serve", "main"]
 
@@ -46,8 +43,6 @@ UNARY = f"/{SERVICE}/Unary"
 STREAM = f"/{SERVICE}/Stream"
 _HEADER = struct.Struct("<I")
 _MAX_MESSAGE = 256 << 20
-
-logger = logging.getLogger("gdn_loadtest.echo")
 
 
 def echo_request(request_bytes: int, reply_bytes: int) -> bytes:
@@ -103,8 +98,7 @@ async def serve(host: str = "127.0.0.1", port: int = 0) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    tune_malloc(logger)
-    tune_gc(logger)
+    tune_process()
     p = argparse.ArgumentParser(description="gRPC bytes echo server (the floor for gdn-loadtest --echo)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)

@@ -209,11 +209,8 @@ def child_main(child: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] = _c
 
 
 if __name__ == "__main__":
-    from gdn_client._gc import tune_gc
-    from gdn_client._malloc import tune_malloc
+    from gdn_loadtest.tuning import tune_process
 
-    logger = logging.getLogger("gdn_loadtest")
-    tune_malloc(logger)  # the tool's process settings in each of its load processes too (cli.main)
-    tune_gc(logger)
+    tune_process()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     sys.exit(child_main())

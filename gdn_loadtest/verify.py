@@ -136,7 +136,7 @@ class StateVerifier:
         raise VerificationError(
             f"session {self.session_ids[row]} layer {layer} step at position {position} (token {token}, "
             f"value head {head}, index {index}): output {float(output[worst]):.6g}, expected "
-            f"{float(expected[worst]):.6g}; max |error| over the step {float(error.nan_to_num(float('inf')).max()):.3g}, "
+            f"{float(expected[worst]):.6g} (allowed error there {float(allowed[worst]):.3g}); max |error| over the step {float(error.nan_to_num(float('inf')).max()):.3g}, "
             f"{int(bad.sum())} of {bad.numel()} outputs beyond the tolerance (the server's gates are taken from "
             f"--server-seed {self.server_seed}: was it started with --seed {self.server_seed} and no --weights?)"
         )

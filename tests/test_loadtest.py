@@ -325,33 +325,19 @@ def test_the_tool_is_beside_the_client_library():
     assert proc.stdout.strip() == "[]"
 
 
-def _glibc() -> bool:
-    import platform
+def test_the_load_and_the_floor_run_under_the_servers_process_settings():
+    """The tool's copy of the server's allocator and collector settings has the server's values,
+    and applying it sets the collector's first threshold."""
+    import gc
 
-    return platform.libc_ver()[0] == "glibc"
+    from gdn_loadtest import tuning
+    from gdn_server import tuning as server_tuning
 
-
-@pytest.mark.skipif(not _glibc(), reason="mallopt thresholds are a glibc feature")
-def test_tune_malloc_sets_the_thresholds_the_environment_leaves_open(monkeypatch):
-    from gdn_client import _malloc
-    from gdn_server.tuning import tune_malloc
-
-    for env in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", _malloc.DISABLE_ENV):
-        monkeypatch.delenv(env, raising=False)
-    # sets them in this test process too: it only changes how much freed heap pytest keeps
-    assert tune_malloc() == {"M_MMAP_THRESHOLD": 32 << 20, "M_TRIM_THRESHOLD": 1 << 30}
-    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(1 << 30))  # the operator's choice wins
-    assert tune_malloc() == {"M_MMAP_THRESHOLD": 32 << 20}
-    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=33554432")
-    assert tune_malloc() == {}
-    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
-    monkeypatch.delenv("GLIBC_TUNABLES")
-    monkeypatch.setenv(_malloc.DISABLE_ENV, "0")
-    assert tune_malloc() == {}
-
-
-def test_tune_malloc_is_a_no_op_without_glibc(monkeypatch):
-    from gdn_client import _malloc
-
-    monkeypatch.setattr(_malloc, "_glibc_mallopt", lambda: None)
-    assert _malloc.tune_malloc() == {}
+    assert (tuning.MMAP_THRESHOLD, tuning.TRIM_THRESHOLD, tuning.GC_GEN0) == (
+        server_tuning.MMAP_THRESHOLD, server_tuning.TRIM_THRESHOLD, server_tuning.GC_GEN0)
+    thresholds = gc.get_threshold()
+    try:
+        tuning.tune_process()
+        assert gc.get_threshold() == (tuning.GC_GEN0, *thresholds[1:])
+    finally:
+        gc.set_threshold(*thresholds)
