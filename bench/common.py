@@ -1,9 +1,10 @@
 """What the serving benchmarks share: a server process and its address, gdn-loadtest runs, and
 result files.
 
-Uses the public command lines only (`python -m gdn_server`, gdn-loadtest and its JSON), so a
-benchmark measures what an operator runs. Every result file goes to bench/out/ (ignored by git)
-as <name>-<UTC time>.json, with the date, the commit and the command line that made it.
+Uses public interfaces only (`python -m gdn_server`, gdn-loadtest and its JSON; the scripts add
+gdn_client's Client for a server's counters), so a benchmark measures what an operator runs.
+Every result file goes to bench/out/ (ignored by git) as <name>-<UTC time>.json, with the date,
+the commit and the command line that made it.
 
 The scripts import this as `common` (`python bench/x.py` puts bench/ on sys.path).
 """
@@ -18,7 +19,6 @@ import shlex
 import subprocess
 import sys
 import threading
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Sequence

@@ -6,7 +6,7 @@
 # A copy without .git cannot name its commit: set BENCH_COMMIT=<commit> to record it.
 # Knobs (all optional): CLIENTS, DURATION, ROUNDS, LOAD_PROCS, SERVER_FLAGS, LOAD_FLAGS;
 # PROCESSES (scale: the K values); SPY_ON (profile: server or load); PY_SPY (profile: the py-spy
-# binary, else .tools/py-spy, else PATH).
+# binary, else the one on PATH).
 set -uo pipefail
 out=${OUT:-bench/out}
 mkdir -p "$out"
@@ -21,19 +21,17 @@ case "${1:-}" in
     ;;
   serve)
     timeout 560 python3 bench/serve.py --clients "${CLIENTS:-1,64,256}" --duration "${DURATION:-4}" \
-      --rounds "${ROUNDS:-1}" --load-processes "${LOAD_PROCS:-4}" --server-flags "${SERVER_FLAGS:-}" \
+      --rounds "${ROUNDS:-1}" --load-processes "${LOAD_PROCS:-4}" --server-flags="${SERVER_FLAGS:-}" \
       --load-flags="${LOAD_FLAGS:-}" --out "$out" 2>&1 | tail -30
     ;;
   scale)
     timeout 560 python3 bench/scale.py --processes "${PROCESSES:-1,4,8}" --clients "${CLIENTS:-64,256}" \
-      --duration "${DURATION:-6}" --load-processes "${LOAD_PROCS:-8}" --server-flags "${SERVER_FLAGS:-}" \
+      --duration "${DURATION:-6}" --load-processes "${LOAD_PROCS:-8}" --server-flags="${SERVER_FLAGS:-}" \
       --load-flags="${LOAD_FLAGS:-}" --out "$out" 2>&1 | tail -20
     ;;
   profile)
-    spy=${PY_SPY:-}
-    [[ -z $spy && -x .tools/py-spy ]] && spy=.tools/py-spy
-    PY_SPY=$spy timeout 400 python3 bench/profile_server.py --clients "${CLIENTS:-1,64}" --duration "${DURATION:-6}" \
-      --spy-on "${SPY_ON:-server}" --load-processes "${LOAD_PROCS:-1}" --server-flags "${SERVER_FLAGS:-}" \
+    timeout 400 python3 bench/profile_server.py --clients "${CLIENTS:-1,64}" --duration "${DURATION:-6}" \
+      --spy-on "${SPY_ON:-server}" --load-processes "${LOAD_PROCS:-1}" --server-flags="${SERVER_FLAGS:-}" \
       --out "$out" 2>&1 | tail -60
     ;;
   *) echo "usage: $0 kernel|speculative|serve|scale|profile" >&2; exit 2 ;;

@@ -117,7 +117,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", default="--preset qwen3-next --devices 0", help="server shape flags")
-    p.add_argument("--server-flags", default="", help="more gdn-server flags")
+    p.add_argument("--server-flags", default="",
+                   help="more gdn-server flags, e.g. --server-flags='--max-batch-rows 64'")
     p.add_argument("--clients", default="1,64")
     p.add_argument("--duration", type=float, default=6.0)
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")

@@ -77,8 +77,10 @@ def main() -> None:
                    help="load processes of the stream parts (the echo's too): one Python process costs "
                         "~40-60 us of CPU per step and would bound a run near 64 clients by itself")
     p.add_argument("--max-sessions", type=int, default=512)
-    p.add_argument("--server-flags", default="", help="more gdn-server flags for every part")
-    p.add_argument("--load-flags", default="", help="more gdn-loadtest flags for every part")
+    p.add_argument("--server-flags", default="",
+                   help="more gdn-server flags for every part, e.g. --server-flags='--max-batch-rows 64'")
+    p.add_argument("--load-flags", default="",
+                   help="more gdn-loadtest flags for every part, e.g. --load-flags='--dtype f32'")
     p.add_argument("--out", default=None, help="folder of the result file (default bench/out)")
     args = p.parse_args()
 
