@@ -1,6 +1,6 @@
 # Two commands do all set-up from a fresh clone:
-#   make serve   creates .venv, installs the package, starts gdn-server (CPU when there is no GPU)
-#   make test    creates .venv, installs the package with its dev extras, runs the test suite
+#   make serve   creates .venv, installs the package (runtime only), starts gdn-server (CPU when there is no GPU)
+#   make test    creates .venv, installs the package with its test tools, runs the test suite
 # Pass server flags with ARGS, e.g. `make serve ARGS="--preset qwen3-next --port 50051"`.
 
 PYTHON ?= python3
@@ -14,24 +14,28 @@ PYTEST_ARGS ?=
 
 .PHONY: serve test proto bench-kernel clean
 
-$(VENV)/.installed: pyproject.toml $(wildcard gdn_server/_*.[ch])  # the C sources and headers too: an editable install builds them once
+$(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.runtime
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-serve: $(VENV)/.installed
+serve: $(VENV)/.runtime
 	$(VENV)/bin/gdn-server $(ARGS)
 
-test: $(VENV)/.installed
+test: $(VENV)/.dev
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # regenerate the committed stubs (tests/test_proto_stubs.py fails when they are stale)
-proto: $(VENV)/.installed
+proto: $(VENV)/.dev
 	$(PY) -m grpc_tools.protoc -Igdn_client/proto=proto --python_out=. --pyi_out=. --grpc_python_out=. proto/gdn/v1/gdn.proto
 
-bench-kernel: $(VENV)/.installed
+bench-kernel: $(VENV)/.runtime
 	$(PY) bench/kernel.py
 
 clean:

@@ -1,15 +1,12 @@
-"""`gdn-server` / `python -m gdn_server`: the command line of ../shared/design/API.md."""
+"""`gdn-server` / `python -m gdn_server`: the command line (docs/operations.md describes every flag)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 
-from gdn_server import native
-from gdn_server.config import DEVICE_WAIT, PRESETS, SCHEDULER_RUNS_ON, ModelShape, SchedulerConfig
-from gdn_server.event_loop import EVENT_LOOPS, loop_factory
-from gdn_server.event_loop import run as run_loop
-from gdn_server.frontend_native import TRANSPORTS, check_transport
+from gdn_server.config import PRESETS, Limits, ModelShape, SchedulerConfig
 from gdn_server.security import SecurityConfig
 from gdn_server.server import ServerSettings, build_app, serve
 from gdn_server.snapshot import SnapshotError
@@ -48,47 +45,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows (session x layer) per kernel launch at most")
     p.add_argument("--max-queue-delay-us", type=int, default=SchedulerConfig.max_queue_delay_us,
                    help="once work is pending, wait at most this long for more before launching")
-    p.add_argument("--batch-fill", type=float, default=SchedulerConfig.batch_fill, metavar="FRACTION",
-                   help="under load, hold a launch until this share of the rows in circulation (estimated "
-                        "from the launch rate and each session's time between steps) is queued: more rows "
-                        "per launch; one client stepping alone is never held (0..1; default %(default)s: off)")
-    p.add_argument("--batch-fill-max-us", type=int, default=SchedulerConfig.batch_fill_max_us,
-                   help="--batch-fill holds a launch at most this long after its oldest request "
-                        "(default %(default)s)")
-    p.add_argument("--batch-fill-min-rows", type=int, default=SchedulerConfig.batch_fill_min_rows, metavar="N",
-                   help="--batch-fill holds nothing while fewer rows than this are in circulation: a loop with "
-                        "time to spare only makes its clients wait (default %(default)s)")
-    p.add_argument("--scheduler-runs-on", choices=SCHEDULER_RUNS_ON, default=SchedulerConfig.runs_on,
-                   help="where batches are formed and answered: 'loop' (on the gRPC event loop, polling the "
-                        "device: no thread hand-offs), 'thread' (a thread per device), or 'auto' (loop for a "
-                        "GPU backend, thread for the CPU one, whose steps compute on the host)")
-    p.add_argument("--device-wait", choices=DEVICE_WAIT, default=SchedulerConfig.device_wait,
-                   help="with the scheduler on the loop, how it waits for a launch: 'inline' (the round that "
-                        "launches waits for the device and answers: one round fewer per request), 'poll' (once "
-                        "per loop iteration), 'thread' (a waiter thread wakes the loop), or 'auto' (inline in a "
-                        "--frontends engine of one device, whose loop serves no decode RPCs; else poll while one "
-                        "request is in flight, the thread once launches carry several)")
-    p.add_argument("--busy-poll-us", type=int, default=SchedulerConfig.busy_poll_us,
-                   help="with the scheduler on the loop, after answering keep polling for the next request this "
-                        "long instead of sleeping: lower latency at low load for a CPU core while clients keep "
-                        "the server busy; with --frontends, a worker's loop too while it serves one request at a time "
-                        "(default %(default)s; 0: off)")
-    p.add_argument("--event-loop", choices=EVENT_LOOPS, default="auto",
-                   help="the asyncio loop every server process runs on: 'uvloop' (its loop machinery in C), "
-                        "'asyncio' (the standard one), or 'auto' (uvloop where installed; default)")
     p.add_argument("--state-dir", default=None,
                    help="save every session here on SIGTERM/SIGINT and restore them on start (default: off)")
     p.add_argument("--session-idle-timeout-s", type=float, default=None,
                    help="close sessions unused for this many seconds; they answer NOT_FOUND (default: never)")
     p.add_argument("--max-queue-rows", type=int, default=SchedulerConfig.max_queue_rows,
                    help="rows waiting for the device at most; requests beyond get UNAVAILABLE (clients retry)")
-    p.add_argument("--frontends", type=int, default=0,
-                   help="gRPC front-end worker processes: they parse, validate and answer requests, and hand "
-                        "decode steps to one engine process per device, which owns its state pool (0: serve "
-                        "everything in this process; they pay off with several GPUs, see the README)")
-    p.add_argument("--frontend-transport", choices=TRANSPORTS, default="grpc",
-                   help="how --frontends workers serve gRPC: 'grpc' (grpc.aio, the default) or 'native' "
-                        "(HTTP/2 in C over the system's libnghttp2: several times less CPU per message; no TLS)")
+    p.add_argument("--speculative-timeout-s", type=float, default=ServerSettings.speculative_timeout_s,
+                   help="open speculative steps of a session unused this long are dropped (as if never sent) and "
+                        "its accepted scratch states go home, freeing scratch rows (default %(default)s)")
+    lim = p.add_argument_group("limits (what clients can make the server hold)")
+    lim.add_argument("--max-concurrent-rpcs", type=int, default=Limits.max_concurrent_rpcs,
+                     help="calls served at once; more get RESOURCE_EXHAUSTED (default %(default)s)")
+    lim.add_argument("--max-streams-per-connection", type=int, default=Limits.max_streams_per_connection,
+                     help="HTTP/2 streams one connection may have open (default %(default)s)")
+    lim.add_argument("--max-connections", type=int, default=Limits.max_connections,
+                     help="client connections at once; more are refused (default %(default)s)")
+    lim.add_argument("--idle-connection-timeout-s", type=float, default=Limits.idle_connection_timeout_s,
+                     help="a connection with no call for this long is closed (default %(default)s)")
     ops = p.add_argument_group("operations")
     ops.add_argument("--metrics-port", type=int, default=None,
                      help="serve Prometheus /metrics on --host at this port; 0 takes a free one (default: off)")
@@ -104,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="file of `name:token` lines: every RPC needs `authorization: Bearer <token>`")
     sec.add_argument("--max-sessions-per-client", type=int, default=None,
                      help="sessions one identity (token name or client certificate) may hold (default: no limit)")
+    host = p.add_argument_group("several processes on one host")
+    host.add_argument("--processes", type=int, default=1, metavar="K",
+                      help="server processes per device: each serves its own sessions on its own port (PORT, "
+                           "PORT+1, ...) with 1/K of the device's memory; gdn_client follows each session to its "
+                           "process (default 1)")
+    host.add_argument("--process-index", type=int, default=None,
+                      help="this process's place among --process-ports (set by --processes for each process)")
+    host.add_argument("--process-ports", default=None,
+                      help="every process's port, in order, e.g. 50051,50052 (set by --processes for each process)")
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return p
 
@@ -128,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     tune_malloc()  # before any big buffer: see gdn_server/tuning.py
     tune_gc()
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -138,18 +122,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.max_queue_delay_us < 0:
         parser.error("--max-queue-delay-us must be >= 0")
-    if args.busy_poll_us < 0:
-        parser.error("--busy-poll-us must be >= 0")
-    if not 0.0 <= args.batch_fill <= 1.0:
-        parser.error("--batch-fill must be in 0..1")
-    if args.batch_fill_max_us < 0:
-        parser.error("--batch-fill-max-us must be >= 0")
-    if args.batch_fill_min_rows < 0:
-        parser.error("--batch-fill-min-rows must be >= 0")
-    try:
-        loop_factory(args.event_loop)  # --event-loop uvloop without uvloop: say so before anything starts
-    except RuntimeError as e:
-        parser.error(str(e))
     if args.speculative_sessions is not None and args.speculative_sessions < 0:
         parser.error("--speculative-sessions must be >= 0")
     devices = None
@@ -158,10 +130,6 @@ def main(argv: list[str] | None = None) -> int:
             devices = tuple(int(d) for d in args.devices.split(",") if d.strip())
         except ValueError:
             parser.error(f"--devices takes CUDA device numbers like 0,1; got {args.devices!r}")
-    if args.frontends < 0:
-        parser.error("--frontends must be >= 0")
-    if args.frontend_transport != "grpc" and not args.frontends:
-        parser.error("--frontend-transport applies to --frontends workers: add --frontends N")
     if args.max_queue_rows < 1:
         parser.error("--max-queue-rows must be >= 1")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
@@ -173,9 +141,25 @@ def main(argv: list[str] | None = None) -> int:
                                   args.max_sessions_per_client)
     except ValueError as e:
         parser.error(str(e))
-    transport_problem = check_transport(args.frontend_transport, security)
-    if transport_problem is not None:
-        parser.error(transport_problem)
+    if args.processes < 1:
+        parser.error("--processes must be >= 1")
+    process_ports: tuple[int, ...] = ()
+    if (args.process_index is None) != (args.process_ports is None):
+        parser.error("--process-index and --process-ports go together")
+    if args.process_ports is not None:
+        try:
+            process_ports = tuple(int(p) for p in args.process_ports.split(","))
+        except ValueError:
+            parser.error(f"--process-ports takes ports like 50051,50052; got {args.process_ports!r}")
+        if not 0 <= args.process_index < len(process_ports) or process_ports[args.process_index] != args.port:
+            parser.error("--process-index must name this process's --port in --process-ports")
+    try:
+        limits = Limits(args.max_concurrent_rpcs, args.max_streams_per_connection, args.max_connections,
+                        args.idle_connection_timeout_s)
+    except ValueError as e:
+        parser.error(str(e).replace("_", "-", 3))
+    if not args.speculative_timeout_s > 0:
+        parser.error("--speculative-timeout-s must be > 0")
     if args.session_idle_timeout_s is not None and not args.session_idle_timeout_s > 0:
         parser.error("--session-idle-timeout-s must be > 0")
     if args.weights:
@@ -187,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--weights has {gates.num_layers} GDN layers, the model shape has {shape.num_layers}")
     else:
         gates = random_gate_params(shape, args.seed)
+    if args.processes > 1 and args.process_index is None:
+        return _supervise(args, argv, devices)
     settings = ServerSettings(
         shape=shape,
         gates=gates,
@@ -196,9 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         devices=devices,
         max_sessions=args.max_sessions,
         speculative_sessions=args.speculative_sessions,
-        scheduler=SchedulerConfig(args.max_batch_rows, args.max_queue_delay_us, args.max_queue_rows,
-                                  args.scheduler_runs_on, args.device_wait, args.busy_poll_us,
-                                  args.batch_fill, args.batch_fill_max_us, args.batch_fill_min_rows),
+        scheduler=SchedulerConfig(args.max_batch_rows, args.max_queue_delay_us, args.max_queue_rows),
+        limits=limits,
         scale=args.scale,
         grace_s=args.drain_timeout_s,
         shutdown_delay_s=args.shutdown_delay_s,
@@ -206,30 +191,43 @@ def main(argv: list[str] | None = None) -> int:
         metrics_port=args.metrics_port,
         state_dir=args.state_dir,
         session_idle_timeout_s=args.session_idle_timeout_s,
-        frontends=args.frontends,
-        event_loop=args.event_loop,
-        frontend_transport=args.frontend_transport,
+        speculative_timeout_s=args.speculative_timeout_s,
+        processes=args.processes,
+        process_index=args.process_index or 0,
+        process_ports=process_ports,
     )
-    native.log_state(log)  # every process of this install parses and copies the same way
-    if settings.frontends:  # workers, a router, and one engine process per device
-        from gdn_server.router import serve_router
-
-        try:
-            return run_loop(serve_router(settings), settings.event_loop)
-        except (ValueError, RuntimeError, OSError) as e:
-            log.error("cannot serve: %s", e)
-            return 2
     try:
         app = build_app(settings)
     except (ValueError, RuntimeError, OSError) as e:
         log.error("cannot start: %s", e)
         return 2
     try:
-        run_loop(serve(app), settings.event_loop)
-    except (OSError, RuntimeError) as e:
-        log.error("cannot serve: %s", e)
-        return 2
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            return runner.run(serve(app))
     except SnapshotError as e:
         log.error("%s", e)
         return 1
-    return 0
+    except (OSError, RuntimeError) as e:
+        log.error("cannot serve: %s", e)
+        return 2
+
+
+def _supervise(args: argparse.Namespace, argv: list[str], devices: tuple[int, ...] | None) -> int:
+    """--processes K: K server processes per device, under gdn_server.supervisor."""
+    from gdn_server.supervisor import Supervisor, child_argvs, device_count
+
+    on_gpu = args.device == "cuda" or (args.device == "auto" and device_count() > 0)
+    gpus = (list(devices) if devices is not None else list(range(device_count()))) if on_gpu else None
+    children = child_argvs(argv, args.host, args.port, args.processes, gpus, args.state_dir, args.metrics_port)
+    return Supervisor(children, args.host).run()
+
+
+def event_loop_factory():
+    """uvloop's loop (a dependency wherever it has wheels): it runs the loop's own machinery (the
+    ready queue, the selector, wake-ups from gRPC's poller thread) in C, and that loop's thread is
+    what bounds a busy server. asyncio's own loop where uvloop is not installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop

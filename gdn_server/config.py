@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 MAX_TOKENS_PER_STEP = 4
 MAX_SPECULATIVE_TOKENS = 8  # draft tokens of one speculative step
-# Every server process runs several Python threads (gRPC's poller, the event loop, schedulers):
-# a thread woken by I/O would otherwise wait up to 5 ms (Python's default) for a busy one to
-# yield the GIL. Set by `gdn-server` and by each --frontends worker.
+# A server process runs several Python threads (gRPC's poller, the event loop, a scheduler
+# thread on the CPU, a device waiter): a thread woken by I/O would otherwise wait up to 5 ms
+# (Python's default) for a busy one to yield the GIL.
 GIL_SWITCH_INTERVAL_S = 0.0002
 
 
@@ -51,56 +51,25 @@ PRESETS: dict[str, ModelShape] = {
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_batch_rows: int = 1024  # rows (session x layer) per backend call at most
+    max_batch_rows: int = 1024  # rows (session x layer) per launch at most
     max_queue_delay_us: int = 0  # extra wait for more work once something is pending
     max_queue_rows: int = 8192  # rows waiting for the device at most; more is refused with UNAVAILABLE
-    # where rounds run: "loop" (callbacks on the server's event loop: no thread hand-offs; for
-    # backends whose steps run on a device), "thread" (a thread of its own: for backends that
-    # compute on the host) or "auto" (loop when the backend is asynchronous, else thread)
-    runs_on: str = "auto"
-    # with rounds on the event loop, how it waits for a launch: "inline" (the round that launches
-    # waits for the device and answers: no pipelining, but a request is answered one round
-    # sooner), "poll" (the round returns; an event query once per loop iteration: the loop never
-    # sleeps while a launch runs), "thread" (a waiter thread blocks on the launch and wakes the
-    # loop) or "auto": inline in an engine behind --frontends workers (no decode RPCs on its
-    # loop) of one device; where the loop serves clients' gRPC, which must never wait on the
-    # device, poll while it serves one request at a time and the thread once launches carry
-    # several (polling would take the loop's time from them)
-    device_wait: str = "auto"
-    # with rounds on the event loop: after answering, the loop keeps polling (never sleeps) this
-    # long for the next request; costs a core while clients keep it busy (gdn_server.busy_poll).
-    # 0: the loop sleeps whenever it is idle. On the H200 host a 1 ms window cut one client's p50
-    # by 13-24% (a step run with the caches warm) and left 64 clients even (bench/NOTES.md,
-    # eighteenth session); an idle server still sleeps once the window has passed
-    busy_poll_us: int = 1000
-    # under load, a round waits until the queue holds this share of the rows in circulation
-    # (estimated from the launch rate and each session's time between steps; gdn_server.batch_fill),
-    # for at most batch_fill_max_us after its oldest request. One client stepping alone is never
-    # held. 0: off. Off by default: a client with work of its own between steps (a model's other
-    # layers) would wait out holds on its critical path; on the H200, one process at 64 closed-loop
-    # clients, 0.5 gave 42 rows per launch against 28-32 and as many steps/s (bench/NOTES.md,
-    # twenty-second session). The cap: half of a 64-client cycle there (~6 ms)
-    batch_fill: float = 0.0
-    batch_fill_max_us: int = 3000
-    # no hold while fewer rows than this are in circulation: at 8 clients the loop has time to
-    # spare and a hold cost one process 2-13% of its steps/s on the H200 (bench/NOTES.md,
-    # twenty-third session); from 64 up it is saturated and a hold cost nothing. Between the two.
-    batch_fill_min_rows: int = 32
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one client can make the server hold, beyond its state pool. Each is a flag; the
+    defaults keep a server's memory for unfinished or unread messages under about 1 GiB
+    (docs/operations.md works the figures out)."""
+
+    max_concurrent_rpcs: int = 512  # calls served at once; more get RESOURCE_EXHAUSTED
+    max_streams_per_connection: int = 128  # HTTP/2 streams one connection may have open
+    max_connections: int = 256  # client connections at once; more are refused
+    idle_connection_timeout_s: float = 600.0  # a connection with no call for this long is closed
 
     def __post_init__(self) -> None:
-        if self.runs_on not in SCHEDULER_RUNS_ON:
-            raise ValueError(f"runs_on must be one of {', '.join(SCHEDULER_RUNS_ON)}, got {self.runs_on!r}")
-        if self.device_wait not in DEVICE_WAIT:
-            raise ValueError(f"device_wait must be one of {', '.join(DEVICE_WAIT)}, got {self.device_wait!r}")
-        if self.busy_poll_us < 0:
-            raise ValueError(f"busy_poll_us must be >= 0, got {self.busy_poll_us}")
-        if not 0.0 <= self.batch_fill <= 1.0:
-            raise ValueError(f"batch_fill must be in [0, 1], got {self.batch_fill}")
-        if self.batch_fill_max_us < 0:
-            raise ValueError(f"batch_fill_max_us must be >= 0, got {self.batch_fill_max_us}")
-        if self.batch_fill_min_rows < 0:
-            raise ValueError(f"batch_fill_min_rows must be >= 0, got {self.batch_fill_min_rows}")
-
-
-SCHEDULER_RUNS_ON = ("auto", "loop", "thread")
-DEVICE_WAIT = ("auto", "poll", "thread", "inline")
+        for name in ("max_concurrent_rpcs", "max_streams_per_connection", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.idle_connection_timeout_s > 0:
+            raise ValueError(f"idle_connection_timeout_s must be > 0, got {self.idle_connection_timeout_s}")

@@ -38,6 +38,17 @@ class FailedPrecondition(GdnError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class WrongProcess(FailedPrecondition):
+    """A session that lives in another server process of this host (gdn-server --processes)."""
+
+    def __init__(self, session_id: str, index: int, port: int, own_index: int, own_port: int) -> None:
+        super().__init__(
+            f"session {session_id!r} lives in server process {index}: send its calls to port {port} of this host "
+            f"(this is process {own_index}, port {own_port}; gdn_client follows sessions to their process)"
+        )
+        self.port = port
+
+
 class Unavailable(GdnError):
     code = grpc.StatusCode.UNAVAILABLE
 

@@ -98,13 +98,16 @@ def commit_speculation(
     return list(session.positions), list(pending)
 
 
-def fork_session(sessions: SessionTable, backend: Backend, source_id: str, identity: str | None = None) -> Session:
+def fork_session(
+    sessions: SessionTable, backend: Backend, source_id: str, identity: str | None = None,
+    quota_key: str | None = None,
+) -> Session:
     """A new session of `identity` whose states (every layer) and positions are copies of
     `source_id`'s (which `identity` must own, where auth is on)."""
     source = sessions.get(source_id)
     source.check_owner(identity)
     settled(sessions, backend, source)
-    child = sessions.create(owner=identity)
+    child = sessions.create(owner=identity, quota_key=quota_key)
     try:
         backend.copy_session(source.slot, child.slot)  # device-side copy on the GPU
     except BaseException:
@@ -131,9 +134,10 @@ def import_session(
     state: SessionState,
     owner: str | None = None,
     session_id: str | None = None,
+    quota_key: str | None = None,
 ) -> Session:
     """A new session holding `state` (ResourceExhausted when the pool is full)."""
-    session = sessions.create(owner=owner, session_id=session_id)
+    session = sessions.create(owner=owner, session_id=session_id, quota_key=quota_key)
     try:
         backend.write_session(session.slot, state.state)
     except BaseException:
@@ -148,6 +152,22 @@ def idle_sessions(sessions: SessionTable, timeout_s: float, now: float | None = 
     """Ids of sessions unused for longer than `timeout_s` (a read-only look; safe from any thread)."""
     now = time.monotonic() if now is None else now
     return [s.id for s in sessions.sessions() if now - s.last_used > timeout_s]
+
+
+def release_stale_speculation(sessions: SessionTable, backend: Backend, timeout_s: float) -> list[str]:
+    """Settles the scratch rows of every session unused for longer than `timeout_s`: its open
+    speculative steps are dropped, as if never sent (their positions go back), and accepted
+    states go home, so a client that leaves drafts open does not hold scratch rows for ever.
+    Returns the ids of the sessions settled."""
+    now = time.monotonic()
+    settled_ids = []
+    for session in sessions.sessions():
+        if (session.provisional or session.scratch_current) and now - session.last_used > timeout_s:
+            drop_speculation(sessions, backend, session)
+            settled_ids.append(session.id)
+    if settled_ids:
+        log.info("released the speculative scratch rows of %d session(s) unused for %g s", len(settled_ids), timeout_s)
+    return settled_ids
 
 
 def evict_idle(sessions: SessionTable, backend: Backend, timeout_s: float) -> list[str]:

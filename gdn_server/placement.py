@@ -1,6 +1,7 @@
 """Shards: one state pool, session table and scheduler per device, and where sessions live.
 
-One server process drives every GPU it is given. Each GPU is a `Shard`: its own backend (state
+One server process drives every GPU it is given (several processes on one host each drive
+theirs: gdn_server.supervisor). Each GPU is a `Shard`: its own backend (state
 pool and launch stream), session table and scheduler thread, so batches form per GPU and the
 GPUs run side by side. A session lives on one shard for its whole life (its state is there);
 `Placement` puts new sessions on the shard with the most free slots (or next to a session the
@@ -22,7 +23,7 @@ from gdn_server.sessions import Session, SessionTable
 
 @dataclass
 class Shard:
-    index: int  # the CUDA device ordinal (or the CPU shard's number); an engine process may hold only device 1
+    index: int  # the CUDA device ordinal (or the CPU shard's number)
     backend: Backend
     sessions: SessionTable
     scheduler: Scheduler
@@ -71,6 +72,7 @@ class Placement:
         for shard in self.shards:
             if shard.sessions.was_evicted(session_id):
                 shard.sessions.get(session_id)  # raises NotFound with the eviction reason
+        self.shards[0].sessions.get(session_id)  # raises: NotFound, or where it lives on this host
         raise NotFound(f"unknown or closed session {session_id!r}")
 
     def shard_for(self, session_ids: Iterable[str]) -> Shard:

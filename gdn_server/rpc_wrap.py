@@ -5,18 +5,11 @@ its status code or its end. `wrap_handler` rebuilds a handler whose behaviour ru
 context manager made per call from the call's context: auth checks in `__aenter__` (which may
 abort), accounting in `__aexit__`. It keeps the handler's kind and (de)serializers, and works for
 coroutine handlers, async-generator handlers and the reader/writer streaming API.
-
-A wrapped handler also takes responses that are already serialized (`Serialized`): its response
-serializer passes their bytes through. A behaviour learns that it may answer so from
-`serialized_responses_ok()`, true inside any call of a wrapped handler; it lets the decode RPCs
-write a multi-MiB reply with one copy of the output instead of the three that filling a protobuf
-message and serializing it cost (gdn_server.decode_rpcs.decode_response_wire).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import inspect
 from typing import Any, AsyncContextManager, Callable
 
@@ -25,39 +18,6 @@ import grpc
 Around = Callable[[Any], AsyncContextManager[Any]]  # (servicer context) -> async context manager
 # (request message, servicer context) -> message; a plain call, not a coroutine: it runs per message
 MapRequest = Callable[[Any, Any], Any]
-
-
-class Serialized:
-    """A response message already in its wire form; a wrapped handler sends the bytes as they are."""
-
-    __slots__ = ("wire",)
-
-    def __init__(self, wire: bytes) -> None:
-        self.wire = wire
-
-
-# True in the context of a call of a wrapped handler. Each grpc.aio call runs in a task of its own,
-# so setting it in one call's behaviour never leaks into another's.
-_SERIALIZED_OK: contextvars.ContextVar[bool] = contextvars.ContextVar("gdn_serialized_ok", default=False)
-
-
-def serialized_responses_ok() -> bool:
-    """Whether the running call's handler sends `Serialized` responses as they are (a handler not
-    built by `wrap_handler` would hand them to the message's own serializer, which refuses them)."""
-    return _SERIALIZED_OK.get()
-
-
-def _passing_serialized(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
-    if serialize is None or getattr(serialize, "passes_serialized", False):
-        return serialize  # None: grpc sends bytes as they are anyway; or an inner wrap did it already
-
-    def serializer(response: Any) -> bytes:
-        if type(response) is Serialized:
-            return response.wire
-        return serialize(response)
-
-    serializer.passes_serialized = True  # type: ignore[attr-defined]
-    return serializer
 
 
 def wrap_handler(
@@ -88,7 +48,6 @@ def wrap_handler(
     if not handler.response_streaming:
 
         async def wrapped(request_or_iterator, context):
-            _SERIALIZED_OK.set(True)  # this call's own context (its task's); see serialized_responses_ok
             async with around(context):
                 result = behavior(await prepare(request_or_iterator, context), context)
                 if inspect.isawaitable(result):
@@ -98,16 +57,12 @@ def wrap_handler(
     elif inspect.iscoroutinefunction(behavior):  # reader/writer API: writes with context.write
 
         async def wrapped(request_or_iterator, context):
-            # grpc.aio's context.write serializes with the handler's response serializer (grpcio >= 1.84,
-            # our floor): the one built below, which passes Serialized through
-            _SERIALIZED_OK.set(True)
             async with around(context):
                 await behavior(await prepare(request_or_iterator, context), context)
 
     else:  # an async generator of responses
 
         async def wrapped(request_or_iterator, context):
-            _SERIALIZED_OK.set(True)
             async with around(context):
                 request_or_iterator = await prepare(request_or_iterator, context)
                 async with contextlib.aclosing(behavior(request_or_iterator, context)) as responses:
@@ -117,7 +72,7 @@ def wrap_handler(
     return factory(
         wrapped,
         request_deserializer=request_deserializer or handler.request_deserializer,
-        response_serializer=_passing_serialized(handler.response_serializer),
+        response_serializer=handler.response_serializer,
     )
 
 

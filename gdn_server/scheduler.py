@@ -1,49 +1,32 @@
-"""The scheduler: one queue for every client, one thread that turns it into backend calls.
+"""The scheduler: one queue for every client of a device, turned into backend launches.
 
-Each iteration takes whatever is pending (up to `max_batch_rows` rows; once something is pending
-it waits at most `max_queue_delay_us` for more), groups the rows by T and makes one backend call
-per group. A call mixes sessions, clients and layers; a (session, layer) pair never appears twice
-in one call, and a request whose session already has a row in this iteration (or an earlier
-request still waiting) waits for the next iteration, so each session's requests apply in order.
+A round takes whatever is pending (once something is pending it waits at most
+`max_queue_delay_us` for more), admits requests into one batch per T (at most `max_batch_rows`
+rows in all, though a single bigger request still goes alone) and launches each batch. A batch
+mixes sessions, clients and layers; a session never has two rows in one round, and a request
+whose session is already in this round (or behind an earlier deferred request) waits for the
+next, so each session's requests apply in the order they arrived.
 
-Session checks that depend on state (unknown session, positions, retries) happen here, when a
-request is admitted, because only then are the session's earlier steps known to be applied.
-Requests are atomic: every session of a request is checked before any row is added.
+Checks that depend on session state (unknown session, owner, positions, retries) happen at
+admission, when the session's earlier steps are known to be applied. Requests are atomic: every
+session of a request is checked before any row is added, and a request fails whole.
 
-Control operations (close, fork, export, import, eviction) are queued too and run between
-batches, after every earlier step has finished and before any later one starts.
+Control operations (close, fork, export, import, eviction, commit) are queued too and run
+between launches, once nothing is in flight and before any later request is admitted.
 
-Pipelining: a backend's `submit` may return before the device is done. The loop submits batch n,
-then finishes batch n-1 (waits for its output and answers it) while n runs.
+Where rounds run follows from the backend, not from a setting:
+- A backend that computes on the host (the CPU one: `Backend.asynchronous` False) gets a thread
+  of its own: its steps take milliseconds, which must not stop the gRPC event loop.
+- A backend whose launches only queue work on a device runs its rounds as callbacks on the
+  server's event loop: no thread hand-off (a wake-up and a GIL switch each way) per request,
+  which is most of a step's latency at low load. The loop never waits for the device: a round
+  returns while its launch runs; the loop polls the launch once per iteration while one request
+  is in flight, and under load a waiter thread blocks on it and wakes the loop, so polling does
+  not take the loop's time from the clients it serves.
 
-Plain steps (not speculative, positions as expected, no speculative record at any layer) take
-C loops where gdn_server._native is built (_native_scheduler.c: admission and routing in
-`_launch`, the position bookkeeping in `_submit`, the answers in `_finish`); everything else runs
-the Python below, which stays the reference (tests/test_scheduler_native.py).
-
-Behind `--frontends` workers, an engine's plain one-row steps come as C records (LaneRun,
-gdn_server/_native_lane.c), queued like any item: a run's records are admitted in C into the
-round's batch for T=1 (`StepBatch.lane`, its rows after the others'), deferred as a run of their
-own, or handed back one at a time as a _DecodeItem when a step is not plain, which then takes the
-Python path in the run's place; their positions, step records and replies are done in C too
-(tests/test_lane.py holds them to the Python path's answers).
-
-Where rounds run (`SchedulerConfig.runs_on`):
-- on a thread of their own (`start`): requests are handed over with a condition variable and
-  answered through the `done` callbacks. For backends that compute on the host (the CPU one).
-- on the server's event loop (`start_on`): a round is a loop callback, scheduled when work
-  arrives; while a launch is on the device the loop keeps serving gRPC and polls the launch
-  (`PendingStep.ready`) once per loop iteration, so it never blocks on the device. One thread
-  does everything: no hand-off (a wake-up and a GIL switch, each way) per request, which is
-  most of a step's latency at low load (bench/NOTES.md). Where the loop also serves gRPC it
-  never waits for the device: a round returns while its launch runs, and the loop polls the
-  launch once per iteration (one request in flight) or, under load, a waiter thread blocks on
-  it and wakes the loop. An engine behind --frontends workers (decode steps come over their
-  link; its gRPC serves the router's few control calls) instead waits for the device in the
-  round that launched (tens of microseconds for a small launch) and answers at once: no
-  pipelining, but a request spends one round fewer in the engine, which on the H200 raised
-  both its throughput and its rows per launch at 64 clients (bench/NOTES.md, fourteenth
-  session). SchedulerConfig.device_wait picks.
+A round that raises (a bug, not a request's fault) fails that round's requests with INTERNAL and
+the scheduler goes on. A backend failure fails its batch; `device_error` then says whether the
+device itself is gone, which the server's health reports.
 """
 from __future__ import annotations
 
@@ -52,17 +35,13 @@ import logging
 import queue
 import threading
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable
 
 from gdn_server.backends.base import Backend, NonFiniteInputs
-from gdn_server.batch_fill import BatchFill
 from gdn_server.config import SchedulerConfig
 from gdn_server.errors import FailedPrecondition, GdnError, Unavailable
-from gdn_server.native import module as native_module
 from gdn_server.sessions import LastStep, Provisional, Session, SessionTable, StepRecord
 from gdn_server.validation import check_finite
 from gdn_server.work import DecodeResult, DecodeWork, StepBatch
@@ -71,23 +50,19 @@ log = logging.getLogger(__name__)
 
 Done = Callable[[Any], None]  # called once, on the scheduler's thread, with a result or an exception
 # launches a scheduler on the event loop keeps on the device at once: fewer than a backend's
-# staging sets (CudaBackend.RING), so submitting never waits for a set to come free
+# staging sets (CudaBackend.RING), so a launch never waits for a set to come free
 LOOP_MAX_IN_FLIGHT = 4
-# the schedulers started on each event loop (start_on): SchedulerConfig.device_wait "auto"
-# answers inline only where a scheduler has its loop to itself
-_SCHEDULERS_ON: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.WeakSet] = weakref.WeakKeyDictionary()
 
 
 class _DecodeItem:
-    """A queued decode request. A plain slotted class, not a dataclass: one is made per request on
-    the event loop, and a dataclass's __init__ with a default factory costs several times more."""
+    """A queued decode request (slotted: one is made per request on the event loop)."""
 
     __slots__ = ("work", "done", "rows", "cancelled", "enqueued")
 
-    def __init__(self, work: DecodeWork, done: Done, rows: int, cancelled: Callable[[], bool] | None = None) -> None:
+    def __init__(self, work: DecodeWork, done: Done, cancelled: Callable[[], bool] | None = None) -> None:
         self.work = work
         self.done = done
-        self.rows = rows
+        self.rows = len(work.session_ids)
         self.cancelled = cancelled
         self.enqueued = time.monotonic()
 
@@ -100,20 +75,19 @@ class _ControlItem:
 
 
 class _Admitted:
-    """A request in a batch: its sessions and where its rows sit in the backend call (slotted, as
-    _DecodeItem: one per request per launch)."""
+    """A request in a batch: its sessions and where its rows sit in the launch."""
 
     __slots__ = ("item", "sessions", "first_row", "read_rows", "write_rows", "released", "record", "positions")
 
-    def __init__(self, item: _DecodeItem, sessions: list[Session], first_row: int) -> None:
+    def __init__(self, item: _DecodeItem, sessions: list[Session]) -> None:
         self.item = item
         self.sessions = sessions
-        self.first_row = first_row
+        self.first_row = 0
         self.read_rows: list[int] = []  # pool row each session's state is read from
         self.write_rows: list[int] = []  # pool row each session's new state goes to
         self.released: list[int] = []  # scratch rows free once this step is queued
-        self.record: StepRecord | None = None  # set when submitted: the step each session's LastStep points at
-        self.positions: tuple[int, ...] = ()  # each session's count at the layer after this step (the reply's)
+        self.record: StepRecord | None = None  # set when launched: what each session's LastStep points at
+        self.positions: tuple[int, ...] = ()  # each session's count at the layer after this step
 
 
 class _NotReady(Exception):
@@ -125,9 +99,9 @@ class SchedulerStats:
     launches: int = 0  # backend calls
     rows_launched: int = 0
     requests: int = 0  # decode requests answered successfully
-    batches: int = 0  # iterations that ran at least one backend call
-    queue_wait_s: float = 0.0  # total time requests waited between submit and launch
-    device_s: float = 0.0  # total time from submit to result of backend calls
+    batches: int = 0  # rounds that ran at least one backend call
+    queue_wait_s: float = 0.0  # total time requests waited between submit and their launch
+    device_s: float = 0.0  # total time from launch to result of backend calls
 
     @property
     def mean_rows_per_launch(self) -> float:
@@ -135,12 +109,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(
-        self, backend: Backend, sessions: SessionTable, config: SchedulerConfig = SchedulerConfig(),
-        native: Any = native_module,
-    ) -> None:
-        """`native`: gdn_server._native, whose loops take a round's plain steps (the common case)
-        in C; None runs every request through the Python (the reference the C is tested against)."""
+    def __init__(self, backend: Backend, sessions: SessionTable, config: SchedulerConfig = SchedulerConfig()) -> None:
         if config.max_batch_rows < 1:
             raise ValueError(f"max_batch_rows must be >= 1, got {config.max_batch_rows}")
         if config.max_queue_rows < 1:
@@ -149,88 +118,57 @@ class Scheduler:
         self.sessions = sessions
         self.config = config
         self.stats = SchedulerStats()
-        # --batch-fill: under load, a round waits for a share of the rows in circulation
-        self.batch_fill = BatchFill(config.batch_fill, config.batch_fill_max_us / 1e6, config.batch_fill_min_rows)
-        # metrics hooks, called on the scheduler thread
+        # metrics hooks, called on the scheduler's thread
         self.on_launch: Callable[[int, float, float], None] | None = None  # (rows, longest queue wait s, device s)
-        self.on_dispatch: Callable[[float], None] | None = None  # (queue wait s) per request sent to the device
-        # whether the event loop this runs on (start_on) also serves the decode RPCs, as in a server
-        # of one process; an engine behind --frontends workers gets them over its link instead, and
-        # there device_wait "auto" answers inline (the loop may wait for the device)
-        self.loop_serves_rpcs = True
-        # called after each round of answers (e.g. to write buffered replies with one system call)
-        self.after_answers: list[Callable[[], None]] = []
-        # where this process's gRPC servicer sends the replies (gdn_server.decode_rpcs.encode_decode_reply:
-        # (output, shape, positions, request_id) -> (wire, offset of the output in it)): each is
-        # then encoded straight from the backend's output buffer, one copy of the output instead
-        # of one into a bytes object and another into the reply. None: answers carry bytes.
-        self.encode_reply: Callable[[Any, tuple, tuple, str], tuple[bytes, int]] | None = None
+        self.on_dispatch: Callable[[float], None] | None = None  # (queue wait s) per request launched
+        # why the device is unusable, once a launch failed and the device does not answer; None while it is fine
+        self.device_error: str | None = None
         self._pending: deque[_DecodeItem | _ControlItem] = deque()
         self._pending_rows = 0
-        # the condition's own lock, taken directly where nothing waits or is notified: `with` on a
-        # Lock is one C call, on a Condition a Python-level __enter__ and __exit__ per request
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._stopping = False
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="gdn-scheduler", daemon=True)
-        # on an event loop (start_on): the loop, its thread, launches on the device (oldest
-        # first), a control item waiting for them, and whether a round is already scheduled
+        self._round_items: list[_DecodeItem | _ControlItem] = []  # taken by the round now running
+        # on an event loop (start): the loop, its thread, launches on the device (oldest first),
+        # a control item waiting for them, and whether a round is already posted
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._in_flight: list = []
         self._barrier: _ControlItem | None = None
-        self._round_scheduled = False
-        self._round_items: list[_DecodeItem | _ControlItem] = []  # taken by the round now running
+        self._round_posted = False
         self._drained = threading.Event()
-        # SchedulerConfig.device_wait's waiter thread, started on first use, and the launch it waits for
-        self._waiter: threading.Thread | None = None
+        self._waiter: threading.Thread | None = None  # blocks on launches for the loop, started on first use
         self._waiter_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting_on: Any = None
         self._waited: Any = None  # the last launch the waiter's wait returned for
-        self._loop_peers: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # the schedulers on our loop
-        # the C loops over plain steps (_native_scheduler.c), or None: everything in Python
-        self._native = native if native is not None and hasattr(native, "admit_plain") else None
-        self._make_items = getattr(self._native, "make_decode_items", None)
-        # the front-end link's plain one-row steps as C records (gdn_server/_native_lane.c), or
-        # None where the native module has no lane: the link then queues _DecodeItems only
-        self.lane_type: type | None = getattr(self._native, "LaneRun", None)
 
     # -- called from any thread -------------------------------------------------------------
-    def start(self) -> None:
-        """Runs rounds on a thread of the scheduler's own."""
-        self._thread.start()
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Starts running rounds: on `loop` (call this on its thread) for a backend whose launches
+        are asynchronous, else on a thread of the scheduler's own."""
+        if self.backend.asynchronous:
+            self._loop = loop
+            self._loop_thread = threading.get_ident()
+        else:
+            self._thread.start()
 
-    def start_on(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Runs rounds as callbacks on `loop` (call this on the loop's thread)."""
-        self._loop = loop
-        self._loop_thread = threading.get_ident()
-        self._loop_peers = _SCHEDULERS_ON.setdefault(loop, weakref.WeakSet())
-        self._loop_peers.add(self)
-
-    def answers_inline(self) -> bool:
-        """Whether the round that launches waits for the device and answers: device_wait "inline",
-        or "auto" where the loop serves no decode RPCs (an engine behind --frontends workers) and
-        this is its only scheduler (several devices' rounds on one loop would wait on each other)."""
-        mode = self.config.device_wait
-        return mode == "inline" or (mode == "auto" and not self.loop_serves_rpcs and len(self._loop_peers) == 1)
+    @property
+    def alive(self) -> bool:
+        """False once the scheduler's thread has died: nothing queued would ever run."""
+        if self._loop is not None or self._stopping:
+            return True
+        return self._thread.is_alive() or self._thread.ident is None
 
     def submit_decode(self, work: DecodeWork, done: Done, cancelled: Callable[[], bool] | None = None) -> None:
-        self._enqueue([_DecodeItem(work, done, len(work.session_ids), cancelled)])
-
-    def submit_decodes(self, requests: list[tuple[DecodeWork, Done, Callable[[], bool] | None]]) -> None:
-        """`submit_decode` of each (work, done, cancelled), in order, under one lock (the
-        front-end link queues all the requests of one read at once); the items are made in C
-        where gdn_server._native is built (one clock read for all of them)."""
-        if self._make_items is not None:
-            items = self._make_items(requests, _DecodeItem, time.monotonic())
-        else:
-            items = [_DecodeItem(work, done, len(work.session_ids), cancelled) for work, done, cancelled in requests]
-        self._enqueue(items)
+        """Queues a validated request; `done` gets its DecodeResult or GdnError. Once `cancelled()`
+        is true the request is dropped before it reaches the device."""
+        self._enqueue(_DecodeItem(work, done, cancelled))
 
     def submit_control(self, fn: Callable[[], Any], done: Done) -> None:
-        """Runs `fn()` on the scheduler thread once every earlier request has finished."""
-        self._enqueue([_ControlItem(fn, done)])
+        """Runs `fn()` on the scheduler's thread once every earlier request has finished."""
+        self._enqueue(_ControlItem(fn, done))
 
     def stop_accepting(self) -> None:
         """New work is refused with UNAVAILABLE from now on; queued work still runs."""
@@ -238,9 +176,9 @@ class Scheduler:
             self._accepting = False
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Finishes everything queued, then stops the thread (or the loop's rounds). On an event
-        loop, call it from another thread while the loop runs (run_in_executor), or from the
-        loop's own thread, which then runs what is left itself."""
+        """Finishes everything queued, then stops. On an event loop, call it from another thread
+        while the loop runs (run_in_executor), or from the loop's thread, which then runs what is
+        left itself."""
         with self._cv:
             self._accepting = False
             self._stopping = True
@@ -249,174 +187,165 @@ class Scheduler:
             if threading.get_ident() == self._loop_thread:
                 self._drain_here()
             else:
-                self._schedule_round()
+                self._post_round()
                 self._drained.wait(timeout)
             return
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    @property
+    def running(self) -> bool:
+        """True while queued work may still change states."""
+        if self._loop is not None:
+            return not self._drained.is_set()
+        return self._thread.is_alive()
+
     def queue_depth(self) -> int:
-        """Requests (and control operations) waiting; a lane run counts each of its records."""
-        lane_type = self.lane_type
-        with self._lock:  # no iterating the deque while another thread queues
-            if lane_type is None:
-                return len(self._pending)
-            return sum(len(item) if type(item) is lane_type else 1 for item in self._pending)
+        """Requests and control operations waiting."""
+        return len(self._pending)
 
-    def _enqueue(self, items: list[_DecodeItem | _ControlItem]) -> None:
-        post = False  # whether this call posts the loop's next round
-        refused: list[tuple[_DecodeItem | _ControlItem, GdnError]] = []
+    def _enqueue(self, item: _DecodeItem | _ControlItem) -> None:
+        error = None
+        post = False
         with self._lock:
-            queued = 0
-            total = sum(item.rows for item in items) if len(items) > 1 else -1
-            if 0 <= total and self._accepting and self._pending_rows + total <= self.config.max_queue_rows:
-                # all of them fit (the loop below would take each): one extend, not a step per item
-                self._pending.extend(items)
-                self._pending_rows += total
-                queued = len(items)
-                items = ()
-            limit = self.config.max_queue_rows
-            for item in items:
-                rows = item.rows
-                if not self._accepting:
-                    refused.append((item, Unavailable("the server is shutting down")))
-                elif type(item) is self.lane_type and self._pending_rows + rows > limit:
-                    # one-row requests, each taken or refused as a _DecodeItem would be: those that fit go in
-                    if self._pending_rows < limit:
-                        head = item.take(limit - self._pending_rows)
-                        self._pending.append(head)
-                        self._pending_rows += head.rows
-                        queued += 1
-                    refused.append((item, Unavailable(
-                        f"the server's queue is full ({self._pending_rows} rows waiting); retry later")))
-                elif rows and self._pending_rows and self._pending_rows + rows > limit:
-                    # bounded: slow clients and bursts cannot pile up unbounded memory; clients retry
-                    refused.append((item, Unavailable(
-                        f"the server's queue is full ({self._pending_rows} rows waiting); retry later")))
-                else:
-                    self._pending.append(item)
-                    self._pending_rows += rows
-                    queued += 1
-            if queued:
-                if self._loop is None:  # only the scheduler thread waits on the condition
+            rows = item.rows
+            if not self._accepting:
+                error = Unavailable("the server is shutting down")
+            elif rows and self._pending_rows and self._pending_rows + rows > self.config.max_queue_rows:
+                # bounded: slow devices and bursts cannot pile up memory; clients retry
+                error = Unavailable(f"the server's queue is full ({self._pending_rows} rows waiting); retry later")
+            else:
+                self._pending.append(item)
+                self._pending_rows += rows
+                if self._loop is None:
                     self._cv.notify()
-                post = self._loop is not None and not self._round_scheduled
-                if post:
-                    self._round_scheduled = True
-        for item, error in refused:
+                elif not self._round_posted:
+                    self._round_posted = post = True
+        if error is not None:
             item.done(error)
-        if post:
-            self._post_round()
-
-    def _schedule_round(self, poll: bool = False) -> None:
-        """Makes sure a round callback is on the loop's queue (one at a time)."""
-        with self._cv:
-            if self._round_scheduled:
-                return
-            self._round_scheduled = True
-        self._post_round(poll)
-
-    def _post_round(self, poll: bool = False) -> None:
-        loop = self._loop
-        if threading.get_ident() != self._loop_thread:  # e.g. the waiter thread, or stop()
-            loop.call_soon_threadsafe(self._loop_round)
-        elif poll:
-            loop.call_soon(self._loop_round)
-        else:
-            # New work: run the round one loop iteration later, after the requests whose reads
-            # completed together with this one (their tasks are queued behind this callback) have
-            # been queued too. Else a round would follow every request and none would be batched.
-            loop.call_soon(loop.call_soon, self._loop_round)
-
-    # -- the scheduler thread ---------------------------------------------------------------
-    def _run(self) -> None:
-        previous: list = []  # batches submitted last iteration, possibly still on the device
-        while True:
-            with self._cv:
-                if not (previous and not self._pending):
-                    while not self._pending and not self._stopping:
-                        self._cv.wait()
-                    if not self._pending and self._stopping:
-                        return
-                if previous and self._hold_s() > 0:
-                    # answer the last launch before holding: its clients' next steps may be the
-                    # very rows the hold waits for
-                    items = []
-                else:
-                    self._wait_for_more()
-                    items = self._take_pending()
-            previous = self._round(items, previous)
-
-    def run_round(self, previous: list) -> list:
-        """One iteration of the scheduler loop over whatever is queued, on the caller's thread
-        (bench/engine_path.py; the scheduler's own thread must not be running). `previous` is
-        what the last call returned (batches still to answer), [] at first."""
-        with self._cv:
-            items = self._take_pending()
-        return self._round(items, previous)
+        elif post:
+            self._post_soon()
 
     def _take_pending(self) -> list[_DecodeItem | _ControlItem]:
-        """Everything queued (with `_cv` held)."""
+        """Everything queued (call with the lock held)."""
         items = list(self._pending)
         self._pending.clear()
         self._pending_rows = 0
         return items
 
-    def _round(self, items: list[_DecodeItem | _ControlItem], previous: list) -> list:
-        """Admits and submits `items`, then answers `previous` while they run; returns what is
+    def _requeue(self, deferred: list[_DecodeItem | _ControlItem]) -> None:
+        with self._lock:
+            self._pending.extendleft(reversed(deferred))
+            self._pending_rows += sum(i.rows for i in deferred)
+
+    def _fail_round(self, error: Exception) -> None:
+        """A round raised: its requests (and a control item waiting on it) get INTERNAL; every
+        one of them may have been answered already, and only the first answer counts."""
+        log.error("scheduler round failed; its requests get INTERNAL", exc_info=error)
+        items, self._round_items = self._round_items, []
+        control, self._barrier = self._barrier, None
+        failure = GdnError(f"internal scheduler error: {type(error).__name__}: {error}")
+        for item in items + ([control] if control is not None else []):
+            try:
+                item.done(failure)
+            except Exception:  # a broken callback must not stop the others' answers
+                log.exception("answering a failed round")
+
+    def _hold_s(self) -> float:
+        """How much longer pending work should wait for more before it launches (0: now). Lock held."""
+        delay = self.config.max_queue_delay_us / 1e6
+        if delay <= 0 or self._stopping or self._pending_rows >= self.config.max_batch_rows:
+            return 0.0
+        first = next((i for i in self._pending if type(i) is _DecodeItem), None)
+        if first is None:  # control items never wait
+            return 0.0
+        return max(delay - (time.monotonic() - first.enqueued), 0.0)
+
+    # -- on the scheduler's own thread --------------------------------------------------------
+    def _run(self) -> None:
+        previous: list = []  # launches of the last round, possibly still on the device
+        while True:
+            with self._cv:
+                if not previous:
+                    while not self._pending and not self._stopping:
+                        self._cv.wait()
+                    if not self._pending and self._stopping:
+                        return
+                while self._pending and (hold := self._hold_s()) > 0:
+                    self._cv.wait(hold)
+                items = self._round_items = self._take_pending()
+            try:
+                previous = self._thread_round(items, previous)
+            except Exception as e:
+                self._fail_round(e)
+                previous = []
+            self._round_items = []
+
+    def _thread_round(self, items: list, previous: list) -> list:
+        """Admits and launches `items`, then answers `previous` while they run; returns what is
         now in flight."""
         current: list = []
         deferred, control = self._launch(items, current, quiet=not previous)
-        # batch n is queued on the device: answer batch n-1 while it runs
-        self._finish(previous)
-        previous = current
+        self._finish(previous)  # launch n is queued: answer launch n-1 while it runs
         if control is not None:
-            self._finish(previous)
-            previous = []
+            self._finish(current)
+            current = []
             self._run_control(control)
-        for hook in self.after_answers:
-            hook()
         if deferred:
             self._requeue(deferred)
-        return previous
+        return current
 
     # -- on the event loop -------------------------------------------------------------------
+    def _post_soon(self) -> None:
+        loop = self._loop
+        if threading.get_ident() != self._loop_thread:
+            loop.call_soon_threadsafe(self._loop_round)
+        else:
+            # new work: run the round one loop iteration later, after the requests whose reads
+            # completed together with this one have been queued too; else a round would follow
+            # every request and none would be batched
+            loop.call_soon(loop.call_soon, self._loop_round)
+
+    def _post_round(self, poll: bool = False) -> None:
+        """Makes sure one round callback is on the loop's queue."""
+        with self._lock:
+            if self._round_posted:
+                return
+            self._round_posted = True
+        if poll and threading.get_ident() == self._loop_thread:
+            self._loop.call_soon(self._loop_round)
+        else:
+            self._loop.call_soon_threadsafe(self._loop_round)
+
     def _loop_round(self) -> None:
         with self._lock:
-            self._round_scheduled = False
+            self._round_posted = False
         try:
             again = self._advance()
-        except Exception as e:  # a bug: answer what is queued (nobody would), keep polling the device
-            log.exception("scheduler round failed")
-            self._fail_pending(GdnError(f"internal scheduler error: {e}"))
-            again = bool(self._in_flight)
+        except Exception as e:
+            self._fail_round(e)
+            again = bool(self._in_flight or self._pending)
         if again:
-            # the waiter's own post comes when the launch it waits for ends; one it has already
-            # waited for that still is not ready (its wait failed) is polled
-            if self._waits_on_thread() and self._in_flight[0][0] is not self._waited:
+            if self._leave_wait_to_thread():
                 self._hand_to_waiter(self._in_flight[0][0])
             else:
-                self._schedule_round(poll=True)  # polls the device once per loop iteration; I/O runs in between
+                self._post_round(poll=True)  # polls once per loop iteration; I/O runs in between
         elif self._stopping:
             self._drained.set()
 
-    def _waits_on_thread(self) -> bool:
+    def _leave_wait_to_thread(self) -> bool:
         """Whether the loop leaves the wait for its oldest launch to the waiter thread instead of
-        polling it (SchedulerConfig.device_wait). Only when the launch is all there is to come
-        back for: queued work that could launch now keeps the loop polling."""
+        polling: only when that launch is all there is to come back for and it carries several
+        requests (their clients' next messages are what the loop should serve meanwhile)."""
         in_flight = self._in_flight
         if not in_flight or (self._pending and len(in_flight) < LOOP_MAX_IN_FLIGHT and self._barrier is None):
             return False
-        mode = self.config.device_wait
-        if self.answers_inline():  # only a round that launched nothing gets here with a launch in flight
+        if in_flight[0][0] is self._waited:  # waited for and still not ready (its wait failed): poll
             return False
-        if mode == "auto":  # several requests in flight: the loop has their clients to serve meanwhile
-            _, batch, members, _ = in_flight[0]
-            return len(in_flight) > 1 or len(members) + (len(batch.lane) if batch.lane is not None else 0) > 1
-        return mode == "thread"
+        return len(in_flight) > 1 or len(in_flight[0][2]) > 1
 
     def _hand_to_waiter(self, step: Any) -> None:
-        if self._waiting_on is step:  # already waited for: its end posts the next round
+        if self._waiting_on is step:  # already handed over: its end posts the next round
             return
         self._waiting_on = step
         if self._waiter is None:
@@ -425,8 +354,7 @@ class Scheduler:
         self._waiter_queue.put(step)
 
     def _wait_for_launches(self) -> None:
-        """The waiter thread: blocks on each launch handed to it (without the GIL), then posts a
-        round to the loop, which answers it."""
+        """The waiter thread: blocks on each launch handed to it, then posts a round to the loop."""
         while True:
             step = self._waiter_queue.get()
             try:
@@ -435,7 +363,7 @@ class Scheduler:
                 pass
             self._waited = step
             try:
-                self._schedule_round()
+                self._post_round()
             except RuntimeError:  # the loop is closed: the server is gone
                 return
 
@@ -446,134 +374,52 @@ class Scheduler:
         ready = 0
         while ready < len(in_flight) and in_flight[ready][0].ready():
             ready += 1
-        answered = ready > 0
         if ready:
             self._in_flight = in_flight[ready:]
             self._finish(in_flight[:ready])
         if self._barrier is not None and not self._in_flight:
             control, self._barrier = self._barrier, None
             self._run_control(control)
-            answered = True
-        if (self._barrier is None and self._pending and len(self._in_flight) < LOOP_MAX_IN_FLIGHT
-                and self._batch_is_due()):
-            with self._cv:
-                items = self._round_items = self._take_pending()
-            # admission answers some requests at once (errors, retries): they count as answers too
-            deferred, self._barrier = self._launch(items, self._in_flight, quiet=not self._in_flight)
-            self._round_items = []
-            answered = True
-            if deferred:
-                self._requeue(deferred)
-            if self._in_flight and self.answers_inline():
-                # answer in the round that launched: the loop waits out the device's time here
-                # (tens of us for a small launch) instead of coming back a round later, so a
-                # request spends one round fewer in the server
-                done, self._in_flight = self._in_flight, []
-                self._finish(done)
-        if answered:
-            for hook in self.after_answers:
-                hook()
+        if self._barrier is None and self._pending and len(self._in_flight) < LOOP_MAX_IN_FLIGHT:
+            with self._lock:
+                due = self._hold_s() <= 0
+                items = self._round_items = self._take_pending() if due else []
+            if due:
+                deferred, self._barrier = self._launch(items, self._in_flight, quiet=not self._in_flight)
+                self._round_items = []
+                if deferred:
+                    self._requeue(deferred)
         return bool(self._in_flight or self._pending or self._barrier)
-
-    def _batch_is_due(self) -> bool:
-        """False while --max-queue-delay-us or --batch-fill asks to wait for more rows (and they may
-        still come)."""
-        if self.config.max_queue_delay_us <= 0 and not self.batch_fill.enabled:
-            return True
-        with self._lock:  # other threads may queue meanwhile (_enqueue): no iterating the deque under them
-            return self._hold_s() <= 0.0
-
-    def _hold_s(self) -> float:
-        """How much longer the pending work should wait for more before it launches (0: now).
-        Called with the lock held."""
-        delay = self.config.max_queue_delay_us / 1e6
-        fill = self.batch_fill
-        if (delay <= 0 and not fill.enabled) or self._stopping or self._pending_rows >= self.config.max_batch_rows:
-            return 0.0
-        first = next((i for i in self._pending if not isinstance(i, _ControlItem)), None)
-        if first is None:  # control items only: they never wait
-            return 0.0
-        now = time.monotonic()
-        hold = delay - (now - first.enqueued)
-        if fill.enabled:
-            hold = max(hold, fill.hold_s(self._pending_rows, first.enqueued, now))
-        return max(hold, 0.0)
 
     def _drain_here(self) -> None:
         """Runs everything queued to the end on this (the loop's) thread, waiting on the device."""
         while self._advance():
             if self._in_flight and not self._in_flight[0][0].ready():
-                self._in_flight[0][0].result()  # block: nothing else may run meanwhile
+                self._in_flight[0][0].wait()
         self._drained.set()
 
-    def _fail_pending(self, error: GdnError) -> None:
-        """Answers with `error` everything queued, and the round that failed (its items may have
-        been answered already: a future or link reply takes the first answer only)."""
-        with self._cv:
-            items = self._round_items + self._take_pending()
-        self._round_items = []
-        control, self._barrier = self._barrier, None
-        for item in items + ([control] if control is not None else []):
-            item.done(error)
-
-    def _requeue(self, deferred: list[_DecodeItem | _ControlItem]) -> None:
-        with self._cv:
-            self._pending.extendleft(reversed(deferred))
-            self._pending_rows += sum(i.rows for i in deferred)  # a _ControlItem's are 0
-
-    def _wait_for_more(self) -> None:
-        """On the scheduler's thread, with `_cv` held: waits out `_hold_s` (new work wakes it)."""
-        while self._pending:
-            hold = self._hold_s()
-            if hold <= 0:
-                return
-            self._cv.wait(hold)
-
+    # -- admission and launches (either thread) ------------------------------------------------
     def _launch(
         self, items: list[_DecodeItem | _ControlItem], in_flight: list, quiet: bool
     ) -> tuple[list[_DecodeItem | _ControlItem], _ControlItem | None]:
-        """Admits what it can into per-T batches and submits them. Returns (deferred, control to
-        run before the deferred items)."""
+        """Admits what it can into per-T batches and launches them. Returns (deferred items,
+        a control item to run once the launches are done and before the deferred items)."""
         batches: dict[int, tuple[StepBatch, list[_Admitted]]] = {}
-        busy: set[str] = set()  # sessions with a row in this iteration, or behind a deferred request
+        busy: set[str] = set()  # sessions with a row in this round, or behind a deferred request
         rows = 0
         deferred: list[_DecodeItem | _ControlItem] = []
         control: _ControlItem | None = None
         max_rows = self.config.max_batch_rows
-        fast = self._native.admit_plain if self._native is not None else None
-        if fast is not None:
-            state = (_DecodeItem, self.sessions.by_id, busy, deferred, batches, StepBatch, _Admitted)
-        lane_type = self.lane_type
-        if lane_type is not None:
-            lane_state = (self.sessions.by_id, busy, deferred, batches, StepBatch, _DecodeItem, DecodeWork, partial)
-        idx, count = 0, len(items)
-        while idx < count:
-            if fast is not None:
-                # the C takes plain steps as the code below would; it stops at the first item it
-                # leaves to this loop, which takes that one item before handing back
-                idx, rows = fast(items, idx, rows, max_rows, state)
-                if idx == count:
-                    break
-            item = items[idx]
-            idx += 1
-            if type(item) is lane_type:
-                # the link's plain one-row steps, in C; a record whose step is not plain comes back
-                # as a _DecodeItem, taken below in its place, and the run goes on after it
-                rows, odd = item.admit(rows, max_rows, lane_state)
-                if odd is None:
-                    continue
-                items.insert(idx, item)
-                count += 1
-                item = odd
-            if isinstance(item, _ControlItem):
+        for idx, item in enumerate(items):
+            if type(item) is _ControlItem:
                 if deferred:  # an earlier request is held back: the barrier stays behind it
-                    deferred.extend(items[idx - 1 :])
+                    deferred.extend(items[idx:])
                     break
                 if quiet and not batches:
                     self._run_control(item)
                     continue
-                control = item  # a barrier: later requests wait until it has run
-                deferred.extend(items[idx:])
+                control = item  # later requests wait until it has run
+                deferred.extend(items[idx + 1 :])
                 break
             work = item.work
             ids = work.session_ids
@@ -586,30 +432,24 @@ class Scheduler:
                 continue  # the client gave up: never reaches the device
             try:
                 admitted = self._admit(item)
-            except _NotReady:  # a retry of a step still on the device: answer it next iteration
+            except _NotReady:  # a retry of a step still on the device: answer it next round
                 busy.update(ids)
                 deferred.append(item)
                 continue
             if admitted is None:
-                continue  # answered (error or retry) already
-            if not work.finite_checked and (work.speculative or any(s.provisional or s.scratch_current for s in admitted)):
-                # routing this step changes session records (a commit, scratch rows): check its
-                # inputs now, so that one the backend would refuse changes nothing (rare: big and
-                # speculative); the backend checks plain steps' inputs where they are staged
-                try:
-                    check_finite(work.bf16_bytes)
-                except GdnError as e:
-                    item.done(e)
-                    continue
+                continue  # answered already (an error, or a retry)
             try:
+                if not work.finite_checked and (work.speculative or any(s.provisional or s.scratch_current for s in admitted)):
+                    # routing this step changes session records (a commit, scratch rows): check
+                    # its inputs first, so a step the backend would refuse changes nothing
+                    check_finite(work.bf16_bytes)
                 member = self._route(item, admitted)
             except GdnError as e:
                 item.done(e)
                 continue
-            T = work.tokens
-            entry = batches.get(T)
-            if entry is None:  # not setdefault: that would build a StepBatch per request
-                entry = batches[T] = (StepBatch(T), [])
+            entry = batches.get(work.tokens)
+            if entry is None:
+                entry = batches[work.tokens] = (StepBatch(work.tokens), [])
             batch, members = entry
             member.first_row = batch.rows
             members.append(member)
@@ -621,33 +461,36 @@ class Scheduler:
         return deferred, control
 
     def _admit(self, item: _DecodeItem) -> list[Session] | None:
-        """Checks sessions and positions. Returns the sessions to apply the step to, or None when
-        the item was answered here (an error, or a retry of the last step)."""
+        """Checks sessions, owner and positions. Returns the sessions to apply the step to, or
+        None when the item was answered here (an error, or a retry of the last step)."""
         work = item.work
         try:
             sessions = list(map(self.sessions.get, work.session_ids))
-            owner = work.owner
             for s in sessions:
-                if s.owner != owner:
-                    s.check_owner(owner)  # raises
+                if s.owner != work.owner:
+                    s.check_owner(work.owner)  # raises
             if work.positions is None:
                 return sessions
             layer = work.layer
             retries = 0
-            for s, pos in zip(sessions, work.positions):
+            for index, (s, pos) in enumerate(zip(sessions, work.positions)):
                 count = s.positions[layer]
                 if pos == count:
                     continue
                 last = s.last_steps.get(layer)
-                if last is not None and last.count_before == pos and last.tokens == work.tokens:
-                    if last.out is None:
-                        raise _NotReady()
-                    retries += 1
-                    continue
-                raise FailedPrecondition(
-                    f"session {s.id}: position {pos} at layer {layer} does not match the server's "
-                    f"count {count} (nor is it a retry of the last step)"
-                )
+                if last is None or last.count_before != pos or last.tokens != work.tokens:
+                    raise FailedPrecondition(
+                        f"session {s.id}: position {pos} at layer {layer} does not match the server's "
+                        f"count {count} (nor is it a retry of the last step)"
+                    )
+                if last.digest != work.digests[index]:
+                    raise FailedPrecondition(
+                        f"session {s.id}: a retry of the step at position {pos}, layer {layer}, with inputs "
+                        "other than the first try's: a step is applied once, with the inputs it was first sent"
+                    )
+                if last.out is None:
+                    raise _NotReady()
+                retries += 1
             if retries == 0:
                 return sessions
             if retries != len(sessions):
@@ -671,24 +514,23 @@ class Scheduler:
         work = item.work
         layer = work.layer
         speculative = work.speculative
-        scratch = self.sessions.take_scratch_rows(len(sessions)) if speculative else []
-        member = _Admitted(item, sessions, 0)
-        read_rows, write_rows, released = member.read_rows, member.write_rows, member.released
+        scratch = self.sessions.take_scratch_rows(len(sessions), work.owner_key) if speculative else []
+        member = _Admitted(item, sessions)
         for i, s in enumerate(sessions):
-            home = s.slot * s.num_layers + layer  # Session.pool_slot, inline: this runs per row
+            home = s.slot * s.num_layers + layer
             if s.provisional and layer in s.provisional:  # implicit commit of all T tokens
                 superseded = s.accept_all(layer)
                 if superseded is not None:
-                    released.append(superseded)
+                    member.released.append(superseded)
             read = s.scratch_current.get(layer, home) if s.scratch_current else home
             if speculative:
                 write = scratch[i]
             else:
                 write = home
                 if read != home:  # the state goes home with this step; its scratch row is free after
-                    released.append(s.scratch_current.pop(layer))
-            read_rows.append(read)
-            write_rows.append(write)
+                    member.released.append(s.scratch_current.pop(layer))
+            member.read_rows.append(read)
+            member.write_rows.append(write)
         return member
 
     def _replay(self, work: DecodeWork, sessions: list[Session]) -> DecodeResult:
@@ -698,28 +540,15 @@ class Scheduler:
             last = s.last_steps[work.layer]
             row_bytes = len(last.out) // last.rows
             parts.append(last.out[last.row * row_bytes : (last.row + 1) * row_bytes])
-        shape = self._out_shape(work.rows, work.tokens)
         positions = tuple(s.positions[work.layer] for s in sessions)
-        return DecodeResult(b"".join(parts), shape, positions, work.request_id)
+        return DecodeResult(b"".join(parts), self._out_shape(work.rows, work.tokens), positions, work.request_id)
 
     def _out_shape(self, rows: int, tokens: int) -> tuple[int, ...]:
-        shp = self.backend.shape
-        return (rows, tokens, shp.num_v_heads, shp.head_dim_v)
+        shape = self.backend.shape
+        return (rows, tokens, shape.num_v_heads, shape.head_dim_v)
 
     def _submit(self, batch: StepBatch, members: list[_Admitted], in_flight: list) -> None:
         started = time.monotonic()
-        lane = batch.lane
-        if lane is not None:
-            lane.seal(batch)  # its rows after the members'
-        if self.batch_fill.enabled:
-            # one session's previous step (the time it was queued on the device, as `now` below),
-            # read before this step sets last_used again
-            if members:
-                sampled = members[len(members) // 2].sessions
-                last_step = sampled[0].last_used if sampled else None
-            else:
-                sampled = lane.sample_session()
-                last_step = sampled.last_used if sampled is not None else None
         try:
             pending = self.backend.submit(batch)
         except NonFiniteInputs as e:  # nothing ran: answer the culprits, launch the others again
@@ -730,117 +559,87 @@ class Scheduler:
                     keep.append(m)
                 else:  # routed without touching session records (_launch checked those that would)
                     m.item.done(error)
-            if keep or lane is not None:
-                rest = StepBatch(batch.tokens, lane=lane)  # the lane's rows were checked by the workers
+            if keep:
+                rest = StepBatch(batch.tokens)
                 for m in keep:
                     m.first_row = rest.rows
                     rest.add(m.item.work, m.read_rows, m.write_rows)
                 self._submit(rest, keep, in_flight)
             return
-        except Exception as e:  # a backend failure fails this batch only; the server stays up
-            log.exception("backend call failed (%d rows)", batch.rows)
+        except Exception as e:  # a backend failure fails this batch; the server stays up if the device does
+            self._backend_failed(e, batch.rows)
             for m in members:
                 if m.item.work.speculative:
                     for row in m.write_rows:
                         self.sessions.give_scratch(row)
                 m.item.done(GdnError(f"backend failure: {e}"))
-            if lane is not None:
-                lane.done(GdnError(f"backend failure: {e}"))
             return
         now = time.monotonic()
         on_dispatch = self.on_dispatch
-        tokens = batch.tokens  # every request of a batch has this T
+        tokens = batch.tokens
         queue_wait = 0.0
-        rest = members
-        if self._native is not None:  # the C does the loop below for plain steps, and leaves the rest
-            queue_wait, rest = self._native.submit_plain(
-                members, tokens, started, now, on_dispatch, StepRecord, LastStep
-            )
-        for m in rest:  # the step is queued on the device: later requests see the new positions
-            item = m.item
-            work = item.work
-            queue_wait += now - item.enqueued
+        for m in members:  # the step is queued on the device: later requests see the new positions
+            work = m.item.work
+            wait = started - m.item.enqueued
+            queue_wait += wait
             if on_dispatch is not None:
-                on_dispatch(started - item.enqueued)
-            layer, speculative = work.layer, work.speculative
+                on_dispatch(wait)
+            layer = work.layer
             m.record = record = StepRecord(tokens, len(m.sessions))
+            digests = work.digests
             after = []
             for row, s in enumerate(m.sessions):
-                positions = s.positions
-                before = positions[layer]
-                positions[layer] = after_step = before + tokens
-                after.append(after_step)
-                s.last_steps[layer] = LastStep(before, record, row)
+                before = s.positions[layer]
+                s.positions[layer] = before + tokens
+                after.append(before + tokens)
+                s.last_steps[layer] = LastStep(before, record, row, digests[row] if digests else None)
                 s.last_used = now
-                if speculative:
-                    s.provisional[work.layer] = Provisional(
-                        row=m.write_rows[row], read_row=m.read_rows[row], tokens=work.tokens, count_before=before,
+                if work.speculative:
+                    s.provisional[layer] = Provisional(
+                        row=m.write_rows[row], read_row=m.read_rows[row], tokens=tokens, count_before=before,
                         inputs=tuple(t[row : row + 1] for t in (work.q, work.k, work.v, work.a, work.b)),
                     )
             m.positions = tuple(after)
-            # rows superseded by this step: any later launch on the stream may write them again
-            for released in m.released:
+            for released in m.released:  # superseded by this step: a later launch may write them again
                 self.sessions.give_scratch(released)
-        if lane is not None:  # as the loop above, for the lane's rows
-            queue_wait += lane.submitted(now, started, on_dispatch, StepRecord, LastStep)
         self.stats.queue_wait_s += queue_wait
-        if self.batch_fill.enabled:
-            self.batch_fill.launched(batch.rows, None if last_step is None else now - last_step, now)
         in_flight.append((pending, batch, members, started))
 
     def _finish(self, in_flight: list) -> None:
         for pending, batch, members, started in in_flight:
             try:
-                # the backend's buffer, reused by a later launch: read here, never kept
-                whole = pending.result_bytes()
+                whole = pending.result_bytes()  # the backend's buffer, reused later: read here, never kept
             except Exception as e:
-                log.exception("backend step failed (%d rows)", batch.rows)
+                self._backend_failed(e, batch.rows)
                 for m in members:
                     self._roll_back(m)
                     m.item.done(GdnError(f"backend failure: {e}"))
-                if batch.lane is not None:
-                    batch.lane.roll_back()
-                    batch.lane.done(GdnError(f"backend failure: {e}"))
                 continue
             device_s = time.monotonic() - started
-            self.stats.launches += 1
-            self.stats.rows_launched += batch.rows
-            self.stats.batches += 1
-            self.stats.device_s += device_s
-            lane = batch.lane
+            stats = self.stats
+            stats.launches += 1
+            stats.rows_launched += batch.rows
+            stats.batches += 1
+            stats.device_s += device_s
+            stats.requests += len(members)  # counted before the answers: a GetStats may follow one
             if self.on_launch is not None:
-                first = min([m.item.enqueued for m in members] + ([lane.enqueued] if lane else []))
-                self.on_launch(batch.rows, started - first, device_s)
-            encode = self.encode_reply
-            # without encode (an engine behind workers) each request's output is copied once,
-            # straight out of the buffer, into bytes of its own: its record.out and its answer
+                self.on_launch(batch.rows, started - min(m.item.enqueued for m in members), device_s)
             row_bytes = len(whole) // batch.rows
-            single = len(members) == 1
-            # counted before the answers, as GetStats may follow one
-            self.stats.requests += len(members) + (len(lane) if lane is not None else 0)
-            if lane is not None:  # each row's output into its step's record and its reply, in C
-                lane.finish(whole, row_bytes)
-                whole = whole[: (batch.rows - len(lane)) * row_bytes]  # the members' rows come first
-            shp = self.backend.shape
-            tail = (shp.num_v_heads, shp.head_dim_v)
-            if self._native is not None:  # the loop below, in C (every member: answers are alike for every step)
-                self._native.finish_plain(members, whole, row_bytes, batch.tokens, tail, encode, DecodeResult)
-                continue
             for m in members:
                 rows = len(m.sessions)
-                data = whole if single else whole[m.first_row * row_bytes : (m.first_row + rows) * row_bytes]
-                shape, request_id = (rows, batch.tokens, *tail), m.item.work.request_id
-                wire = None
-                if encode is not None:
-                    wire, at = encode(data, shape, m.positions, request_id)
-                    data = memoryview(wire)[at : at + len(data)]  # the output's copy in the reply
-                else:
-                    data = bytes(data)
+                data = bytes(whole[m.first_row * row_bytes : (m.first_row + rows) * row_bytes])
                 m.record.out = data  # what a retry of this step is answered from, for each of its sessions
-                m.item.done(DecodeResult(data, shape, m.positions, request_id, wire))
+                m.item.done(DecodeResult(data, self._out_shape(rows, batch.tokens), m.positions, m.item.work.request_id))
+
+    def _backend_failed(self, error: Exception, rows: int) -> None:
+        log.error("backend launch failed (%d rows)", rows, exc_info=error)
+        problem = self.backend.device_problem()
+        if problem is not None and self.device_error is None:
+            self.device_error = problem
+            log.error("the device is unusable: %s", problem)
 
     def _roll_back(self, member: _Admitted) -> None:
-        """Undoes the position advance of a step whose backend call failed after dispatch."""
+        """Undoes the position advance of a step whose launch failed after it was queued."""
         layer = member.item.work.layer
         for s in member.sessions:
             last = s.last_steps.get(layer)
@@ -851,14 +650,6 @@ class Scheduler:
             if pending is not None and pending.row in member.write_rows:
                 del s.provisional[layer]
                 self.sessions.give_scratch(pending.row)
-
-    @property
-    def running(self) -> bool:
-        """True while queued work may still change states: the scheduler's thread is alive, or
-        (on an event loop) it has not drained since stop()."""
-        if self._loop is not None:
-            return not self._drained.is_set()
-        return self._thread.is_alive()
 
     def _run_control(self, item: _ControlItem) -> None:
         try:

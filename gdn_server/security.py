@@ -22,7 +22,7 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+
 
 import grpc
 
@@ -30,8 +30,6 @@ from gdn_server.errors import GdnError, InvalidArgument
 from gdn_server.rpc_wrap import wrap_handler
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-# the identity a front-end worker authenticated, on calls it passes to the engine (--frontends)
-IDENTITY_METADATA = "x-gdn-identity-bin"
 
 _identity: contextvars.ContextVar[str | None] = contextvars.ContextVar("gdn_identity", default=None)
 
@@ -39,16 +37,6 @@ _identity: contextvars.ContextVar[str | None] = contextvars.ContextVar("gdn_iden
 def current_identity() -> str | None:
     """The authenticated identity of the RPC being served (None where auth is off)."""
     return _identity.get()
-
-
-def bind_identity(identity: str | None) -> contextvars.Token:
-    """Makes `identity` the current one until `unbind_identity(token)`: for code that serves
-    calls outside grpc's handlers (the workers' native transport, gdn_server.frontend_native)."""
-    return _identity.set(identity)
-
-
-def unbind_identity(token: contextvars.Token) -> None:
-    _identity.reset(token)
 
 
 @dataclass(frozen=True)
@@ -150,25 +138,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return _with_identity(handler, lambda context: identity)
 
 
-class ForwardedIdentity(grpc.aio.ServerInterceptor):
-    """On the engine's private socket (--frontends): binds the identity its workers authenticated.
-
-    Only the server's own workers can reach that socket (a Unix socket in a directory of the
-    server's user), so the identity they forward is trusted as is."""
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        identity = None
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == IDENTITY_METADATA:
-                identity = value.decode() if isinstance(value, bytes) else value
-        if identity is None:
-            return handler
-        return _with_identity(handler, lambda context: identity)
-
-
 def _with_identity(handler: grpc.RpcMethodHandler, identity_of) -> grpc.RpcMethodHandler:
     """`handler` with `identity_of(context)` bound as the caller's identity for each call."""
 
@@ -224,19 +193,13 @@ class RejectMalformed(grpc.aio.ServerInterceptor):
     bad message raises InvalidArgument (in whichever task reads the stream), and the call ends
     with that status in its own task (aborting from a reader task would clash with its writes).
     A GdnError escaping any behaviour is mapped the same way instead of becoming UNKNOWN.
-
-    `parsers` replaces the handler's deserializer for some methods (full names), e.g. the
-    DecodeRequest parser that leaves big tensors' bytes in place (gdn_server.protowire).
     """
-
-    def __init__(self, parsers: dict[str, Callable[[bytes], Any]] | None = None) -> None:
-        self._parsers = dict(parsers or {})
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        parse = self._parsers.get(handler_call_details.method, handler.request_deserializer)
+        parse = handler.request_deserializer
 
         def deserializer(data: bytes):
             try:

@@ -1,60 +1,233 @@
-"""The gRPC servicer: protobuf in -> validated work -> scheduler -> protobuf out.
+"""The gRPC servicer: protobuf in -> domain calls -> protobuf out.
 
-It stays thin. Decode and DecodeStream come from gdn_server.decode_rpcs (a front-end worker
-serves them too); this class runs their requests on this process's schedulers and adds the
-session and control RPCs. Domain errors (`GdnError`) become status codes here and only here. The
-event loop never waits on the device: the scheduler answers each request through a callback (a
-future's for a unary call, the stream's slot for a DecodeStream message).
+It stays thin: requests are checked by gdn_server.validation, run by each device's scheduler
+(decode steps) or as control items between launches (session operations), and answered here.
+Domain errors (`GdnError`) become status codes here and only here. The event loop never waits on
+the device: the scheduler answers each request through a callback (a future's for a unary call,
+the stream's slot for a DecodeStream message).
+
+Identity: where auth is on, the caller's identity owns the sessions it creates. Without auth
+every session is open to every caller, and `--max-sessions-per-client` and the speculative
+scratch share count per peer (connection) instead.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-from typing import Any, Callable
+import threading
+from typing import Any, AsyncIterator, Callable
+
+import grpc
 
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server.config import ModelShape
-from gdn_server.decode_rpcs import DecodeRpcs, settle_on
-from gdn_server.errors import GdnError
+from gdn_server.errors import GdnError, ResourceExhausted
 from gdn_server.lifecycle import commit_speculation, export_session, fork_session, import_session
 from gdn_server.placement import Placement, Shard
 from gdn_server.security import current_identity
+from gdn_server.sessions import ProcessHomes
 from gdn_server.state_transfer import StateAssembler, encode_state
+from gdn_server.validation import decode_work_from_request
+from gdn_server.work import DecodeResult
 
 log = logging.getLogger(__name__)
 
 MAX_CHUNKS_READ_AFTER_ERROR = 16  # ImportState: chunks drained after a bad one, before the error reply
+# A DecodeStream reads ahead of its replies (so one stream is pipelined) by at most this many
+# requests and this many input bytes: a client that sends fast and never reads its replies holds
+# a bounded amount of the server's memory.
+MAX_STREAM_IN_FLIGHT = 64
+MAX_STREAM_HELD_BYTES = 16 << 20
+# Decode requests held at once (parsed and waiting for their answer), over all calls: beyond it a
+# request is refused with RESOURCE_EXHAUSTED, so many clients each sending big requests cannot
+# make the server hold more than this (plus what gRPC is still receiving) on top of its pool.
+MAX_HELD_REQUEST_BYTES = 512 << 20
 
 
-class GdnDecodeServicer(DecodeRpcs, gdn_pb2_grpc.GdnDecodeServicer):
-    defer_finite_check = True  # its schedulers' backends are in this process
+def settle_on(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Future, Callable[[Any], None]]:
+    """A future on `loop` and a thread-safe callback that resolves it (exceptions are raised).
 
-    def __init__(self, shape: ModelShape, placement: Placement, backend_name: str) -> None:
+    Call it on the loop's thread. The callback settles the future at once when it is called on
+    that thread too (a scheduler running on the loop), else through `call_soon_threadsafe`."""
+    fut = loop.create_future()
+    loop_thread = threading.get_ident()
+
+    def _settle(result: Any) -> None:
+        if fut.done():  # the RPC was cancelled meanwhile
+            return
+        if isinstance(result, BaseException):
+            fut.set_exception(result)
+        else:
+            fut.set_result(result)
+
+    def done(result: Any) -> None:
+        if threading.get_ident() == loop_thread:
+            _settle(result)
+        else:
+            loop.call_soon_threadsafe(_settle, result)
+
+    return fut, done
+
+
+def decode_response(result: DecodeResult) -> gdn_pb2.DecodeResponse:
+    # o is filled in place: `o=gdn_pb2.Tensor(...)` would copy the output bytes once more
+    reply = gdn_pb2.DecodeResponse(positions=result.positions, request_id=result.request_id)
+    o = reply.o
+    o.dtype = gdn_pb2.BF16
+    o.shape.extend(result.shape)
+    o.data = result.out
+    return reply
+
+
+def error_response(request_id: str, error: GdnError) -> gdn_pb2.DecodeResponse:
+    return gdn_pb2.DecodeResponse(request_id=request_id, error_code=error.code.value[0], error_message=error.message)
+
+
+def _request_bytes(request: gdn_pb2.DecodeRequest) -> int:
+    return request.ByteSize()
+
+
+def quota_key(identity: str | None, context) -> str:
+    """Whose session quota and speculative share a call draws on: its identity where auth is on,
+    else its peer (one per connection: a fairness bound between well-behaved clients; auth is
+    what bounds a hostile one)."""
+    return identity if identity is not None else f"peer {context.peer()}"
+
+
+class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
+    def __init__(self, shape: ModelShape, placement: Placement, backend_name: str,
+                 homes: ProcessHomes | None = None) -> None:
         self.shape = shape
+        self.homes = homes  # the host's other server processes, where there are several
         self.placement = placement
         self.backend_name = backend_name
-        self.metrics = None  # gdn_server.metrics.RpcMetrics, when --metrics-port is on
+        self.metrics = None  # gdn_server.metrics.Metrics, when --metrics-port is on
+        self.held_bytes = 0  # input bytes of the decode requests being served (MAX_HELD_REQUEST_BYTES)
+        # bf16 NaN/Inf checks of big requests are left to backends that stage the inputs anyway
+        self.defer_finite_check = all(shard.backend.asynchronous for shard in placement)
 
     # -- helpers ----------------------------------------------------------------------------
     async def _control(self, shard: Shard, fn: Callable[[], Any]) -> Any:
-        """Runs `fn` on `shard`'s scheduler thread between batches; returns its result."""
+        """Runs `fn` on `shard`'s scheduler between launches; returns its result."""
         fut, done = settle_on(asyncio.get_running_loop())
         shard.scheduler.submit_control(fn, done)
         return await fut
 
-    def _start_decode(self, request: gdn_pb2.DecodeRequest) -> asyncio.Future:
-        # A cancelled future (client gone, deadline passed) is dropped before the device.
-        fut, done = settle_on(asyncio.get_running_loop())
-        self._submit_decode(request, done, fut.cancelled)
-        return fut
+    def _hold(self, nbytes: int) -> None:
+        """Counts a request's bytes as held until `_release`; refuses it beyond the budget (a lone
+        request always goes: one request is bounded by the message size)."""
+        if self.held_bytes and self.held_bytes + nbytes > MAX_HELD_REQUEST_BYTES:
+            raise ResourceExhausted(
+                f"the server holds {self.held_bytes >> 20} MiB of decode requests, its limit: retry later"
+            )
+        self.held_bytes += nbytes
 
-    def _submit_decode(self, request: gdn_pb2.DecodeRequest, done: Callable[[Any], None],
+    def _release(self, nbytes: int) -> None:
+        self.held_bytes -= nbytes
+
+    def _submit_decode(self, request: gdn_pb2.DecodeRequest, context, done: Callable[[Any], None],
                        cancelled: Callable[[], bool]) -> None:
-        work = self._validated(request)
+        """Checks a request and queues it; `done` gets its DecodeResult or GdnError. Raises
+        GdnError for what validation finds."""
+        identity = current_identity()
+        work = decode_work_from_request(
+            request, self.shape, self.defer_finite_check, owner=identity, owner_key=quota_key(identity, context)
+        )
         shard = self.placement.shard_for(work.session_ids)
         shard.scheduler.submit_decode(work, done, cancelled=cancelled)
 
-    # -- RPCs -------------------------------------------------------------------------------
+    def _count(self, method: str, code: grpc.StatusCode) -> None:
+        if self.metrics is not None:
+            self.metrics.count_decode(method, code)
+
+    # -- decode steps -----------------------------------------------------------------------
+    async def Decode(self, request, context):
+        fut, done = settle_on(asyncio.get_running_loop())
+        code = grpc.StatusCode.CANCELLED  # unless it ends otherwise (a cancelled call cancels `fut`)
+        nbytes = 0
+        try:
+            size = _request_bytes(request)
+            self._hold(size)
+            nbytes = size
+            self._submit_decode(request, context, done, fut.cancelled)
+            result = await fut
+            code = grpc.StatusCode.OK
+        except GdnError as e:
+            code = e.code
+            await context.abort(e.code, e.message)
+        finally:
+            self._release(nbytes)
+            self._count("Decode", code)
+        return decode_response(result)
+
+    async def DecodeStream(self, request_iterator: AsyncIterator[gdn_pb2.DecodeRequest], context) -> None:
+        # A reader task checks and queues requests ahead of their replies (bounded: see
+        # MAX_STREAM_IN_FLIGHT), so one stream is pipelined; this coroutine answers them in request
+        # order. Per message: a slot the scheduler answers into, and one wake-up of this coroutine
+        # when the oldest slot is answered. Replies go out with context.write (grpc.aio's
+        # reader/writer API): an async generator would be resumed by grpc for every reply.
+        stream = _ReplyStream(asyncio.get_running_loop())
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    answer = _Answer(stream, request.request_id, 0)
+                    stream.answers.append(answer)
+                    try:
+                        nbytes = _request_bytes(request)
+                        self._hold(nbytes)
+                        answer.nbytes = nbytes
+                        stream.held_bytes += nbytes
+                        self._submit_decode(request, context, answer, stream.is_closed)
+                    except GdnError as e:
+                        answer(e)
+                    except BaseException:
+                        stream.answers.pop()  # never to be answered: the writer must not wait for it
+                        stream.held_bytes -= answer.nbytes
+                        self._release(answer.nbytes)
+                        raise
+                    if stream.full():
+                        await stream.room()
+            except Exception as e:  # the stream broke: let the writer end the RPC
+                stream.finish(e)
+                return
+            stream.finish(None)
+
+        reader = asyncio.ensure_future(read())
+        try:
+            answers = stream.answers
+            while True:
+                if answers and answers[0].result is not _PENDING:
+                    answer = answers.popleft()
+                    stream.held_bytes -= answer.nbytes
+                    self._release(answer.nbytes)
+                    stream.made_room()
+                    await context.write(self._stream_reply(answer))
+                elif not answers and stream.ended:
+                    if stream.error is not None:
+                        raise stream.error
+                    break
+                else:
+                    await stream.next_answer()
+        finally:
+            stream.closed = True  # queued requests are dropped before the device (the scheduler's `cancelled`)
+            reader.cancel()
+            for answer in stream.answers:  # never to be written: their bytes are not held any more
+                self._release(answer.nbytes)
+            stream.answers.clear()
+
+    def _stream_reply(self, answer: "_Answer") -> gdn_pb2.DecodeResponse:
+        result = answer.result
+        if isinstance(result, GdnError):
+            self._count("DecodeStream", result.code)
+            return error_response(answer.request_id, result)
+        if isinstance(result, BaseException):
+            raise result
+        self._count("DecodeStream", grpc.StatusCode.OK)
+        return decode_response(result)
+
+    # -- sessions and the rest -------------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):
         s = self.shape
         return gdn_pb2.ModelInfo(
@@ -77,12 +250,15 @@ class GdnDecodeServicer(DecodeRpcs, gdn_pb2_grpc.GdnDecodeServicer):
                 )
                 for shard in self.placement
             ],
+            process_ports=self.homes.ports if self.homes is not None else (),
+            process_index=self.homes.index if self.homes is not None else 0,
         )
 
     async def CreateSession(self, request, context):
         try:
             shard = self.placement.place(request.colocate_with or None)
-            session = shard.sessions.create(owner=current_identity())
+            identity = current_identity()
+            session = shard.sessions.create(owner=identity, quota_key=quota_key(identity, context))
         except GdnError as e:
             await context.abort(e.code, e.message)
         return gdn_pb2.CreateSessionResponse(session_id=session.id)
@@ -123,7 +299,10 @@ class GdnDecodeServicer(DecodeRpcs, gdn_pb2_grpc.GdnDecodeServicer):
         try:  # after every earlier step of the source: the copy sees all of them; same device
             shard = self.placement.shard_of(request.session_id)
             child = await self._control(
-                shard, lambda: fork_session(shard.sessions, shard.backend, request.session_id, identity)
+                shard,
+                lambda: fork_session(
+                    shard.sessions, shard.backend, request.session_id, identity, quota_key(identity, context)
+                ),
             )
         except GdnError as e:
             await context.abort(e.code, e.message)
@@ -157,7 +336,7 @@ class GdnDecodeServicer(DecodeRpcs, gdn_pb2_grpc.GdnDecodeServicer):
                         refused = e
                     continue
                 # Read on a little before answering: ending a client stream while the caller is still
-                # writing makes some gRPC clients (grpc.aio, e.g. a --frontends worker) report
+                # writing makes some gRPC clients (grpc.aio among them) report
                 # INTERNAL instead of our status.
                 unread -= 1
                 if unread == 0:
@@ -167,7 +346,10 @@ class GdnDecodeServicer(DecodeRpcs, gdn_pb2_grpc.GdnDecodeServicer):
             state = assembler.finish()  # the whole stream checks out before anything is created
             shard = self.placement.place()
             session = await self._control(
-                shard, lambda: import_session(shard.sessions, shard.backend, state, owner=identity)
+                shard,
+                lambda: import_session(
+                    shard.sessions, shard.backend, state, owner=identity, quota_key=quota_key(identity, context)
+                ),
             )
         except GdnError as e:
             await context.abort(e.code, e.message)
@@ -190,3 +372,81 @@ class GdnDecodeServicer(DecodeRpcs, gdn_pb2_grpc.GdnDecodeServicer):
             queue_wait_seconds=sum(st.queue_wait_s for st in stats),
         )
 
+
+_PENDING = object()  # an _Answer's result before the answer
+
+
+class _Answer:
+    """One request of a DecodeStream: called with its DecodeResult or error (the scheduler's
+    `done`, from any thread), it keeps the first answer and wakes the stream's writer when the
+    oldest request has its answer."""
+
+    __slots__ = ("stream", "request_id", "result", "nbytes")
+
+    def __init__(self, stream: "_ReplyStream", request_id: str, nbytes: int) -> None:
+        self.stream = stream
+        self.request_id = request_id
+        self.nbytes = nbytes  # the request's input bytes, held until it is answered
+        self.result: Any = _PENDING
+
+    def __call__(self, result: Any) -> None:
+        stream = self.stream
+        if threading.get_ident() != stream.loop_thread:
+            stream.loop.call_soon_threadsafe(self, result)
+            return
+        if self.result is _PENDING:
+            self.result = result
+            answers = stream.answers
+            if answers and answers[0] is self:
+                stream.wake_writer()
+
+
+class _ReplyStream:
+    """A DecodeStream's requests in flight, oldest first, and the reader's and writer's waits."""
+
+    __slots__ = ("loop", "loop_thread", "answers", "held_bytes", "ended", "error", "closed", "_writer_waits",
+                 "_reader_waits")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.loop_thread = threading.get_ident()
+        self.answers: collections.deque[_Answer] = collections.deque()
+        self.held_bytes = 0  # input bytes of the requests in flight
+        self.ended = False  # the reader is done: no more requests
+        self.error: BaseException | None = None  # why the reading broke, if it did
+        self.closed = False  # the RPC is over
+        self._writer_waits: asyncio.Future | None = None
+        self._reader_waits: asyncio.Future | None = None
+
+    def is_closed(self) -> bool:
+        return self.closed
+
+    def finish(self, error: BaseException | None) -> None:
+        self.ended, self.error = True, error
+        self.wake_writer()
+
+    def next_answer(self) -> asyncio.Future:
+        """For the writer: resolves when the oldest request is answered, or the reading ends."""
+        fut = self._writer_waits = self.loop.create_future()
+        return fut
+
+    def wake_writer(self) -> None:
+        fut, self._writer_waits = self._writer_waits, None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def full(self) -> bool:
+        """Whether the reader must wait before it reads another request."""
+        return len(self.answers) >= MAX_STREAM_IN_FLIGHT or self.held_bytes >= MAX_STREAM_HELD_BYTES
+
+    def room(self) -> asyncio.Future:
+        """For the reader: resolves once the stream is no longer `full`."""
+        fut = self._reader_waits = self.loop.create_future()
+        return fut
+
+    def made_room(self) -> None:
+        fut = self._reader_waits
+        if fut is not None and not self.full():
+            self._reader_waits = None
+            if not fut.done():
+                fut.set_result(None)

@@ -15,6 +15,7 @@ take the table lock because they are also called from the gRPC event loop.
 """
 from __future__ import annotations
 
+import re
 import secrets
 import threading
 import time
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gdn_server.errors import NotFound, PermissionDenied, ResourceExhausted
+from gdn_server.errors import NotFound, PermissionDenied, ResourceExhausted, WrongProcess
 
 
 class StepRecord:
@@ -34,21 +35,22 @@ class StepRecord:
 
     __slots__ = ("tokens", "rows", "out")
 
-    def __init__(self, tokens: int, rows: int, out: bytes | memoryview | None = None) -> None:
+    def __init__(self, tokens: int, rows: int, out: bytes | None = None) -> None:
         self.tokens = tokens  # T of the step
-        self.rows = rows  # B of the request
-        self.out = out  # the whole request's output bytes (or a view into its reply); None while it runs
+        self.rows = rows  # rows of `out`
+        self.out = out  # the output bytes of those rows; None while the step runs
 
 
 class LastStep:
     """The previous applied step of one session at one layer (what a retry is answered from)."""
 
-    __slots__ = ("count_before", "record", "row")
+    __slots__ = ("count_before", "record", "row", "digest")
 
-    def __init__(self, count_before: int, record: StepRecord, row: int = 0) -> None:
+    def __init__(self, count_before: int, record: StepRecord, row: int = 0, digest: int | None = None) -> None:
         self.count_before = count_before  # the session's position at that layer before the step
         self.record = record
-        self.row = row  # this session's row in that request
+        self.row = row  # this session's row in the record's output
+        self.digest = digest  # this session's inputs of the step, as first sent (validation.row_digests)
 
     @property
     def tokens(self) -> int:
@@ -80,6 +82,7 @@ class Session:
     slot: int
     num_layers: int
     owner: str | None = None  # the identity that created it, where auth is on
+    quota_key: str | None = None  # whose quota it counts against: the owner, or without auth the peer
     positions: list[int] = field(default_factory=list)
     last_steps: dict[int, LastStep] = field(default_factory=dict)
     last_used: float = field(default_factory=time.monotonic)
@@ -120,6 +123,32 @@ def new_session_id() -> str:
     return secrets.token_urlsafe(16)
 
 
+class ProcessHomes:
+    """Where sessions live when a host runs several server processes (gdn-server --processes):
+    this process's index and every process's port. A session's id names its process,
+    "p<index>.<random>", so any process can tell a client where a session it lacks lives."""
+
+    _PREFIX = re.compile(r"p(\d+)\.")
+
+    def __init__(self, index: int, ports: tuple[int, ...]) -> None:
+        self.index = index
+        self.ports = ports
+
+    @property
+    def prefix(self) -> str:
+        return f"p{self.index}."
+
+    def elsewhere(self, session_id: str) -> WrongProcess | None:
+        """The error for a session id that names another process of this host, else None."""
+        match = self._PREFIX.match(session_id)
+        if match is None:
+            return None
+        index = int(match.group(1))
+        if index == self.index or index >= len(self.ports):
+            return None
+        return WrongProcess(session_id, index, self.ports[index], self.index, self.ports[self.index])
+
+
 class OwnerQuota:
     """Sessions held per identity, against `--max-sessions-per-client`; one is shared by every
     device's table, so the limit holds for the whole server."""
@@ -147,37 +176,48 @@ class SessionTable:
     """Live sessions by id, and the free session slots of the state pool."""
 
     def __init__(
-        self, capacity: int, num_layers: int, scratch_rows: range = range(0), quota: OwnerQuota | None = None
+        self, capacity: int, num_layers: int, scratch_rows: range = range(0), quota: OwnerQuota | None = None,
+        homes: ProcessHomes | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.num_layers = num_layers
         self.quota = quota if quota is not None else OwnerQuota()
+        self.homes = homes  # several processes on this host: ids name this one
         self._by_id: dict[str, Session] = {}
         self._evicted: OrderedDict[str, str] = OrderedDict()  # id -> why it was evicted
         # lowest slots first keeps a lightly used pool compact (friendlier to caches)
         self._free = list(range(capacity - 1, -1, -1))
         self._scratch_free = list(reversed(scratch_rows))
         self.scratch_capacity = len(scratch_rows)
+        self._scratch_holder: dict[int, str | None] = {}  # scratch row -> who took it
+        self._scratch_held: dict[str | None, int] = {}  # who -> scratch rows held
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def create(self, owner: str | None = None, session_id: str | None = None, *, restoring: bool = False) -> Session:
+    def create(
+        self, owner: str | None = None, session_id: str | None = None, *, restoring: bool = False,
+        quota_key: str | None = None,
+    ) -> Session:
         """Takes a free slot (whose state is zero) for a new session; ResourceExhausted when full.
 
-        `restoring` (a snapshot on start) skips the per-client limit: those sessions already existed.
+        `quota_key`: whose `--max-sessions-per-client` count it goes to (default: the owner).
+        `restoring` (a snapshot on start) skips that limit: those sessions already existed.
         """
+        quota_key = owner if quota_key is None else quota_key
         with self._lock:
             if not self._free:
                 raise ResourceExhausted(f"no free session capacity: all {self.capacity} sessions are in use")
-            sid = session_id or new_session_id()
+            sid = session_id or (self.homes.prefix if self.homes is not None else "") + new_session_id()
             if sid in self._by_id:
                 raise ValueError(f"session id {sid!r} already exists")
-            self.quota.take(owner, enforce=not restoring)
-            session = Session(id=sid, slot=self._free.pop(), num_layers=self.num_layers, owner=owner)
+            self.quota.take(quota_key, enforce=not restoring)
+            session = Session(
+                id=sid, slot=self._free.pop(), num_layers=self.num_layers, owner=owner, quota_key=quota_key
+            )
             self._by_id[sid] = session
             return session
 
@@ -198,7 +238,11 @@ class SessionTable:
             raise self._not_found(session_id)
         return session
 
-    def _not_found(self, session_id: str) -> NotFound:
+    def _not_found(self, session_id: str) -> NotFound | WrongProcess:
+        if self.homes is not None:
+            elsewhere = self.homes.elsewhere(session_id)
+            if elsewhere is not None:
+                return elsewhere
         reason = self._evicted.get(session_id)
         if reason is not None:
             return NotFound(f"session {session_id!r} was evicted: {reason}")
@@ -218,7 +262,7 @@ class SessionTable:
         with self._lock:
             session = self._by_id.pop(session_id, None)
             if session is not None:
-                self.quota.give(session.owner)
+                self.quota.give(session.quota_key)
         if session is None:
             raise self._not_found(session_id)
         for row in session.scratch_rows():  # a dropped speculative state is never read again
@@ -227,29 +271,49 @@ class SessionTable:
         session.provisional.clear()
         return session
 
-    def take_scratch(self) -> int:
-        """A free scratch row for a speculative state; ResourceExhausted when none is left."""
-        with self._lock:
-            if not self._scratch_free:
-                raise ResourceExhausted(
-                    f"no free speculative capacity: all {self.scratch_capacity} scratch rows hold uncommitted "
-                    "or recently accepted speculative states (--speculative-sessions)"
-                )
-            return self._scratch_free.pop()
+    @property
+    def scratch_share(self) -> int:
+        """Scratch rows one client may hold at once: half of them (at least one speculative
+        session's worth, 2 per layer), so a client that leaves drafts open cannot shut every other
+        client out of speculative steps; stale drafts are released after a while besides
+        (`--speculative-timeout-s`)."""
+        return max(self.scratch_capacity // 2, min(2 * self.num_layers, self.scratch_capacity))
 
-    def take_scratch_rows(self, n: int) -> list[int]:
-        """`n` free scratch rows at once, or ResourceExhausted and none."""
+    def take_scratch_rows(self, n: int, holder: str | None = None) -> list[int]:
+        """`n` free scratch rows at once for `holder` (a session's quota key), or
+        ResourceExhausted and none."""
         with self._lock:
             if len(self._scratch_free) < n:
                 raise ResourceExhausted(
                     f"no free speculative capacity: {len(self._scratch_free)} of {self.scratch_capacity} scratch rows "
                     f"free, {n} needed (--speculative-sessions)"
                 )
-            return [self._scratch_free.pop() for _ in range(n)]
+            held = self._scratch_held.get(holder, 0)
+            if held + n > self.scratch_share:
+                raise ResourceExhausted(
+                    f"this client holds {held} of the {self.scratch_capacity} speculative scratch rows and may hold "
+                    f"{self.scratch_share}: Commit its open speculative steps first"
+                )
+            rows = [self._scratch_free.pop() for _ in range(n)]
+            self._scratch_held[holder] = held + n
+            for row in rows:
+                self._scratch_holder[row] = holder
+            return rows
+
+    def scratch_in_use(self) -> int:
+        """Scratch rows taken (open drafts, and accepted states not yet home)."""
+        return self.scratch_capacity - len(self._scratch_free)
 
     def give_scratch(self, row: int) -> None:
         with self._lock:
             self._scratch_free.append(row)
+            if row in self._scratch_holder:
+                holder = self._scratch_holder.pop(row)
+                left = self._scratch_held[holder] - 1
+                if left:
+                    self._scratch_held[holder] = left
+                else:
+                    del self._scratch_held[holder]
 
     def free_slot(self, slot: int) -> None:
         with self._lock:

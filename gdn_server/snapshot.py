@@ -10,13 +10,10 @@ Layout of DIR:
     snapshot-<generation>/   one safetensors file per session: 000000.safetensors, 000001...
     rejected-<UTC time>/     a snapshot refused at start (checksum, other model shape), moved aside
                              for an operator to inspect; never loaded again
-    device-<N>/              with --frontends, each device's engine process keeps its own snapshot
-                             here, laid out as above
 
-A server loads every snapshot it finds: one process the top-level one and every device-<N>; an
-engine process its own device-<N>, and the first engine also the top-level one and those of
-devices no engine serves now. So switching --frontends on or off, or serving from fewer devices,
-loses no session (as long as they fit).
+A snapshot-<generation>/ without a manifest is a write that never finished (the process was
+killed while writing, or the disk failed): the next start says so with an ERROR line, since the
+sessions it was writing are lost, and removes it.
 
 manifest.json (UTF-8 JSON):
 
@@ -33,7 +30,9 @@ A session file (safetensors, little-endian):
     state          bf16  [L, HV, V, K]  the recurrent state, as `Backend.read_session` returns it
     positions      int64 [L]            tokens taken per layer
     last_out.{l}   bf16  [T, HV, V]     this session's output of its last step at layer l
-    metadata       {"session_id": id, "last_steps": JSON {"<l>": [count_before, T], ...}}
+    metadata       {"session_id": id, "last_steps": JSON {"<l>": [count_before, T, digest], ...}}
+
+(digest: this session's inputs of that step as first sent, so a retry with others is refused.)
 
 The last steps make a request whose reply was lost in the shutdown safe to retry after the
 restart: it is answered again, not applied twice (API.md, positions).
@@ -69,6 +68,7 @@ from gdn_server.config import ModelShape
 from gdn_server.lifecycle import drop_speculation
 from gdn_server.placement import Shard
 from gdn_server.sessions import LastStep, Session, StepRecord
+from gdn_server.validation import MAX_SESSION_ID_LEN
 from gdn_server.weights import GateParams
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ log = logging.getLogger(__name__)
 FORMAT = "gdn-serve-snapshot"
 VERSION = 1
 MANIFEST = "manifest.json"
-MAX_SESSION_ID_LEN = 128
+
 
 
 class SnapshotError(RuntimeError):
@@ -151,7 +151,7 @@ def encode_session(session: Session, state: torch.Tensor, shape: ModelShape) -> 
         tensors[f"last_out.{layer}"] = torch.frombuffer(bytearray(row), dtype=torch.bfloat16).reshape(
             last.tokens, HV, V
         )
-        steps[str(layer)] = [last.count_before, last.tokens]
+        steps[str(layer)] = [last.count_before, last.tokens, last.digest]
     metadata = {"session_id": session.id, "last_steps": json.dumps(steps)}
     return st_save(tensors, metadata=metadata)
 
@@ -186,7 +186,9 @@ def decode_session(data: bytes, entry: dict, shape: ModelShape) -> _Restored:
     if any(p < 0 for p in pos):
         raise SnapshotError(f"{name}: negative positions")
     last_steps = {}
-    for key, (count_before, tokens) in steps.items():
+    for key, step in steps.items():
+        # [count_before, T, digest of this session's inputs] (the digest refuses a retry with others)
+        count_before, tokens, digest = (list(step) + [None])[:3]
         layer = int(key)
         out = tensors.get(f"last_out.{layer}")
         if not 0 <= layer < L or out is None or out.dtype != torch.bfloat16 or tuple(out.shape) != (tokens, HV, V):
@@ -194,7 +196,7 @@ def decode_session(data: bytes, entry: dict, shape: ModelShape) -> _Restored:
         if count_before + tokens != pos[layer]:
             raise SnapshotError(f"{name}: last step of layer {layer} does not end at its position")
         out_bytes = out.contiguous().view(torch.int16).numpy().tobytes()
-        last_steps[layer] = LastStep(int(count_before), StepRecord(int(tokens), 1, out_bytes))
+        last_steps[layer] = LastStep(int(count_before), StepRecord(int(tokens), 1, out_bytes), 0, digest)
     return _Restored(entry["id"], entry.get("owner"), state.contiguous(), pos, last_steps)
 
 
@@ -207,15 +209,17 @@ def _safetensors_metadata(data: bytes) -> dict[str, str]:
 # -- writing ---------------------------------------------------------------------------------------
 
 
-def save_snapshot(state_dir: str | os.PathLike, shards: Sequence[Shard], gates: GateParams) -> Path:
-    """Writes every live session to `state_dir` atomically; returns the manifest path.
+def save_snapshot(state_dir: str | os.PathLike, shards: Sequence[Shard], gates: GateParams) -> bool:
+    """Writes every live session to `state_dir` atomically; returns whether every one was saved.
 
-    Call only with no step in flight (the scheduler stopped). Raises SnapshotError.
-    """
+    Call only with no step in flight (the scheduler stopped). One session that cannot be
+    encoded is logged and left out, and the others are saved; a directory that cannot be
+    written saves none (an ERROR line either way)."""
     root = Path(state_dir)
     backend = shards[0].backend
     shape = backend.shape
     started = time.monotonic()
+    every = [(shard, session) for shard in shards for session in shard.sessions.sessions()]
     try:
         root.mkdir(parents=True, exist_ok=True)
         generation = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
@@ -223,10 +227,15 @@ def save_snapshot(state_dir: str | os.PathLike, shards: Sequence[Shard], gates: 
         gen_dir.mkdir()
         entries = []
         total = 0
-        every = [(shard, session) for shard in shards for session in shard.sessions.sessions()]
+        skipped = []
         for n, (shard, session) in enumerate(every):
-            drop_speculation(shard.sessions, shard.backend, session)  # save committed states only
-            data = encode_session(session, shard.backend.read_session(session.slot), shape)
+            try:
+                drop_speculation(shard.sessions, shard.backend, session)  # save committed states only
+                data = encode_session(session, shard.backend.read_session(session.slot), shape)
+            except Exception:
+                log.exception("session %r cannot be saved: left out of the snapshot", session.id)
+                skipped.append(session.id)
+                continue
             rel = f"{gen_dir.name}/{n:06d}.safetensors"
             _write_durable(root / rel, data)
             entries.append(
@@ -248,7 +257,8 @@ def save_snapshot(state_dir: str | os.PathLike, shards: Sequence[Shard], gates: 
         os.replace(tmp, root / MANIFEST)
         _fsync_dir(root)
     except OSError as e:
-        raise SnapshotError(f"cannot write the session snapshot to {root}: {e}") from e
+        log.error("cannot write the session snapshot to %s: %s; %d session(s) lost", root, e, len(every))
+        return False
     for old in root.glob("snapshot-*"):  # superseded generations, or leftovers of a crashed write
         if old.name != gen_dir.name:
             shutil.rmtree(old, ignore_errors=True)
@@ -256,7 +266,9 @@ def save_snapshot(state_dir: str | os.PathLike, shards: Sequence[Shard], gates: 
         "wrote %d session(s) to %s (%.1f MiB, %.2f s)",
         len(entries), root / MANIFEST, total / 2**20, time.monotonic() - started,
     )
-    return root / MANIFEST
+    if skipped:
+        log.error("%d session(s) could not be saved and are lost: %s", len(skipped), ", ".join(map(repr, skipped)))
+    return not skipped
 
 
 # -- restoring -------------------------------------------------------------------------------------
@@ -360,31 +372,6 @@ def _consume(root: Path) -> None:
         shutil.rmtree(gen, ignore_errors=True)
 
 
-DEVICE_DIR_PREFIX = "device-"
-
-
-def device_snapshot_dir(state_dir: str | os.PathLike, device_index: int) -> Path:
-    """Where the engine process of device `device_index` keeps its snapshot (--frontends)."""
-    return Path(state_dir) / f"{DEVICE_DIR_PREFIX}{device_index}"
-
-
-def device_snapshot_dirs(state_dir: str | os.PathLike) -> dict[int, Path]:
-    """The per-device snapshot directories under `state_dir`, by device index."""
-    root = Path(state_dir)
-    found = {}
-    if root.is_dir():
-        for path in root.glob(f"{DEVICE_DIR_PREFIX}*"):
-            suffix = path.name[len(DEVICE_DIR_PREFIX):]
-            if path.is_dir() and suffix.isdigit():
-                found[int(suffix)] = path
-    return dict(sorted(found.items()))
-
-
-def load_snapshots(dirs: Sequence[str | os.PathLike], shards: Sequence[Shard], gates: GateParams) -> int:
-    """`load_snapshot` of each directory in turn (each is checked and refused on its own)."""
-    return sum(load_snapshot(d, shards, gates) for d in dirs)
-
-
 def load_snapshot(state_dir: str | os.PathLike, shards: Sequence[Shard], gates: GateParams) -> int:
     """Restores the sessions saved in `state_dir`, if any; returns how many.
 
@@ -402,10 +389,17 @@ def load_snapshot(state_dir: str | os.PathLike, shards: Sequence[Shard], gates: 
     except OSError as e:
         raise SnapshotError(f"--state-dir {root} is not a writable directory: {e}") from e
     if not manifest_path.exists():
-        if root.is_dir():
-            for leftover in root.glob("snapshot-*"):  # a write that crashed before its manifest
+        unfinished = sorted(root.glob("snapshot-*"))
+        if unfinished:
+            log.error(
+                "the last session snapshot in %s was never finished (%s has no manifest: the server was killed "
+                "or its disk failed while writing it); its sessions are lost: starting with no sessions",
+                root, unfinished[-1].name,
+            )
+            for leftover in unfinished:
                 shutil.rmtree(leftover, ignore_errors=True)
-        log.info("no session snapshot in %s: starting with no sessions", root)
+        else:
+            log.info("no session snapshot in %s: starting with no sessions", root)
         return 0
     started = time.monotonic()
     try:

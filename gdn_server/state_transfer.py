@@ -10,8 +10,9 @@ Stream format (what `encode_state` yields and `StateAssembler` accepts):
 The state bytes are the bf16 tensor [L, HV, V, K] (K fastest), row-major, little-endian: exactly
 what `Backend.read_session` returns and `Backend.write_session` takes. The receiver refuses
 (InvalidArgument) a stream whose header is missing, repeated or does not match its model shape,
-a chunk over 1 MiB, more or fewer bytes than announced, or bytes whose sha256 differs from the
-header's; nothing is created unless the whole stream checks out. Memory is bounded: the receiver
+a position of 2^63 or more, a chunk over 1 MiB, more or fewer bytes than announced, bytes whose
+sha256 differs from the header's, or a state holding NaN or Inf; nothing is created unless the
+whole stream checks out. Memory is bounded: the receiver
 allocates the announced size only after checking it equals its own model's state size.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
+from gdn_server.validation import MAX_POSITION
 
 MAX_CHUNK_BYTES = 1 << 20
 STATE_DTYPE = "bfloat16"
@@ -116,6 +118,8 @@ class StateAssembler:
             raise InvalidArgument("state stream checksum mismatch: the state bytes are corrupt")
         state = state_from_bytes(self._buf, self.shape)
         self._buf = None
+        if not bool(torch.isfinite(state).all()):  # a session that would answer NaN for ever
+            raise InvalidArgument("state holds NaN or Inf values")
         return SessionState(state, tuple(int(p) for p in self._header.positions))
 
     def _check_header(self, h: gdn_pb2.StateHeader) -> None:
@@ -130,6 +134,8 @@ class StateAssembler:
             raise InvalidArgument(f"state dtype {h.dtype!r} is not {STATE_DTYPE!r}")
         if len(h.positions) != s.num_layers:
             raise InvalidArgument(f"state header has {len(h.positions)} positions for {s.num_layers} layers")
+        if max(h.positions) > MAX_POSITION:
+            raise InvalidArgument(f"state header position {max(h.positions)} is out of range: positions are below 2^63")
         if h.total_bytes != s.state_bytes_per_session:
             raise InvalidArgument(
                 f"state header announces {h.total_bytes} bytes, the state is {s.state_bytes_per_session} bytes"

@@ -1,55 +1,68 @@
-"""Process-wide tuning the server applies at start, before it allocates anything big.
+"""Process-wide tuning the server applies at start, before it allocates anything big. Nothing
+here reads or changes the environment.
 
-`tune_malloc` raises glibc's mmap threshold to 32 MiB and its trim threshold to 1 GiB, so the
-multi-MiB buffers each big decode request passes through (receive buffer, parsed message, reply)
-come from the heap and reuse warm pages instead of faulting fresh ones in from the kernel per
-request (bench/results/request_cost_cpu.md: ~1.7x less time per B=256 request on the CPU box).
-Every server entry point calls it: `gdn-server` (gdn_server.cli), each engine
-(gdn_server.engine) and each front-end worker (gdn_server.frontend). The echo floor and
-gdn-loadtest call the same helper (gdn_client._malloc), so the floor is measured under the same
-allocator settings as the service.
+`tune_malloc`: with glibc's defaults a buffer above the mmap threshold (128 KiB at start, raised
+on the fly as such buffers are freed) gets fresh pages from the kernel. A B=256 decode request
+passes through several multi-MiB buffers (gRPC's receive buffer, the parsed message, the reply),
+so every request paid page faults on each of their pages; serving them from the heap lets the
+next request reuse warm pages (about 1.7x less time per B=256 request on a 2-core box). The trim
+threshold bounds what the process keeps: freed heap above it goes back to the kernel, so memory
+that a burst of big or hostile messages took is returned once they are gone.
 
-`tune_gc` raises the garbage collector's first threshold from 700 to 20,000 objects, above what
-a serving process has in flight (gdn_client/_gc.py says why); the echo floor and gdn-loadtest
-set it too.
+`tune_gc`: CPython collects its youngest generation whenever 700 more objects are alive than at
+the last pass; a serving process has more than that in flight (a dozen objects per request from
+its read to its reply), so at 64 clients a pass ran every round or so, walking every live
+request. 20,000 puts a pass every few thousand requests; objects freed by their reference counts
+never wait for one.
 
-`freeze_startup_objects`, called once a process is ready to serve, takes the objects alive then
-(torch's and gRPC's modules, the kernels, the staging buffers' tensors: ~190k of them) out of
-the garbage collector's full passes. Each full pass otherwise walks them all: ~90 ms with the
-event loop stopped for every stream at once, every few seconds under load (CPU box, host-only
-backend at 64 clients: a full collection 81-97 ms before, 0.2-5.5 ms after; bench/NOTES.md).
+`freeze_startup_objects`, once a process is ready to serve, takes the objects alive then (torch's
+and gRPC's modules, the kernels, ~190k objects) out of the collector's full passes, each of which
+would otherwise walk them all with the event loop stopped (~90 ms every few seconds under load).
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 
-from gdn_client._malloc import MMAP_THRESHOLD, TRIM_THRESHOLD
-from gdn_client._gc import tune_gc as _tune_gc
-from gdn_client._malloc import tune_malloc as _tune_malloc
-
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "freeze_startup_objects", "tune_gc", "tune_malloc"]
-
 log = logging.getLogger(__name__)
 
+MMAP_THRESHOLD = 32 << 20  # the most every glibc version accepts (HEAP_MAX_SIZE / 2 on 64-bit hosts)
+TRIM_THRESHOLD = 64 << 20  # a few big requests' buffers stay warm; more goes back to the kernel
+GC_GEN0 = 20_000
+_M_TRIM_THRESHOLD = -1  # mallopt parameter numbers from glibc's <malloc.h>
+_M_MMAP_THRESHOLD = -3
 
-def tune_malloc() -> dict[str, int]:
-    """glibc mallopt(M_MMAP_THRESHOLD, 32 MiB) and mallopt(M_TRIM_THRESHOLD, 1 GiB) for this
-    process, unless the environment sets them (MALLOC_*_ or GLIBC_TUNABLES); a no-op (a debug
-    log) with GDN_MALLOC_TUNING=0 or off glibc. Returns the thresholds it set, by mallopt name."""
-    return _tune_malloc(log)
+
+def tune_malloc() -> bool:
+    """glibc mallopt(M_MMAP_THRESHOLD, 32 MiB) and mallopt(M_TRIM_THRESHOLD, 64 MiB) for this
+    process; off glibc, nothing. Returns whether both were set."""
+    try:
+        libc = ctypes.CDLL(None)  # the symbols already loaded into this process, libc among them
+        libc.gnu_get_libc_version  # only glibc has it (musl's mallopt does nothing)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows has no CDLL(None)
+        log.debug("not glibc: malloc thresholds left as they are")
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    ok = True
+    for param, value in ((_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+        if mallopt(param, value) != 1:  # glibc returns 1 on success
+            log.warning("mallopt(%d, %d) refused by glibc; big buffers keep their default handling", param, value)
+            ok = False
+    return ok
 
 
-def tune_gc() -> int:
-    """The garbage collector's first threshold for this process (GDN_GC_GEN0, default 20,000).
-    Returns it."""
-    return _tune_gc(log)
+def tune_gc() -> None:
+    """The collector's first threshold for a serving process (GC_GEN0); the older ones stay."""
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0, gen1, gen2)
 
 
 def freeze_startup_objects() -> int:
-    """gc.collect() then gc.freeze(): what start-up made is never scanned again by the collector
-    (and never freed by it: only start-up's garbage is collected first). Call it once, when the
-    process is ready to serve. Returns how many objects were frozen."""
+    """gc.collect() then gc.freeze(): what start-up made is never scanned again by the collector.
+    Call it once, when the process is ready to serve. Returns how many objects were frozen."""
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()

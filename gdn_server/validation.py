@@ -1,52 +1,66 @@
-"""DecodeRequest (protobuf) -> DecodeWork (validated inputs). Everything a request can get wrong
-on its own (without looking at session state) is caught here as InvalidArgument.
+"""DecodeRequest (protobuf) -> DecodeWork (checked inputs). Everything a request can get wrong on
+its own, without looking at session state, is caught here as InvalidArgument, before anything
+is queued.
 
 It runs on the event loop for every decode request, so the common case (all five inputs bf16)
-builds no tensor: shapes and byte lengths are checked as integers, the NaN/Inf check reads all
-five inputs in one pass (big ones each on their own, on several cores), and the DecodeWork carries
-the raw bytes (memoryviews of the received message for big requests, gdn_server.protowire): a GPU
-backend copies them into its staging buffer as they are; the CPU backend's tensors are built from
-them when it reads them.
-Requests with f16/f32 inputs become tensors here.
-
-A request the native parser read (protowire.ParsedDecodeRequest) is checked by the native
-module first, in one call; what it does not pass (invalid, or not all bf16) goes through the
-Python checks below, which name the problem.
+builds no tensor: shapes and byte lengths are checked as integers, the NaN/Inf check reads the
+exponent bits of the raw bytes, and the DecodeWork carries the bytes, which a GPU backend copies
+into its staging buffer as they are. Requests with f16/f32 inputs become float tensors here.
 """
 from __future__ import annotations
 
-import functools
+import math
+import sys
+import warnings
+import zlib
+from typing import Any, Sequence
+
+import numpy as np
+import torch
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_client.wire_checks import WireFormatError, as_float32_bytes, check_layout, first_nonfinite, has_nonfinite
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
-from gdn_server.native import module as native
-from gdn_server.protowire import DecodeRequestView, ParsedDecodeRequest
 from gdn_server.work import INPUT_NAMES, DecodeWork
 
+if sys.byteorder != "little":  # the wire format is little-endian; so is every host this ships for
+    raise ImportError("gdn-serve needs a little-endian host")
+
+# torch.frombuffer warns once per process that a bytes object is not writable; it is only read
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
 MAX_SESSION_ID_LEN = 128
-# bf16 inputs of at least this many bytes in all may leave their NaN/Inf check to the backend
-# (`defer_finite_check`), which reads them where it has just staged them: one pass over the
-# request's bytes fewer on the event loop (H200, B=256: validation 633 -> 162 us, the staged
-# check 208 us; bench/NOTES.md). Below it the check is cheap either way.
+MAX_REQUEST_ID_LEN = 256
+MAX_POSITION = 2**63 - 1  # positions travel as uint64 and are kept as signed 64-bit counts
+# bf16 inputs of at least this many bytes in all leave their NaN/Inf check to a backend that
+# stages them (`defer_finite_check`), which reads them where it has just copied them: one pass
+# over the request's bytes fewer on the event loop. Below it the check is cheap either way.
 DEFERRED_CHECK_BYTES = 1 << 20
+# The retry digest of a session's inputs reads every byte of a tensor's row up to this size; a
+# longer row one byte in DIGEST_STRIDE (a prime, so every byte offset of an element is sampled
+# somewhere). A row of q, k or v holds hundreds of values, so a retry with other inputs changes
+# sampled bytes, while a multi-MiB request's digests cost tens of microseconds on the event loop
+# instead of milliseconds.
+DIGEST_FULL_ROW_BYTES = 256
+DIGEST_STRIDE = 61
+CHECK_JOINED_BYTES = 256 << 10  # check_finite joins the inputs of a request up to this size
+
+DTYPE_NAME = {gdn_pb2.BF16: "BF16", gdn_pb2.F16: "F16", gdn_pb2.F32: "F32"}
+ITEMSIZE = {gdn_pb2.BF16: 2, gdn_pb2.F16: 2, gdn_pb2.F32: 4}
+TORCH_DTYPE = {gdn_pb2.BF16: torch.bfloat16, gdn_pb2.F16: torch.float16, gdn_pb2.F32: torch.float32}
+# exponent bits that are all ones in an Inf or NaN, per wire dtype, read as unsigned words
+_NONFINITE_EXPONENT = {gdn_pb2.BF16: (np.uint16, 0x7F80), gdn_pb2.F16: (np.uint16, 0x7C00),
+                       gdn_pb2.F32: (np.uint32, 0x7F800000)}
 
 
 def decode_work_from_request(
-    req: gdn_pb2.DecodeRequest | DecodeRequestView | ParsedDecodeRequest, shape: ModelShape,
-    defer_finite_check: bool = False, f32_as_bytes: bool = False,
+    req: gdn_pb2.DecodeRequest, shape: ModelShape, defer_finite_check: bool = False,
+    owner: str | None = None, owner_key: str | None = None,
 ) -> DecodeWork:
-    """Validates a DecodeRequest against the model shape; raises InvalidArgument with a precise reason.
+    """Checks a DecodeRequest against the model shape; raises InvalidArgument with a precise reason.
 
     With `defer_finite_check`, bf16 inputs of DEFERRED_CHECK_BYTES or more are not checked for
-    NaN/Inf here: the work says so (`finite_checked=False`) and the backend checks them. With
-    `f32_as_bytes` (a front-end worker), inputs not all in BF16 become float32 bytes
-    (`DecodeWork.f32_bytes`, what the link carries) instead of tensors: no torch."""
-    if type(req) is ParsedDecodeRequest:
-        work = _checked_natively(req, shape, defer_finite_check)
-        if work is not None:
-            return work
+    NaN/Inf here: the work says so (`finite_checked=False`) and the backend checks them."""
     L = shape.num_layers
     if req.layer >= L:
         raise InvalidArgument(f"layer {req.layer} out of range: the model has {L} layers (0..{L - 1})")
@@ -56,118 +70,119 @@ def decode_work_from_request(
         raise InvalidArgument("session_ids is empty: a request names at least one session")
     if len(set(session_ids)) != B:
         raise InvalidArgument("duplicate session ids in one request")
-    lengths = tuple(map(len, session_ids))  # one C-level pass; the loop below runs only on a bad id
+    lengths = tuple(map(len, session_ids))
     if min(lengths) == 0 or max(lengths) > MAX_SESSION_ID_LEN:
-        for sid in session_ids:
-            if not sid or len(sid) > MAX_SESSION_ID_LEN:
-                raise InvalidArgument(f"malformed session id {sid[:MAX_SESSION_ID_LEN]!r}")
+        bad = next(sid for sid in session_ids if not sid or len(sid) > MAX_SESSION_ID_LEN)
+        raise InvalidArgument(f"malformed session id {bad[:MAX_SESSION_ID_LEN]!r} (1..{MAX_SESSION_ID_LEN} characters)")
+    if len(req.request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidArgument(f"request_id has {len(req.request_id)} characters, at most {MAX_REQUEST_ID_LEN}")
+    positions = None
+    if len(req.positions):
+        if len(req.positions) != B:
+            raise InvalidArgument(f"positions has {len(req.positions)} entries for {B} sessions")
+        positions = tuple(req.positions)
+        if max(positions) > MAX_POSITION:
+            raise InvalidArgument(f"position {max(positions)} is out of range: positions are below 2^63")
 
     messages = []
     for name in INPUT_NAMES:
         if not req.HasField(name):
             raise InvalidArgument(f"tensor {name} is missing")
         messages.append(getattr(req, name))
-    all_bf16 = all(m.dtype == gdn_pb2.BF16 for m in messages)
-    dims, raw = [], []
-    for name, msg in zip(INPUT_NAMES, messages):
-        d = tuple(msg.shape)
+    dims = [tuple(m.shape) for m in messages]
+    check_dims(dims, B, bool(req.speculative), shape)
+    raw = []
+    for name, msg, d in zip(INPUT_NAMES, messages, dims):
         data = msg.data  # a fresh bytes object per access: read it once
-        try:
-            check_layout(msg.dtype, d, len(data), name)
-        except WireFormatError as e:
-            raise InvalidArgument(str(e)) from None
-        dims.append(d)
+        check_layout(msg.dtype, d, len(data), name)
         raw.append(data)
-
-    _check_dims(dims, B, bool(req.speculative), shape)
-    tensors = {}
-    finite_checked = True
-    if all_bf16:
-        if defer_finite_check and sum(map(len, raw)) >= DEFERRED_CHECK_BYTES:
-            finite_checked = False
-        else:
-            check_finite(raw)
-    elif f32_as_bytes:  # f16/f32 (or a mix) in a worker: each checked for NaN/Inf, then widened
-        for name, msg, data in zip(INPUT_NAMES, messages, raw):
-            if has_nonfinite(data, msg.dtype, parallel=False):  # numpy's, not torch's threads
-                raise nonfinite_input(name)
-        f32 = tuple(as_float32_bytes(msg.dtype, data) for msg, data in zip(messages, raw))
-    else:  # f16/f32 (or a mix): tensors now, each checked for NaN/Inf
-        from gdn_client.wire import tensor_from_parts  # torch: loaded already where tensors are wanted
-
-        for name, msg, d, data in zip(INPUT_NAMES, messages, dims, raw):
-            try:
-                tensors[name] = tensor_from_parts(msg.dtype, d, data, name, finite=True)
-            except WireFormatError as e:
-                raise InvalidArgument(str(e)) from None
-
-    positions = None
-    if len(req.positions):
-        if len(req.positions) != B:
-            raise InvalidArgument(f"positions has {len(req.positions)} entries for {B} sessions")
-        positions = tuple(req.positions)  # uint64 fields read as Python ints already
 
     common = dict(
         layer=int(req.layer), session_ids=session_ids, positions=positions, request_id=req.request_id,
-        speculative=bool(req.speculative),
+        speculative=bool(req.speculative), owner=owner, owner_key=owner if owner is not None else owner_key,
+        digests=row_digests(raw, B),
     )
-    if all_bf16:
+    if all(m.dtype == gdn_pb2.BF16 for m in messages):
+        finite_checked = not (defer_finite_check and sum(map(len, raw)) >= DEFERRED_CHECK_BYTES)
+        if finite_checked:
+            check_finite(raw)
         return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), finite_checked=finite_checked)
-    if f32_as_bytes:
-        return DecodeWork(**common, f32_bytes=f32, input_dims=tuple(dims))
+    tensors = {}
+    for name, msg, d, data in zip(INPUT_NAMES, messages, dims, raw):
+        if len(data) and has_nonfinite(data, msg.dtype):
+            raise nonfinite_input(name)
+        tensors[name] = (torch.frombuffer(data, dtype=TORCH_DTYPE[msg.dtype]) if len(data)
+                         else torch.empty(0, dtype=TORCH_DTYPE[msg.dtype])).view(d)
     return DecodeWork(**common, **tensors)
 
 
-def _checked_natively(req: ParsedDecodeRequest, shape: ModelShape, defer_finite_check: bool) -> DecodeWork | None:
-    """The DecodeWork of a valid all-bf16 request, checked in C; None for the Python checks."""
-    verdict = native.check_bf16_step(req, _limits(shape), DEFERRED_CHECK_BYTES)
-    if not verdict:
-        return None
-    layer, session_ids, positions, request_id, speculative, tensors = req
-    raw = tuple([t[2] for t in tensors])
-    finite_checked = True
-    if verdict == 2:  # DEFERRED_CHECK_BYTES or more: not checked in C
-        if defer_finite_check:
-            finite_checked = False
-        else:
-            check_finite(raw)
-    return DecodeWork.of_bf16(
-        layer, session_ids, positions or None, request_id, speculative, raw, tuple([t[1] for t in tensors]),
-        finite_checked,
-    )
-
-
-@functools.lru_cache(maxsize=8)
-def _limits(shape: ModelShape) -> tuple[int, ...]:
-    """The model's limits as `check_bf16_step` takes them."""
-    return (shape.num_layers, shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v,
-            shape.max_tokens_per_step, shape.max_speculative_tokens, MAX_SESSION_ID_LEN)
-
-
-def check_finite(raw: "tuple[bytes | memoryview, ...] | list[bytes | memoryview]") -> None:
-    """InvalidArgument naming the first of q, k, v, a, b (their bf16 bytes) with a NaN or Inf."""
-    bad = first_nonfinite(raw, gdn_pb2.BF16)
-    if bad is not None:
-        raise nonfinite_input(INPUT_NAMES[bad])
-
-
-def nonfinite_input(name: str) -> InvalidArgument:
-    """The error for input `name` (q, k, v, a or b) holding a NaN or Inf, wherever it is found."""
-    return InvalidArgument(f"{name} has NaN or Inf values")
-
-
-def _check_dims(dims: list[tuple[int, ...]], B: int, speculative: bool, shape: ModelShape) -> None:
-    """Checks the five input shapes against B and the model."""
+def check_dims(dims: Sequence[tuple[int, ...]], B: int, speculative: bool, shape: ModelShape) -> None:
+    """Checks the five input shapes against B, T and the model."""
     H, HV, K, V = shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v
     q = dims[0]
     if len(q) != 4:
         raise InvalidArgument(f"q must be [B, T, H, K] = [{B}, T, {H}, {K}], got {list(q)}")
     T = int(q[1])
     max_T = shape.max_speculative_tokens if speculative else shape.max_tokens_per_step
+    kind = "a speculative step" if speculative else "a step"
+    if T == 0:
+        raise InvalidArgument(f"T = 0 tokens (q's second dimension): {kind} carries 1..{max_T} tokens")
     if not 1 <= T <= max_T:
-        kind = "speculative step" if speculative else "step"
-        raise InvalidArgument(f"T = {T} tokens per {kind} is out of range 1..{max_T}")
+        raise InvalidArgument(f"T = {T} tokens is out of range: {kind} carries 1..{max_T} tokens")
     expected = ((B, T, H, K), (B, T, H, K), (B, T, HV, V), (B, T, HV), (B, T, HV))
     for name, got, want in zip(INPUT_NAMES, dims, expected):
         if got != want:
             raise InvalidArgument(f"{name} must have shape {list(want)} (B={B}, T={T}), got {list(got)}")
+
+
+def check_layout(wire_dtype: int, shape: tuple[int, ...], nbytes: int, name: str) -> None:
+    """Checks that a Tensor message's dtype and byte length fit its (already checked) shape."""
+    dtype = DTYPE_NAME.get(wire_dtype)
+    if dtype is None:
+        raise InvalidArgument(f"{name}: dtype {wire_dtype} is not one of BF16, F16, F32")
+    need = math.prod(shape) * ITEMSIZE[wire_dtype]
+    if need != nbytes:
+        raise InvalidArgument(f"{name}: shape {list(shape)} of {dtype} needs {need} bytes, got {nbytes}")
+
+
+def row_digests(raw: Sequence[Any], rows: int) -> tuple[int, ...]:
+    """A cheap digest of each session's inputs as sent: a CRC-32 over its rows of q, k, v, a, b
+    (sampled, see DIGEST_STRIDE). A session's digest is the same whatever other sessions shared
+    its request, so a retry may regroup sessions."""
+    if rows == 1:
+        crc = 0
+        for data in raw:
+            crc = zlib.crc32(data if len(data) <= DIGEST_FULL_ROW_BYTES else
+                             memoryview(data)[::DIGEST_STRIDE].tobytes(), crc)
+        return (crc,)
+    parts = []
+    for data in raw:
+        by_row = np.frombuffer(data, dtype=np.uint8).reshape(rows, -1)
+        parts.append(by_row if by_row.shape[1] <= DIGEST_FULL_ROW_BYTES else by_row[:, ::DIGEST_STRIDE])
+    return tuple(zlib.crc32(row) for row in np.concatenate(parts, axis=1))
+
+
+def has_nonfinite(data: Any, wire_dtype: int) -> bool:
+    """True when some value of `data` (a non-empty buffer of `wire_dtype` values) is NaN or Inf.
+
+    Reads the exponent bits: every masked word is <= the mask and equals it exactly where the
+    exponent is all ones (Inf or NaN), so one max decides."""
+    uint, mask = _NONFINITE_EXPONENT[wire_dtype]
+    return int(np.bitwise_and(np.frombuffer(data, dtype=uint), mask).max()) == mask
+
+
+def check_finite(raw: Sequence[Any]) -> None:
+    """InvalidArgument naming the first of q, k, v, a, b (their bf16 bytes) with a NaN or Inf.
+
+    A small step's five are checked as one buffer first: per-buffer numpy calls cost more than
+    its bytes do; a big step's are checked one by one, with no joined copy."""
+    if sum(map(len, raw)) <= CHECK_JOINED_BYTES and not has_nonfinite(b"".join(raw), gdn_pb2.BF16):
+        return
+    for name, data in zip(INPUT_NAMES, raw):
+        if len(data) and has_nonfinite(data, gdn_pb2.BF16):
+            raise nonfinite_input(name)
+
+
+def nonfinite_input(name: str) -> InvalidArgument:
+    """The error for input `name` (q, k, v, a or b) holding a NaN or Inf, wherever it is found."""
+    return InvalidArgument(f"{name} has NaN or Inf values")

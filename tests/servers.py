@@ -20,9 +20,6 @@ from typing import Iterator
 
 
 SMALL_MODEL = ("--layers", "3", "--q-heads", "2", "--v-heads", "4", "--head-dim", "128")
-# the suite run against the workers' gRPC in C (GDN_TEST_SERVER_FLAGS="... --frontend-transport
-# native"): servers that need TLS or the Python decode path (GDN_NATIVE=0) cannot start there
-NATIVE_TRANSPORT_MODE = "native" in os.environ.get("GDN_TEST_SERVER_FLAGS", "").replace("=", " ").split()
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 
@@ -55,14 +52,10 @@ def _pump(stream, sink: list[str]) -> None:
 
 @contextlib.contextmanager
 def start_server(*flags: str, timeout: float = 60.0, env: dict | None = None) -> Iterator[ServerProcess]:
-    """Starts a real server process and yields it once it accepts requests.
-
-    GDN_TEST_SERVER_TIMEOUT raises `timeout` (CUDA servers compile their kernels first)."""
-    timeout = max(timeout, float(os.environ.get("GDN_TEST_SERVER_TIMEOUT", 0)))
+    """Starts a real server process and yields it once it accepts requests (CUDA servers compile
+    their kernels first: give them a longer `timeout`)."""
     cmd = [sys.executable, "-m", "gdn_server", "--host", "127.0.0.1", "--port", "0", *flags]
-    extra = os.environ.get("GDN_TEST_SERVER_FLAGS", "").split()  # e.g. "--frontends 2": the suite in that mode
-    cmd += extra
-    if "--device" not in flags and "--device" not in extra:  # (argparse takes the last --device given)
+    if "--device" not in flags:
         cmd += ["--device", "cpu"]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,

@@ -25,10 +25,11 @@ def test_bad_command_lines_fail_with_a_reason(tmp_path):
         ("--preset", "qwen3-next", "--layers", "3"): "cannot be combined",
         ("--preset", "qwen3-next", "--weights", str(tmp_path / "missing.safetensors")): "--weights",
         ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--max-sessions", "0"): "--max-sessions",
-        ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--busy-poll-us", "-1"): "--busy-poll-us",
-        ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--batch-fill", "1.5"): "--batch-fill",
-        ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--batch-fill-max-us", "-1"): "--batch-fill-max-us",
-        ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--batch-fill-min-rows", "-1"): "--batch-fill-min-rows",
+        ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--max-concurrent-rpcs", "0"): "max-concurrent-rpcs",
+        ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--idle-connection-timeout-s", "0"):
+            "idle-connection-timeout-s",
+        ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--speculative-timeout-s", "0"):
+            "--speculative-timeout-s",
     }
     for args, reason in cases.items():
         stderr = cli_refusal(*args)

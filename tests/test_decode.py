@@ -43,23 +43,12 @@ def gates(tmp_path_factory):
     return path, A_log, dt_bias
 
 
-@pytest.fixture(scope="module", params=["thread", "loop", "loop-fill"],
-                ids=["scheduler-thread", "scheduler-on-loop", "scheduler-on-loop-batch-fill"])
-def server(gates, request):
-    """The CPU server with its scheduler on a thread (its default), and on the event loop (a GPU
-    server's default: the same rounds as loop callbacks, checked here without a GPU). On the
-    loop a round follows new work at once, so a step this small may well never wait for another:
-    there a queue delay makes concurrent clients' steps meet (and tests that it does). The third
-    holds launches for --batch-fill: every answer must stay the same under its holds."""
-    path = gates[0]
-    mode = ["--scheduler-runs-on", request.param.split("-")[0]]
-    if request.param == "loop":
-        mode += ["--max-queue-delay-us", "3000"]
-    elif request.param == "loop-fill":
-        # min rows 0: this suite's few clients are held too (the hold's path end to end)
-        mode += ["--batch-fill", "0.75", "--batch-fill-max-us", "3000", "--batch-fill-min-rows", "0"]
-    with start_server("--layers", str(LAYERS), "--q-heads", "2", "--v-heads", "4", "--weights", str(path),
-                      "--max-sessions", "40", *mode) as srv:
+@pytest.fixture(scope="module")
+def server(gates):
+    """The CPU server (its scheduler on a thread of its own). A queue delay makes concurrent
+    clients' steps meet in one launch (and tests that they do)."""
+    with start_server("--layers", str(LAYERS), "--q-heads", "2", "--v-heads", "4", "--weights", str(gates[0]),
+                      "--max-sessions", "40", "--max-queue-delay-us", "3000") as srv:
         yield srv
 
 

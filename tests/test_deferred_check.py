@@ -52,7 +52,9 @@ def test_the_scheduler_answers_unchecked_culprits_and_runs_the_rest_of_their_bat
     answers: list = [None] * len(works)
     for i, w in enumerate(works):
         scheduler.submit_decode(w, lambda r, i=i: answers.__setitem__(i, r))
-    scheduler._finish(scheduler.run_round([]))  # one batch of all four, answered
+    in_flight: list = []
+    scheduler._launch(scheduler._take_pending(), in_flight, quiet=True)  # one round: a batch of all four
+    scheduler._finish(in_flight)
     assert isinstance(answers[1], InvalidArgument) and str(answers[1]) == "v has NaN or Inf values"
     assert isinstance(answers[3], InvalidArgument) and str(answers[3]) == "b has NaN or Inf values"
     assert [a.positions for a in (answers[0], answers[2])] == [(1,), (1,)]

@@ -353,13 +353,13 @@ def _probe_position(env: Env, sid: str, layer: int) -> int:
     """The server's count for (sid, layer), found from its FAILED_PRECONDITION message."""
     x = random_inputs(1, 1, H, HV)
     try:
-        env.stub.Decode(decode_request(layer, [sid], x, positions=[2**63]), metadata=_md(MALLORY), timeout=30)
+        env.stub.Decode(decode_request(layer, [sid], x, positions=[2**62]), metadata=_md(MALLORY), timeout=30)
     except grpc.RpcError as e:
         assert e.code() == C.FAILED_PRECONDITION
         import re
 
         return int(re.search(r"count (\d+)", e.details()).group(1))
-    raise AssertionError("position 2**63 was accepted")
+    raise AssertionError("position 2**62 was accepted")
 
 
 def test_queue_bound_and_cancelled_requests():
@@ -406,7 +406,7 @@ def test_a_stream_pipelines_past_its_read_ahead_and_answers_in_order():
     """More requests in flight on one DecodeStream than it reads ahead (MAX_STREAM_IN_FLIGHT):
     the reader waits for room, and every reply comes back, in request order, with its position;
     a bad request in the middle is answered in its place without ending the stream."""
-    from gdn_server.decode_rpcs import MAX_STREAM_IN_FLIGHT
+    from gdn_server.servicer import MAX_STREAM_IN_FLIGHT
 
     n = 2 * MAX_STREAM_IN_FLIGHT + 20
     with start_server(*SMALL_MODEL) as s, grpc.insecure_channel(s.address) as ch:

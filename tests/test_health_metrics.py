@@ -39,13 +39,9 @@ def _probe(*args: str) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
-# every test here runs against the one-process server and against one with front-end workers
-MODES = [pytest.param((), id="one-process"), pytest.param(("--frontends", "2"), id="frontends")]
-
-
-@pytest.fixture(scope="module", params=MODES)
-def server(request):
-    with start_server(*SMALL_MODEL, "--metrics-port", "0", *request.param) as s:
+@pytest.fixture(scope="module")
+def server():
+    with start_server(*SMALL_MODEL, "--metrics-port", "0") as s:
         yield s
 
 
@@ -77,8 +73,7 @@ def _scrape(server) -> dict[str, list]:
 
 
 def _scrape_until(server, ok, timeout: float = 10.0) -> dict:
-    """Scrapes until `ok(metrics)`: with --frontends the engines write their gauges every
-    GAUGE_REFRESH_S, so a gauge may lag the RPC that changed it by that much."""
+    """Scrapes until `ok(metrics)` (a session closes as a control item, after the RPC's reply)."""
     deadline = time.monotonic() + timeout
     while True:
         m = _scrape(server)
@@ -127,59 +122,9 @@ def test_metrics(server):
         # 64 sessions' own states plus speculative scratch: 2 per layer for min(64, 32) sessions
         assert _value(m["gdn_state_pool_bytes"], "gdn_state_pool_bytes") == (64 + 2 * 32) * 2 * 3 * 4 * 128 * 128
         assert "gdn_queue_depth" in m
-        assert _value(m["gdn_batch_fill_rows_in_circulation"], "gdn_batch_fill_rows_in_circulation") == 0  # off
-        # the processes' own CPU, by role: the workers' and the engine's with --frontends
-        roles = ("worker", "engine") if "--frontends" in server.proc.args else ("server",)
-        m = _scrape_until(server, lambda m: all(
-            _value(m.get("gdn_process_cpu_seconds", []), "gdn_process_cpu_seconds_total", role=r) > 0 for r in roles))
-        assert {s.labels["role"] for s in m["gdn_process_cpu_seconds"] if s.name.endswith("_total")} == set(roles)
+        assert _value(m["gdn_process_cpu_seconds"], "gdn_process_cpu_seconds_total") > 0  # the process's own CPU
         stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=sid), timeout=10)
         _scrape_until(server, lambda m: _value(m["gdn_sessions_in_use"], "gdn_sessions_in_use") == 0)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_batch_fill_estimates_the_clients_stepping_in_closed_loops(mode):
-    """--batch-fill's estimate (Little's law over launches) comes out near the number of
-    clients that step in closed loops, read while all of them step (once some have stopped it
-    falls, as it should), and every step is still answered in order."""
-    clients = 6
-    errors: list[BaseException] = []
-    steps = [0] * clients
-    stop = threading.Event()
-    with start_server(*SMALL_MODEL, "--metrics-port", "0", "--batch-fill", "0.5", *mode) as s:
-        def client(c: int) -> None:
-            try:
-                with grpc.insecure_channel(s.address) as ch:
-                    stub = gdn_pb2_grpc.GdnDecodeStub(ch)
-                    sid = stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10).session_id
-                    deadline = time.monotonic() + 60
-                    while not stop.is_set() and time.monotonic() < deadline:
-                        pos = steps[c]
-                        assert list(_step(stub, sid, pos, seed=c).positions) == [pos + 1]
-                        steps[c] = pos + 1
-            except BaseException as e:  # surfaced below
-                errors.append(e)
-
-        threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-        for t in threads:
-            t.start()
-        try:
-            deadline = time.monotonic() + 30
-            while min(steps) < 20 and not errors:  # every client is in its loop
-                assert time.monotonic() < deadline, f"clients too slow: {steps}"
-                time.sleep(0.05)
-            estimates = []
-            for _ in range(5):  # with --frontends the engine writes its gauges every 0.5 s
-                time.sleep(0.3)
-                m = _scrape(s)
-                estimates.append(_value(m["gdn_batch_fill_rows_in_circulation"], "gdn_batch_fill_rows_in_circulation"))
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(timeout=60)
-        assert not errors, errors[0]
-        estimate = sorted(estimates)[len(estimates) // 2]
-        assert clients / 1.75 <= estimate <= clients * 1.5, estimates
 
 
 def test_metrics_off_by_default():
@@ -187,10 +132,9 @@ def test_metrics_off_by_default():
         assert not any("metrics on" in line for line in s.log)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_sigterm_reports_not_serving_then_drains(mode):
+def test_sigterm_reports_not_serving_then_drains():
     """--shutdown-delay-s: NOT_SERVING at once, requests still served during the delay, exit 0."""
-    with start_server(*SMALL_MODEL, "--shutdown-delay-s", "3", *mode) as s:
+    with start_server(*SMALL_MODEL, "--shutdown-delay-s", "3") as s:
         with grpc.insecure_channel(s.address) as ch:
             stub = gdn_pb2_grpc.GdnDecodeStub(ch)
             sid = stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10).session_id
@@ -208,10 +152,9 @@ def test_sigterm_reports_not_serving_then_drains(mode):
         assert time.monotonic() - t0 >= 2.5
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_sigterm_lets_in_flight_requests_finish(mode):
+def test_sigterm_lets_in_flight_requests_finish():
     # --max-queue-delay-us keeps a request pending for 1.5 s: it is surely in flight at SIGTERM
-    with start_server(*SMALL_MODEL, "--max-queue-delay-us", "1500000", *mode) as s:
+    with start_server(*SMALL_MODEL, "--max-queue-delay-us", "1500000") as s:
         with grpc.insecure_channel(s.address) as ch:
             stub = gdn_pb2_grpc.GdnDecodeStub(ch)
             sid = stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10).session_id

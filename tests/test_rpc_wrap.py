@@ -8,15 +8,15 @@ import contextlib
 import grpc
 import grpc.aio
 
-from gdn_server.rpc_wrap import Serialized, serialized_responses_ok, wrap_handler
+from gdn_server.rpc_wrap import wrap_handler
 
 _SERVICE, _METHOD = "test.Wrap", "Stream"
 
 
 async def _reader_writer(requests, context) -> None:
-    """Answers each request with context.write, pre-serialized where the handler passes that on."""
+    """Answers each request with context.write."""
     async for message in requests:
-        await context.write(Serialized(b"as is:" + message) if serialized_responses_ok() else message)
+        await context.write(message)
 
 
 async def _call(handler: grpc.RpcMethodHandler, requests: list[bytes]) -> list[bytes]:
@@ -32,7 +32,7 @@ async def _call(handler: grpc.RpcMethodHandler, requests: list[bytes]) -> list[b
         await server.stop(None)
 
 
-def test_two_wrappings_map_each_request_outer_first_and_pass_serialized_replies():
+def test_two_wrappings_map_each_request_outer_first_and_keep_the_serializer():
     seen: list[str] = []
 
     def around(name):
@@ -52,13 +52,6 @@ def test_two_wrappings_map_each_request_outer_first_and_pass_serialized_replies(
 
     replies = asyncio.run(_call(outer, [b"a", b"b"]))
 
-    # both maps ran, the outer wrapping's first; the replies' bytes went out as they were
-    assert replies == [b"as is:a+outer+inner", b"as is:b+outer+inner"]
+    # both maps ran, the outer wrapping's first; the replies went through the handler's serializer
+    assert replies == [b"serialized:a+outer+inner", b"serialized:b+outer+inner"]
     assert seen == ["enter outer", "enter inner", "exit inner", "exit outer"]
-
-
-def test_an_unwrapped_reader_writer_handler_gets_the_message_serializer():
-    handler = grpc.stream_stream_rpc_method_handler(
-        _reader_writer, request_deserializer=bytes, response_serializer=lambda m: b"serialized:" + m
-    )
-    assert asyncio.run(_call(handler, [b"a"])) == [b"serialized:a"]

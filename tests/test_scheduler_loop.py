@@ -1,6 +1,7 @@
-"""The scheduler on an event loop (`Scheduler.start_on`), in-process with the CPU backend: the
-paths a server run does not reach on its own (stop from the loop's own thread, a round that
-raises), and the same answers as the scheduler on its thread."""
+"""The scheduler's two drivers, in-process with the CPU backend's math: on its own thread (a
+backend that computes on the host) and on the event loop (a backend whose launches finish later,
+as a device's do). The paths a CPU server run does not reach on its own: the loop driver, its
+waiter thread, stop from the loop's own thread, a round that raises."""
 from __future__ import annotations
 
 import asyncio
@@ -50,11 +51,12 @@ class _DeviceLikeBackend(CpuBackend):
         return _SlowStep(super().submit(batch))
 
 
-def _scheduler(device_wait: str = "auto", backend_type: type = CpuBackend) -> tuple[Scheduler, list[str]]:
-    backend = backend_type(SHAPE, random_gate_params(SHAPE, 0), 4)
-    sessions = SessionTable(4, SHAPE.num_layers, range(backend.home_rows, backend.pool_rows))
-    ids = [sessions.create().id for _ in range(3)]
-    return Scheduler(backend, sessions, SchedulerConfig(runs_on="loop", device_wait=device_wait)), ids
+def _scheduler(backend_type: type = CpuBackend, config: SchedulerConfig = SchedulerConfig(),
+               sessions_n: int = 3) -> tuple[Scheduler, list[str]]:
+    backend = backend_type(SHAPE, random_gate_params(SHAPE, 0), max(4, sessions_n))
+    sessions = SessionTable(max(4, sessions_n), SHAPE.num_layers, range(backend.home_rows, backend.pool_rows))
+    ids = [sessions.create().id for _ in range(sessions_n)]
+    return Scheduler(backend, sessions, config), ids
 
 
 def _work(session_id: str, layer: int, seed: int) -> DecodeWork:
@@ -65,12 +67,9 @@ def _work(session_id: str, layer: int, seed: int) -> DecodeWork:
     return DecodeWork(layer, (session_id,), **x)
 
 
-async def _run_steps(scheduler: Scheduler, ids: list[str], on_loop: bool) -> list:
+async def _run_steps(scheduler: Scheduler, ids: list[str]) -> list:
     loop = asyncio.get_running_loop()
-    if on_loop:
-        scheduler.start_on(loop)
-    else:
-        scheduler.start()
+    scheduler.start(loop)
     futures = []
     for step in range(4):
         for i, sid in enumerate(ids):
@@ -79,7 +78,7 @@ async def _run_steps(scheduler: Scheduler, ids: list[str], on_loop: bool) -> lis
                                     lambda r, f=fut: loop.call_soon_threadsafe(f.set_result, r))
             futures.append(fut)
     results = await asyncio.wait_for(asyncio.gather(*futures), 30)
-    if on_loop:
+    if scheduler.backend.asynchronous:
         scheduler.stop()  # on the loop's own thread: it runs what is left itself
     else:
         await loop.run_in_executor(None, scheduler.stop)
@@ -87,124 +86,66 @@ async def _run_steps(scheduler: Scheduler, ids: list[str], on_loop: bool) -> lis
     return results
 
 
-def test_the_loop_answers_as_the_thread_does_and_stops_on_its_own_thread():
+def test_the_loop_answers_as_the_thread_does_and_waits_on_a_thread_only_under_load():
     outs = {}
-    for on_loop in (False, True):
-        scheduler, ids = _scheduler()
-        results = asyncio.run(_run_steps(scheduler, ids, on_loop))
+    for backend_type in (CpuBackend, _DeviceLikeBackend):
+        scheduler, ids = _scheduler(backend_type)
+        results = asyncio.run(_run_steps(scheduler, ids))
         assert all(not isinstance(r, BaseException) for r in results), results
-        outs[on_loop] = [(r.out, r.positions) for r in results]
-    assert outs[True] == outs[False]
-
-
-def test_a_round_that_raises_answers_the_queued_work():
-    scheduler, ids = _scheduler()
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("bug")
-
-    scheduler._launch = broken  # what a bug in admission would do
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        scheduler.start_on(loop)
-        fut = loop.create_future()
-        scheduler.submit_decode(_work(ids[0], 0, 1), fut.set_result)
-        result = await asyncio.wait_for(fut, 10)
-        await asyncio.sleep(0.05)  # no round spins on after it
-        assert not scheduler._round_scheduled
-        return result
-
-    result = asyncio.run(main())
-    assert isinstance(result, GdnError) and "internal scheduler error" in str(result)
-
-
-def test_runs_on_and_device_wait_are_checked():
-    with pytest.raises(ValueError, match="runs_on"):
-        SchedulerConfig(runs_on="gpu")
-    with pytest.raises(ValueError, match="device_wait"):
-        SchedulerConfig(device_wait="spin")
-
-
-def test_every_device_wait_answers_alike_and_auto_uses_the_waiter_only_under_load():
-    """Launches that take milliseconds: polled once per loop iteration, waited for by the waiter
-    thread, or (auto) polled while one request is in flight and waited for once several are. The
-    answers are the same; the waiter thread exists only where it was used."""
-    outs, waited = {}, {}
-    for mode in ("poll", "thread", "auto", "inline"):
-        scheduler, ids = _scheduler(mode, _DeviceLikeBackend)
-        results = asyncio.run(_run_steps(scheduler, ids, on_loop=True))
-        assert all(not isinstance(r, BaseException) for r in results), results
-        outs[mode] = [(r.out, r.positions) for r in results]
-        waited[mode] = scheduler._waiter is not None
-    assert outs["poll"] == outs["thread"] == outs["auto"] == outs["inline"]
-    # _run_steps queues 12 requests at once; inline waits in the round itself
-    assert waited == {"poll": False, "thread": True, "auto": True, "inline": False}
+        outs[backend_type] = [(r.out, r.positions) for r in results]
+    assert outs[CpuBackend] == outs[_DeviceLikeBackend]
+    # _run_steps queues 12 requests at once: the loop left their launches' waits to the waiter thread
+    assert scheduler._waiter is not None
 
     async def one_at_a_time(scheduler, ids):
         loop = asyncio.get_running_loop()
-        scheduler.start_on(loop)
+        scheduler.start(loop)
         for step in range(3):
             fut = loop.create_future()
             scheduler.submit_decode(_work(ids[0], 0, step), fut.set_result)
             assert not isinstance(await asyncio.wait_for(fut, 10), BaseException)
         scheduler.stop()
 
-    scheduler, ids = _scheduler("auto", _DeviceLikeBackend)
+    scheduler, ids = _scheduler(_DeviceLikeBackend)
     asyncio.run(one_at_a_time(scheduler, ids))
     assert scheduler._waiter is None  # one request per launch: polled, no thread hand-off
 
 
-def test_inline_answers_each_launch_in_the_round_that_made_it():
-    """device_wait 'inline': a round's launch is answered before the round returns, so nothing
-    is left in flight between rounds and no later round is needed to answer it."""
-    scheduler, ids = _scheduler("inline", _DeviceLikeBackend)
-    in_flight_after_rounds = []
-    advance = scheduler._advance
+@pytest.mark.parametrize("backend_type", [CpuBackend, _DeviceLikeBackend], ids=["thread", "loop"])
+def test_a_round_that_raises_answers_its_work_with_internal_and_the_scheduler_goes_on(backend_type):
+    scheduler, ids = _scheduler(backend_type)
+    launch = scheduler._launch
+    calls = []
 
-    def recording_advance() -> bool:
-        again = advance()
-        in_flight_after_rounds.append(len(scheduler._in_flight))
-        return again
+    def broken_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("bug")  # what a bug in admission would do
+        return launch(*args, **kwargs)
 
-    scheduler._advance = recording_advance
+    scheduler._launch = broken_once
 
-    async def main() -> list:
+    async def main():
         loop = asyncio.get_running_loop()
-        scheduler.start_on(loop)
+        scheduler.start(loop)
         results = []
-        for step in range(3):
-            futs = [loop.create_future() for _ in ids]
-            for i, (sid, fut) in enumerate(zip(ids, futs)):
-                scheduler.submit_decode(_work(sid, 0, 10 * step + i), fut.set_result)
-            results += await asyncio.wait_for(asyncio.gather(*futs), 10)
-        scheduler.stop()
+        for seed in (1, 2):
+            fut = loop.create_future()
+            scheduler.submit_decode(_work(ids[0], 0, seed), lambda r, f=fut: loop.call_soon_threadsafe(f.set_result, r))
+            results.append(await asyncio.wait_for(fut, 10))
+        await asyncio.sleep(0.05)
+        assert not scheduler._round_posted  # no round spins on after it
+        if backend_type is CpuBackend:
+            await loop.run_in_executor(None, scheduler.stop)
+        else:
+            scheduler.stop()
         return results
 
-    results = asyncio.run(main())
-    assert all(not isinstance(r, BaseException) for r in results), results
-    assert [r.positions for r in results[-3:]] == [(3,)] * 3
-    assert in_flight_after_rounds and set(in_flight_after_rounds) == {0}
-    assert scheduler.stats.launches == 3  # each step's three requests in one launch
-    assert scheduler._waiter is None
-
-
-def test_auto_answers_inline_only_on_a_loop_that_serves_no_rpcs_and_only_one_scheduler():
-    """device_wait 'auto': an engine's scheduler (its loop serves only the --frontends link) alone
-    on its loop waits for the device in the launching round; a loop that serves gRPC, or holds
-    several devices' schedulers, never waits on a device."""
-
-    async def inline_on_loop(serves_rpcs: bool, schedulers: int) -> list[bool]:
-        loop = asyncio.get_running_loop()
-        made = [_scheduler("auto", _DeviceLikeBackend)[0] for _ in range(schedulers)]
-        for scheduler in made:
-            scheduler.loop_serves_rpcs = serves_rpcs
-            scheduler.start_on(loop)
-        return [scheduler.answers_inline() for scheduler in made]
-
-    assert asyncio.run(inline_on_loop(False, 1)) == [True]
-    assert asyncio.run(inline_on_loop(True, 1)) == [False]
-    assert asyncio.run(inline_on_loop(False, 2)) == [False, False]
+    failed, served = asyncio.run(main())
+    assert isinstance(failed, GdnError) and failed.code == grpc.StatusCode.INTERNAL
+    assert "internal scheduler error" in str(failed)
+    assert isinstance(served, DecodeResult) and served.positions == (1,)  # the failed round applied nothing
+    assert scheduler.alive
 
 
 def test_a_launch_whose_wait_returns_early_is_polled_to_its_end():
@@ -223,35 +164,32 @@ def test_a_launch_whose_wait_returns_early_is_polled_to_its_end():
         def submit(self, batch):
             return _EarlyWait(CpuBackend.submit(self, batch))
 
-    async def one_step(scheduler, ids):
+    async def two_requests(scheduler, ids):
         loop = asyncio.get_running_loop()
-        scheduler.start_on(loop)
-        fut = loop.create_future()
-        scheduler.submit_decode(_work(ids[0], 0, 1), fut.set_result)
-        result = await asyncio.wait_for(fut, 5)  # a launch nobody polls would never be answered
+        scheduler.start(loop)
+        futs = [loop.create_future() for _ in range(2)]
+        for i, fut in enumerate(futs):  # two requests in one launch: the loop hands its wait to the waiter
+            scheduler.submit_decode(_work(ids[i], 0, i), fut.set_result)
+        results = await asyncio.wait_for(asyncio.gather(*futs), 5)  # a launch nobody polls would never be answered
         scheduler.stop()
-        return result
+        return results
 
-    scheduler, ids = _scheduler("thread", _Backend)
-    result = asyncio.run(one_step(scheduler, ids))
-    assert not isinstance(result, BaseException), result
+    scheduler, ids = _scheduler(_Backend)
+    results = asyncio.run(two_requests(scheduler, ids))
+    assert all(not isinstance(r, BaseException) for r in results), results
     assert scheduler._waiter is not None
 
 
 def test_requests_from_another_thread_during_a_queue_delay_are_all_answered():
     """submit_decode may come from any thread. With --max-queue-delay-us the loop's round looks
     for the oldest pending request; a request queued from another thread meanwhile must not break
-    that look (the H200 run of --frontends 8 with a 400 us delay answered 38 of 46,697 requests
-    'internal scheduler error: deque mutated during iteration' while the link read on a thread)."""
-    backend = _DeviceLikeBackend(SHAPE, random_gate_params(SHAPE, 0), 16)
-    sessions = SessionTable(16, SHAPE.num_layers, range(backend.home_rows, backend.pool_rows))
-    ids = [sessions.create().id for _ in range(16)]
-    scheduler = Scheduler(backend, sessions, SchedulerConfig(runs_on="loop", max_queue_delay_us=200))
+    that look (the deque must not be iterated while another thread appends to it)."""
+    scheduler, ids = _scheduler(_DeviceLikeBackend, SchedulerConfig(max_queue_delay_us=200), sessions_n=16)
     works = [_work(sid, 0, i) for i, sid in enumerate(ids)]
 
     async def main() -> list:
         loop = asyncio.get_running_loop()
-        scheduler.start_on(loop)
+        scheduler.start(loop)
         results: list = []
         answered = asyncio.Event()
         total = 3000
@@ -281,27 +219,28 @@ def test_requests_from_another_thread_during_a_queue_delay_are_all_answered():
     assert len(results) == 3000 and not errors, errors[:3]
 
 
-def test_a_batch_of_requests_queues_in_order_until_the_queue_is_full():
-    """submit_decodes (the front-end link's reads) queues like submit_decode one by one: in
-    order, up to --max-queue-rows (a first request bigger than that still runs alone), the rest
-    refused with UNAVAILABLE at once; after stop_accepting, every one is refused."""
-    backend = CpuBackend(SHAPE, random_gate_params(SHAPE, 0), 4)
-    sessions = SessionTable(4, SHAPE.num_layers, range(backend.home_rows, backend.pool_rows))
-    ids = [sessions.create().id for _ in range(3)]
-    scheduler = Scheduler(backend, sessions, SchedulerConfig(max_queue_rows=2))  # not started: nothing runs
+def test_requests_queue_in_order_until_the_queue_is_full():
+    """Requests queue in order up to --max-queue-rows (a first request bigger than that still
+    runs alone), the rest refused with UNAVAILABLE at once; after stop_accepting, every one is."""
+    scheduler, ids = _scheduler(CpuBackend, SchedulerConfig(max_queue_rows=2))  # not started: nothing runs
     answers: dict[str, object] = {}
 
-    def request(i: int) -> tuple:
-        return _work(ids[i], 0, seed=i), (lambda result, i=i: answers.__setitem__(f"r{i}", result)), None
+    def submit(i: int) -> None:
+        scheduler.submit_decode(_work(ids[i], 0, seed=i), lambda result, i=i: answers.__setitem__(f"r{i}", result))
 
-    scheduler.submit_decodes([request(0), request(1), request(2)])
+    for i in range(3):
+        submit(i)
     assert scheduler.queue_depth() == 2
     assert list(answers) == ["r2"] and answers["r2"].code == grpc.StatusCode.UNAVAILABLE
     assert "queue is full" in str(answers["r2"])
     scheduler.stop_accepting()
-    scheduler.submit_decodes([request(2)])
+    submit(2)
     assert scheduler.queue_depth() == 2 and "shutting down" in str(answers["r2"])
-    previous = scheduler.run_round([])  # what was queued still runs, in order
-    scheduler.run_round(previous)
-    assert [sessions.find(i).positions[0] for i in ids] == [1, 1, 0]
+
+    async def drain():
+        scheduler.start(asyncio.get_running_loop())  # what was queued still runs, in order
+        await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+
+    asyncio.run(drain())
+    assert [scheduler.sessions.find(i).positions[0] for i in ids] == [1, 1, 0]
     assert isinstance(answers["r0"], DecodeResult) and isinstance(answers["r1"], DecodeResult)

@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from servers import NATIVE_TRANSPORT_MODE, SMALL_MODEL, start_server
+from servers import SMALL_MODEL, start_server
 from gdn_client import Client, ClientOptions, GdnError
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server.security import load_tokens
@@ -228,7 +228,6 @@ def test_client_library_sends_the_token(token_server):
 
 
 # -- TLS and mutual TLS ----------------------------------------------------------------------
-@pytest.mark.skipif(NATIVE_TRANSPORT_MODE, reason="--frontend-transport native serves no TLS")
 def test_tls(pki):
     with start_server(*SMALL_MODEL, "--tls-cert", str(pki["server.pem"]), "--tls-key", str(pki["server.key"])) as s:
         with _tls_channel(s.address, pki) as ch:
@@ -244,7 +243,6 @@ def test_tls(pki):
             assert client.model_info().num_layers == 3
 
 
-@pytest.mark.skipif(NATIVE_TRANSPORT_MODE, reason="--frontend-transport native serves no TLS")
 def test_mutual_tls_identity(pki):
     flags = ("--tls-cert", str(pki["server.pem"]), "--tls-key", str(pki["server.key"]),
              "--tls-client-ca", str(pki["ca.pem"]), "--max-sessions-per-client", "2")

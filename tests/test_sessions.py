@@ -434,15 +434,10 @@ class LoadClient(threading.Thread):
                 conn.close()
 
 
-@pytest.mark.parametrize("mode", [
-    pytest.param((), id="one-process"),
-    pytest.param(("--scheduler-runs-on", "loop"), id="scheduler-on-loop"),  # drains from an executor thread
-    pytest.param(("--frontends", "2"), id="frontends"),
-])
-def test_sigterm_under_load_then_restore(tmp_path, weights, gates, mode):
+def test_sigterm_under_load_then_restore(tmp_path, weights, gates):
     state_dir = str(tmp_path / "state")
     clients_n, steps = 16, 12
-    flags = (*MODEL, "--weights", weights, "--state-dir", state_dir, "--max-sessions", "32", *mode)
+    flags = (*MODEL, "--weights", weights, "--state-dir", state_dir, "--max-sessions", "32")
     deadline = time.monotonic() + 120
     with start_server(*flags) as first:
         conn = Conn(first.address)
@@ -493,15 +488,7 @@ def saved_snapshot(tmp_path_factory, weights) -> tuple[Path, list[Cursor]]:
     return state_dir, cursors
 
 
-def _snapshot_root(state_dir: Path) -> Path:
-    """Where the snapshot is: DIR itself, or DIR/device-0 for a server with --frontends (one engine
-    process per device; these tests use one device)."""
-    return state_dir if (state_dir / "manifest.json").exists() or not (state_dir / "device-0").is_dir() \
-        else state_dir / "device-0"
-
-
 def _damage(state_dir: Path, how: str) -> None:
-    state_dir = _snapshot_root(state_dir)
     manifest_path = state_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     session_file = state_dir / manifest["sessions"][1]["file"]
@@ -539,7 +526,7 @@ def test_damaged_snapshot_is_refused_whole(tmp_path, weights, saved_snapshot, ho
         conn.close()
         log = "".join(server.log)
     assert "ERROR" in log and "refusing the session snapshot" in log, log
-    root = _snapshot_root(state_dir)
+    root = state_dir
     assert len(list(root.glob("rejected-*/manifest.json"))) == 1  # kept for inspection
     assert json.loads((root / "manifest.json").read_text())["sessions"] == []  # the new, empty one
 

@@ -21,41 +21,19 @@ def test_freezing_start_up_objects_takes_them_out_of_the_collectors_passes():
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr
 
 
-def _first_threshold_in_a_fresh_process(env_value: str | None) -> subprocess.CompletedProcess:
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k != "GDN_GC_GEN0"}
-    if env_value is not None:
-        env["GDN_GC_GEN0"] = env_value
+def test_importing_the_server_changes_nothing_in_the_environment():
+    """No environment variable is set or changed by importing any server module (torch's thread
+    pool and gRPC's I/O read theirs when they load: an import must not choose for the operator)."""
     code = (
-        "import gc\n"
-        "from gdn_server.tuning import tune_gc\n"
-        "set_to = tune_gc()\n"
-        "print(set_to, *gc.get_threshold())\n"
+        "import os, json\n"
+        "before = dict(os.environ)\n"
+        "import gdn_server, gdn_server.cli, gdn_server.server, gdn_server.backends.cpu\n"
+        "print(json.dumps({k: v for k, v in os.environ.items() if before.get(k) != v}))\n"
     )
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-
-
-def test_the_collectors_first_threshold_is_raised_above_a_servers_objects_in_flight():
-    """tune_gc (every server process, the echo floor and gdn-loadtest call it at start) sets the
-    first threshold to 20,000 by default or to GDN_GC_GEN0, and leaves the older generations'."""
-    import gc
-
-    default = _first_threshold_in_a_fresh_process(None)
-    assert default.returncode == 0, default.stderr
-    set_to, gen0, gen1, gen2 = map(int, default.stdout.split())
-    assert set_to == gen0 == 20_000
-    assert (gen1, gen2) == gc.get_threshold()[1:]
-    cpython_own = _first_threshold_in_a_fresh_process("700")
-    assert cpython_own.returncode == 0 and cpython_own.stdout.split()[:2] == ["700", "700"], cpython_own.stderr
-
-
-def test_a_first_threshold_that_is_not_a_positive_number_is_refused_by_name():
-    """0 would turn automatic collection off altogether: refused, like a word."""
-    for wrong in ("0", "-5", "lots"):
-        out = _first_threshold_in_a_fresh_process(wrong)
-        assert out.returncode != 0
-        assert f"GDN_GC_GEN0 must be a positive number of objects, got {wrong!r}" in out.stderr
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("OMP_WAIT_POLICY", "GRPC_EXPERIMENTS")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "{}"
 
 
 def test_a_server_process_starts_with_the_raised_threshold():

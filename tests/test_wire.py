@@ -70,55 +70,6 @@ def test_inconsistent_messages_are_refused():
         tensor_to_proto(torch.zeros(2, dtype=torch.int64))
 
 
-# -- replies written without a protobuf message (gdn_server.decode_rpcs.decode_response_wire) ------------
-
-
-@pytest.mark.parametrize("rows,tokens", [(1, 1), (3, 2), (256, 1), (0, 1)])
-@pytest.mark.parametrize("positions,request_id", [((), ""), (None, "7"), (None, "r" * 300)])
-def test_reply_wire_is_the_message_serialized_byte_for_byte(rows, tokens, positions, request_id):
-    from gdn_server.decode_rpcs import decode_response, decode_response_wire
-    from gdn_server.work import DecodeResult
-
-    out = torch.randn(rows, tokens, 4, 8).bfloat16().view(torch.int16).numpy().tobytes()
-    if positions is None:  # large values take multi-byte varints
-        positions = tuple(2**40 + i for i in range(rows))
-    result = DecodeResult(out, (rows, tokens, 4, 8), positions, request_id)
-    wire_bytes = decode_response_wire(result)
-    assert wire_bytes == decode_response(result).SerializeToString()
-    parsed = gdn_pb2.DecodeResponse.FromString(wire_bytes)
-    assert tuple(parsed.positions) == positions and parsed.request_id == request_id
-    assert tuple(parsed.o.shape) == (rows, tokens, 4, 8) and parsed.o.data == out
-
-
-def test_wrapped_handlers_send_serialized_replies_as_they_are():
-    import asyncio
-    import contextlib
-
-    import grpc
-
-    from gdn_server.rpc_wrap import Serialized, serialized_responses_ok, wrap_handler
-
-    @contextlib.asynccontextmanager
-    async def around(context):
-        yield
-
-    seen: list[bool] = []
-
-    async def behaviour(request, context):
-        seen.append(serialized_responses_ok())
-        return Serialized(b"as is") if request == b"raw" else gdn_pb2.DecodeResponse(request_id="m")
-
-    handler = grpc.unary_unary_rpc_method_handler(
-        behaviour, request_deserializer=bytes, response_serializer=gdn_pb2.DecodeResponse.SerializeToString
-    )
-    wrapped = wrap_handler(wrap_handler(handler, around), around)  # as two interceptors would
-    for request, want in ((b"raw", b"as is"), (b"message", gdn_pb2.DecodeResponse(request_id="m").SerializeToString())):
-        reply = asyncio.run(wrapped.unary_unary(request, None))
-        assert wrapped.response_serializer(reply) == want
-    assert seen == [True, True]
-    assert serialized_responses_ok() is False  # only inside a call of a wrapped handler
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("where", [0, 1_500_000, -1])  # first chunk, second chunk, last value
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

@@ -146,5 +146,9 @@ class Backend(ABC):
     def synchronize(self) -> None:
         """Waits for all queued device work."""
 
+    def device_problem(self) -> str | None:
+        """Why the device cannot run work any more (asked after a launch failed), or None while it can."""
+        return None
+
     def close(self) -> None:
         """Releases device resources."""

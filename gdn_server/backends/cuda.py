@@ -184,6 +184,7 @@ class CudaBackend(Backend):
         device: str | torch.device = "cuda",
         rows_hint: int = 256,
         speculative_sessions: int | None = None,
+        memory_share: float = 1.0,
     ) -> None:
         self.device = torch.device(device)
         if self.device.index is None:
@@ -191,7 +192,7 @@ class CudaBackend(Backend):
         if max_sessions is None:
             # sessions plus their share of speculative scratch rows fit in a fraction of free memory
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * POOL_MEMORY_FRACTION)
+            budget = int(free * POOL_MEMORY_FRACTION * memory_share)
             per_session = shape.state_bytes_per_session
             if speculative_sessions is None:  # the default scratch is 2 sessions' worth for each of 32
                 budget -= 2 * 32 * per_session
@@ -426,6 +427,15 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+    def device_problem(self) -> str | None:
+        # a CUDA error that poisons the context (an illegal address, a lost device) fails every
+        # later call too: a plain synchronize tells it from a failure of one launch
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return None
 
     def close(self) -> None:
         self.stream.synchronize()

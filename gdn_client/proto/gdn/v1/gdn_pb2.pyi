@@ -33,7 +33,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("num_layers", "num_q_heads", "num_v_heads", "head_dim_k", "head_dim_v", "max_tokens_per_step", "max_sessions", "sessions_in_use", "backend", "state_dtype", "scale", "max_speculative_tokens", "devices")
+    __slots__ = ("num_layers", "num_q_heads", "num_v_heads", "head_dim_k", "head_dim_v", "max_tokens_per_step", "max_sessions", "sessions_in_use", "backend", "state_dtype", "scale", "max_speculative_tokens", "devices", "process_ports", "process_index")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_Q_HEADS_FIELD_NUMBER: _ClassVar[int]
     NUM_V_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,8 @@ class ModelInfo(_message.Message):
     SCALE_FIELD_NUMBER: _ClassVar[int]
     MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_PORTS_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_INDEX_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_q_heads: int
     num_v_heads: int
@@ -60,7 +62,9 @@ class ModelInfo(_message.Message):
     scale: float
     max_speculative_tokens: int
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
-    def __init__(self, num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_v_heads: _Optional[int] = ..., head_dim_k: _Optional[int] = ..., head_dim_v: _Optional[int] = ..., max_tokens_per_step: _Optional[int] = ..., max_sessions: _Optional[int] = ..., sessions_in_use: _Optional[int] = ..., backend: _Optional[str] = ..., state_dtype: _Optional[str] = ..., scale: _Optional[float] = ..., max_speculative_tokens: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ...) -> None: ...
+    process_ports: _containers.RepeatedScalarFieldContainer[int]
+    process_index: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_v_heads: _Optional[int] = ..., head_dim_k: _Optional[int] = ..., head_dim_v: _Optional[int] = ..., max_tokens_per_step: _Optional[int] = ..., max_sessions: _Optional[int] = ..., sessions_in_use: _Optional[int] = ..., backend: _Optional[str] = ..., state_dtype: _Optional[str] = ..., scale: _Optional[float] = ..., max_speculative_tokens: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., process_ports: _Optional[_Iterable[int]] = ..., process_index: _Optional[int] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
     __slots__ = ("index", "name", "max_sessions", "sessions_in_use")

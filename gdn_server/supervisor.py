@@ -1,0 +1,190 @@
+"""`gdn-server --processes K`: K plain server processes per device on one host, and a small
+supervisor over them.
+
+One server process is bound by Python's per-message gRPC work long before its GPU is: several
+processes sharing the GPU serve more steps per second than one (docs/performance.md). Each
+process here is exactly the server of one process (gdn_server.server), on a port of its own,
+with its own share of the device's memory and its own snapshot directory. No process talks to
+another: a session lives in the process that created it, and its id names that process
+("p<index>.<random>"). ModelInfo lists every process's port, so gdn_client sends each session's
+calls to its home; a client that sends them elsewhere gets FAILED_PRECONDITION naming the port.
+
+The supervisor starts the processes (ports PORT, PORT+1, ... or free ones with --port 0), prints
+where each listens and then `listening on HOST:PORT` of the first once all of them serve, restarts
+a process that dies (its sessions are lost unless it wrote a snapshot), and forwards SIGTERM and
+SIGINT, so that each process drains and writes its snapshot. It exits with the worst exit status
+of its processes.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+_LISTENING = re.compile(r"^listening on (\S+):(\d+)")
+RESTART_DELAY_S = 1.0  # before restarting a process that died; doubled for each quick death
+MAX_RESTART_DELAY_S = 30.0
+STABLE_AFTER_S = 60.0  # a process that served this long is fine again: the next restart is quick
+# the extra flags of each process: its place among its peers, and every peer's port
+CHILD_FLAGS = ("--process-index", "--process-ports")
+
+
+@dataclass
+class _Child:
+    index: int
+    device: int | None  # None: the CPU
+    port: int
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    listening: threading.Event = field(default_factory=threading.Event)
+    restarts: int = 0
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """`count` ports free on `host` right now (bound and released at once)."""
+    sockets, ports = [], []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            s.bind((host, 0))
+            sockets.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in sockets:
+            s.close()
+    return ports
+
+
+def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """`argv` without `flags` and their values (`--flag value` or `--flag=value`)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in flags:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def child_argvs(argv: list[str], host: str, port: int, processes: int, devices: list[int] | None,
+                state_dir: str | None, metrics_port: int | None) -> list[_Child]:
+    """Each process's command line: the supervisor's own flags, with its port, device, snapshot
+    directory and metrics port, and its place among its peers."""
+    per_device = [None] if devices is None else devices
+    count = processes * len(per_device)
+    ports = list(range(port, port + count)) if port else free_ports(host, count)
+    base = _without(argv, ("--port", "--devices", "--state-dir", "--metrics-port", *CHILD_FLAGS))
+    children = []
+    for index in range(count):
+        device = per_device[index // processes]
+        args = [*base, "--port", str(ports[index]), "--process-index", str(index),
+                "--process-ports", ",".join(map(str, ports))]
+        if device is not None:
+            args += ["--devices", str(device)]
+        if state_dir:
+            args += ["--state-dir", os.path.join(state_dir, f"process-{index}")]
+        if metrics_port is not None:
+            args += ["--metrics-port", str(metrics_port + index if metrics_port else 0)]
+        children.append(_Child(index, device, ports[index], args))
+    return children
+
+
+class Supervisor:
+    def __init__(self, children: list[_Child], host: str) -> None:
+        self.children = children
+        self.host = host
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+
+    def _start(self, child: _Child) -> None:
+        child.listening.clear()
+        child.proc = subprocess.Popen(
+            [sys.executable, "-m", "gdn_server", *child.argv],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        )
+        child.started = time.monotonic()
+        threading.Thread(target=self._relay, args=(child, child.proc), daemon=True).start()
+
+    def _relay(self, child: _Child, proc: subprocess.Popen) -> None:
+        """Reprints a process's output under its index, and notes when it listens."""
+        where = "cpu" if child.device is None else f"cuda:{child.device}"
+        for line in iter(proc.stdout.readline, ""):
+            listening = _LISTENING.match(line) is not None
+            if listening:
+                line = f"process {child.index} ({where}) serving on {self.host}:{child.port}\n"
+            else:
+                line = f"[process {child.index}] {line}"
+            with self._lock:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            if listening:
+                child.listening.set()
+
+    def run(self, start_timeout_s: float = 600.0) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stopping.set())
+        for child in self.children:
+            self._start(child)
+        deadline = time.monotonic() + start_timeout_s
+        for child in self.children:
+            while not child.listening.wait(0.1):
+                if child.proc.poll() is not None or time.monotonic() > deadline or self.stopping.is_set():
+                    log.error("process %d did not start (exit status %s): stopping every process",
+                              child.index, child.proc.poll())
+                    return max(self._stop_all(), 2)
+        print(f"listening on {self.host}:{self.children[0].port}", flush=True)
+        while not self.stopping.wait(0.2):
+            for child in self.children:
+                if child.proc.poll() is not None:
+                    self._restart(child)
+        return self._stop_all()
+
+    def _restart(self, child: _Child) -> None:
+        status = child.proc.returncode
+        quick = time.monotonic() - child.started < STABLE_AFTER_S
+        child.restarts = child.restarts + 1 if quick else 0
+        delay = min(RESTART_DELAY_S * 2 ** max(child.restarts - 1, 0), MAX_RESTART_DELAY_S)
+        log.error("process %d (port %d) exited with status %s: restarting it in %.0f s",
+                  child.index, child.port, status, delay)
+        if not self.stopping.wait(delay):
+            self._start(child)
+
+    def _stop_all(self, timeout_s: float = 120.0) -> int:
+        """SIGTERM to every process (each drains and writes its snapshot); returns the worst exit status."""
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        worst = 0
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            if child.proc is None:
+                continue
+            try:
+                status = child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.error("process %d did not stop in time: killed", child.index)
+                child.proc.kill()
+                status = child.proc.wait()
+            worst = max(worst, abs(status))
+        return worst
+
+
+def device_count() -> int:
+    """CUDA devices visible to this host (0 without a GPU)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
