@@ -10,17 +10,19 @@
 ...             o = s.decode(layer, torch.randn(1, H, K), torch.randn(1, H, K),
 ...                          torch.randn(1, HV, K), torch.randn(1, HV), torch.randn(1, HV))
 
-`AsyncClient` is the asyncio twin; `Client.stream()` pipelines steps over one DecodeStream.
-All failures raise `GdnError` (``.code`` is the grpc.StatusCode).
+`AsyncClient` is the asyncio twin; `Client.stream()` pipelines steps over DecodeStream.
+All failures raise `GdnError` (``.code`` is the grpc.StatusCode). A host running several server
+processes (``gdn-server --processes K``) is reached through its one address: the client sends
+each session's calls to the process it lives in. `ReplicaSet` spreads sessions over hosts.
 """
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
-# Each public name and the module that defines it, imported on first use: `gdn_client.proto`
-# (the stubs) and `gdn_client._h2_native` then load without torch, which the server's
-# front-end workers import and never need for bf16 requests (~2 s of CPU and ~200 MB each).
+# Each public name and the module that defines it, imported on first use: a program that uses
+# only the error types or options, the stubs (`gdn_client.proto`) or `gdn_client.wire_checks`
+# then loads no torch (~2 s of CPU and ~200 MB).
 _EXPORTS = {
     "AsyncClient": "_aio", "AsyncSession": "_aio",
     "Client": "_client", "Session": "_client", "Speculation": "_client",

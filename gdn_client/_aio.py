@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 import grpc.aio
@@ -24,11 +24,12 @@ from gdn_client._codec import (
     prepare_step,
     stats_from_proto,
 )
-from gdn_client._errors import GdnError, NotFoundError, error_from_rpc
+from gdn_client._errors import GdnError, NotFoundError, ResourceExhaustedError, error_from_rpc
 from gdn_client._options import ClientOptions
+from gdn_client._routing import ProcessRoutes
 from gdn_client._sessions_ext import ExportedState
 from gdn_client._stream import AsyncDecodeStream
-from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
+from gdn_client.proto.gdn.v1 import gdn_pb2
 
 __all__ = ["AsyncClient", "AsyncSession"]
 
@@ -53,13 +54,18 @@ class AsyncClient:
     ...             o = await s.decode(0, q, k, v, a, b)              # bf16 [T, HV, V]
     ...         async with client.stream() as st:
     ...             outs = await asyncio.gather(*(st.submit(l, s2, q, k, v, a, b) for l in range(3)))
+
+    Follows the processes of a host running several (``gdn-server --processes K``) as `Client`
+    does, with the same routing (gdn_client._routing).
     """
 
     def __init__(self, target: str, options: ClientOptions | None = None) -> None:
         self.target = target
         self.options = options or ClientOptions()
-        self._channel = make_aio_channel(target, self.options)
-        self._stub = gdn_pb2_grpc.GdnDecodeStub(self._channel)
+        self._routes: ProcessRoutes[grpc.aio.Channel] = ProcessRoutes(
+            target, lambda t: make_aio_channel(t, self.options)
+        )
+        self._channel = self._routes.channel  # the target's
         self._metadata = self.options.call_metadata()
 
     async def _call(self, method: Any, request: Any, *, retry: bool = False) -> Any:
@@ -75,9 +81,45 @@ class AsyncClient:
             logger.info("%s; retrying in %.3f s", err, delay)
             await asyncio.sleep(delay)
 
+    async def _learn_processes(self) -> None:
+        """Asks the target for the server's processes unless known (see `Client`)."""
+        if not self._routes.known:
+            self._routes.learn(
+                await self._call(self._routes.stub.GetModelInfo, gdn_pb2.GetModelInfoRequest(), retry=True)
+            )
+
+    async def _stub_of(self, process: int | None) -> Any:
+        """The stub of server process `process` (None: the target)."""
+        if process is not None:
+            await self._learn_processes()
+        return self._routes.stub_of(process)
+
+    async def _stub_for(self, *session_ids: str) -> Any:
+        """The stub of the process these sessions live in (FailedPreconditionError if several)."""
+        return await self._stub_of(self._routes.home(session_ids))
+
+    async def _on_a_process_with_room(self, send: Callable[[Any], Awaitable[Any]]) -> Any:
+        """`await send(stub)` on the server's processes in new-session order, until one is not full."""
+        await self._learn_processes()
+        order = self._routes.new_session_order()
+        for process in order:
+            try:
+                return await send(self._routes.stub_of(process))
+            except ResourceExhaustedError as err:
+                full = err
+        raise self._routes.all_full(full)
+
     async def _run_step(self, step: PreparedStep) -> torch.Tensor:
         try:
-            reply = await self._call(self._stub.Decode, step.request, retry=True)
+            stub = await self._stub_for(*step.request.session_ids)
+        except GdnError as err:
+            step.fail(err)  # not sent
+            raise
+        except asyncio.CancelledError:
+            step.fail(GdnError("cancelled"))
+            raise
+        try:
+            reply = await self._call(stub.Decode, step.request, retry=True)
         except GdnError as err:
             step.fail(err, in_doubt=err.retryable)
             raise
@@ -86,23 +128,59 @@ class AsyncClient:
             raise
         return step.complete(reply)
 
+    async def _close(self, session_id: str, *, retry: bool) -> None:
+        request = gdn_pb2.CloseSessionRequest(session_id=session_id)
+        await self._call((await self._stub_for(session_id)).CloseSession, request, retry=retry)
+
     async def model_info(self) -> ModelInfo:
-        """The served model's shape and capacity."""
-        return model_info_from_proto(
-            await self._call(self._stub.GetModelInfo, gdn_pb2.GetModelInfoRequest(), retry=True)
+        """The served model's shape and capacity; on a host of several server processes, the
+        sessions and capacity are the whole host's (see `Client.model_info`).
+
+        >>> async def free_sessions(target: str) -> int:               # doctest: +SKIP
+        ...     async with AsyncClient(target) as client:
+        ...         info = await client.model_info()
+        ...         return info.max_sessions - info.sessions_in_use
+        """
+        request = gdn_pb2.GetModelInfoRequest()
+        target_info = await self._call(self._routes.stub.GetModelInfo, request, retry=True)
+        self._routes.learn(target_info)
+        processes = self._routes.other_processes()
+        replies = await asyncio.gather(
+            *(self._call(self._routes.stub_of(p).GetModelInfo, request, retry=True) for p in processes),
+            return_exceptions=True,
         )
+        others = []
+        for process, reply in zip(processes, replies):
+            if isinstance(reply, GdnError):
+                logger.warning("server process %d left out of model_info: %s", process, reply)
+            elif isinstance(reply, BaseException):
+                raise reply
+            else:
+                others.append(reply)
+        return model_info_from_proto(target_info, *others)
 
     async def stats(self) -> Stats:
-        """The server's counters (launches, rows per launch, requests)."""
-        return stats_from_proto(await self._call(self._stub.GetStats, gdn_pb2.GetStatsRequest(), retry=True))
+        """The target server process's counters (launches, rows per launch, requests)."""
+        return stats_from_proto(await self._call(self._routes.stub.GetStats, gdn_pb2.GetStatsRequest(), retry=True))
 
     async def create_session(self, colocate_with: "AsyncSession | str | None" = None) -> "AsyncSession":
         """Creates a session; close it with ``await s.close()`` or use ``async with``.
 
-        ``colocate_with``: on the same device as that session (see `Client.create_session`).
+        ``colocate_with``: in the same process and on the same device as that session (see
+        `Client.create_session`).
+
+        >>> async def pair(client: AsyncClient) -> tuple[AsyncSession, AsyncSession]:  # doctest: +SKIP
+        ...     s = await client.create_session()
+        ...     return s, await client.create_session(colocate_with=s)
         """
-        sid = colocate_with.id if isinstance(colocate_with, AsyncSession) else (colocate_with or "")
-        reply = await self._call(self._stub.CreateSession, gdn_pb2.CreateSessionRequest(colocate_with=sid))
+        buddy = colocate_with.id if isinstance(colocate_with, AsyncSession) else (colocate_with or "")
+        if buddy:
+            request = gdn_pb2.CreateSessionRequest(colocate_with=buddy)
+            reply = await self._call((await self._stub_for(buddy)).CreateSession, request)
+        else:
+            reply = await self._on_a_process_with_room(
+                lambda stub: self._call(stub.CreateSession, gdn_pb2.CreateSessionRequest())
+            )
         return AsyncSession(self, reply.session_id)
 
     @contextlib.asynccontextmanager
@@ -115,10 +193,11 @@ class AsyncClient:
             await s.close()
 
     async def close_session(self, session: "AsyncSession | str") -> None:
+        """Closes a session by object or id; raises NotFoundError if the server does not know it."""
         if isinstance(session, AsyncSession):
             await session.close()
             return
-        await self._call(self._stub.CloseSession, gdn_pb2.CloseSessionRequest(session_id=session))
+        await self._close(session, retry=False)
 
     async def decode_batch(
         self,
@@ -130,18 +209,29 @@ class AsyncClient:
         a: TensorLike,
         b: TensorLike,
     ) -> torch.Tensor:
-        """One atomic step for B sessions: [B, T, ...] inputs, bf16 o [B, T, HV, V]."""
+        """One atomic step for B sessions of one server process and device (see
+        `Client.decode_batch`): [B, T, ...] inputs, bf16 o [B, T, HV, V]."""
         step = prepare_step(layer, [s._cursor for s in sessions], q, k, v, a, b, single=False)
         return await self._run_step(step)
 
     async def import_state(self, exported: ExportedState) -> "AsyncSession":
-        """A new session on this server holding an exported state; not retried."""
-        try:
-            reply = await self._stub.ImportState(
-                iter(list(exported.chunks())), timeout=self.options.timeout, metadata=self._metadata
-            )
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
+        """A new session on this server holding an exported state; not retried.
+
+        >>> async def move(session: AsyncSession, to: AsyncClient) -> AsyncSession:  # doctest: +SKIP
+        ...     moved = await to.import_state(await session.export())
+        ...     await session.close()
+        ...     return moved
+        """
+
+        async def send(stub: Any) -> Any:
+            try:
+                return await stub.ImportState(
+                    iter(list(exported.chunks())), timeout=self.options.timeout, metadata=self._metadata
+                )
+            except grpc.RpcError as exc:
+                raise error_from_rpc(exc) from None
+
+        reply = await self._on_a_process_with_room(send)
         session = AsyncSession(self, reply.session_id)
         session._cursor._adopt(list(exported.header.positions))
         return session
@@ -151,7 +241,9 @@ class AsyncClient:
         return AsyncDecodeStream(self)
 
     async def close(self) -> None:
-        await self._channel.close()
+        """Closes the channels. Sessions stay open on the server until closed."""
+        for channel in self._routes.channels():
+            await channel.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -193,8 +285,9 @@ class AsyncSession:
 
     async def commit(self, accepted: int) -> dict[int, int]:
         """Keeps the first ``accepted`` tokens of every open speculative step; returns positions."""
+        stub = await self._client._stub_for(self.id)
         reply = await self._client._call(
-            self._client._stub.Commit, gdn_pb2.CommitRequest(session_id=self.id, accepted=accepted), retry=True
+            stub.Commit, gdn_pb2.CommitRequest(session_id=self.id, accepted=accepted), retry=True
         )
         self._cursor._adopt(list(reply.positions))
         return self.positions
@@ -202,7 +295,8 @@ class AsyncSession:
     async def fork(self) -> "AsyncSession":
         """A copy of this session (states and positions) on the same device; not retried."""
         self._cursor._require_settled("fork()")
-        reply = await self._client._call(self._client._stub.ForkSession, gdn_pb2.ForkSessionRequest(session_id=self.id))
+        stub = await self._client._stub_for(self.id)
+        reply = await self._client._call(stub.ForkSession, gdn_pb2.ForkSessionRequest(session_id=self.id))
         child = AsyncSession(self._client, reply.session_id)
         child._cursor._adopt(self._cursor.positions())
         return child
@@ -210,7 +304,8 @@ class AsyncSession:
     async def export(self) -> ExportedState:
         """This session's state and positions (see `AsyncClient.import_state`)."""
         self._cursor._require_settled("export()")
-        call = self._client._stub.ExportState(
+        stub = await self._client._stub_for(self.id)
+        call = stub.ExportState(
             gdn_pb2.ExportStateRequest(session_id=self.id), timeout=self._client.options.timeout,
             metadata=self._client._metadata,
         )
@@ -228,9 +323,7 @@ class AsyncSession:
             return
         self._cursor.closed = True
         try:
-            await self._client._call(
-                self._client._stub.CloseSession, gdn_pb2.CloseSessionRequest(session_id=self.id), retry=True
-            )
+            await self._client._close(self.id, retry=True)
         except NotFoundError:
             pass
 

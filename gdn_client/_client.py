@@ -18,10 +18,11 @@ from gdn_client._codec import (
     prepare_step,
     stats_from_proto,
 )
-from gdn_client._errors import GdnError, NotFoundError, error_from_rpc
+from gdn_client._errors import GdnError, NotFoundError, ResourceExhaustedError, error_from_rpc
 from gdn_client._options import ClientOptions
+from gdn_client._routing import ProcessRoutes
 from gdn_client._sessions_ext import ExportedState
-from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
+from gdn_client.proto.gdn.v1 import gdn_pb2
 
 if TYPE_CHECKING:
     from gdn_client._stream import DecodeStream
@@ -54,13 +55,20 @@ class Client:
     ...         o = s.decode(0, q, k, v, a, b)                        # bf16 [T, HV, V]
 
     ``options`` sets deadlines, retries, TLS and a bearer token (see `ClientOptions`).
+
+    A host that runs several server processes (``gdn-server --processes K``) is reached through
+    its one address as well: the client learns the processes' ports from GetModelInfo once (on
+    the first session call), opens a channel to each on the host of ``target`` (same options),
+    creates new sessions round robin over the processes, skipping full ones, and sends every call
+    of a session to the process it lives in (its id names it). Those ports must be reachable on
+    that host as the server reports them.
     """
 
     def __init__(self, target: str, options: ClientOptions | None = None) -> None:
         self.target = target
         self.options = options or ClientOptions()
-        self._channel = make_channel(target, self.options)
-        self._stub = gdn_pb2_grpc.GdnDecodeStub(self._channel)
+        self._routes: ProcessRoutes[grpc.Channel] = ProcessRoutes(target, lambda t: make_channel(t, self.options))
+        self._channel = self._routes.channel  # the target's
         self._metadata = self.options.call_metadata()
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -79,33 +87,99 @@ class Client:
             logger.info("%s; retrying in %.3f s", err, delay)
             time.sleep(delay)
 
+    def _learn_processes(self) -> None:
+        """Asks the target for the server's processes, unless they are known."""
+        if not self._routes.known:
+            self._routes.learn(self._call(self._routes.stub.GetModelInfo, gdn_pb2.GetModelInfoRequest(), retry=True))
+
+    def _stub_of(self, process: int | None) -> Any:
+        """The stub of server process `process` (None: the target)."""
+        if process is not None:
+            self._learn_processes()
+        return self._routes.stub_of(process)
+
+    def _stub_for(self, *session_ids: str) -> Any:
+        """The stub of the process these sessions live in; FailedPreconditionError if they live
+        in different ones."""
+        return self._stub_of(self._routes.home(session_ids))
+
+    def _on_a_process_with_room(self, send: Callable[[Any], _R]) -> _R:
+        """`send(stub)` to the server's processes in new-session order, until one is not full."""
+        self._learn_processes()
+        order = self._routes.new_session_order()
+        for process in order:
+            try:
+                return send(self._routes.stub_of(process))
+            except ResourceExhaustedError as err:
+                full = err
+        raise self._routes.all_full(full)
+
     def _run_step(self, step: PreparedStep) -> torch.Tensor:
         try:
-            reply = self._call(self._stub.Decode, step.request, retry=True)
+            stub = self._stub_for(*step.request.session_ids)
+        except GdnError as err:
+            step.fail(err)  # not sent
+            raise
+        try:
+            reply = self._call(stub.Decode, step.request, retry=True)
         except GdnError as err:
             step.fail(err, in_doubt=err.retryable)
             raise
         return step.complete(reply)
 
+    def _close(self, session_id: str, *, retry: bool) -> None:
+        request = gdn_pb2.CloseSessionRequest(session_id=session_id)
+        self._call(self._stub_for(session_id).CloseSession, request, retry=retry)
+
     # -- public API ----------------------------------------------------------------------------
 
     def model_info(self) -> ModelInfo:
-        """The served model's shape and capacity (fresh from the server every call)."""
-        return model_info_from_proto(self._call(self._stub.GetModelInfo, gdn_pb2.GetModelInfoRequest(), retry=True))
+        """The served model's shape and capacity (fresh from the server every call).
+
+        On a host of several server processes, ``max_sessions``, ``sessions_in_use`` and
+        ``devices`` are the whole host's (summed over the processes that answer; one that does
+        not, e.g. while it restarts, is left out with a warning); the rest is the target's.
+
+        >>> with Client("127.0.0.1:50051") as client:                 # doctest: +SKIP
+        ...     info = client.model_info()
+        ...     free = info.max_sessions - info.sessions_in_use
+        """
+        request = gdn_pb2.GetModelInfoRequest()
+        target_info = self._call(self._routes.stub.GetModelInfo, request, retry=True)
+        self._routes.learn(target_info)
+        others = []
+        for process in self._routes.other_processes():
+            try:
+                others.append(self._call(self._routes.stub_of(process).GetModelInfo, request, retry=True))
+            except GdnError as err:
+                logger.warning("server process %d left out of model_info: %s", process, err)
+        return model_info_from_proto(target_info, *others)
 
     def stats(self) -> Stats:
-        """The server's counters (launches, rows per launch, requests)."""
-        return stats_from_proto(self._call(self._stub.GetStats, gdn_pb2.GetStatsRequest(), retry=True))
+        """The target server process's counters (launches, rows per launch, requests); on a host of
+        several processes, those of the one at ``target`` only."""
+        return stats_from_proto(self._call(self._routes.stub.GetStats, gdn_pb2.GetStatsRequest(), retry=True))
 
     def create_session(self, colocate_with: "Session | str | None" = None) -> "Session":
         """Creates a session (its state starts at zero); close it, or use it as a context manager.
 
-        ``colocate_with`` puts it on the same device as that session, so both can go in one
-        `decode_batch` request on a server with several GPUs. Not retried: a lost reply would leak
-        a session slot on the server.
+        ``colocate_with`` puts it in the same server process and on the same device as that
+        session, so both can go in one `decode_batch` request. Not retried: a lost reply would
+        leak a session slot on the server.
+
+        >>> with Client("127.0.0.1:50051") as client:                 # doctest: +SKIP
+        ...     s = client.create_session()
+        ...     buddy = client.create_session(colocate_with=s)
+        ...     o = client.decode_batch(0, [s, buddy], q, k, v, a, b)   # [2, T, ...] inputs
         """
-        request = gdn_pb2.CreateSessionRequest(colocate_with=_session_id(colocate_with))
-        reply = self._call(self._stub.CreateSession, request)
+        buddy = _session_id(colocate_with)
+        if buddy:
+            request = gdn_pb2.CreateSessionRequest(colocate_with=buddy)
+            reply = self._call(self._stub_for(buddy).CreateSession, request)
+        else:
+            reply = self._on_a_process_with_room(
+                lambda stub: self._call(stub.CreateSession, gdn_pb2.CreateSessionRequest())
+            )
         return Session(self, reply.session_id)
 
     def session(self) -> "Session":
@@ -117,7 +191,7 @@ class Client:
         if isinstance(session, Session):
             session.close()
             return
-        self._call(self._stub.CloseSession, gdn_pb2.CloseSessionRequest(session_id=session))
+        self._close(session, retry=False)
 
     def decode_batch(
         self,
@@ -132,6 +206,8 @@ class Client:
         """One step at ``layer`` for B sessions at once, atomically.
 
         q, k: [B, T, H, K]; v: [B, T, HV, V]; a, b: [B, T, HV]. Returns bf16 o [B, T, HV, V].
+        The sessions must live in one server process and on one device: create them with
+        ``create_session(colocate_with=...)``; FailedPreconditionError otherwise.
         """
         step = prepare_step(layer, [s._cursor for s in sessions], q, k, v, a, b, single=False)
         return self._run_step(step)
@@ -141,8 +217,14 @@ class Client:
         continues exactly as the exported session would: migration between replicas.
 
         Not retried: a lost reply would leak a session slot on the server.
+
+        >>> with Client("gdn-0:50051") as here, Client("gdn-1:50051") as there:  # doctest: +SKIP
+        ...     s = here.create_session()
+        ...     o = s.decode(0, q, k, v, a, b)
+        ...     moved = there.import_state(s.export())                   # continues where s is
+        ...     s.close()
         """
-        reply = self._call_stream_in(self._stub.ImportState, exported.chunks())
+        reply = self._on_a_process_with_room(lambda stub: self._call_stream_in(stub.ImportState, exported.chunks()))
         session = Session(self, reply.session_id)
         session._cursor._adopt(list(exported.header.positions))
         return session
@@ -160,8 +242,9 @@ class Client:
         return DecodeStream(self)
 
     def close(self) -> None:
-        """Closes the channel. Sessions stay open on the server until closed."""
-        self._channel.close()
+        """Closes the channels. Sessions stay open on the server until closed."""
+        for channel in self._routes.channels():
+            channel.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -221,7 +304,8 @@ class Session:
         """Keeps the first ``accepted`` tokens of every open speculative step (one per layer) and
         drops the rest; returns the positions per layer afterwards. Safe to retry."""
         reply = self._client._call(
-            self._client._stub.Commit, gdn_pb2.CommitRequest(session_id=self.id, accepted=accepted), retry=True
+            self._client._stub_for(self.id).Commit, gdn_pb2.CommitRequest(session_id=self.id, accepted=accepted),
+            retry=True,
         )
         self._cursor._adopt(list(reply.positions))
         return self.positions
@@ -244,7 +328,8 @@ class Session:
         """A new session whose states and positions are copies of this one's (prefix sharing, beam
         search). Not retried: a lost reply would leak a session slot on the server."""
         self._cursor._require_settled("fork()")
-        reply = self._client._call(self._client._stub.ForkSession, gdn_pb2.ForkSessionRequest(session_id=self.id))
+        request = gdn_pb2.ForkSessionRequest(session_id=self.id)
+        reply = self._client._call(self._client._stub_for(self.id).ForkSession, request)
         child = Session(self._client, reply.session_id)
         child._cursor._adopt(self._cursor.positions())
         return child
@@ -253,7 +338,7 @@ class Session:
         """This session's state and positions, to move it to another server with `Client.import_state`."""
         self._cursor._require_settled("export()")
         try:
-            chunks = self._client._stub.ExportState(
+            chunks = self._client._stub_for(self.id).ExportState(
                 gdn_pb2.ExportStateRequest(session_id=self.id), timeout=self._client.options.timeout,
                 metadata=self._client._metadata,
             )
@@ -277,9 +362,7 @@ class Session:
             return
         self._cursor.closed = True
         try:
-            self._client._call(
-                self._client._stub.CloseSession, gdn_pb2.CloseSessionRequest(session_id=self.id), retry=True
-            )
+            self._client._close(self.id, retry=True)
         except NotFoundError:
             pass  # a retried close whose first attempt went through
 

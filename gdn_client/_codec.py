@@ -57,6 +57,10 @@ class ModelInfo:
     scale: float
     max_speculative_tokens: int = 0
     devices: tuple["DeviceInfo", ...] = ()  # capacity per device (one per GPU; one for the CPU)
+    # several server processes on one host (gdn-server --processes): every process's port, in
+    # process order, and the target's place among them; () and 0 for a server of one process
+    process_ports: tuple[int, ...] = ()
+    process_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,10 +111,23 @@ def _from_proto(cls: type[_T], msg: Any) -> _T:
     return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
 
 
-def model_info_from_proto(msg: gdn_pb2.ModelInfo) -> ModelInfo:
-    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(ModelInfo) if f.name != "devices"}
-    devices = tuple(_from_proto(DeviceInfo, d) for d in msg.devices)
-    return ModelInfo(**fields, devices=devices)
+def model_info_from_proto(msg: gdn_pb2.ModelInfo, *others: gdn_pb2.ModelInfo) -> ModelInfo:
+    """`msg` as a `ModelInfo`; with the ModelInfo of the host's other server processes
+    (`others`), the sessions and capacity are those of the whole host: summed over the processes,
+    per device too (the processes of one device share it)."""
+    repeated = ("devices", "process_ports")
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(ModelInfo) if f.name not in repeated}
+    devices: dict[tuple[int, str], DeviceInfo] = {}
+    for info in (msg, *others):
+        for d in info.devices:
+            seen = devices.get((d.index, d.name))
+            devices[(d.index, d.name)] = _from_proto(DeviceInfo, d) if seen is None else dataclasses.replace(
+                seen, max_sessions=seen.max_sessions + d.max_sessions,
+                sessions_in_use=seen.sessions_in_use + d.sessions_in_use,
+            )
+    fields["max_sessions"] = sum(info.max_sessions for info in (msg, *others))
+    fields["sessions_in_use"] = sum(info.sessions_in_use for info in (msg, *others))
+    return ModelInfo(**fields, devices=tuple(devices.values()), process_ports=tuple(msg.process_ports))
 
 
 def stats_from_proto(msg: gdn_pb2.Stats) -> Stats:

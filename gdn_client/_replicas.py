@@ -5,6 +5,9 @@ to its home replica. `ReplicaSet` creates each new session on the replica with t
 capacity (from GetModelInfo) and moves a session to another replica on request (ExportState ->
 ImportState), e.g. to drain a replica before it is stopped. The `Session` object keeps working
 after a move: it is re-pointed at its new home.
+
+Each replica is a `Client`, which itself follows the server processes of a replica that runs
+several (``gdn-server --processes K``): a replica's free capacity is that of all its processes.
 """
 from __future__ import annotations
 
@@ -28,11 +31,14 @@ class ReplicaSet:
 
     >>> from gdn_client import ReplicaSet
     >>> replicas = ReplicaSet(["gdn-0:50051", "gdn-1:50051"])           # doctest: +SKIP
-    >>> s = replicas.create_session()          # on the replica with the most free sessions
-    >>> o = s.decode(0, q, k, v, a, b)         # always served by its home replica
-    >>> replicas.migrate(s, "gdn-1:50051")     # drain gdn-0: the session continues on gdn-1
-    >>> replicas.home_of(s)
+    >>> s = replicas.create_session()          # doctest: +SKIP
+    >>> o = s.decode(0, q, k, v, a, b)         # doctest: +SKIP
+    >>> replicas.migrate(s, "gdn-1:50051")     # doctest: +SKIP
+    >>> replicas.home_of(s)                    # doctest: +SKIP
     'gdn-1:50051'
+
+    A new session goes to the replica with the most free sessions; every call of it to its home
+    replica; `migrate` moves it (here: draining gdn-0, the session continues on gdn-1).
 
     All replicas must serve the same model (shapes and weights), or migrated sessions would
     continue with other numbers.
@@ -101,7 +107,7 @@ class ReplicaSet:
         old_id = session.id
         session._rebind(moved._client, moved._cursor)
         try:
-            source._call(source._stub.CloseSession, _close_request(old_id), retry=True)
+            source._close(old_id, retry=True)
         except GdnError as err:  # the state lives on at the new home; the old copy idles out
             logger.warning("migrated session %s to %s but could not close it on %s: %s", old_id, target, source.target, err)
         return session
@@ -134,9 +140,3 @@ def _serving(client: Client) -> bool:
         logger.warning("replica %s: health check failed: %s", client.target, err.code().name)
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def _close_request(session_id: str):
-    from gdn_client.proto.gdn.v1 import gdn_pb2
-
-    return gdn_pb2.CloseSessionRequest(session_id=session_id)

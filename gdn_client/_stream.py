@@ -1,8 +1,8 @@
-"""Pipelined decode over one long-lived DecodeStream: `DecodeStream` (threads) and
-`AsyncDecodeStream` (asyncio).
+"""Pipelined decode over long-lived DecodeStream RPCs: `DecodeStream` (threads) and
+`AsyncDecodeStream` (asyncio); one RPC (a lane) per server process the stream has steps for.
 
-`submit` returns a future at once; replies come back in order and are matched to requests by
-``request_id``. A reply with ``error_code != 0`` becomes that future's exception and the stream
+`submit` returns a future at once; each lane's replies come back in order and are matched to
+requests by ``request_id``. A reply with ``error_code != 0`` becomes that future's exception and the stream
 goes on. If the stream itself breaks with UNAVAILABLE (server restart, connection reset), it is
 reopened with backoff and every unanswered request is resent in order: each carries its positions,
 so the server answers steps it already applied without applying them again.
@@ -15,6 +15,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Sequence, Union
 
@@ -109,12 +110,6 @@ def _settle(fut: _FutureT, *, result: Any = None, exc: BaseException | None = No
         fut.set_result(result)
 
 
-def _prepare(layer: int, sessions: Any, q, k, v, a, b) -> PreparedStep:
-    if hasattr(sessions, "_cursor"):
-        return prepare_step(layer, [sessions._cursor], q, k, v, a, b, single=True)
-    return prepare_step(layer, [s._cursor for s in sessions], q, k, v, a, b, single=False)
-
-
 _END = None  # sentinel that ends a request iterator
 
 
@@ -132,8 +127,45 @@ class _Reconnecting:
         return next(self._delays, None)
 
 
-class DecodeStream(_Reconnecting):
-    """Pipelined steps over one DecodeStream (thread-safe).
+class _Lanes:
+    """What both stream flavours share: a lane (one DecodeStream RPC) per server process, opened
+    on the first step for a session of that process. A step goes to its sessions' process (the
+    sessions of one step must share one), so each session's steps stay in order on one lane."""
+
+    def __init__(self, client: "Client | AsyncClient") -> None:
+        self._client = client
+        self._lanes: dict[int | None, Any] = {}
+        self._lanes_lock = threading.Lock()
+        self._closing = False
+
+    def _new_lane(self, process: int | None) -> Any:
+        raise NotImplementedError
+
+    def _route(self, layer: int, sessions: Any, q, k, v, a, b) -> tuple[Any, PreparedStep]:
+        """The lane of the step's process and the prepared step (positions reserved)."""
+        one = hasattr(sessions, "_cursor")
+        cursors = [sessions._cursor] if one else [s._cursor for s in sessions]
+        process = self._client._routes.home([c.session_id for c in cursors])  # before any reservation
+        step = prepare_step(layer, cursors, q, k, v, a, b, single=one)
+        with self._lanes_lock:
+            closed = self._closing
+            if not closed and process not in self._lanes:
+                self._lanes[process] = self._new_lane(process)
+        if closed:
+            err = UnavailableError("stream is closed")
+            step.fail(err)
+            raise err
+        return self._lanes[process], step
+
+    def _close_lanes(self) -> list[Any]:
+        """Marks the stream closing; returns its lanes."""
+        with self._lanes_lock:
+            self._closing = True
+            return list(self._lanes.values())
+
+
+class DecodeStream(_Lanes):
+    """Pipelined steps over DecodeStream (thread-safe).
 
     >>> with client.stream() as st:                                   # doctest: +SKIP
     ...     f0 = st.submit(0, session, q, k, v, a, b)                 # one session: [T, ...]
@@ -142,10 +174,56 @@ class DecodeStream(_Reconnecting):
 
     Futures are `concurrent.futures.Future`; a failed step raises its `GdnError` from
     ``result()``. Closing waits for outstanding replies (up to the client's timeout).
+
+    On a host of several server processes (``gdn-server --processes K``) the stream opens one
+    DecodeStream RPC per process it has steps for, on first use: each step goes to the process
+    its sessions live in (a batched step needs sessions of one process: FailedPreconditionError
+    otherwise), and the steps of each session are answered in the order they were submitted.
     """
 
-    def __init__(self, client: "Client") -> None:
+    def _new_lane(self, process: int | None) -> "_Lane":
+        return _Lane(self._client, process)
+
+    def submit(
+        self,
+        layer: int,
+        sessions: "Session | Sequence[Session]",
+        q: TensorLike,
+        k: TensorLike,
+        v: TensorLike,
+        a: TensorLike,
+        b: TensorLike,
+    ) -> concurrent.futures.Future:
+        """Queues one step; the future's result is bf16 o ([T, HV, V] for one Session, else
+        [B, T, HV, V])."""
+        lane, step = self._route(layer, sessions, q, k, v, a, b)
+        return lane.submit(step)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Half-closes the stream and waits for the replies still due."""
+        lanes = self._close_lanes()
+        for lane in lanes:
+            lane.half_close()
+        wait = self._client.options.timeout if timeout is None else timeout
+        deadline = None if wait is None else time.monotonic() + wait
+        for lane in lanes:
+            lane.finish(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def __enter__(self) -> "DecodeStream":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Lane(_Reconnecting):
+    """One DecodeStream RPC to one server process, reopened (resending what is unanswered) when
+    it breaks with UNAVAILABLE. Its reader thread opens the RPC, so that learning the server's
+    processes, when a lane needs it first, happens there rather than in `submit`."""
+
+    def __init__(self, client: "Client", process: int | None) -> None:
         self._client = client
+        self._process = process
         self._lock = threading.Lock()
         self._inflight = _InFlight()
         self._closing = False
@@ -160,25 +238,10 @@ class DecodeStream(_Reconnecting):
         for req in replay:
             q.put(req)
         self._queue = q
-        self._call = self._client._stub.DecodeStream(_drain(q), metadata=self._client._metadata)
-        self._reader = threading.Thread(
-            target=self._read, args=(self._call,), name="gdn-decode-stream", daemon=True
-        )
+        self._reader = threading.Thread(target=self._read, args=(q,), name="gdn-decode-stream", daemon=True)
         self._reader.start()
 
-    def submit(
-        self,
-        layer: int,
-        sessions: "Session | Sequence[Session]",
-        q: TensorLike,
-        k: TensorLike,
-        v: TensorLike,
-        a: TensorLike,
-        b: TensorLike,
-    ) -> concurrent.futures.Future:
-        """Queues one step; the future's result is bf16 o ([T, HV, V] for one Session, else
-        [B, T, HV, V])."""
-        step = _prepare(layer, sessions, q, k, v, a, b)
+    def submit(self, step: PreparedStep) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             err = self._inflight.broken or (UnavailableError("stream is closed") if self._closing else None)
@@ -190,8 +253,12 @@ class DecodeStream(_Reconnecting):
             raise error_from_status(err.code, err.message) from None
         return fut
 
-    def _read(self, call: Any) -> None:
+    def _read(self, requests: queue.SimpleQueue) -> None:
         try:
+            stub = self._client._stub_of(self._process)
+            call = stub.DecodeStream(_drain(requests), metadata=self._client._metadata)
+            with self._lock:
+                self._call = call
             for reply in call:
                 with self._lock:
                     self._inflight.resolve(reply)
@@ -199,6 +266,8 @@ class DecodeStream(_Reconnecting):
             err: GdnError | None = None
         except grpc.RpcError as exc:
             err = error_from_rpc(exc)
+        except GdnError as exc:  # learning the processes failed
+            err = exc
         with self._lock:
             if err is None and (self._closing or not len(self._inflight)):
                 return
@@ -214,31 +283,28 @@ class DecodeStream(_Reconnecting):
             self._queue.put(_END)
             self._open(self._inflight.replay())  # a new reader thread takes over
 
-    def close(self, timeout: float | None = None) -> None:
-        """Half-closes the stream and waits for the replies still due."""
+    def half_close(self) -> None:
+        """No more requests: the server answers those sent and ends the RPC."""
         with self._lock:
             if self._closing:
                 return
             self._closing = True
             self._queue.put(_END)
-        wait = self._client.options.timeout if timeout is None else timeout
+
+    def finish(self, timeout: float | None) -> None:
+        """Waits up to `timeout` for the replies still due; fails the requests left unanswered."""
         while True:
             reader = self._reader
             if reader is None:
                 break
-            reader.join(wait)
+            reader.join(timeout)
             if reader.is_alive() or reader is self._reader:
                 break
         with self._lock:
             if len(self._inflight):
-                self._call.cancel()
+                if self._call is not None:
+                    self._call.cancel()
                 self._inflight.fail_all(UnavailableError("stream closed before the reply came"))
-
-    def __enter__(self) -> "DecodeStream":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _drain(q: queue.SimpleQueue) -> Iterator[gdn_pb2.DecodeRequest]:
@@ -249,30 +315,18 @@ def _drain(q: queue.SimpleQueue) -> Iterator[gdn_pb2.DecodeRequest]:
         yield item
 
 
-class AsyncDecodeStream(_Reconnecting):
+class AsyncDecodeStream(_Lanes):
     """The asyncio flavour of `DecodeStream`; ``submit`` returns an `asyncio.Future`.
 
     >>> async with client.stream() as st:                             # doctest: +SKIP
     ...     futs = [st.submit(layer, session, q, k, v, a, b) for layer in range(3)]
     ...     outs = await asyncio.gather(*futs)
+
+    Like `DecodeStream`, one DecodeStream RPC per server process it has steps for.
     """
 
-    def __init__(self, client: "AsyncClient") -> None:
-        self._client = client
-        self._inflight = _InFlight()
-        self._closing = False
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._call: Any = None
-        self._reader: asyncio.Task | None = None
-        self._open([])
-
-    def _open(self, replay: list[gdn_pb2.DecodeRequest]) -> None:
-        q: asyncio.Queue = asyncio.Queue()
-        for req in replay:
-            q.put_nowait(req)
-        self._queue = q
-        self._call = self._client._stub.DecodeStream(_adrain(q), metadata=self._client._metadata)
-        self._reader = asyncio.get_running_loop().create_task(self._read(self._call))
+    def _new_lane(self, process: int | None) -> "_AsyncLane":
+        return _AsyncLane(self._client, process)
 
     def submit(
         self,
@@ -285,7 +339,46 @@ class AsyncDecodeStream(_Reconnecting):
         b: TensorLike,
     ) -> asyncio.Future:
         """Queues one step (no await needed); await the returned future for bf16 o."""
-        step = _prepare(layer, sessions, q, k, v, a, b)
+        lane, step = self._route(layer, sessions, q, k, v, a, b)
+        return lane.submit(step)
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Half-closes the stream and waits for the replies still due."""
+        lanes = self._close_lanes()
+        for lane in lanes:
+            lane.half_close()
+        wait = self._client.options.timeout if timeout is None else timeout
+        await asyncio.gather(*(lane.finish(wait) for lane in lanes))
+
+    async def __aenter__(self) -> "AsyncDecodeStream":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class _AsyncLane(_Reconnecting):
+    """The asyncio `_Lane`: its reader task opens the RPC (awaiting the server's processes first
+    where they are not known yet, which `submit`, not being a coroutine, cannot)."""
+
+    def __init__(self, client: "AsyncClient", process: int | None) -> None:
+        self._client = client
+        self._process = process
+        self._inflight = _InFlight()
+        self._closing = False
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._call: Any = None
+        self._reader: asyncio.Task | None = None
+        self._open([])
+
+    def _open(self, replay: list[gdn_pb2.DecodeRequest]) -> None:
+        q: asyncio.Queue = asyncio.Queue()
+        for req in replay:
+            q.put_nowait(req)
+        self._queue = q
+        self._reader = asyncio.get_running_loop().create_task(self._read(q))
+
+    def submit(self, step: PreparedStep) -> asyncio.Future:
         err = self._inflight.broken or (UnavailableError("stream is closed") if self._closing else None)
         if err is not None:
             step.fail(err)
@@ -295,14 +388,18 @@ class AsyncDecodeStream(_Reconnecting):
         self._queue.put_nowait(step.request)
         return fut
 
-    async def _read(self, call: Any) -> None:
+    async def _read(self, requests: asyncio.Queue) -> None:
         try:
-            async for reply in call:
+            stub = await self._client._stub_of(self._process)
+            self._call = stub.DecodeStream(_adrain(requests), metadata=self._client._metadata)
+            async for reply in self._call:
                 self._inflight.resolve(reply)
                 self._delays = None
             err: GdnError | None = None
         except grpc.RpcError as exc:
             err = error_from_rpc(exc)
+        except GdnError as exc:  # learning the processes failed
+            err = exc
         except asyncio.CancelledError:
             self._inflight.fail_all(UnavailableError("stream closed before the reply came"))
             raise
@@ -319,30 +416,25 @@ class AsyncDecodeStream(_Reconnecting):
         self._queue.put_nowait(_END)
         self._open(self._inflight.replay())
 
-    async def close(self, timeout: float | None = None) -> None:
-        """Half-closes the stream and waits for the replies still due."""
-        if self._closing:
-            return
-        self._closing = True
-        self._queue.put_nowait(_END)
-        wait = self._client.options.timeout if timeout is None else timeout
+    def half_close(self) -> None:
+        if not self._closing:
+            self._closing = True
+            self._queue.put_nowait(_END)
+
+    async def finish(self, timeout: float | None) -> None:
+        """Waits up to `timeout` for the replies still due; fails the requests left unanswered."""
         while self._reader is not None:
             reader = self._reader
             try:
-                await asyncio.wait_for(asyncio.shield(reader), wait)
+                await asyncio.wait_for(asyncio.shield(reader), timeout)
             except asyncio.TimeoutError:
                 break
             if reader is self._reader:
                 break
         if len(self._inflight):
-            self._call.cancel()
+            if self._call is not None:
+                self._call.cancel()
             self._inflight.fail_all(UnavailableError("stream closed before the reply came"))
-
-    async def __aenter__(self) -> "AsyncDecodeStream":
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
 
 async def _adrain(q: asyncio.Queue) -> AsyncIterator[gdn_pb2.DecodeRequest]:

@@ -1,9 +1,9 @@
 """Checks on a `gdn.v1.Tensor`'s raw bytes, without torch: its layout (dtype, shape and byte
 length agree) and NaN/Inf values.
 
-The server validates every request with these (gdn_server.validation); a front-end worker
-imports them and nothing of gdn_client.wire, so that it serves requests without loading torch.
-gdn_client.wire builds on them for the tensors.
+The server validates every request with these (gdn_server.validation); gdn_client.wire builds
+on them for the tensors. Importing this module loads no torch, so a tool that only checks raw
+messages needs none.
 """
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ def as_sent(x) -> torch.Tensor:
 
 def test_the_package_exports_every_name_it_lists_and_the_stubs_load_no_torch():
     """gdn_client's names load on first use: every name in __all__ resolves, an unknown one is an
-    AttributeError, and the stubs (what a server worker imports) come without torch."""
+    AttributeError, and the stubs and wire_checks come without torch."""
     import subprocess
     import sys
 
@@ -410,7 +410,8 @@ def test_options_validate():
 @pytest.mark.parametrize("own", [False, True])
 def test_own_connection_gives_each_client_its_own(own):
     """grpc puts a process's alike channels on one connection; own_connection=True gives each
-    client its own (a --frontends server's workers share out connections). Both clients count."""
+    client its own (without auth the server's per-client limits count per connection). Both
+    clients count."""
     from concurrent import futures
 
     peers: set[str] = set()
