@@ -103,7 +103,13 @@ class GdnWorker:
         self.cfg = cfg
         self.info = info
         self.layers = min(cfg.layers_per_token or info.num_layers, info.num_layers)
-        self.channel = grpc.aio.insecure_channel(cfg.target, channel_args(cfg))
+        # a host of several server processes (gdn-server --processes): the clients spread over
+        # them, each with its sessions in one process, as gdn_client spreads new sessions
+        target = cfg.target
+        if info.process_ports:
+            host = cfg.target.rsplit(":", 1)[0]
+            target = f"{host}:{info.process_ports[index % len(info.process_ports)]}"
+        self.channel = grpc.aio.insecure_channel(target, channel_args(cfg))
         self.stub = gdn_pb2_grpc.GdnDecodeStub(self.channel)
         gen = torch.Generator().manual_seed(cfg.seed * 100_003 + index)
         B, T, H, HV, K, V = cfg.batch, cfg.tokens, info.num_q_heads, info.num_v_heads, info.head_dim_k, info.head_dim_v

@@ -9,7 +9,6 @@ into its staging buffer as they are. Requests with f16/f32 inputs become float t
 """
 from __future__ import annotations
 
-import math
 import sys
 import warnings
 import zlib
@@ -36,12 +35,12 @@ MAX_POSITION = 2**63 - 1  # positions travel as uint64 and are kept as signed 64
 # stages them (`defer_finite_check`), which reads them where it has just copied them: one pass
 # over the request's bytes fewer on the event loop. Below it the check is cheap either way.
 DEFERRED_CHECK_BYTES = 1 << 20
-# The retry digest of a session's inputs reads every byte of a tensor's row up to this size; a
-# longer row one byte in DIGEST_STRIDE (a prime, so every byte offset of an element is sampled
-# somewhere). A row of q, k or v holds hundreds of values, so a retry with other inputs changes
+# The retry digest of a session's inputs reads every byte of its row (its five inputs' rows) up
+# to this size; a longer row one byte in DIGEST_STRIDE (a prime, so every byte offset of an
+# element is sampled somewhere). A row of q, k or v holds hundreds of values, so a retry with other inputs changes
 # sampled bytes, while a multi-MiB request's digests cost tens of microseconds on the event loop
 # instead of milliseconds.
-DIGEST_FULL_ROW_BYTES = 256
+DIGEST_FULL_ROW_BYTES = 1024
 DIGEST_STRIDE = 61
 CHECK_JOINED_BYTES = 256 << 10  # check_finite joins the inputs of a request up to this size
 
@@ -49,6 +48,7 @@ DTYPE_NAME = {gdn_pb2.BF16: "BF16", gdn_pb2.F16: "F16", gdn_pb2.F32: "F32"}
 ITEMSIZE = {gdn_pb2.BF16: 2, gdn_pb2.F16: 2, gdn_pb2.F32: 4}
 TORCH_DTYPE = {gdn_pb2.BF16: torch.bfloat16, gdn_pb2.F16: torch.float16, gdn_pb2.F32: torch.float32}
 # exponent bits that are all ones in an Inf or NaN, per wire dtype, read as unsigned words
+_ALL_BF16 = [gdn_pb2.BF16] * 5
 _NONFINITE_EXPONENT = {gdn_pb2.BF16: (np.uint16, 0x7F80), gdn_pb2.F16: (np.uint16, 0x7C00),
                        gdn_pb2.F32: (np.uint32, 0x7F800000)}
 
@@ -62,64 +62,75 @@ def decode_work_from_request(
     With `defer_finite_check`, bf16 inputs of DEFERRED_CHECK_BYTES or more are not checked for
     NaN/Inf here: the work says so (`finite_checked=False`) and the backend checks them."""
     L = shape.num_layers
-    if req.layer >= L:
-        raise InvalidArgument(f"layer {req.layer} out of range: the model has {L} layers (0..{L - 1})")
+    layer = req.layer
+    if layer >= L:
+        raise InvalidArgument(f"layer {layer} out of range: the model has {L} layers (0..{L - 1})")
     session_ids = tuple(req.session_ids)
     B = len(session_ids)
     if B == 0:
         raise InvalidArgument("session_ids is empty: a request names at least one session")
-    if len(set(session_ids)) != B:
+    if B > 1 and len(set(session_ids)) != B:
         raise InvalidArgument("duplicate session ids in one request")
     lengths = tuple(map(len, session_ids))
     if min(lengths) == 0 or max(lengths) > MAX_SESSION_ID_LEN:
         bad = next(sid for sid in session_ids if not sid or len(sid) > MAX_SESSION_ID_LEN)
         raise InvalidArgument(f"malformed session id {bad[:MAX_SESSION_ID_LEN]!r} (1..{MAX_SESSION_ID_LEN} characters)")
-    if len(req.request_id) > MAX_REQUEST_ID_LEN:
-        raise InvalidArgument(f"request_id has {len(req.request_id)} characters, at most {MAX_REQUEST_ID_LEN}")
-    positions = None
-    if len(req.positions):
-        if len(req.positions) != B:
-            raise InvalidArgument(f"positions has {len(req.positions)} entries for {B} sessions")
-        positions = tuple(req.positions)
+    request_id = req.request_id
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidArgument(f"request_id has {len(request_id)} characters, at most {MAX_REQUEST_ID_LEN}")
+    positions = tuple(req.positions) or None
+    if positions is not None:
+        if len(positions) != B:
+            raise InvalidArgument(f"positions has {len(positions)} entries for {B} sessions")
         if max(positions) > MAX_POSITION:
             raise InvalidArgument(f"position {max(positions)} is out of range: positions are below 2^63")
 
-    messages = []
-    for name in INPUT_NAMES:
-        if not req.HasField(name):
-            raise InvalidArgument(f"tensor {name} is missing")
-        messages.append(getattr(req, name))
-    dims = [tuple(m.shape) for m in messages]
-    check_dims(dims, B, bool(req.speculative), shape)
-    raw = []
-    for name, msg, d in zip(INPUT_NAMES, messages, dims):
-        data = msg.data  # a fresh bytes object per access: read it once
-        check_layout(msg.dtype, d, len(data), name)
-        raw.append(data)
+    messages = (req.q, req.k, req.v, req.a, req.b)
+    try:
+        dims, numels = check_shapes(messages, B, bool(req.speculative), shape)
+    except InvalidArgument:
+        for name in INPUT_NAMES:  # a tensor left out reads as an empty one: say which
+            if not req.HasField(name):
+                raise InvalidArgument(f"tensor {name} is missing") from None
+        raise
+    dtypes = [m.dtype for m in messages]
+    raw = [m.data for m in messages]  # a fresh bytes object per access of `data`: read once
+    for name, dtype, data, numel in zip(INPUT_NAMES, dtypes, raw, numels):
+        itemsize = ITEMSIZE.get(dtype)
+        if itemsize is None:
+            raise InvalidArgument(f"{name}: dtype {dtype} is not one of BF16, F16, F32")
+        if numel * itemsize != len(data):
+            raise InvalidArgument(
+                f"{name}: shape {list(dims[INPUT_NAMES.index(name)])} of {DTYPE_NAME[dtype]} needs "
+                f"{numel * itemsize} bytes, got {len(data)}"
+            )
 
+    # a small request's inputs as one buffer: one pass each for the NaN/Inf check and the digest
+    joined = b"".join(raw) if B == 1 and sum(map(len, raw)) <= CHECK_JOINED_BYTES else None
     common = dict(
-        layer=int(req.layer), session_ids=session_ids, positions=positions, request_id=req.request_id,
-        speculative=bool(req.speculative), owner=owner, owner_key=owner if owner is not None else owner_key,
-        digests=row_digests(raw, B),
+        layer=layer, session_ids=session_ids, positions=positions, request_id=request_id,
+        speculative=bool(req.speculative), owner=owner, owner_key=owner_key, digests=row_digests(raw, B),
     )
-    if all(m.dtype == gdn_pb2.BF16 for m in messages):
+    if dtypes == _ALL_BF16:
         finite_checked = not (defer_finite_check and sum(map(len, raw)) >= DEFERRED_CHECK_BYTES)
         if finite_checked:
-            check_finite(raw)
+            check_finite(raw, joined)
         return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), finite_checked=finite_checked)
     tensors = {}
-    for name, msg, d, data in zip(INPUT_NAMES, messages, dims, raw):
-        if len(data) and has_nonfinite(data, msg.dtype):
+    for name, dtype, d, data in zip(INPUT_NAMES, dtypes, dims, raw):
+        if len(data) and has_nonfinite(data, dtype):
             raise nonfinite_input(name)
-        tensors[name] = (torch.frombuffer(data, dtype=TORCH_DTYPE[msg.dtype]) if len(data)
-                         else torch.empty(0, dtype=TORCH_DTYPE[msg.dtype])).view(d)
+        tensors[name] = (torch.frombuffer(data, dtype=TORCH_DTYPE[dtype]) if len(data)
+                         else torch.empty(0, dtype=TORCH_DTYPE[dtype])).view(d)
     return DecodeWork(**common, **tensors)
 
 
-def check_dims(dims: Sequence[tuple[int, ...]], B: int, speculative: bool, shape: ModelShape) -> None:
-    """Checks the five input shapes against B, T and the model."""
+def check_shapes(messages: Sequence[gdn_pb2.Tensor], B: int, speculative: bool,
+                 shape: ModelShape) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """Checks the five inputs' shapes against B, T and the model; returns the shapes and their
+    element counts. (A repeated field compared with a list costs a fraction of reading it out.)"""
     H, HV, K, V = shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v
-    q = dims[0]
+    q = messages[0].shape
     if len(q) != 4:
         raise InvalidArgument(f"q must be [B, T, H, K] = [{B}, T, {H}, {K}], got {list(q)}")
     T = int(q[1])
@@ -129,36 +140,29 @@ def check_dims(dims: Sequence[tuple[int, ...]], B: int, speculative: bool, shape
         raise InvalidArgument(f"T = 0 tokens (q's second dimension): {kind} carries 1..{max_T} tokens")
     if not 1 <= T <= max_T:
         raise InvalidArgument(f"T = {T} tokens is out of range: {kind} carries 1..{max_T} tokens")
-    expected = ((B, T, H, K), (B, T, H, K), (B, T, HV, V), (B, T, HV), (B, T, HV))
-    for name, got, want in zip(INPUT_NAMES, dims, expected):
-        if got != want:
-            raise InvalidArgument(f"{name} must have shape {list(want)} (B={B}, T={T}), got {list(got)}")
+    expected = ([B, T, H, K], [B, T, H, K], [B, T, HV, V], [B, T, HV], [B, T, HV])
+    for name, message, want in zip(INPUT_NAMES, messages, expected):
+        if message.shape != want:
+            raise InvalidArgument(f"{name} must have shape {want} (B={B}, T={T}), got {list(message.shape)}")
+    qk, heads = B * T * H, B * T * HV
+    return tuple(map(tuple, expected)), (qk * K, qk * K, heads * V, heads, heads)
 
 
-def check_layout(wire_dtype: int, shape: tuple[int, ...], nbytes: int, name: str) -> None:
-    """Checks that a Tensor message's dtype and byte length fit its (already checked) shape."""
-    dtype = DTYPE_NAME.get(wire_dtype)
-    if dtype is None:
-        raise InvalidArgument(f"{name}: dtype {wire_dtype} is not one of BF16, F16, F32")
-    need = math.prod(shape) * ITEMSIZE[wire_dtype]
-    if need != nbytes:
-        raise InvalidArgument(f"{name}: shape {list(shape)} of {dtype} needs {need} bytes, got {nbytes}")
-
-
-def row_digests(raw: Sequence[Any], rows: int) -> tuple[int, ...]:
-    """A cheap digest of each session's inputs as sent: a CRC-32 over its rows of q, k, v, a, b
-    (sampled, see DIGEST_STRIDE). A session's digest is the same whatever other sessions shared
-    its request, so a retry may regroup sessions."""
+def row_digests(raw: Sequence[Any], rows: int, joined: bytes | None = None) -> tuple[int, ...]:
+    """A cheap digest of each session's inputs as sent: a CRC-32 of its row (its q, k, v, a and
+    b rows, in that order), sampled when the row is long (DIGEST_STRIDE). A session's digest is
+    the same whatever other sessions shared its request, so a retry may regroup sessions.
+    `joined`: the five inputs as one buffer, where the caller made it already (one row)."""
+    row_bytes = sum(map(len, raw)) // rows
+    stride = 1 if row_bytes <= DIGEST_FULL_ROW_BYTES else DIGEST_STRIDE
     if rows == 1:
-        crc = 0
-        for data in raw:
-            crc = zlib.crc32(data if len(data) <= DIGEST_FULL_ROW_BYTES else
-                             memoryview(data)[::DIGEST_STRIDE].tobytes(), crc)
-        return (crc,)
-    parts = []
-    for data in raw:
+        whole = joined if joined is not None else b"".join(raw)
+        return (zlib.crc32(whole if stride == 1 else memoryview(whole)[::stride].tobytes()),)
+    parts, offset = [], 0
+    for data in raw:  # each tensor's share of the sampled row: the stride runs on across tensors
         by_row = np.frombuffer(data, dtype=np.uint8).reshape(rows, -1)
-        parts.append(by_row if by_row.shape[1] <= DIGEST_FULL_ROW_BYTES else by_row[:, ::DIGEST_STRIDE])
+        parts.append(by_row[:, (-offset) % stride :: stride])
+        offset += by_row.shape[1]
     return tuple(zlib.crc32(row) for row in np.concatenate(parts, axis=1))
 
 
@@ -171,12 +175,15 @@ def has_nonfinite(data: Any, wire_dtype: int) -> bool:
     return int(np.bitwise_and(np.frombuffer(data, dtype=uint), mask).max()) == mask
 
 
-def check_finite(raw: Sequence[Any]) -> None:
+def check_finite(raw: Sequence[Any], joined: bytes | None = None) -> None:
     """InvalidArgument naming the first of q, k, v, a, b (their bf16 bytes) with a NaN or Inf.
 
-    A small step's five are checked as one buffer first: per-buffer numpy calls cost more than
-    its bytes do; a big step's are checked one by one, with no joined copy."""
-    if sum(map(len, raw)) <= CHECK_JOINED_BYTES and not has_nonfinite(b"".join(raw), gdn_pb2.BF16):
+    A small step's five are checked as one buffer first (`joined`, where the caller made it):
+    per-buffer numpy calls cost more than its bytes do; a big step's are checked one by one,
+    with no joined copy."""
+    if joined is None and sum(map(len, raw)) <= CHECK_JOINED_BYTES:
+        joined = b"".join(raw)
+    if joined is not None and not has_nonfinite(joined, gdn_pb2.BF16):
         return
     for name, data in zip(INPUT_NAMES, raw):
         if len(data) and has_nonfinite(data, gdn_pb2.BF16):

@@ -24,7 +24,7 @@ class _Input:
 
     def __get__(self, work: "DecodeWork | None", owner: type | None = None) -> torch.Tensor | None:
         if work is None:
-            return None  # the dataclass field's default
+            return None  # read on the class
         raw, dims = work.bf16_bytes, work.input_dims
         if raw is None or dims is None:
             raise AttributeError(f"DecodeWork has neither {self._name} nor raw bytes with input_dims to build it from")
@@ -37,47 +37,51 @@ class _Input:
         return tensor
 
 
-@dataclass(frozen=True)
 class DecodeWork:
-    """One validated DecodeRequest: B distinct sessions, one layer, T tokens each."""
+    """One validated DecodeRequest: B distinct sessions, one layer, T tokens each. Not changed once
+    made. A plain class, not a frozen dataclass: one is made per request on the event loop, and a
+    frozen dataclass's __init__ sets each of its fields through object.__setattr__."""
 
-    layer: int
-    session_ids: tuple[str, ...]
-    # [B, T, ...] in the wire dtype, CPU, read-only views of the request bytes; given (validation.py),
-    # or None with `bf16_bytes` and `input_dims`, and then built from the bytes when first read
-    q: torch.Tensor = _Input()  # [B, T, H, K]
-    k: torch.Tensor = _Input()  # [B, T, H, K]
-    v: torch.Tensor = _Input()  # [B, T, HV, V]
-    a: torch.Tensor = _Input()  # [B, T, HV]
-    b: torch.Tensor = _Input()  # [B, T, HV]
-    positions: tuple[int, ...] | None = None  # tokens each session has taken at `layer`, when given
-    request_id: str = ""
-    owner: str | None = None  # the caller's identity where auth is on; must own every session
-    # whose share of speculative scratch rows the step draws on: the owner, or without auth the peer
-    owner_key: str | None = None
-    speculative: bool = False  # a draft step: provisional until Commit or the next step at the layer
-    # q, k, v, a, b as the request's raw bf16 bytes (bytes, or read-only memoryviews of the
-    # received message), when all five came as BF16: a GPU backend copies them into its pinned
-    # staging buffer with plain memcpys
-    bf16_bytes: tuple[bytes | memoryview, ...] | None = None
-    # shapes of q, k, v, a, b; needed only when the tensors are not given (built from the bytes)
-    input_dims: tuple[tuple[int, ...], ...] | None = None
-    # False: validation left the NaN/Inf check of the inputs to the backend, which does it before
-    # the step touches any state (big bf16 requests: gdn_server.validation.DEFERRED_CHECK_BYTES)
-    finite_checked: bool = True
-    # each session's inputs as sent, digested (gdn_server.validation.row_digests): a retry must match
-    digests: tuple[int, ...] = ()
+    q = _Input()  # [B, T, H, K], in the wire dtype: given (f16/f32 requests) or built from bf16_bytes
+    k = _Input()  # [B, T, H, K]
+    v = _Input()  # [B, T, HV, V]
+    a = _Input()  # [B, T, HV]
+    b = _Input()  # [B, T, HV]
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self, layer: int, session_ids: tuple[str, ...], q: torch.Tensor | None = None, k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None, a: torch.Tensor | None = None, b: torch.Tensor | None = None,
+        positions: tuple[int, ...] | None = None, request_id: str = "", owner: str | None = None,
+        owner_key: str | None = None, speculative: bool = False,
+        bf16_bytes: tuple[bytes | memoryview, ...] | None = None,
+        input_dims: tuple[tuple[int, ...], ...] | None = None, finite_checked: bool = True,
+        digests: tuple[int, ...] = (),
+    ) -> None:
         d = self.__dict__
-        if d["q"] is None:  # not given: the descriptor builds each from the bytes when first read
-            if self.bf16_bytes is None or self.input_dims is None:
+        d.update(
+            layer=layer, session_ids=session_ids,
+            positions=positions,  # tokens each session has taken at `layer`, when given
+            request_id=request_id,
+            owner=owner,  # the caller's identity where auth is on; must own every session
+            # whose share of speculative scratch rows the step draws on: the owner, or the peer
+            owner_key=owner_key,
+            speculative=speculative,  # a draft step: provisional until Commit or the next step at the layer
+            # q, k, v, a, b as the request's raw bf16 bytes, when all five came as BF16: a GPU
+            # backend copies them into its pinned staging buffer as they are
+            bf16_bytes=bf16_bytes,
+            input_dims=input_dims,  # their shapes, to build the tensors from the bytes
+            # False: validation left the NaN/Inf check of the inputs to the backend, which does it
+            # before the step touches any state (big bf16 requests: validation.DEFERRED_CHECK_BYTES)
+            finite_checked=finite_checked,
+            # each session's inputs as sent, digested (validation.row_digests): a retry must match
+            digests=digests,
+        )
+        if q is None:
+            if bf16_bytes is None or input_dims is None:
                 raise TypeError("DecodeWork needs q, k, v, a, b, or bf16_bytes and input_dims")
-            for name in INPUT_NAMES:
-                del d[name]
-            d["_tokens"] = self.input_dims[0][1]
+            d["_tokens"] = input_dims[0][1]
         else:
-            d["_tokens"] = int(d["q"].shape[1])
+            d.update(q=q, k=k, v=v, a=a, b=b, _tokens=int(q.shape[1]))
 
     @property
     def rows(self) -> int:
