@@ -4,14 +4,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
-from gdn_server.config import PRESETS, Limits, ModelShape, SchedulerConfig
-from gdn_server.security import SecurityConfig
-from gdn_server.server import ServerSettings, build_app, serve
-from gdn_server.snapshot import SnapshotError
+# nothing here imports grpc: main() picks gRPC's I/O path before it loads (config.GRPC_EXPERIMENTS)
+from gdn_server.config import GRPC_EXPERIMENTS, PRESETS, SPECULATIVE_TIMEOUT_S, Limits, ModelShape, SchedulerConfig
 from gdn_server.tuning import tune_gc, tune_malloc
-from gdn_server.weights import load_gate_params, random_gate_params
 
 log = logging.getLogger("gdn_server")
 
@@ -51,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="close sessions unused for this many seconds; they answer NOT_FOUND (default: never)")
     p.add_argument("--max-queue-rows", type=int, default=SchedulerConfig.max_queue_rows,
                    help="rows waiting for the device at most; requests beyond get UNAVAILABLE (clients retry)")
-    p.add_argument("--speculative-timeout-s", type=float, default=ServerSettings.speculative_timeout_s,
+    p.add_argument("--speculative-timeout-s", type=float, default=SPECULATIVE_TIMEOUT_S,
                    help="open speculative steps of a session unused this long are dropped (as if never sent) and "
                         "its accepted scratch states go home, freeing scratch rows (default %(default)s)")
     lim = p.add_argument_group("limits (what clients can make the server hold)")
@@ -108,8 +106,14 @@ def shape_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)  # before grpc loads: see config.py
     tune_malloc()  # before any big buffer: see gdn_server/tuning.py
     tune_gc()
+    from gdn_server import server
+    from gdn_server.security import SecurityConfig
+    from gdn_server.snapshot import SnapshotError
+    from gdn_server.weights import load_gate_params, random_gate_params
+
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
@@ -173,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         gates = random_gate_params(shape, args.seed)
     if args.processes > 1 and args.process_index is None:
         return _supervise(args, argv, devices)
-    settings = ServerSettings(
+    settings = server.ServerSettings(
         shape=shape,
         gates=gates,
         host=args.host,
@@ -197,13 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         process_ports=process_ports,
     )
     try:
-        app = build_app(settings)
+        app = server.build_app(settings)
     except (ValueError, RuntimeError, OSError) as e:
         log.error("cannot start: %s", e)
         return 2
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            return runner.run(serve(app))
+            return runner.run(server.serve(app))
     except SnapshotError as e:
         log.error("%s", e)
         return 1

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server.backends import make_backends
-from gdn_server.config import GIL_SWITCH_INTERVAL_S, Limits, ModelShape, SchedulerConfig
+from gdn_server.config import GIL_SWITCH_INTERVAL_S, SPECULATIVE_TIMEOUT_S, Limits, ModelShape, SchedulerConfig
 from gdn_server.lifecycle import evict_idle, idle_sessions, release_stale_speculation
 from gdn_server.metrics import Metrics, MetricsInterceptor
 from gdn_server.placement import Placement, Shard
@@ -58,7 +58,7 @@ class ServerSettings:
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: a free port
     state_dir: str | None = None  # sessions are saved here on shutdown and restored on start
     session_idle_timeout_s: float | None = None  # evict sessions unused this long (None: never)
-    speculative_timeout_s: float = 60.0  # settle open drafts of sessions unused this long
+    speculative_timeout_s: float = SPECULATIVE_TIMEOUT_S  # settle open drafts of sessions unused this long
     processes: int = 1  # server processes per device on this host (gdn_server.supervisor)
     process_index: int = 0  # this process's place among `process_ports`
     process_ports: tuple[int, ...] = ()  # every process's port, where there are several

@@ -19,12 +19,12 @@ def cli_refusal(*argv: str) -> str:
     """gdn-server's command line run in this process on `argv`, which it must refuse before
     anything starts (exit code 2, as argparse's errors exit); returns what it printed on stderr.
     In-process: a refusal checked in a fresh interpreter cost ~3 s of imports each."""
-    from gdn_server import cli
+    from gdn_server import cli, server
 
     err = io.StringIO()
     accepted = AssertionError(f"gdn-server {' '.join(argv)}: not refused, it went on to start")
     with mock.patch.object(cli, "tune_malloc"), mock.patch.object(cli, "tune_gc"), contextlib.redirect_stderr(err), \
-            mock.patch.object(cli, "build_app", side_effect=accepted):  # a regression fails here, not hangs
+            mock.patch.object(server, "build_app", side_effect=accepted):  # a regression fails here, not hangs
         with pytest.raises(SystemExit) as exited:
             cli.main(["--device", "cpu", "--port", "0", *argv])
     assert exited.value.code == 2, (argv, err.getvalue())

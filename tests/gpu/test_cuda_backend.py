@@ -72,14 +72,13 @@ def test_cuda_and_cpu_backends_agree_on_a_recorded_trace():
     assert state_err < 1e-2, state_err
 
 
-@pytest.mark.parametrize("device_wait", ["auto", "inline"])
-def test_server_on_the_gpu_matches_the_reference(device_wait):
+def test_server_on_the_gpu_matches_the_reference():
     gates = random_gate_params(ModelShape(3, 16, 32), seed=5)
     ref = ReferenceModel(gates.A_log, gates.dt_bias)
     gen = torch.Generator().manual_seed(3)
     # one device: a request's sessions must share one (see test_multi_gpu.py for two)
     with start_server("--device", "cuda", "--devices", "0", "--layers", "3", "--q-heads", "16", "--v-heads", "32",
-                      "--seed", "5", "--max-sessions", "16", "--device-wait", device_wait, timeout=300) as srv:
+                      "--seed", "5", "--max-sessions", "16", timeout=300) as srv:
         with grpc.insecure_channel(srv.address) as channel:
             stub = gdn_pb2_grpc.GdnDecodeStub(channel)
             assert stub.GetModelInfo(gdn_pb2.GetModelInfoRequest(), timeout=60).backend == "cuda-cute"
