@@ -17,7 +17,7 @@ from gdn_loadtest.config import LoadConfig, RunResult
 from gdn_loadtest.echo import echo_server
 from gdn_loadtest.report import format_table, pct_of_echo, pct_of_echo_by_point, write_plots
 from gdn_loadtest.run import run_echo, run_load
-from gdn_loadtest.tuning import tune_process
+from gdn_server.tuning import tune_process
 from gdn_loadtest.verify import VerificationError
 from gdn_loadtest.workers import DTYPES
 

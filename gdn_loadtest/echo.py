@@ -13,7 +13,7 @@ would. gdn-server sets GRPC_EXPERIMENTS for its processes (gdn_server/__init__.p
 that imported gdn_server passes that on to its children: whoever starts the floor gives it
 `echo_env()`, which keeps the caller's GRPC_EXPERIMENTS from reaching it;
 GDN_ECHO_GRPC_EXPERIMENTS=-event_engine_listener gives the floor gdn-server's transport instead.
-Its allocator and collector settings are gdn-server's (gdn_loadtest.tuning).
+Its allocator and collector settings are gdn-server's (gdn_server.tuning).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from typing import AsyncIterator, Iterator
 import grpc
 import grpc.aio
 
-from gdn_loadtest.tuning import tune_process
+from gdn_server.tuning import tune_process
 
 __all__ = ["UNARY", "STREAM", "echo_request", "echo_env", "echo_server", "serve", "main"]
 

@@ -209,7 +209,7 @@ def child_main(child: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] = _c
 
 
 if __name__ == "__main__":
-    from gdn_loadtest.tuning import tune_process
+    from gdn_server.tuning import tune_process
 
     tune_process()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

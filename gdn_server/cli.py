@@ -9,7 +9,7 @@ import sys
 
 # nothing here imports grpc: main() picks gRPC's I/O path before it loads (config.GRPC_EXPERIMENTS)
 from gdn_server.config import GRPC_EXPERIMENTS, PRESETS, SPECULATIVE_TIMEOUT_S, Limits, ModelShape, SchedulerConfig
-from gdn_server.tuning import tune_gc, tune_malloc
+from gdn_server.tuning import tune_process
 
 log = logging.getLogger("gdn_server")
 
@@ -107,8 +107,7 @@ def shape_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)  # before grpc loads: see config.py
-    tune_malloc()  # before any big buffer: see gdn_server/tuning.py
-    tune_gc()
+    tune_process()  # before any big buffer: see gdn_server/tuning.py
     from gdn_server import server
     from gdn_server.security import SecurityConfig
     from gdn_server.snapshot import SnapshotError

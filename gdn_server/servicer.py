@@ -84,10 +84,6 @@ def error_response(request_id: str, error: GdnError) -> gdn_pb2.DecodeResponse:
     return gdn_pb2.DecodeResponse(request_id=request_id, error_code=error.code.value[0], error_message=error.message)
 
 
-def _request_bytes(request: gdn_pb2.DecodeRequest) -> int:
-    return request.ByteSize()
-
-
 def quota_key(identity: str | None, context) -> str:
     """Whose session quota and speculative share a call draws on: its identity where auth is on,
     else its peer (one per connection: a fairness bound between well-behaved clients; auth is
@@ -127,15 +123,19 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         self.held_bytes -= nbytes
 
     def _submit_decode(self, request: gdn_pb2.DecodeRequest, context, done: Callable[[Any], None],
-                       cancelled: Callable[[], bool]) -> None:
-        """Checks a request and queues it; `done` gets its DecodeResult or GdnError. Raises
-        GdnError for what validation finds."""
+                       cancelled: Callable[[], bool]) -> int:
+        """Checks a request, counts its bytes as held (`_hold`) and queues it; `done` gets its
+        DecodeResult or GdnError. Returns the bytes held, which the caller releases once the
+        request is answered. Raises GdnError for what validation finds (nothing held then)."""
         identity = current_identity()
         work = decode_work_from_request(
             request, self.shape, self.defer_finite_check, owner=identity, owner_key=quota_key(identity, context)
         )
         shard = self.placement.shard_for(work.session_ids)
+        nbytes = work.nbytes
+        self._hold(nbytes)
         shard.scheduler.submit_decode(work, done, cancelled=cancelled)
+        return nbytes
 
     def _count(self, method: str, code: grpc.StatusCode) -> None:
         if self.metrics is not None:
@@ -147,10 +147,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         code = grpc.StatusCode.CANCELLED  # unless it ends otherwise (a cancelled call cancels `fut`)
         nbytes = 0
         try:
-            size = _request_bytes(request)
-            self._hold(size)
-            nbytes = size
-            self._submit_decode(request, context, done, fut.cancelled)
+            nbytes = self._submit_decode(request, context, done, fut.cancelled)
             result = await fut
             code = grpc.StatusCode.OK
         except GdnError as e:
@@ -175,11 +172,8 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
                     answer = _Answer(stream, request.request_id, 0)
                     stream.answers.append(answer)
                     try:
-                        nbytes = _request_bytes(request)
-                        self._hold(nbytes)
-                        answer.nbytes = nbytes
-                        stream.held_bytes += nbytes
-                        self._submit_decode(request, context, answer, stream.is_closed)
+                        answer.nbytes = self._submit_decode(request, context, answer, stream.is_closed)
+                        stream.held_bytes += answer.nbytes
                     except GdnError as e:
                         answer(e)
                     except BaseException:

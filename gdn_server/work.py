@@ -84,6 +84,13 @@ class DecodeWork:
             d.update(q=q, k=k, v=v, a=a, b=b, _tokens=int(q.shape[1]))
 
     @property
+    def nbytes(self) -> int:
+        """The inputs' bytes, as they came."""
+        if self.bf16_bytes is not None:
+            return sum(map(len, self.bf16_bytes))
+        return sum(getattr(self, name).nbytes for name in INPUT_NAMES)
+
+    @property
     def rows(self) -> int:
         return len(self.session_ids)
 

@@ -23,7 +23,7 @@ def cli_refusal(*argv: str) -> str:
 
     err = io.StringIO()
     accepted = AssertionError(f"gdn-server {' '.join(argv)}: not refused, it went on to start")
-    with mock.patch.object(cli, "tune_malloc"), mock.patch.object(cli, "tune_gc"), contextlib.redirect_stderr(err), \
+    with mock.patch.object(cli, "tune_process"), contextlib.redirect_stderr(err), \
             mock.patch.object(server, "build_app", side_effect=accepted):  # a regression fails here, not hangs
         with pytest.raises(SystemExit) as exited:
             cli.main(["--device", "cpu", "--port", "0", *argv])

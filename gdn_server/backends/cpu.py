@@ -1,15 +1,50 @@
 """CPU backend ("cpu-torch"): the reference the GPU backend is checked against, and the default on
-machines without a GPU. The pool is a bf16 tensor in host memory; each step gathers the rows'
-states, runs the fp32 math of `torch_math` and scatters them back rounded to bf16 once."""
+machines without a GPU. The pool is a bf16 tensor in host memory; each step reads the rows'
+states from it, runs the fp32 math of `torch_math` and writes them back rounded to bf16 once."""
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from gdn_server.backends.base import Backend, DoneStep, PendingStep, check_unchecked_inputs
-from gdn_server.backends.torch_math import gdn_step_fp32
+from gdn_server.backends.torch_math import StepPlan, exp_lane_aligned
 from gdn_server.config import ModelShape
 from gdn_server.weights import GateParams
 from gdn_server.work import INPUT_NAMES, StepBatch
+
+# A launch runs in chunks of rows whose fp32 state fits in this many bytes, each on a StepPlan
+# kept per (rows, T) over one shared fp32 buffer: a chunk is then ~25 torch calls that allocate
+# nothing (32 rows of the 4-value-head test model, 4 of qwen3-next), and its state stays in the
+# cache (32 MiB of L3 on the CPU box) across the three passes a token makes over it. One thread,
+# CPU box, T=1: a qwen3-next row took 274-288 us in launches of 16 and 64 rows at 8 MiB chunks,
+# 288-312 at 2 MiB (more calls), 434-477 at 32 MiB or unchunked; the 4-head model's 42.8 us a row
+# at 64 rows became 64 us at 32 MiB.
+CHUNK_WORK_BYTES = 8 << 20
+PLANS_KEPT = 64  # (rows, T) shapes; the oldest goes when more come (rows <= a chunk, T <= 8 in use)
+
+# A launch of fewer state elements x tokens (rows x T x HV x V x K) than this runs on one thread:
+# 2^21 is 128 head-tokens of 128 x 128, ~1 ms of one thread's math (the 4-value-head model at 32
+# rows, qwen3-next at one row of T=4 or 4 rows of T=1). Smaller launches never wake torch's thread
+# pool: what a second thread saves there is small next to what it can cost. On the 2-core CPU box
+# with the other core idle, two threads took 0.87x the time of one at one row of the 4-head model
+# (49 against 56 us), 0.72-0.82x at 16 rows (0.6 ms; p90 1.1 against 0.7 ms) and 0.55-0.70x from
+# ~1 ms up, p90 included. But each of a step's parallel calls waits for the pool's threads, and
+# with the other core busy (the server's event loop, a client, other processes) a waiting call can
+# lose a scheduler time slice: one-row steps of 50 us took 40-56 ms at the median on two threads
+# while tests ran beside them, and launches of 1-4 ms had p90s of 11-100 ms. Idle pool threads
+# also spin after each call (libgomp's default wait policy), taking the core from gRPC's threads.
+# From ~1 ms on, the 30-45% a second thread saves pays for a lost slice now and then.
+THREADS_FROM_STATE_ELEMENTS = 1 << 21
+
+
+def _zeroed_bf16(shape: tuple[int, ...]) -> torch.Tensor:
+    """bf16 zeros in pages the OS maps on first touch: numpy allocates zeros with calloc, which
+    takes fresh (already zero) pages for a big block without writing them, where torch.zeros writes
+    every byte. So startup does not grow with the pool (zeroing 64 qwen3-next sessions, 4.6 GB,
+    took 4.5 s of a 5.7 s start on the CPU box) and the process holds only the rows in use."""
+    return torch.from_numpy(np.zeros(math.prod(shape), dtype=np.int16)).view(torch.bfloat16).view(shape)
 
 
 class CpuBackend(Backend):
@@ -20,27 +55,76 @@ class CpuBackend(Backend):
         speculative_sessions: int | None = None,
     ) -> None:
         super().__init__(shape, gates, max_sessions, scale, speculative_sessions)
-        HV, V, K = shape.num_v_heads, shape.head_dim_v, shape.head_dim_k
-        self.state_pool = torch.zeros(self.pool_rows, HV, V, K, dtype=torch.bfloat16)
+        H, HV, V, K = shape.num_q_heads, shape.num_v_heads, shape.head_dim_v, shape.head_dim_k
+        self.state_pool = _zeroed_bf16((self.pool_rows, HV, V, K))
+        # the rows as StepPlan.run writes them, value heads split by query head
+        self._pool_grouped = self.state_pool.view(self.pool_rows, H, HV // H, V, K)
         self.A_log = gates.A_log.float().contiguous()
         self.dt_bias = gates.dt_bias.float().contiguous()
+        # per layer -exp(A_log) and dt_bias side by side [L, 2, HV]: a launch gathers both in one call
+        self._gate_params = torch.stack([exp_lane_aligned(self.A_log).neg_(), self.dt_bias], 1)
+        self._layer_gates = [(g[0:1][None], g[1:2][None]) for g in self._gate_params]  # [1, 1, HV] each
+        self._row_elements = HV * V * K
+        self._chunk_rows = max(1, CHUNK_WORK_BYTES // (4 * self._row_elements))
+        self._work = torch.empty(self._chunk_rows, HV, V, K, dtype=torch.float32)
+        self._plans: dict[tuple[int, int], StepPlan] = {}
+        self._row_views: dict[int, torch.Tensor] = {}
+
+    def _row_view(self, slot: int) -> torch.Tensor:
+        """Pool row `slot` as [H, group, V, K], kept: indexing the pool costs a torch call each time."""
+        view = self._row_views[slot] = self._pool_grouped[slot]
+        return view
+
+    def _plan(self, rows: int, tokens: int) -> StepPlan:
+        plan = self._plans.get((rows, tokens))
+        if plan is None:
+            if len(self._plans) >= PLANS_KEPT:
+                del self._plans[next(iter(self._plans))]
+            s = self.shape
+            plan = self._plans[rows, tokens] = StepPlan(
+                rows, tokens, s.num_q_heads, s.num_v_heads, s.head_dim_v, s.head_dim_k, self.scale,
+                work=self._work[:rows],
+            )
+        return plan
 
     def submit(self, batch: StepBatch) -> PendingStep:
         check_unchecked_inputs(batch)
-        slots = torch.tensor(batch.slots, dtype=torch.long)
-        layers = torch.tensor(batch.layers, dtype=torch.long)
-        state = self.state_pool.index_select(0, slots).float()
-        out = gdn_step_fp32(
-            state,
-            *(torch.cat(batch.inputs(name)) for name in INPUT_NAMES),
-            self.A_log.index_select(0, layers),
-            self.dt_bias.index_select(0, layers),
-            self.scale,
-        )
-        # written only after the whole step succeeded: a failure leaves every state unchanged
-        out_slots = slots if batch.in_place else torch.tensor(batch.out_slots, dtype=torch.long)
-        self.state_pool.index_copy_(0, out_slots, state.to(torch.bfloat16))
-        return DoneStep(out.to(torch.bfloat16))
+        R, T = batch.rows, batch.tokens
+        q, k, v, a, b = (xs[0] if len(xs) == 1 else torch.cat(xs) for xs in map(batch.inputs, INPUT_NAMES))
+        if R == 1:
+            neg_A, dt_bias = self._layer_gates[batch.layers[0]]
+        else:
+            gates = self._gate_params.index_select(0, torch.tensor(batch.layers))
+            neg_A, dt_bias = gates[:, 0:1], gates[:, 1:2]
+        # the pool's rows themselves, read and written one call per row: no gather or scatter pass
+        # (index_copy_ of bf16 rows ran 5x slower than a copy_ per row)
+        views = self._row_views
+        state = [views[slot] if slot in views else self._row_view(slot) for slot in batch.slots]
+        new_state = [views[slot] if slot in views else self._row_view(slot) for slot in batch.out_slots]
+        chunk = self._chunk_rows
+        # every buffer the launch needs exists before the first state is written (StepPlan.run
+        # writes a chunk's states in its last calls), so a failure leaves every state unchanged
+        plans = [self._plan(min(chunk, R - first), T) for first in range(0, R, chunk)]
+        out = None if R <= chunk else torch.empty(R, T, self.shape.num_v_heads, self.shape.head_dim_v, dtype=torch.bfloat16)
+        threads = torch.get_num_threads()
+        # set_num_threads holds for this thread's calls, and is also the count that a thread making
+        # its first torch call meanwhile starts with (and keeps): one thread, no harm to its work
+        one_thread = threads > 1 and R * T * self._row_elements < THREADS_FROM_STATE_ELEMENTS
+        if one_thread:
+            torch.set_num_threads(1)
+        try:
+            if out is None:
+                o = plans[0].run(state, new_state, q, k, v, a, b, neg_A, dt_bias)
+                return DoneStep(o.to(torch.bfloat16))
+            for first, plan in zip(range(0, R, chunk), plans):
+                rows = slice(first, first + plan.rows)
+                o = plan.run(state[rows], new_state[rows], q[rows], k[rows], v[rows], a[rows], b[rows],
+                             neg_A[rows], dt_bias[rows])
+                out[rows].copy_(o)
+            return DoneStep(out)
+        finally:
+            if one_thread:
+                torch.set_num_threads(threads)
 
     def _rows(self, session_slot: int) -> slice:
         L = self.shape.num_layers
@@ -59,5 +143,8 @@ class CpuBackend(Backend):
         self.state_pool[self._rows(session_slot)].copy_(state)
 
     def copy_rows(self, src_rows: list[int], dst_rows: list[int]) -> None:
+        # gathered first, so a row that is both copied and overwritten is copied as it was;
+        # scattered with a copy_ per row (index_copy_ of bf16 rows ran 5x slower)
         src = self.state_pool.index_select(0, torch.tensor(src_rows, dtype=torch.long))
-        self.state_pool.index_copy_(0, torch.tensor(dst_rows, dtype=torch.long), src)
+        for row, dst in zip(src, dst_rows):
+            self.state_pool[dst].copy_(row)
