@@ -3,8 +3,8 @@
 Vectorised over rows and heads; the only Python loop is over the T tokens of a step, whose
 recurrence is sequential. Written for few-row launches on the CPU, where each torch call costs a
 microsecond or two of dispatch whatever its size (as much as the math of a small model's row), so
-a step is as few calls as the math allows: the gates of every row and token in six, the norms in
-six, and per token five. Per token, with S the state before it, d its decay, beta its write
+a step is as few calls as the math allows: the gates of every row and token in six, the norms and
+k.q in eight, beta v in one, and per token five. Per token, with S the state before it, d its decay, beta its write
 strength, k and q normalised (q times the scale):
 
     S_d = d S;  [p, s] = [k, q] S_d^T;  u = beta (v - p);  o = s + u (k.q);  S' = S_d + u k^T
@@ -91,8 +91,8 @@ class StepPlan:
         work_t = self.work.view(R * H, G * V, K).transpose(1, 2)
         self.steps = [
             (decay[:, t, :, None, None], self.qk[t].view(R * H, 2, K), work_t, self.bv[:, t].view(R, H, G, V),
-             self.beta[:, t].view(R, H, G, 1),
-             p, s, u4, kq[t, :, :, None, None], self.o[:, t].view(R, H, G, V), S5, u5, self.qk[t, :, :, None, None, 0, :])
+             self.beta[:, t].view(R, H, G, 1), p, s, u4, kq[t, :, :, None, None], self.o[:, t].view(R, H, G, V),
+             S5, u5, self.qk[t, :, :, None, None, 0, :])
             for t in range(T)
         ]
         # the first read and the last write one row at a time, for states held as separate rows
