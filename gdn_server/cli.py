@@ -7,8 +7,11 @@ import logging
 import os
 import sys
 
-# nothing here imports grpc: main() picks gRPC's I/O path before it loads (config.GRPC_EXPERIMENTS)
-from gdn_server.config import GRPC_EXPERIMENTS, PRESETS, SPECULATIVE_TIMEOUT_S, Limits, ModelShape, SchedulerConfig
+# nothing here imports grpc or torch: main() picks gRPC's I/O path and OpenMP's waits before they
+# load (config.GRPC_EXPERIMENTS, config.OMP_WAIT_POLICY)
+from gdn_server.config import (
+    GRPC_EXPERIMENTS, OMP_WAIT_POLICY, PRESETS, SPECULATIVE_TIMEOUT_S, Limits, ModelShape, SchedulerConfig,
+)
 from gdn_server.tuning import tune_process
 
 log = logging.getLogger("gdn_server")
@@ -107,6 +110,7 @@ def shape_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)  # before grpc loads: see config.py
+    os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)  # before torch loads: see config.py
     tune_process()  # before any big buffer: see gdn_server/tuning.py
     from gdn_server import server
     from gdn_server.security import SecurityConfig
