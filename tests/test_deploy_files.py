@@ -105,6 +105,70 @@ def test_dockerfile_structure():
                 assert (ROOT / src).exists(), src
 
 
+def test_dockerfile_installs_every_package():
+    """The build stage copies every package pyproject.toml installs, and its import check names
+    modules that exist (a build that skipped a package would fail there, not at first start)."""
+    import importlib.util
+    import tomllib
+
+    ins = _instructions((DOCKER / "Dockerfile").read_text())
+    build = ins[: max(i for i, (w, _) in enumerate(ins) if w == "FROM")]
+    copied = {src.rstrip("/") for word, rest in build if word == "COPY" for src in rest.split()[:-1]}
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.name for pattern in include for p in ROOT.glob(pattern.rstrip("*")) if (p / "__init__.py").exists()}
+    assert packages and packages <= copied, f"not copied: {sorted(packages - copied)}"
+    checks = [m.group(1) for word, rest in build if word == "RUN" for m in re.finditer(r'-c "import ([^"]+)"', rest)]
+    modules = [name.strip() for check in checks for name in check.split(",")]
+    assert {"gdn_server.cli", "gdn_server.healthcheck", "gdn_loadtest.cli"} <= set(modules)
+    for name in modules:
+        assert importlib.util.find_spec(name) is not None, name
+
+
+def _read_variables() -> set[str]:
+    """The GDN_* variables something in the image reads: the entry point's and the health probe's."""
+    names = re.search(r"for name in (.*?); do", (DOCKER / "entrypoint.sh").read_text(), re.S).group(1)
+    mapped = {"GDN_" + name for name in names.replace("\\", " ").split()}
+    probe = set(re.findall(r"GDN_[A-Z0-9_]*[A-Z0-9]", (ROOT / "gdn_server" / "healthcheck.py").read_text()))
+    return mapped | probe
+
+
+@pytest.mark.parametrize("name", ["README.md", "Dockerfile", "compose.yaml", "k8s/deployment.yaml",
+                                  "k8s/replicas/statefulset.yaml", "k8s/service.yaml",
+                                  "k8s/replicas/service-headless.yaml"])
+def test_deploy_files_name_only_variables_that_exist(name):
+    """Every GDN_* variable the deployment files set or mention is one the image reads (a name
+    ending in `_`, as in `GDN_TLS_*`, is a prefix of some)."""
+    known = _read_variables()
+    for var in set(re.findall(r"GDN_[A-Z0-9_]*", (DOCKER / name).read_text())):
+        if var.endswith("_"):
+            assert any(k.startswith(var) for k in known), f"{name}: {var}*"
+        else:
+            assert var in known, f"{name}: {var}"
+
+
+def test_readme_names_only_flags_that_exist():
+    """The flags docker/README.md mentions are gdn-server's, the probe's, gdn-loadtest's or the
+    container tools' own."""
+    from gdn_loadtest.cli import build_parser as loadtest_parser
+    from gdn_server.cli import build_parser as server_parser
+    from gdn_server.healthcheck import build_parser as probe_parser
+
+    tools = {"--build", "--build-arg", "--gpus", "--profile", "--rm", "--stop-timeout"}  # docker, compose
+    known = tools | {s for parser in (server_parser(), probe_parser(), loadtest_parser())
+                     for a in parser._actions for s in a.option_strings}
+    mentioned = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", (DOCKER / "README.md").read_text()))
+    assert mentioned <= known, f"not flags of any tool: {sorted(mentioned - known)}"
+
+
+def test_readme_lists_the_probe_exit_codes():
+    from gdn_server import healthcheck
+
+    text = (DOCKER / "README.md").read_text()
+    codes = {v for k, v in vars(healthcheck).items() if k.startswith("EXIT_")}
+    listed = {int(c) for c in re.findall(r"^\| (\d+) \|", text, re.M)}
+    assert listed == codes
+
+
 def test_entrypoint_maps_environment_to_flags(tmp_path):
     fake = tmp_path / "gdn-server"
     fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
