@@ -17,6 +17,7 @@ of its processes.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
@@ -33,9 +34,14 @@ log = logging.getLogger(__name__)
 _LISTENING = re.compile(r"^listening on (\S+):(\d+)")
 RESTART_DELAY_S = 1.0  # before restarting a process that died; doubled for each quick death
 MAX_RESTART_DELAY_S = 30.0
+# How long a process may take to drain and write its snapshot after SIGTERM before it is killed:
+# long, since a GPU's full pool takes minutes to write, and an orchestrator's own grace period is
+# the bound that matters (Kubernetes kills the whole pod when it ends).
+STOP_TIMEOUT_S = 3600.0
 STABLE_AFTER_S = 60.0  # a process that served this long is fine again: the next restart is quick
 # the extra flags of each process: its place among its peers, and every peer's port
 CHILD_FLAGS = ("--process-index", "--process-ports")
+_PR_SET_PDEATHSIG = 1  # prctl option of <linux/prctl.h>
 
 
 @dataclass
@@ -115,6 +121,7 @@ class Supervisor:
         child.proc = subprocess.Popen(
             [sys.executable, "-m", "gdn_server", *child.argv],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            preexec_fn=_stop_with_parent,
         )
         child.started = time.monotonic()
         threading.Thread(target=self._relay, args=(child, child.proc), daemon=True).start()
@@ -163,7 +170,7 @@ class Supervisor:
         if not self.stopping.wait(delay):
             self._start(child)
 
-    def _stop_all(self, timeout_s: float = 120.0) -> int:
+    def _stop_all(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
         """SIGTERM to every process (each drains and writes its snapshot); returns the worst exit status."""
         for child in self.children:
             if child.proc is not None and child.proc.poll() is None:
@@ -181,6 +188,16 @@ class Supervisor:
                 status = child.proc.wait()
             worst = max(worst, abs(status))
         return worst
+
+
+def _stop_with_parent() -> None:
+    """In a new process, before it runs the server: SIGTERM when the supervisor dies (Linux), so a
+    killed supervisor leaves no process holding its port and sessions; the process drains and
+    writes its snapshot as on any SIGTERM."""
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError, TypeError):  # not Linux: the processes outlive a killed supervisor
+        pass
 
 
 def device_count() -> int:
