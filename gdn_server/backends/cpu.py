@@ -24,19 +24,18 @@ from gdn_server.work import INPUT_NAMES, StepBatch
 CHUNK_WORK_BYTES = 8 << 20
 PLANS_KEPT = 64  # (rows, T) shapes; the oldest goes when more come (rows <= a chunk, T <= 8 in use)
 
-# A launch of fewer state elements x tokens (rows x T x HV x V x K) than this runs on one thread:
-# 2^21 is 128 head-tokens of 128 x 128, ~1 ms of one thread's math (the 4-value-head model at 32
-# rows, qwen3-next at one row of T=4 or 4 rows of T=1). Smaller launches never wake torch's thread
-# pool: what a second thread saves there is small next to what it can cost. On the 2-core CPU box
-# with the other core idle, two threads took 0.87x the time of one at one row of the 4-head model
-# (49 against 56 us), 0.72-0.82x at 16 rows (0.6 ms; p90 1.1 against 0.7 ms) and 0.55-0.70x from
-# ~1 ms up, p90 included. But each of a step's parallel calls waits for the pool's threads, and
-# with the other core busy (the server's event loop, a client, other processes) a waiting call can
-# lose a scheduler time slice: one-row steps of 50 us took 40-56 ms at the median on two threads
-# while tests ran beside them, and launches of 1-4 ms had p90s of 11-100 ms. Idle pool threads
-# also spin after each call (libgomp's default wait policy), taking the core from gRPC's threads.
-# From ~1 ms on, the 30-45% a second thread saves pays for a lost slice now and then.
-THREADS_FROM_STATE_ELEMENTS = 1 << 21
+# Every launch runs on one thread: no size of launch measured paid for torch's thread pool. On the
+# 2-core CPU box, under the OMP_WAIT_POLICY=PASSIVE that gdn-server's entry point sets (config.py),
+# two threads took 1.2-8x the time of one at every size up to 40 ms launches (the 4-value-head
+# model's one row 65 against 520 us, 64 rows 3.0 against 17.7 ms; qwen3-next's one row 0.28
+# against 0.59 ms, 64 rows of T=4 42 against 54 ms): a step makes dozens of parallel calls and each
+# wakes a sleeping thread. With spinning pool threads (the policy unset) two threads took 0.87x at
+# one small row and 0.55-0.70x from ~1 ms up with the other core idle, but with it busy (the event
+# loop, a client, other processes) a call waiting for a descheduled thread lost a scheduler time
+# slice: one-row steps of 50 us took 40-56 ms at the median, 1-4 ms launches had p90s of 11-100 ms
+# (2-5 ms on one thread), and spinning threads take the core from gRPC's. One thread also leaves
+# the other core to the event loop, which a loaded server needs: at 32 streaming clients the CPU
+# box's two cores are already busy with gRPC and the step.
 
 
 def _zeroed_bf16(shape: tuple[int, ...]) -> torch.Tensor:
@@ -64,8 +63,7 @@ class CpuBackend(Backend):
         # per layer -exp(A_log) and dt_bias side by side [L, 2, HV]: a launch gathers both in one call
         self._gate_params = torch.stack([exp_lane_aligned(self.A_log).neg_(), self.dt_bias], 1)
         self._layer_gates = [(g[0:1][None], g[1:2][None]) for g in self._gate_params]  # [1, 1, HV] each
-        self._row_elements = HV * V * K
-        self._chunk_rows = max(1, CHUNK_WORK_BYTES // (4 * self._row_elements))
+        self._chunk_rows = max(1, CHUNK_WORK_BYTES // (4 * HV * V * K))
         self._work = torch.empty(self._chunk_rows, HV, V, K, dtype=torch.float32)
         self._plans: dict[tuple[int, int], StepPlan] = {}
         self._row_views: dict[int, torch.Tensor] = {}
@@ -107,11 +105,11 @@ class CpuBackend(Backend):
         plans = [self._plan(min(chunk, R - first), T) for first in range(0, R, chunk)]
         s = self.shape
         out = None if R <= chunk else torch.empty(R, T, s.num_v_heads, s.head_dim_v, dtype=torch.bfloat16)
+        # one thread for this step only (see the top of this module): set_num_threads holds for this
+        # thread's calls, and is also the count that a thread making its first torch call meanwhile
+        # starts with and keeps (slower big calls there, the same results)
         threads = torch.get_num_threads()
-        # set_num_threads holds for this thread's calls, and is also the count that a thread making
-        # its first torch call meanwhile starts with and keeps: slower big calls there, same results
-        one_thread = threads > 1 and R * T * self._row_elements < THREADS_FROM_STATE_ELEMENTS
-        if one_thread:
+        if threads > 1:
             torch.set_num_threads(1)
         try:
             if out is None:
@@ -124,7 +122,7 @@ class CpuBackend(Backend):
                 out[rows].copy_(o)
             return DoneStep(out)
         finally:
-            if one_thread:
+            if threads > 1:
                 torch.set_num_threads(threads)
 
     def warmup(self) -> None:
