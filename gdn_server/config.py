@@ -22,8 +22,8 @@ GRPC_EXPERIMENTS = "-event_engine_listener"
 # launches) spin after each parallel region by default, taking the cores that gRPC's threads and
 # the event loop need: a B=256 step took 12.7 ms with spinning threads and 8.4 ms with passive ones
 # on the H200 host. OpenMP reads OMP_WAIT_POLICY when torch loads, so `gdn-server`'s entry point
-# sets it before torch is imported; an operator's own value wins. (Small CPU launches run on one
-# thread and never wake the pool: gdn_server/backends/cpu.py.)
+# sets it before torch is imported; an operator's own value wins. (CPU launches run on one thread
+# and never wake the pool: gdn_server/backends/cpu.py.)
 OMP_WAIT_POLICY = "PASSIVE"
 SPECULATIVE_TIMEOUT_S = 60.0  # open drafts of a session unused this long are dropped (--speculative-timeout-s)
 

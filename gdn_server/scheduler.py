@@ -14,19 +14,17 @@ session of a request is checked before any row is added, and a request fails who
 Control operations (close, fork, export, import, eviction, commit) are queued too and run
 between launches, once nothing is in flight and before any later request is admitted.
 
-Where rounds run follows from the backend, not from a setting:
-- A backend that computes on the host (the CPU one: `Backend.asynchronous` False) gets a thread
-  of its own: its steps take milliseconds, which must not stop the gRPC event loop.
-- A backend whose launches only queue work on a device runs its rounds as callbacks on the
-  server's event loop: no thread hand-off (a wake-up and a GIL switch each way) per request,
-  which is most of a step's latency at low load. The loop never waits for the device: a round
-  returns while its launch runs; the loop polls the launch once per iteration while one request
-  is in flight, and under load a waiter thread blocks on it and wakes the loop, so polling does
-  not take the loop's time from the clients it serves.
+Rounds run as callbacks on the server's event loop: no thread hand-off (a wake-up and a GIL
+switch each way) per request, which is most of a step's latency at low load. A backend's launch
+only starts work (on a device, or on the CPU backend's worker thread for a big launch; a small
+CPU launch is done when it returns), and the loop never waits for it: while one request is in
+flight the loop polls the launch once per iteration; under load a waiter thread blocks on it and
+wakes the loop, so polling does not take the loop's time from the clients it serves.
 
 A round that raises (a bug, not a request's fault) fails that round's requests with INTERNAL and
 the scheduler goes on. A backend failure fails its batch; `device_error` then says whether the
-device itself is gone, which the server's health reports.
+device itself is gone, and `stalled_s` how long queued work has waited for a round that never
+came: the server's health reports both.
 """
 from __future__ import annotations
 
@@ -126,13 +124,12 @@ class Scheduler:
         self._pending: deque[_DecodeItem | _ControlItem] = deque()
         self._pending_rows = 0
         self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
         self._stopping = False
         self._accepting = True
-        self._thread = threading.Thread(target=self._run, name="gdn-scheduler", daemon=True)
         self._round_items: list[_DecodeItem | _ControlItem] = []  # taken by the round now running
-        # on an event loop (start): the loop, its thread, launches on the device (oldest first),
-        # a control item waiting for them, and whether a round is already posted
+        self._last_round = time.monotonic()  # when a round last ran (`stalled_s`)
+        # the loop, its thread, launches on the device (oldest first), a control item waiting for
+        # them, and whether a round is already posted
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._in_flight: list = []
@@ -146,20 +143,19 @@ class Scheduler:
 
     # -- called from any thread -------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Starts running rounds: on `loop` (call this on its thread) for a backend whose launches
-        are asynchronous, else on a thread of the scheduler's own."""
-        if self.backend.asynchronous:
-            self._loop = loop
-            self._loop_thread = threading.get_ident()
-        else:
-            self._thread.start()
+        """Runs rounds on `loop` from now on (call this on the loop's thread)."""
+        self._loop = loop
+        self._loop_thread = threading.get_ident()
+        self._last_round = time.monotonic()
+        if self._pending:
+            self._post_round()
 
-    @property
-    def alive(self) -> bool:
-        """False once the scheduler's thread has died: nothing queued would ever run."""
-        if self._loop is not None or self._stopping:
-            return True
-        return self._thread.is_alive() or self._thread.ident is None
+    def stalled_s(self) -> float:
+        """How long work has been queued with no round run since (0 while rounds run): a round
+        that never comes means every queued request hangs."""
+        if self._loop is None or not (self._pending or self._in_flight or self._barrier):
+            return 0.0
+        return time.monotonic() - self._last_round
 
     def submit_decode(self, work: DecodeWork, done: Done, cancelled: Callable[[], bool] | None = None) -> None:
         """Queues a validated request; `done` gets its DecodeResult or GdnError. Once `cancelled()`
@@ -172,33 +168,27 @@ class Scheduler:
 
     def stop_accepting(self) -> None:
         """New work is refused with UNAVAILABLE from now on; queued work still runs."""
-        with self._cv:
+        with self._lock:
             self._accepting = False
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Finishes everything queued, then stops. On an event loop, call it from another thread
-        while the loop runs (run_in_executor), or from the loop's thread, which then runs what is
-        left itself."""
-        with self._cv:
+        """Finishes everything queued, then stops: call it from another thread while the loop
+        runs (run_in_executor), or from the loop's thread, which then runs what is left itself."""
+        with self._lock:
             self._accepting = False
             self._stopping = True
-            self._cv.notify()
-        if self._loop is not None:
-            if threading.get_ident() == self._loop_thread:
-                self._drain_here()
-            else:
-                self._post_round()
-                self._drained.wait(timeout)
-            return
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        if self._loop is None:
+            self._drained.set()  # never started: nothing ran, nothing will
+        elif threading.get_ident() == self._loop_thread:
+            self._drain_here()
+        else:
+            self._post_round()
+            self._drained.wait(timeout)
 
     @property
     def running(self) -> bool:
         """True while queued work may still change states."""
-        if self._loop is not None:
-            return not self._drained.is_set()
-        return self._thread.is_alive()
+        return not self._drained.is_set()
 
     def queue_depth(self) -> int:
         """Requests and control operations waiting."""
@@ -217,9 +207,7 @@ class Scheduler:
             else:
                 self._pending.append(item)
                 self._pending_rows += rows
-                if self._loop is None:
-                    self._cv.notify()
-                elif not self._round_posted:
+                if self._loop is not None and not self._round_posted:
                     self._round_posted = post = True
         if error is not None:
             item.done(error)
@@ -261,40 +249,6 @@ class Scheduler:
             return 0.0
         return max(delay - (time.monotonic() - first.enqueued), 0.0)
 
-    # -- on the scheduler's own thread --------------------------------------------------------
-    def _run(self) -> None:
-        previous: list = []  # launches of the last round, possibly still on the device
-        while True:
-            with self._cv:
-                if not previous:
-                    while not self._pending and not self._stopping:
-                        self._cv.wait()
-                    if not self._pending and self._stopping:
-                        return
-                while self._pending and (hold := self._hold_s()) > 0:
-                    self._cv.wait(hold)
-                items = self._round_items = self._take_pending()
-            try:
-                previous = self._thread_round(items, previous)
-            except Exception as e:
-                self._fail_round(e)
-                previous = []
-            self._round_items = []
-
-    def _thread_round(self, items: list, previous: list) -> list:
-        """Admits and launches `items`, then answers `previous` while they run; returns what is
-        now in flight."""
-        current: list = []
-        deferred, control = self._launch(items, current, quiet=not previous)
-        self._finish(previous)  # launch n is queued: answer launch n-1 while it runs
-        if control is not None:
-            self._finish(current)
-            current = []
-            self._run_control(control)
-        if deferred:
-            self._requeue(deferred)
-        return current
-
     # -- on the event loop -------------------------------------------------------------------
     def _post_soon(self) -> None:
         loop = self._loop
@@ -320,6 +274,7 @@ class Scheduler:
     def _loop_round(self) -> None:
         with self._lock:
             self._round_posted = False
+        self._last_round = time.monotonic()
         try:
             again = self._advance()
         except Exception as e:
@@ -370,13 +325,7 @@ class Scheduler:
     def _advance(self) -> bool:
         """Answers the launches the device has finished, runs a waiting control item once nothing
         is in flight, and launches what is queued. Returns whether there is more to do."""
-        in_flight = self._in_flight
-        ready = 0
-        while ready < len(in_flight) and in_flight[ready][0].ready():
-            ready += 1
-        if ready:
-            self._in_flight = in_flight[ready:]
-            self._finish(in_flight[:ready])
+        self._answer_ready()
         if self._barrier is not None and not self._in_flight:
             control, self._barrier = self._barrier, None
             self._run_control(control)
@@ -389,7 +338,18 @@ class Scheduler:
                 self._round_items = []
                 if deferred:
                     self._requeue(deferred)
+                self._answer_ready()  # a launch done when it returned (a small CPU one): no round more
         return bool(self._in_flight or self._pending or self._barrier)
+
+    def _answer_ready(self) -> None:
+        """Answers the oldest launches that are done, in launch order."""
+        in_flight = self._in_flight
+        ready = 0
+        while ready < len(in_flight) and in_flight[ready][0].ready():
+            ready += 1
+        if ready:
+            self._in_flight = in_flight[ready:]
+            self._finish(in_flight[:ready])
 
     def _drain_here(self) -> None:
         """Runs everything queued to the end on this (the loop's) thread, waiting on the device."""

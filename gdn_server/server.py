@@ -35,8 +35,11 @@ from gdn_server.weights import GateParams
 log = logging.getLogger(__name__)
 
 GDN_SERVICE = gdn_pb2.DESCRIPTOR.services_by_name["GdnDecode"].full_name  # "gdn.v1.GdnDecode"
-# how often the server checks that every scheduler and device still works (health's truth)
+# how often the server checks that every scheduler and device still works (health's truth), and
+# how long queued work may wait for a round before the scheduler counts as gone: far beyond any
+# launch (a CPU launch of hundreds of rows takes seconds), so only a scheduler that stopped trips it
 LIVENESS_INTERVAL_S = 0.5
+STALLED_SCHEDULER_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -217,8 +220,9 @@ async def _housekeeping(app: GdnApp) -> None:
 
 def _liveness_problem(app: GdnApp) -> str | None:
     for shard in app.placement:
-        if not shard.scheduler.alive:
-            return f"the scheduler of device {shard.index} has stopped"
+        stalled = shard.scheduler.stalled_s()
+        if stalled > STALLED_SCHEDULER_S:
+            return f"the scheduler of device {shard.index} has run no round for {stalled:.0f} s with work queued"
         if shard.scheduler.device_error is not None:
             return f"device {shard.index} is unusable: {shard.scheduler.device_error}"
     return None
@@ -251,7 +255,8 @@ async def stop_server(app: GdnApp, server: grpc.aio.Server) -> bool:
         await server.stop(app.settings.grace_s)
         loop = asyncio.get_running_loop()
         shards = app.placement.shards
-        await asyncio.gather(*(loop.run_in_executor(None, shard.scheduler.stop) for shard in shards))
+        grace = app.settings.grace_s
+        await asyncio.gather(*(loop.run_in_executor(None, shard.scheduler.stop, grace) for shard in shards))
         if not app.settings.state_dir:
             return True
         if any(shard.scheduler.running for shard in shards):

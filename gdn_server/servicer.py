@@ -100,8 +100,9 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         self.backend_name = backend_name
         self.metrics = None  # gdn_server.metrics.Metrics, when --metrics-port is on
         self.held_bytes = 0  # input bytes of the decode requests being served (MAX_HELD_REQUEST_BYTES)
-        # bf16 NaN/Inf checks of big requests are left to backends that stage the inputs anyway
-        self.defer_finite_check = all(shard.backend.asynchronous for shard in placement)
+        # bf16 NaN/Inf checks of big requests are left to the backend, which reads the inputs anyway
+        # (a GPU's staging copy, the CPU's step) and checks them before any state changes
+        self.defer_finite_check = True
 
     # -- helpers ----------------------------------------------------------------------------
     async def _control(self, shard: Shard, fn: Callable[[], Any]) -> Any:

@@ -176,3 +176,30 @@ def test_warmup_leaves_the_pool_alone():
     before = backend.state_pool.clone()
     backend.warmup()
     assert torch.equal(backend.state_pool, before)
+
+
+def test_big_launches_run_on_the_worker_thread_in_order_with_the_same_results(monkeypatch):
+    """A launch of OFFLOAD_WORK or more runs on the backend's worker thread (its handle is not done
+    at once), a small one queued behind it waits its turn there, and every output and state is
+    bitwise what the same launches give on the caller's thread."""
+    from gdn_server.backends import cpu
+
+    shape = ModelShape(num_layers=2, num_q_heads=2, num_v_heads=4)
+    runs = {}
+    for offload in (False, True):
+        monkeypatch.setattr(cpu, "OFFLOAD_WORK", 4 * 4 * 128 * 128 if offload else 1 << 62)  # 4 rows, T=1
+        backend = _backend(shape, seed=5, sessions=8)
+        gen = torch.Generator().manual_seed(5)
+        handles = []
+        for rows, layer in ((6, 0), (1, 1), (6, 1)):  # big, small behind it, big again
+            batch = StepBatch(1)
+            batch.add(_work(shape, layer, rows, 1, gen), [2 * r + layer for r in range(rows)])
+            handles.append(backend.submit(batch))
+        outs = [h.result().clone() for h in handles]
+        backend.synchronize()
+        runs[offload] = (outs, backend.state_pool.clone(), backend._worker is not None)
+        backend.close()
+    assert runs[True][2] and not runs[False][2]
+    for a, b in zip(runs[True][0], runs[False][0]):
+        assert torch.equal(a, b)
+    assert torch.equal(runs[True][1], runs[False][1])

@@ -258,15 +258,15 @@ def _settings(**kw) -> ServerSettings:
     return ServerSettings(SHAPE, random_gate_params(SHAPE, 0), device="cpu", port=0, max_sessions=4, **kw)
 
 
-def test_a_dead_scheduler_turns_health_to_not_serving_and_the_server_exits_1():
+def test_a_stalled_scheduler_turns_health_to_not_serving_and_the_server_exits_1(monkeypatch):
+    import gdn_server.server as server_module
+
+    monkeypatch.setattr(server_module, "STALLED_SCHEDULER_S", 1.0)
+
     def body(app, address):
         assert _health(address) == health_pb2.HealthCheckResponse.SERVING
         scheduler = app.placement.shards[0].scheduler
-
-        def die(*args):
-            raise SystemExit("scheduler thread killed")  # not an Exception: the thread ends
-
-        scheduler._thread_round = die  # noqa: SLF001 (a bug that kills the thread, by hand)
+        scheduler._loop_round = lambda: None  # noqa: SLF001 (a bug by hand: rounds are posted, none runs)
         channel, stub = _stub(address)
         with channel:
             sid = _create(stub)
@@ -275,8 +275,8 @@ def test_a_dead_scheduler_turns_health_to_not_serving_and_the_server_exits_1():
                 stub.Decode(decode_request(0, [sid], inputs, [0]), timeout=3)  # never answered: the deadline ends it
         return _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    status, saw = _run_in_process(_settings(), body)
-    assert saw, "health still said SERVING with the scheduler dead"
+    status, saw = _run_in_process(_settings(grace_s=1.0), body)
+    assert saw, "health still said SERVING with the scheduler stalled"
     assert status == 1
 
 

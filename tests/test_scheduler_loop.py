@@ -1,7 +1,7 @@
-"""The scheduler's two drivers, in-process with the CPU backend's math: on its own thread (a
-backend that computes on the host) and on the event loop (a backend whose launches finish later,
-as a device's do). The paths a CPU server run does not reach on its own: the loop driver, its
-waiter thread, stop from the loop's own thread, a round that raises."""
+"""The scheduler's rounds on an event loop, in-process with the CPU backend's math: launches done
+when they return (a small CPU launch) and launches that finish later (as a device's do). The
+paths a CPU server run does not reach on its own: polling a launch, the waiter thread, stop from
+the loop's own thread, a round that raises."""
 from __future__ import annotations
 
 import asyncio
@@ -45,8 +45,6 @@ class _SlowStep(PendingStep):
 class _DeviceLikeBackend(CpuBackend):
     """The CPU backend's math behind launches that finish later, as CudaBackend's do."""
 
-    asynchronous = True
-
     def submit(self, batch):
         return _SlowStep(super().submit(batch))
 
@@ -78,15 +76,12 @@ async def _run_steps(scheduler: Scheduler, ids: list[str]) -> list:
                                     lambda r, f=fut: loop.call_soon_threadsafe(f.set_result, r))
             futures.append(fut)
     results = await asyncio.wait_for(asyncio.gather(*futures), 30)
-    if scheduler.backend.asynchronous:
-        scheduler.stop()  # on the loop's own thread: it runs what is left itself
-    else:
-        await loop.run_in_executor(None, scheduler.stop)
+    scheduler.stop()  # on the loop's own thread: it runs what is left itself
     assert not scheduler.running
     return results
 
 
-def test_the_loop_answers_as_the_thread_does_and_waits_on_a_thread_only_under_load():
+def test_launches_that_finish_later_are_answered_alike_and_waited_on_a_thread_only_under_load():
     outs = {}
     for backend_type in (CpuBackend, _DeviceLikeBackend):
         scheduler, ids = _scheduler(backend_type)
@@ -111,7 +106,7 @@ def test_the_loop_answers_as_the_thread_does_and_waits_on_a_thread_only_under_lo
     assert scheduler._waiter is None  # one request per launch: polled, no thread hand-off
 
 
-@pytest.mark.parametrize("backend_type", [CpuBackend, _DeviceLikeBackend], ids=["thread", "loop"])
+@pytest.mark.parametrize("backend_type", [CpuBackend, _DeviceLikeBackend], ids=["done-at-once", "finish-later"])
 def test_a_round_that_raises_answers_its_work_with_internal_and_the_scheduler_goes_on(backend_type):
     scheduler, ids = _scheduler(backend_type)
     launch = scheduler._launch
@@ -135,17 +130,14 @@ def test_a_round_that_raises_answers_its_work_with_internal_and_the_scheduler_go
             results.append(await asyncio.wait_for(fut, 10))
         await asyncio.sleep(0.05)
         assert not scheduler._round_posted  # no round spins on after it
-        if backend_type is CpuBackend:
-            await loop.run_in_executor(None, scheduler.stop)
-        else:
-            scheduler.stop()
+        scheduler.stop()
         return results
 
     failed, served = asyncio.run(main())
     assert isinstance(failed, GdnError) and failed.code == grpc.StatusCode.INTERNAL
     assert "internal scheduler error" in str(failed)
     assert isinstance(served, DecodeResult) and served.positions == (1,)  # the failed round applied nothing
-    assert scheduler.alive
+    assert scheduler.stalled_s() == 0.0
 
 
 def test_a_launch_whose_wait_returns_early_is_polled_to_its_end():
@@ -239,7 +231,7 @@ def test_requests_queue_in_order_until_the_queue_is_full():
 
     async def drain():
         scheduler.start(asyncio.get_running_loop())  # what was queued still runs, in order
-        await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+        scheduler.stop()
 
     asyncio.run(drain())
     assert [scheduler.sessions.find(i).positions[0] for i in ids] == [1, 1, 0]

@@ -84,9 +84,6 @@ class DoneStep(PendingStep):
 class Backend(ABC):
     name: str  # "cpu-torch" or "cuda-cute"
     device_name: str = "cpu"  # what ModelInfo.devices reports
-    # True when `submit` only queues work (a device runs it) and returns at once: the scheduler
-    # can then run on the event loop, polling `PendingStep.ready`. False when it computes in place.
-    asynchronous: bool = False
 
     def __init__(
         self, shape: ModelShape, gates: GateParams, max_sessions: int, scale: float | None,

@@ -4,6 +4,7 @@ states from it, runs the fp32 math of `torch_math` and writes them back rounded 
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -38,6 +39,30 @@ PLANS_KEPT = 64  # (rows, T) shapes; the oldest goes when more come (rows <= a c
 # box's two cores are already busy with gRPC and the step.
 
 
+# Launches of at least this much state work (rows x T x HV x V x K values) run on a worker thread
+# instead of the event loop: about 2-3 ms of a step on the CPU box (the 4-value-head model's 64
+# rows, 4 of qwen3-next's), long enough that blocking the loop would delay every other client's
+# messages, and that the thread hand-off (tens of microseconds) is small beside it. A smaller
+# launch is done when submit returns: a lone client's step has no hand-off at all.
+OFFLOAD_WORK = 4 << 20
+
+
+class _WorkerStep(PendingStep):
+    """A launch running on the CPU backend's worker thread."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def ready(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        self._future.exception()  # blocks until done, raises nothing
+
+    def result(self) -> torch.Tensor:
+        return self._future.result().result()
+
+
 def _zeroed_bf16(shape: tuple[int, ...]) -> torch.Tensor:
     """bf16 zeros in pages the OS maps on first touch: numpy allocates zeros with calloc, which
     takes fresh (already zero) pages for a big block without writing them, where torch.zeros writes
@@ -66,6 +91,8 @@ class CpuBackend(Backend):
         self._chunk_rows = max(1, CHUNK_WORK_BYTES // (4 * HV * V * K))
         self._work = torch.empty(self._chunk_rows, HV, V, K, dtype=torch.float32)
         self._plans: dict[tuple[int, int], StepPlan] = {}
+        self._worker: ThreadPoolExecutor | None = None  # big launches' thread, started on first use
+        self._last_offloaded: Future | None = None
         self._row_views: dict[int, torch.Tensor] = {}
 
     def _row_view(self, slot: int) -> torch.Tensor:
@@ -86,7 +113,28 @@ class CpuBackend(Backend):
         return plan
 
     def submit(self, batch: StepBatch) -> PendingStep:
-        check_unchecked_inputs(batch)
+        """Runs a small launch now; a big one (or any behind one) on the backend's worker thread,
+        so the event loop that launched it keeps serving gRPC meanwhile."""
+        check_unchecked_inputs(batch)  # before anything runs: NonFiniteInputs changes nothing
+        s = self.shape
+        work = batch.rows * batch.tokens * s.num_v_heads * s.head_dim_v * s.head_dim_k
+        behind = self._last_offloaded is not None and not self._last_offloaded.done()
+        if work < OFFLOAD_WORK and not behind:
+            return self._step(batch)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="gdn-cpu-step")
+        self._last_offloaded = self._worker.submit(self._step, batch)
+        return _WorkerStep(self._last_offloaded)
+
+    def synchronize(self) -> None:
+        if self._last_offloaded is not None:
+            self._last_offloaded.exception()  # waits; a failure is its launch's to report
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+
+    def _step(self, batch: StepBatch) -> PendingStep:
         R, T = batch.rows, batch.tokens
         q, k, v, a, b = (xs[0] if len(xs) == 1 else torch.cat(xs) for xs in map(batch.inputs, INPUT_NAMES))
         if R == 1:

@@ -173,7 +173,6 @@ class _CudaStep(PendingStep):
 
 class CudaBackend(Backend):
     name = "cuda-cute"
-    asynchronous = True
 
     def __init__(
         self,
