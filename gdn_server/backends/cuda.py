@@ -47,13 +47,13 @@ RING = 8  # staging sets; more than the batches the scheduler keeps in flight
 # Launches of up to this many rows (T=1, in place) replay a CUDA graph of their three device
 # operations, captured per staging set at warm-up: one host call instead of a copy, a kernel
 # launch through tvm-ffi and a copy. On the H200 at one client a step's launch stage took 171 us
-# with the graph against 196 without, and the device time per launch 164 us against 239
-# (bench/NOTES.md). 0 turns graphs off.
+# with the graph against 196 without, and the device time per launch 164 us against 239.
+# 0 turns graphs off.
 GRAPH_MAX_ROWS = 8
 # Bigger in-place T=1 launches are padded to the next of these row counts and replay its graph:
 # a direct launch's host calls (H2D copy, kernel through tvm-ffi, D2H copy) took ~80 us per
-# launch on the H200 host (bench/backend_step.py --pieces), 5-6% of the event loop at 64 clients
-# (py-spy, bench/NOTES.md); a replay takes a few. Padding costs only device time (the rows' H2D
+# launch on the H200 host, 5-6% of the event loop at 64 clients
+# (py-spy); a replay takes a few. Padding costs only device time (the rows' H2D
 # bytes; their CTAs read and write no state), which is why the steps are ~1.5x apart and end at
 # 128, where the launch calls are a small share of a launch's host work.
 GRAPH_BUCKETS = (12, 16, 24, 32, 48, 64, 96, 128)
@@ -64,7 +64,8 @@ GRAPH_BUCKETS = (12, 16, 24, 32, 48, 64, 96, 128)
 # against 22 with the copies, the kernel's own time the same. The kernel's reads over PCIe grow with
 # the rows faster than the copies do (submit + wait, one row: 33.5 us mapped against 35.4 copied;
 # eight rows: 60.8 against 50.0), and served, mapping one row ran 8 clients faster than mapping up
-# to 8 did, with one client's latency no worse (bench/NOTES.md). 0 keeps the copies everywhere.
+# to 8 did, with one client's latency no worse (bench/DECISIONS.md, entry 7). 0 keeps the copies
+# everywhere.
 MAPPED_MAX_ROWS = 1
 
 
@@ -206,7 +207,7 @@ class CudaBackend(Backend):
         self.dt_bias = gates.dt_bias.float().contiguous().to(self.device)
         self.stream = torch.cuda.Stream(self.device)
         # entered per launch; made once: torch.cuda.stream() builds a context whose __init__
-        # resolves the device index (~9 us a launch on the H200 host, bench/backend_step.py)
+        # resolves the device index (~9 us a launch on the H200 host)
         self._on_stream = torch.cuda.StreamContext(self.stream)
         self.use_kernel = K == V == 128
         if self.use_kernel:
@@ -319,7 +320,7 @@ class CudaBackend(Backend):
                 self._ring[idx] = self._new_staging()
         # and every staging set's views for one-token launches of up to rows_hint rows: building
         # them on first use (~20 torch calls per (R, T) and set) was 3% of the event loop's
-        # samples over the first seconds of load at 64 clients (bench/NOTES.md).
+        # samples over the first seconds of load at 64 clients.
         # At the default rows_hint that is 2,048 views, ~40k tensor objects: ~36 MB of host
         # memory and ~0.3 s once (measured for as many views on the CPU box)
         for staging in self._ring:

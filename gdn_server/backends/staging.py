@@ -4,8 +4,7 @@ work that fills it, and the NaN/Inf check of the inputs validation left to the b
 The layout (`make_plan`): q, k, v, a, b as bf16 [rows, T, ...], then the int32 slots, out_slots
 and layers [rows], each entry at a multiple of ALIGN bytes. The CUDA backend fills a pinned
 buffer with this and copies it to the device in one transfer (or lets the kernel read it in
-place); bench/engine_path.py fills an ordinary buffer with the same code, so the engine's host
-cost can be measured on any machine without skipping the copies the real path makes.
+place). Nothing here needs a GPU, so the tests check the layout and the fill on any machine.
 """
 from __future__ import annotations
 
