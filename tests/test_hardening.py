@@ -280,6 +280,17 @@ def test_a_stalled_scheduler_turns_health_to_not_serving_and_the_server_exits_1(
     assert status == 1
 
 
+def _first_step_fails_internal(address: str) -> str:
+    """A new session whose first step ends with INTERNAL; returns its id."""
+    channel, stub = _stub(address)
+    with channel:
+        sid = _create(stub)
+        with pytest.raises(grpc.RpcError) as failed:
+            _step(stub, sid)
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+    return sid
+
+
 def test_a_lost_device_turns_health_to_not_serving():
     def body(app, address):
         backend = app.placement.shards[0].backend
@@ -289,12 +300,7 @@ def test_a_lost_device_turns_health_to_not_serving():
 
         backend.submit = broken
         backend.device_problem = lambda: "the device does not answer"
-        channel, stub = _stub(address)
-        with channel:
-            sid = _create(stub)
-            with pytest.raises(grpc.RpcError) as failed:
-                _step(stub, sid)
-            assert failed.value.code() == grpc.StatusCode.INTERNAL
+        _first_step_fails_internal(address)
         return _wait_health(address, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     status, saw = _run_in_process(_settings(), body)
@@ -314,12 +320,9 @@ def test_an_exception_in_a_round_fails_that_round_with_internal_and_the_schedule
             return real_admit(item)
 
         scheduler._admit = admit_once_broken  # noqa: SLF001
+        sid = _first_step_fails_internal(address)
         channel, stub = _stub(address)
         with channel:
-            sid = _create(stub)
-            with pytest.raises(grpc.RpcError) as failed:
-                _step(stub, sid)
-            assert failed.value.code() == grpc.StatusCode.INTERNAL
             assert list(_step(stub, sid, position=0).positions) == [1]  # nothing was applied, and it goes on
         assert _health(address) == health_pb2.HealthCheckResponse.SERVING
 
