@@ -1,6 +1,6 @@
 """Session operations that touch the state pool: fork, export, import and idle eviction.
 
-Each function here changes or reads session state, so it must run on the scheduler thread as a
+Each function here changes or reads session state, so it must run in the scheduler's rounds as a
 control item (`Scheduler.submit_control`): after every earlier decode step has finished, before
 any later one, with no step in flight. The servicer and the server only queue them.
 

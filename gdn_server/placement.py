@@ -2,7 +2,7 @@
 
 One server process drives every GPU it is given (several processes on one host each drive
 theirs: gdn_server.supervisor). Each GPU is a `Shard`: its own backend (state
-pool and launch stream), session table and scheduler thread, so batches form per GPU and the
+pool and launch stream), session table and scheduler, so batches form per GPU and the
 GPUs run side by side. A session lives on one shard for its whole life (its state is there);
 `Placement` puts new sessions on the shard with the most free slots (or next to a session the
 client names) and finds a session's shard by id. A request's sessions must share a shard, since

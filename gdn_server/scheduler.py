@@ -46,7 +46,7 @@ from gdn_server.work import DecodeResult, DecodeWork, StepBatch
 
 log = logging.getLogger(__name__)
 
-Done = Callable[[Any], None]  # called once, on the scheduler's thread, with a result or an exception
+Done = Callable[[Any], None]  # called once, on the event loop's thread, with a result or an exception
 # launches a scheduler on the event loop keeps on the device at once: fewer than a backend's
 # staging sets (CudaBackend.RING), so a launch never waits for a set to come free
 LOOP_MAX_IN_FLIGHT = 4
@@ -116,7 +116,7 @@ class Scheduler:
         self.sessions = sessions
         self.config = config
         self.stats = SchedulerStats()
-        # metrics hooks, called on the scheduler's thread
+        # metrics hooks, called on the event loop's thread
         self.on_launch: Callable[[int, float, float], None] | None = None  # (rows, longest queue wait s, device s)
         self.on_dispatch: Callable[[float], None] | None = None  # (queue wait s) per request launched
         # why the device is unusable, once a launch failed and the device does not answer; None while it is fine
@@ -163,7 +163,7 @@ class Scheduler:
         self._enqueue(_DecodeItem(work, done, cancelled))
 
     def submit_control(self, fn: Callable[[], Any], done: Done) -> None:
-        """Runs `fn()` on the scheduler's thread once every earlier request has finished."""
+        """Runs `fn()` between launches, once every earlier request has finished."""
         self._enqueue(_ControlItem(fn, done))
 
     def stop_accepting(self) -> None:

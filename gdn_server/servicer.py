@@ -290,7 +290,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         return gdn_pb2.CommitResponse(positions=positions, committed_layers=layers)
 
     async def ForkSession(self, request, context):
-        identity = current_identity()  # read here: the lambda runs on the scheduler thread
+        identity = current_identity()  # read here: the lambda runs later, outside this call's context
         try:  # after every earlier step of the source: the copy sees all of them; same device
             shard = self.placement.shard_of(request.session_id)
             child = await self._control(

@@ -10,7 +10,7 @@ state before the step survives until `Commit`: `Provisional` records such a step
 fully accepted step leaves the committed state in its scratch row (`scratch_current`) until the
 next plain step at that layer writes it back home, so acceptance costs no extra copy.
 
-Only the scheduler thread mutates positions, last steps and speculative records; `create`/`remove`
+Only the scheduler's rounds mutate positions, last steps and speculative records; `create`/`remove`
 take the table lock because they are also called from the gRPC event loop.
 """
 from __future__ import annotations
