@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import hashlib
 import os
+import queue
 import socket
 import struct
 import threading
@@ -160,42 +161,57 @@ def _rss_bytes(pid: int) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_unfinished_messages_are_bounded_and_other_clients_are_served():
-    with start_server(*SMALL_MODEL, "--max-concurrent-rpcs", "16") as srv:
-        before = _rss_bytes(srv.proc.pid)
-        sock = _h2_partial_message(srv.port, streams=120, declared=30 << 20, sent=1 << 20)
+def _call_code(address: str) -> grpc.StatusCode:
+    channel, stub = _stub(address)
+    with channel:
         try:
-            channel, stub = _stub(srv.address)
-            with channel:
-                deadline = time.monotonic() + 20
-                while True:  # once the hostile calls are taken, the 17th concurrent call is refused
-                    try:
-                        stub.GetModelInfo(gdn_pb2.GetModelInfoRequest(), timeout=10)
-                    except grpc.RpcError as refused:
-                        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
-                        break
-                    assert time.monotonic() < deadline, "the call limit never applied"
-                    time.sleep(0.2)
-            time.sleep(0.5)
+            stub.GetModelInfo(gdn_pb2.GetModelInfoRequest(), timeout=10)
+        except grpc.RpcError as e:
+            return e.code()
+    return grpc.StatusCode.OK
+
+
+def _until(check, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def test_unfinished_messages_are_bounded_and_other_clients_are_served():
+    flags = ("--max-streams-per-connection", "8", "--max-concurrent-rpcs", "12")
+    with start_server(*SMALL_MODEL, *flags) as srv:
+        before = _rss_bytes(srv.proc.pid)
+        hostile = [_h2_partial_message(srv.port, streams=120, declared=30 << 20, sent=1 << 20)]
+        try:
+            time.sleep(1.0)
             grown = _rss_bytes(srv.proc.pid) - before
-            # 16 calls at most, each holding what flow control let it send (40-70 MiB in all on the
-            # CPU box, thread arenas included), not the 120 MiB the 120 streams sent
+            # 8 calls of that connection at most, each holding what flow control let it send, not
+            # the 120 MiB its 120 streams sent (40-70 MiB seen on the CPU box, thread arenas included)
             assert grown < 100 << 20, f"the server grew by {grown / 2**20:.0f} MiB"
-        finally:
-            sock.close()
-        deadline = time.monotonic() + 20
-        while True:  # the hostile connection is gone: everyone is served again
             channel, stub = _stub(srv.address)
-            with channel:
-                try:
-                    sid = _create(stub)
-                    break
-                except grpc.RpcError as e:
-                    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
-            time.sleep(0.2)
+            with channel:  # another client is served meanwhile
+                assert list(_step(stub, _create(stub)).positions) == [1]
+        finally:
+            for sock in hostile:
+                sock.close()
+        assert _until(lambda: _call_code(srv.address) == grpc.StatusCode.OK)
+
+
+def test_calls_beyond_the_limit_get_resource_exhausted_until_one_ends():
+    with start_server(*SMALL_MODEL, "--max-concurrent-rpcs", "2") as srv:
         channel, stub = _stub(srv.address)
         with channel:
-            assert list(_step(stub, sid).positions) == [1]
+            requests = [queue.SimpleQueue() for _ in range(2)]
+            streams = [stub.DecodeStream(iter(q.get, None), timeout=60) for q in requests]  # two open calls
+            assert _until(lambda: _call_code(srv.address) == grpc.StatusCode.RESOURCE_EXHAUSTED)
+            for q in requests:
+                q.put(None)  # the streams end
+            for call in streams:
+                assert list(call) == []
+        assert _until(lambda: _call_code(srv.address) == grpc.StatusCode.OK)
 
 
 # -- 4. liveness that tells the truth ---------------------------------------------------------
