@@ -206,7 +206,10 @@ def test_calls_beyond_the_limit_get_resource_exhausted_until_one_ends():
         with channel:
             requests = [queue.SimpleQueue() for _ in range(2)]
             streams = [stub.DecodeStream(iter(q.get, None), timeout=60) for q in requests]  # two open calls
-            assert _until(lambda: _call_code(srv.address) == grpc.StatusCode.RESOURCE_EXHAUSTED)
+            for q, call in zip(requests, streams):  # each answered once: both calls are on the server
+                q.put(gdn_pb2.DecodeRequest(session_ids=["nope"]))
+                assert next(call).error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert _call_code(srv.address) == grpc.StatusCode.RESOURCE_EXHAUSTED
             for q in requests:
                 q.put(None)  # the streams end
             for call in streams:
