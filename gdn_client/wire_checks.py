@@ -1,9 +1,9 @@
 """Checks on a `gdn.v1.Tensor`'s raw bytes, without torch: its layout (dtype, shape and byte
 length agree) and NaN/Inf values.
 
-The server validates every request with these (gdn_server.validation); gdn_client.wire builds
-on them for the tensors. Importing this module loads no torch, so a tool that only checks raw
-messages needs none.
+gdn_client.wire builds on them for the tensors (the server checks requests with its own
+gdn_server.validation: it imports nothing of the client but the stubs). Importing this module
+loads no torch, so a tool that only checks raw messages needs none.
 """
 from __future__ import annotations
 
@@ -64,18 +64,6 @@ def check_layout(wire_dtype: int, shape: tuple[int, ...], nbytes: int, name: str
     if numel * itemsize != nbytes:
         raise WireFormatError(f"{name}: shape {list(shape)} of {dtype} needs {numel * itemsize} bytes, got {nbytes}")
     return numel
-
-
-def as_float32_bytes(wire_dtype: int, data: Any) -> bytes:
-    """A Tensor message's values as little-endian float32 bytes. BF16 and F16 widen exactly (no
-    rounding), as torch's `.to(torch.float32)` does."""
-    if wire_dtype == gdn_pb2.F32:
-        return bytes(data)
-    if wire_dtype == gdn_pb2.F16:
-        return np.frombuffer(data, dtype=np.float16).astype(np.float32).tobytes()
-    if wire_dtype == gdn_pb2.BF16:  # a bf16 is the high half of the float32 of the same value
-        return (np.frombuffer(data, dtype=np.uint16).astype(np.uint32) << 16).tobytes()
-    raise WireFormatError(f"dtype {wire_dtype} is not one of BF16, F16, F32")
 
 
 def first_nonfinite(buffers: "list[Any] | tuple[Any, ...]", wire_dtype: int) -> int | None:

@@ -154,17 +154,21 @@ def idle_sessions(sessions: SessionTable, timeout_s: float, now: float | None = 
     return [s.id for s in sessions.sessions() if now - s.last_used > timeout_s]
 
 
-def release_stale_speculation(sessions: SessionTable, backend: Backend, timeout_s: float) -> list[str]:
-    """Settles the scratch rows of every session unused for longer than `timeout_s`: its open
-    speculative steps are dropped, as if never sent (their positions go back), and accepted
-    states go home, so a client that leaves drafts open does not hold scratch rows for ever.
-    Returns the ids of the sessions settled."""
+def stale_speculation(sessions: SessionTable, timeout_s: float) -> list[Session]:
+    """Sessions holding scratch rows (open drafts, or accepted states not yet home) and unused for
+    longer than `timeout_s` (a read-only look; safe from any thread)."""
     now = time.monotonic()
+    return [s for s in sessions.sessions() if (s.provisional or s.scratch_current) and now - s.last_used > timeout_s]
+
+
+def release_stale_speculation(sessions: SessionTable, backend: Backend, timeout_s: float) -> list[str]:
+    """Settles the scratch rows of every `stale_speculation` session: its open speculative steps
+    are dropped, as if never sent (their positions go back), and accepted states go home, so a
+    client that leaves drafts open does not hold scratch rows for ever. Returns their ids."""
     settled_ids = []
-    for session in sessions.sessions():
-        if (session.provisional or session.scratch_current) and now - session.last_used > timeout_s:
-            drop_speculation(sessions, backend, session)
-            settled_ids.append(session.id)
+    for session in stale_speculation(sessions, timeout_s):
+        drop_speculation(sessions, backend, session)
+        settled_ids.append(session.id)
     if settled_ids:
         log.info("released the speculative scratch rows of %d session(s) unused for %g s", len(settled_ids), timeout_s)
     return settled_ids

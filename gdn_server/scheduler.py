@@ -166,6 +166,22 @@ class Scheduler:
         """Runs `fn()` between launches, once every earlier request has finished."""
         self._enqueue(_ControlItem(fn, done))
 
+    async def control(self, fn: Callable[[], Any]) -> Any:
+        """`submit_control`, awaited on the loop the rounds run on: `fn()`'s result, or its
+        exception raised."""
+        fut = asyncio.get_running_loop().create_future()
+
+        def done(result: Any) -> None:  # on this loop's thread, as every answer of a round
+            if fut.done():
+                return
+            if isinstance(result, BaseException):
+                fut.set_exception(result)
+            else:
+                fut.set_result(result)
+
+        self.submit_control(fn, done)
+        return await fut
+
     def stop_accepting(self) -> None:
         """New work is refused with UNAVAILABLE from now on; queued work still runs."""
         with self._lock:

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server.backends import make_backends
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, SPECULATIVE_TIMEOUT_S, Limits, ModelShape, SchedulerConfig
-from gdn_server.lifecycle import evict_idle, idle_sessions, release_stale_speculation
+from gdn_server.lifecycle import evict_idle, idle_sessions, release_stale_speculation, stale_speculation
 from gdn_server.metrics import Metrics, MetricsInterceptor
 from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
@@ -189,15 +189,6 @@ async def start_server(app: GdnApp) -> tuple[grpc.aio.Server, int]:
     return server, port
 
 
-async def _control(shard: Shard, fn) -> object:
-    """Runs `fn` on the shard's scheduler between launches (never during a step)."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    shard.scheduler.submit_control(fn, lambda result: loop.call_soon_threadsafe(
-        lambda: fut.done() or fut.set_result(result)))
-    return await fut
-
-
 async def _housekeeping(app: GdnApp) -> None:
     """Every so often: evicts idle sessions (--session-idle-timeout-s) and settles the speculative
     scratch rows of sessions left with open drafts (--speculative-timeout-s), each as a scheduler
@@ -210,11 +201,11 @@ async def _housekeeping(app: GdnApp) -> None:
         for shard in app.placement:
             idle = settings.session_idle_timeout_s
             if idle and idle_sessions(shard.sessions, idle):  # a cheap look first: no barrier when none is
-                await _control(shard, lambda shard=shard: evict_idle(shard.sessions, shard.backend, idle))
+                await shard.scheduler.control(lambda shard=shard: evict_idle(shard.sessions, shard.backend, idle))
             stale = settings.speculative_timeout_s
-            if shard.sessions.scratch_in_use() and idle_sessions(shard.sessions, stale):
-                await _control(
-                    shard, lambda shard=shard: release_stale_speculation(shard.sessions, shard.backend, stale)
+            if shard.sessions.scratch_in_use() and stale_speculation(shard.sessions, stale):
+                await shard.scheduler.control(
+                    lambda shard=shard: release_stale_speculation(shard.sessions, shard.backend, stale)
                 )
 
 

@@ -105,12 +105,6 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         self.defer_finite_check = True
 
     # -- helpers ----------------------------------------------------------------------------
-    async def _control(self, shard: Shard, fn: Callable[[], Any]) -> Any:
-        """Runs `fn` on `shard`'s scheduler between launches; returns its result."""
-        fut, done = settle_on(asyncio.get_running_loop())
-        shard.scheduler.submit_control(fn, done)
-        return await fut
-
     def _hold(self, nbytes: int) -> None:
         """Counts a request's bytes as held until `_release`; refuses it beyond the budget (a lone
         request always goes: one request is bounded by the message size)."""
@@ -270,7 +264,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
 
         try:
             shard = self.placement.shard_of(sid)
-            await self._control(shard, lambda: close(shard))
+            await shard.scheduler.control( lambda: close(shard))
         except GdnError as e:
             await context.abort(e.code, e.message)
         return gdn_pb2.CloseSessionResponse()
@@ -279,8 +273,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         identity = current_identity()
         try:  # after the session's earlier steps (the speculative one included) have run
             shard = self.placement.shard_of(request.session_id)
-            positions, layers = await self._control(
-                shard,
+            positions, layers = await shard.scheduler.control(
                 lambda: commit_speculation(
                     shard.sessions, shard.backend, request.session_id, int(request.accepted), identity
                 ),
@@ -293,8 +286,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         identity = current_identity()  # read here: the lambda runs later, outside this call's context
         try:  # after every earlier step of the source: the copy sees all of them; same device
             shard = self.placement.shard_of(request.session_id)
-            child = await self._control(
-                shard,
+            child = await shard.scheduler.control(
                 lambda: fork_session(
                     shard.sessions, shard.backend, request.session_id, identity, quota_key(identity, context)
                 ),
@@ -307,8 +299,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         identity = current_identity()
         try:
             shard = self.placement.shard_of(request.session_id)
-            state = await self._control(
-                shard, lambda: export_session(shard.sessions, shard.backend, request.session_id, identity)
+            state = await shard.scheduler.control( lambda: export_session(shard.sessions, shard.backend, request.session_id, identity)
             )
         except GdnError as e:
             await context.abort(e.code, e.message)
@@ -340,8 +331,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
                 raise refused
             state = assembler.finish()  # the whole stream checks out before anything is created
             shard = self.placement.place()
-            session = await self._control(
-                shard,
+            session = await shard.scheduler.control(
                 lambda: import_session(
                     shard.sessions, shard.backend, state, owner=identity, quota_key=quota_key(identity, context)
                 ),

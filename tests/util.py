@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import itertools
 from pathlib import Path
 from unittest import mock
 
