@@ -9,10 +9,9 @@ truncated or zero-padded). That lets the load tool reproduce a decode step's siz
     python -m gdn_loadtest.echo --host 127.0.0.1 --port 0     # prints "listening on HOST:PORT"
 
 The floor runs on asyncio's own loop and with gRPC's own defaults, as a plain gRPC service
-would. gdn-server sets GRPC_EXPERIMENTS for its processes (gdn_server/__init__.py), and a process
-that imported gdn_server passes that on to its children: whoever starts the floor gives it
-`echo_env()`, which keeps the caller's GRPC_EXPERIMENTS from reaching it;
-GDN_ECHO_GRPC_EXPERIMENTS=-event_engine_listener gives the floor gdn-server's transport instead.
+would. gdn-server's entry point sets GRPC_EXPERIMENTS for its processes (gdn_server/config.py),
+which their children inherit: whoever starts the floor gives it `echo_env()`, which keeps a
+caller's GRPC_EXPERIMENTS from reaching it.
 Its allocator and collector settings are gdn-server's (gdn_server.tuning).
 """
 from __future__ import annotations
@@ -53,9 +52,8 @@ def echo_request(request_bytes: int, reply_bytes: int) -> bytes:
 
 def echo_env() -> dict[str, str]:
     """The environment to start an echo floor process with: this process's, with gRPC's own
-    defaults (GRPC_EXPERIMENTS empty) unless GDN_ECHO_GRPC_EXPERIMENTS names the floor's."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1",
-            "GRPC_EXPERIMENTS": os.environ.get("GDN_ECHO_GRPC_EXPERIMENTS", "")}
+    defaults (GRPC_EXPERIMENTS empty)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "GRPC_EXPERIMENTS": ""}
 
 
 def _reply(request: bytes) -> bytes:
