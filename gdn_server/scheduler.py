@@ -52,6 +52,21 @@ Done = Callable[[Any], None]  # called once, on the event loop's thread, with a 
 LOOP_MAX_IN_FLIGHT = 4
 
 
+def settle(fut: asyncio.Future) -> Done:
+    """A `Done` that settles `fut` with its result, or its exception raised, unless the future is
+    done already (its call was cancelled). Answers come on the loop's thread, where rounds run."""
+
+    def done(result: Any) -> None:
+        if fut.done():
+            return
+        if isinstance(result, BaseException):
+            fut.set_exception(result)
+        else:
+            fut.set_result(result)
+
+    return done
+
+
 class _DecodeItem:
     """A queued decode request (slotted: one is made per request on the event loop)."""
 
@@ -170,16 +185,7 @@ class Scheduler:
         """`submit_control`, awaited on the loop the rounds run on: `fn()`'s result, or its
         exception raised."""
         fut = asyncio.get_running_loop().create_future()
-
-        def done(result: Any) -> None:  # on this loop's thread, as every answer of a round
-            if fut.done():
-                return
-            if isinstance(result, BaseException):
-                fut.set_exception(result)
-            else:
-                fut.set_result(result)
-
-        self.submit_control(fn, done)
+        self.submit_control(fn, settle(fut))
         return await fut
 
     def stop_accepting(self) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import threading
 from typing import Any, AsyncIterator, Callable
 
 import grpc
@@ -28,6 +27,7 @@ from gdn_server.placement import Placement, Shard
 from gdn_server.security import current_identity
 from gdn_server.sessions import ProcessHomes
 from gdn_server.state_transfer import StateAssembler, encode_state
+from gdn_server.scheduler import settle
 from gdn_server.validation import decode_work_from_request
 from gdn_server.work import DecodeResult
 
@@ -43,31 +43,6 @@ MAX_STREAM_HELD_BYTES = 16 << 20
 # request is refused with RESOURCE_EXHAUSTED, so many clients each sending big requests cannot
 # make the server hold more than this (plus what gRPC is still receiving) on top of its pool.
 MAX_HELD_REQUEST_BYTES = 512 << 20
-
-
-def settle_on(loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Future, Callable[[Any], None]]:
-    """A future on `loop` and a thread-safe callback that resolves it (exceptions are raised).
-
-    Call it on the loop's thread. The callback settles the future at once when it is called on
-    that thread too (a scheduler running on the loop), else through `call_soon_threadsafe`."""
-    fut = loop.create_future()
-    loop_thread = threading.get_ident()
-
-    def _settle(result: Any) -> None:
-        if fut.done():  # the RPC was cancelled meanwhile
-            return
-        if isinstance(result, BaseException):
-            fut.set_exception(result)
-        else:
-            fut.set_result(result)
-
-    def done(result: Any) -> None:
-        if threading.get_ident() == loop_thread:
-            _settle(result)
-        else:
-            loop.call_soon_threadsafe(_settle, result)
-
-    return fut, done
 
 
 def decode_response(result: DecodeResult) -> gdn_pb2.DecodeResponse:
@@ -100,9 +75,6 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         self.backend_name = backend_name
         self.metrics = None  # gdn_server.metrics.Metrics, when --metrics-port is on
         self.held_bytes = 0  # input bytes of the decode requests being served (MAX_HELD_REQUEST_BYTES)
-        # bf16 NaN/Inf checks of big requests are left to the backend, which reads the inputs anyway
-        # (a GPU's staging copy, the CPU's step) and checks them before any state changes
-        self.defer_finite_check = True
 
     # -- helpers ----------------------------------------------------------------------------
     def _hold(self, nbytes: int) -> None:
@@ -124,7 +96,9 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         request is answered. Raises GdnError for what validation finds (nothing held then)."""
         identity = current_identity()
         work = decode_work_from_request(
-            request, self.shape, self.defer_finite_check, owner=identity, owner_key=quota_key(identity, context)
+            # bf16 NaN/Inf checks of big requests are left to the backend, which reads the inputs
+            # anyway (a GPU's staging copy, the CPU's step) and checks them before any state changes
+            request, self.shape, defer_finite_check=True, owner=identity, owner_key=quota_key(identity, context)
         )
         shard = self.placement.shard_for(work.session_ids)
         nbytes = work.nbytes
@@ -138,11 +112,11 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
 
     # -- decode steps -----------------------------------------------------------------------
     async def Decode(self, request, context):
-        fut, done = settle_on(asyncio.get_running_loop())
+        fut = asyncio.get_running_loop().create_future()
         code = grpc.StatusCode.CANCELLED  # unless it ends otherwise (a cancelled call cancels `fut`)
         nbytes = 0
         try:
-            nbytes = self._submit_decode(request, context, done, fut.cancelled)
+            nbytes = self._submit_decode(request, context, settle(fut), fut.cancelled)
             result = await fut
             code = grpc.StatusCode.OK
         except GdnError as e:
@@ -264,7 +238,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
 
         try:
             shard = self.placement.shard_of(sid)
-            await shard.scheduler.control( lambda: close(shard))
+            await shard.scheduler.control(lambda: close(shard))
         except GdnError as e:
             await context.abort(e.code, e.message)
         return gdn_pb2.CloseSessionResponse()
@@ -363,7 +337,7 @@ _PENDING = object()  # an _Answer's result before the answer
 
 class _Answer:
     """One request of a DecodeStream: called with its DecodeResult or error (the scheduler's
-    `done`, from any thread), it keeps the first answer and wakes the stream's writer when the
+    `done`, on the loop's thread), it keeps the first answer and wakes the stream's writer when the
     oldest request has its answer."""
 
     __slots__ = ("stream", "request_id", "result", "nbytes")
@@ -374,11 +348,8 @@ class _Answer:
         self.nbytes = nbytes  # the request's input bytes, held until it is answered
         self.result: Any = _PENDING
 
-    def __call__(self, result: Any) -> None:
+    def __call__(self, result: Any) -> None:  # on the loop's thread, where rounds answer
         stream = self.stream
-        if threading.get_ident() != stream.loop_thread:
-            stream.loop.call_soon_threadsafe(self, result)
-            return
         if self.result is _PENDING:
             self.result = result
             answers = stream.answers
@@ -389,12 +360,10 @@ class _Answer:
 class _ReplyStream:
     """A DecodeStream's requests in flight, oldest first, and the reader's and writer's waits."""
 
-    __slots__ = ("loop", "loop_thread", "answers", "held_bytes", "ended", "error", "closed", "_writer_waits",
-                 "_reader_waits")
+    __slots__ = ("loop", "answers", "held_bytes", "ended", "error", "closed", "_writer_waits", "_reader_waits")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.loop_thread = threading.get_ident()
         self.answers: collections.deque[_Answer] = collections.deque()
         self.held_bytes = 0  # input bytes of the requests in flight
         self.ended = False  # the reader is done: no more requests
