@@ -89,16 +89,16 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
     def _release(self, nbytes: int) -> None:
         self.held_bytes -= nbytes
 
-    def _submit_decode(self, request: gdn_pb2.DecodeRequest, context, done: Callable[[Any], None],
-                       cancelled: Callable[[], bool]) -> int:
-        """Checks a request, counts its bytes as held (`_hold`) and queues it; `done` gets its
-        DecodeResult or GdnError. Returns the bytes held, which the caller releases once the
-        request is answered. Raises GdnError for what validation finds (nothing held then)."""
-        identity = current_identity()
+    def _submit_decode(self, request: gdn_pb2.DecodeRequest, identity: str | None, owner_key: str,
+                       done: Callable[[Any], None], cancelled: Callable[[], bool]) -> int:
+        """Checks a request of the caller `identity` (`owner_key`: its quota_key), counts its bytes
+        as held (`_hold`) and queues it; `done` gets its DecodeResult or GdnError. Returns the bytes
+        held, which the caller releases once the request is answered. Raises GdnError for what
+        validation finds (nothing held then)."""
         work = decode_work_from_request(
             # bf16 NaN/Inf checks of big requests are left to the backend, which reads the inputs
             # anyway (a GPU's staging copy, the CPU's step) and checks them before any state changes
-            request, self.shape, defer_finite_check=True, owner=identity, owner_key=quota_key(identity, context)
+            request, self.shape, defer_finite_check=True, owner=identity, owner_key=owner_key
         )
         shard = self.placement.shard_for(work.session_ids)
         nbytes = work.nbytes
@@ -116,7 +116,8 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         code = grpc.StatusCode.CANCELLED  # unless it ends otherwise (a cancelled call cancels `fut`)
         nbytes = 0
         try:
-            nbytes = self._submit_decode(request, context, settle(fut), fut.cancelled)
+            identity = current_identity()
+            nbytes = self._submit_decode(request, identity, quota_key(identity, context), settle(fut), fut.cancelled)
             result = await fut
             code = grpc.StatusCode.OK
         except GdnError as e:
@@ -134,6 +135,8 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         # when the oldest slot is answered. Replies go out with context.write (grpc.aio's
         # reader/writer API): an async generator would be resumed by grpc for every reply.
         stream = _ReplyStream(asyncio.get_running_loop())
+        identity = current_identity()  # one caller per call: read once, not per message
+        owner_key = quota_key(identity, context)
 
         async def read() -> None:
             try:
@@ -141,7 +144,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
                     answer = _Answer(stream, request.request_id, 0)
                     stream.answers.append(answer)
                     try:
-                        answer.nbytes = self._submit_decode(request, context, answer, stream.is_closed)
+                        answer.nbytes = self._submit_decode(request, identity, owner_key, answer, stream.is_closed)
                         stream.held_bytes += answer.nbytes
                     except GdnError as e:
                         answer(e)

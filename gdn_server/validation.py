@@ -9,6 +9,7 @@ into its staging buffer as they are. Requests with f16/f32 inputs become float t
 """
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 import zlib
@@ -17,6 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from gdn_client.proto.checks import WireFormatError, check_layout, first_nonfinite, has_nonfinite
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
@@ -44,13 +46,8 @@ DIGEST_FULL_ROW_BYTES = 1024
 DIGEST_STRIDE = 61
 CHECK_JOINED_BYTES = 256 << 10  # check_finite joins the inputs of a request up to this size
 
-DTYPE_NAME = {gdn_pb2.BF16: "BF16", gdn_pb2.F16: "F16", gdn_pb2.F32: "F32"}
-ITEMSIZE = {gdn_pb2.BF16: 2, gdn_pb2.F16: 2, gdn_pb2.F32: 4}
 TORCH_DTYPE = {gdn_pb2.BF16: torch.bfloat16, gdn_pb2.F16: torch.float16, gdn_pb2.F32: torch.float32}
-# exponent bits that are all ones in an Inf or NaN, per wire dtype, read as unsigned words
-_ALL_BF16 = [gdn_pb2.BF16] * 5
-_NONFINITE_EXPONENT = {gdn_pb2.BF16: (np.uint16, 0x7F80), gdn_pb2.F16: (np.uint16, 0x7C00),
-                       gdn_pb2.F32: (np.uint32, 0x7F800000)}
+_ALL_BF16 = (gdn_pb2.BF16,) * 5
 
 
 def decode_work_from_request(
@@ -67,14 +64,17 @@ def decode_work_from_request(
         raise InvalidArgument(f"layer {layer} out of range: the model has {L} layers (0..{L - 1})")
     session_ids = tuple(req.session_ids)
     B = len(session_ids)
-    if B == 0:
-        raise InvalidArgument("session_ids is empty: a request names at least one session")
-    if B > 1 and len(set(session_ids)) != B:
-        raise InvalidArgument("duplicate session ids in one request")
-    lengths = tuple(map(len, session_ids))
-    if min(lengths) == 0 or max(lengths) > MAX_SESSION_ID_LEN:
-        bad = next(sid for sid in session_ids if not sid or len(sid) > MAX_SESSION_ID_LEN)
-        raise InvalidArgument(f"malformed session id {bad[:MAX_SESSION_ID_LEN]!r} (1..{MAX_SESSION_ID_LEN} characters)")
+    if B == 1:
+        if not 0 < len(session_ids[0]) <= MAX_SESSION_ID_LEN:
+            raise _malformed_session_id(session_ids[0])
+    else:
+        if B == 0:
+            raise InvalidArgument("session_ids is empty: a request names at least one session")
+        if len(set(session_ids)) != B:
+            raise InvalidArgument("duplicate session ids in one request")
+        lengths = tuple(map(len, session_ids))
+        if min(lengths) == 0 or max(lengths) > MAX_SESSION_ID_LEN:
+            raise _malformed_session_id(next(sid for sid in session_ids if not sid or len(sid) > MAX_SESSION_ID_LEN))
     request_id = req.request_id
     if len(request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidArgument(f"request_id has {len(request_id)} characters, at most {MAX_REQUEST_ID_LEN}")
@@ -85,33 +85,91 @@ def decode_work_from_request(
         if max(positions) > MAX_POSITION:
             raise InvalidArgument(f"position {max(positions)} is out of range: positions are below 2^63")
 
-    messages = (req.q, req.k, req.v, req.a, req.b)
+    speculative = req.speculative
+    q, k, v, a, b = messages = (req.q, req.k, req.v, req.a, req.b)
+    q_shape = q.shape
+    layout = _layout(shape, B, q_shape[1]) if len(q_shape) == 4 and 0 < q_shape[1] <= shape.max_tokens_per_step else None
+    raw = (q.data, k.data, v.data, a.data, b.data)  # a fresh bytes object per access of `data`: read once
+    if (layout is None or speculative or tuple(map(len, raw)) != layout.bf16_bytes
+            or (q.dtype, k.dtype, v.dtype, a.dtype, b.dtype) != _ALL_BF16
+            or q_shape != layout.want[0] or k.shape != layout.want[1] or v.shape != layout.want[2]
+            or a.shape != layout.want[3] or b.shape != layout.want[4]):
+        # anything but the plain case (bf16 inputs of the shapes a step of B sessions and T
+        # tokens has): the full checks, which say what is wrong, or take other dtypes
+        return _checked_work(req, messages, raw, shape, layer, session_ids, positions, request_id,
+                             bool(speculative), defer_finite_check, owner, owner_key)
+    total = layout.total_bytes
+    joined = b"".join(raw) if B == 1 and total <= CHECK_JOINED_BYTES else None
+    finite_checked = not (defer_finite_check and total >= DEFERRED_CHECK_BYTES)
+    if finite_checked:
+        check_finite(raw, joined)
+    return DecodeWork(
+        layer, session_ids, positions=positions, request_id=request_id, owner=owner, owner_key=owner_key,
+        bf16_bytes=raw, input_dims=layout.dims, finite_checked=finite_checked, digests=row_digests(raw, B, joined),
+    )
+
+
+class _Layout:
+    """What the five inputs of a plain step of B sessions and T tokens look like: their shapes (as
+    lists, what a repeated field compares equal to), dims and bf16 byte counts."""
+
+    __slots__ = ("want", "dims", "bf16_bytes", "total_bytes")
+
+    def __init__(self, shape: ModelShape, B: int, T: int) -> None:
+        H, HV, K, V = shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v
+        self.want = ([B, T, H, K], [B, T, H, K], [B, T, HV, V], [B, T, HV], [B, T, HV])
+        self.dims = tuple(map(tuple, self.want))
+        self.bf16_bytes = tuple(2 * math.prod(d) for d in self.dims)
+        self.total_bytes = sum(self.bf16_bytes)
+
+
+_LAYOUTS: dict[tuple[ModelShape, int, int], _Layout] = {}
+_LAYOUTS_KEPT = 1024  # (shape, B, T) keys; requests of more sessions make theirs each time
+
+
+def _layout(shape: ModelShape, B: int, T: int) -> _Layout:
+    key = (shape, B, T)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        layout = _Layout(shape, B, T)
+        if len(_LAYOUTS) < _LAYOUTS_KEPT and B <= 256:
+            _LAYOUTS[key] = layout
+    return layout
+
+
+def _malformed_session_id(sid: str) -> InvalidArgument:
+    return InvalidArgument(f"malformed session id {sid[:MAX_SESSION_ID_LEN]!r} (1..{MAX_SESSION_ID_LEN} characters)")
+
+
+def _checked_work(
+    req: gdn_pb2.DecodeRequest, messages: tuple, raw: tuple, shape: ModelShape, layer: int,
+    session_ids: tuple[str, ...], positions: tuple[int, ...] | None, request_id: str, speculative: bool,
+    defer_finite_check: bool, owner: str | None, owner_key: str | None,
+) -> DecodeWork:
+    """`decode_work_from_request` for every request but a plain bf16 step: each check in turn,
+    raising the first failure's InvalidArgument."""
+    B = len(session_ids)
     try:
-        dims, numels = check_shapes(messages, B, bool(req.speculative), shape)
+        dims, numels = check_shapes(messages, B, speculative, shape)
     except InvalidArgument:
         for name in INPUT_NAMES:  # a tensor left out reads as an empty one: say which
             if not req.HasField(name):
                 raise InvalidArgument(f"tensor {name} is missing") from None
         raise
     dtypes = [m.dtype for m in messages]
-    raw = [m.data for m in messages]  # a fresh bytes object per access of `data`: read once
-    for name, dtype, data, numel in zip(INPUT_NAMES, dtypes, raw, numels):
-        itemsize = ITEMSIZE.get(dtype)
-        if itemsize is None:
-            raise InvalidArgument(f"{name}: dtype {dtype} is not one of BF16, F16, F32")
-        if numel * itemsize != len(data):
-            raise InvalidArgument(
-                f"{name}: shape {list(dims[INPUT_NAMES.index(name)])} of {DTYPE_NAME[dtype]} needs "
-                f"{numel * itemsize} bytes, got {len(data)}"
-            )
+    for name, dtype, d, data in zip(INPUT_NAMES, dtypes, dims, raw):
+        try:
+            check_layout(dtype, d, len(data), name)
+        except WireFormatError as e:
+            raise InvalidArgument(str(e)) from None
 
     # a small request's inputs as one buffer: one pass each for the NaN/Inf check and the digest
     joined = b"".join(raw) if B == 1 and sum(map(len, raw)) <= CHECK_JOINED_BYTES else None
     common = dict(
         layer=layer, session_ids=session_ids, positions=positions, request_id=request_id,
-        speculative=bool(req.speculative), owner=owner, owner_key=owner_key, digests=row_digests(raw, B),
+        speculative=speculative, owner=owner, owner_key=owner_key, digests=row_digests(raw, B, joined),
     )
-    if dtypes == _ALL_BF16:
+    if tuple(dtypes) == _ALL_BF16:
         finite_checked = not (defer_finite_check and sum(map(len, raw)) >= DEFERRED_CHECK_BYTES)
         if finite_checked:
             check_finite(raw, joined)
@@ -166,28 +224,14 @@ def row_digests(raw: Sequence[Any], rows: int, joined: bytes | None = None) -> t
     return tuple(zlib.crc32(row) for row in np.concatenate(parts, axis=1))
 
 
-def has_nonfinite(data: Any, wire_dtype: int) -> bool:
-    """True when some value of `data` (a non-empty buffer of `wire_dtype` values) is NaN or Inf.
-
-    Reads the exponent bits: every masked word is <= the mask and equals it exactly where the
-    exponent is all ones (Inf or NaN), so one max decides."""
-    uint, mask = _NONFINITE_EXPONENT[wire_dtype]
-    return int(np.bitwise_and(np.frombuffer(data, dtype=uint), mask).max()) == mask
-
-
 def check_finite(raw: Sequence[Any], joined: bytes | None = None) -> None:
     """InvalidArgument naming the first of q, k, v, a, b (their bf16 bytes) with a NaN or Inf.
-
-    A small step's five are checked as one buffer first (`joined`, where the caller made it):
-    per-buffer numpy calls cost more than its bytes do; a big step's are checked one by one,
-    with no joined copy."""
-    if joined is None and sum(map(len, raw)) <= CHECK_JOINED_BYTES:
-        joined = b"".join(raw)
+    `joined`: the five as one buffer, where the caller made it already (a small step's inputs)."""
     if joined is not None and not has_nonfinite(joined, gdn_pb2.BF16):
         return
-    for name, data in zip(INPUT_NAMES, raw):
-        if len(data) and has_nonfinite(data, gdn_pb2.BF16):
-            raise nonfinite_input(name)
+    index = first_nonfinite(raw, gdn_pb2.BF16)
+    if index is not None:
+        raise nonfinite_input(INPUT_NAMES[index])
 
 
 def nonfinite_input(name: str) -> InvalidArgument:
