@@ -21,7 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 # Each public name and the module that defines it, imported on first use: a program that uses
-# only the error types or options, the stubs (`gdn_client.proto`) or `gdn_client.wire_checks`
+# only the error types or options, the stubs (`gdn_client.proto`) or `gdn_client.proto.checks`
 # then loads no torch (~2 s of CPU and ~200 MB).
 _EXPORTS = {
     "AsyncClient": "_aio", "AsyncSession": "_aio",

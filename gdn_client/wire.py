@@ -14,7 +14,7 @@ import torch
 from gdn_client.proto.gdn.v1 import gdn_pb2
 # the raw-byte checks (no torch), re-exported: this module is where clients look for them. It also
 # silences torch.frombuffer's warning about read-only buffers, which this module's views are too.
-from gdn_client.wire_checks import (  # noqa: F401
+from gdn_client.proto.checks import (  # noqa: F401
     ITEMSIZE_OF, WireFormatError, all_finite, check_layout, first_nonfinite, has_nonfinite,
 )
 

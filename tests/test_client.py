@@ -94,7 +94,7 @@ def as_sent(x) -> torch.Tensor:
 
 def test_the_package_exports_every_name_it_lists_and_the_stubs_load_no_torch():
     """gdn_client's names load on first use: every name in __all__ resolves, an unknown one is an
-    AttributeError, and the stubs and wire_checks come without torch."""
+    AttributeError, and the stubs and their checks come without torch."""
     import subprocess
     import sys
 
@@ -105,7 +105,7 @@ def test_the_package_exports_every_name_it_lists_and_the_stubs_load_no_torch():
         assert getattr(gdn_client, name).__name__ == name
     with pytest.raises(AttributeError):
         gdn_client.NoSuchName  # noqa: B018
-    code = "import sys, gdn_client.proto.gdn.v1.gdn_pb2, gdn_client.wire_checks; print('torch' in sys.modules)"
+    code = "import sys, gdn_client.proto.gdn.v1.gdn_pb2, gdn_client.proto.checks; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_client import wire_checks
+from gdn_client.proto import checks as wire_checks
 from gdn_client.wire import WireFormatError, tensor_from_proto, tensor_to_proto
 
 
@@ -75,7 +75,7 @@ def test_inconsistent_messages_are_refused():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_big_tensors_nonfinite_check_takes_the_parallel_path(dtype, where, bad):
     """From 1 MiB on the NaN/Inf check runs in torch (one min/max pass): same answers."""
-    from gdn_client.wire_checks import _PARALLEL_CHECK_BYTES
+    from gdn_client.proto.checks import _PARALLEL_CHECK_BYTES
 
     n = 2 * wire_checks._CHECK_CHUNK * 8 + 7  # an odd length: no even split over threads
     assert n * torch.tensor([], dtype=dtype).element_size() >= _PARALLEL_CHECK_BYTES
@@ -92,7 +92,7 @@ def test_big_tensors_nonfinite_check_takes_the_parallel_path(dtype, where, bad):
 def test_every_bf16_nan_and_inf_pattern_is_caught(bits, big):
     """Quiet and signalling NaNs of either sign, with any payload, and both infinities: by the
     numpy check of small buffers and the torch one of big buffers alike."""
-    from gdn_client.wire_checks import _PARALLEL_CHECK_BYTES, first_nonfinite
+    from gdn_client.proto.checks import _PARALLEL_CHECK_BYTES, first_nonfinite
 
     n = _PARALLEL_CHECK_BYTES // 2 + 3 if big else 1001
     words = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).view(torch.int16)

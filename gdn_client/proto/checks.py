@@ -1,9 +1,11 @@
 """Checks on a `gdn.v1.Tensor`'s raw bytes, without torch: its layout (dtype, shape and byte
 length agree) and NaN/Inf values.
 
-gdn_client.wire builds on them for the tensors (the server checks requests with its own
-gdn_server.validation: it imports nothing of the client but the stubs). Importing this module
-loads no torch, so a tool that only checks raw messages needs none.
+They sit beside the generated stubs because both sides of the wire make them: the client on the
+replies it decodes (gdn_client.wire), the server on the requests it takes (gdn_server.validation)
+and on the inputs its backends stage. The server imports this package, `gdn_client.proto`, and
+nothing else of the client. Importing this module loads no torch, so a tool that only checks raw
+messages needs none.
 """
 from __future__ import annotations
 
@@ -115,9 +117,8 @@ def _has_nonfinite_parallel(data: Any, wire_dtype: int) -> bool:
     """`has_nonfinite` in torch (`all_finite`): loaded here on the first big check."""
     import torch
 
-    from gdn_client.wire import TORCH_DTYPE_OF  # the tensor codec: it needs torch, loaded here anyway
-
-    return not all_finite(torch.frombuffer(data, dtype=TORCH_DTYPE_OF[wire_dtype]))
+    dtype = {gdn_pb2.BF16: torch.bfloat16, gdn_pb2.F16: torch.float16, gdn_pb2.F32: torch.float32}[wire_dtype]
+    return not all_finite(torch.frombuffer(data, dtype=dtype))
 
 
 def all_finite(x: torch.Tensor) -> bool:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gdn_client.proto.checks import all_finite
 from gdn_server.config import ModelShape
 from gdn_server.work import StepBatch
 
@@ -125,7 +126,7 @@ def nonfinite(batch: StepBatch, host_views: dict[str, torch.Tensor]) -> dict[int
     staged inputs hold a NaN or Inf: {index in batch.works: the first such input's name}.
 
     It reads the copies `fill` has just written (in cache, where the request's own bytes may not
-    be), each unchecked request's rows of each input in one read-only pass: aminmax, split over
+    be), each unchecked request's rows of each input in one read-only pass: `all_finite`, split over
     torch's intra-op threads, makes the min or the max NaN or infinite exactly where a value is.
     """
     found: dict[int, str] = {}
@@ -134,8 +135,7 @@ def nonfinite(batch: StepBatch, host_views: dict[str, torch.Tensor]) -> dict[int
         n = len(work.session_ids)
         if not work.finite_checked:
             for name in INPUTS:
-                low, high = host_views[name][row : row + n].aminmax()
-                if not (math.isfinite(low.item()) and math.isfinite(high.item())):
+                if not all_finite(host_views[name][row : row + n]):
                     found[index] = name
                     break
         row += n
