@@ -4,7 +4,7 @@ The load tool knows every input it sends. With --verify each client keeps its se
 at every layer it drives (float32, rounded to bfloat16 at the end of each step, as the server
 stores them), computes the output each step should have and compares it with the reply's. The
 per-layer gate parameters A_log and dt_bias are the server's: drawn from its --seed when it was
-started without --weights, by the recipe `gate_params_from_seed` repeats.
+started without --weights, by the server's own recipe (gdn_server.weights).
 
 The math of one step, per value head j (reading query/key head j // (HV / H)), token by token:
 
@@ -17,15 +17,16 @@ with the state S [V, K] kept in float32 between the tokens of a step.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from gdn_client import ModelInfo
 
-__all__ = ["GateParams", "VerificationError", "StateVerifier", "gate_params_from_seed", "reference_step",
+if TYPE_CHECKING:
+    from gdn_server.weights import GateParams
+
+__all__ = ["VerificationError", "StateVerifier", "gate_params_from_seed", "reference_step",
            "ABS_TOLERANCE", "REL_TOLERANCE"]
 
 # An output is right when |o - expected| <= REL_TOLERANCE * |expected| + ABS_TOLERANCE * (the
@@ -44,26 +45,16 @@ class VerificationError(Exception):
     """A reply's output differs from the reference math beyond bfloat16's tolerance."""
 
 
-@dataclass(frozen=True)
-class GateParams:
-    A_log: torch.Tensor  # [L, HV] float32
-    dt_bias: torch.Tensor  # [L, HV] float32
+def gate_params_from_seed(info: ModelInfo, seed: int) -> "GateParams":
+    """The A_log and dt_bias a gdn-server of the model `info` started with ``--seed seed`` (and no
+    --weights) uses: drawn by the server's own recipe (gdn_server.weights, imported here: only
+    --verify needs it)."""
+    from gdn_server.config import ModelShape
+    from gdn_server.weights import random_gate_params
 
-
-def gate_params_from_seed(num_layers: int, num_v_heads: int, seed: int) -> GateParams:
-    """The A_log and dt_bias a gdn-server started with ``--seed seed`` (and no --weights) uses.
-
-    This must match the server's documented distribution and draw order (gdn_server/weights.py,
-    random_gate_params): A_log = log(U(1, 16)), then dt = exp(U(log 1e-3, log 1e-1)) and
-    dt_bias = log(expm1(dt)), each an [L, HV] draw from one torch generator seeded with `seed`.
-    The load tool does not import the server; tests/test_loadtest.py checks both agree.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    A = torch.empty(num_layers, num_v_heads).uniform_(1.0, 16.0, generator=gen)
-    log_dt = torch.empty(num_layers, num_v_heads).uniform_(math.log(1e-3), math.log(1e-1), generator=gen)
-    dt = torch.exp(log_dt)
-    dt_bias = dt + torch.log(-torch.expm1(-dt))  # log(expm1(dt)) without overflow or cancellation
-    return GateParams(A_log=torch.log(A).float(), dt_bias=dt_bias.float())
+    shape = ModelShape(num_layers=info.num_layers, num_q_heads=info.num_q_heads, num_v_heads=info.num_v_heads,
+                       head_dim_k=info.head_dim_k, head_dim_v=info.head_dim_v)
+    return random_gate_params(shape, seed)
 
 
 def reference_step(
@@ -101,7 +92,7 @@ def reference_step(
 class StateVerifier:
     """One client's sessions as the server should hold them: a state per session and layer."""
 
-    def __init__(self, info: ModelInfo, gates: GateParams, session_ids: Sequence[str], layers: int,
+    def __init__(self, info: ModelInfo, gates: "GateParams", session_ids: Sequence[str], layers: int,
                  server_seed: int) -> None:
         self.session_ids = list(session_ids)
         self.scale = info.scale

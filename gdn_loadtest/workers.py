@@ -139,7 +139,7 @@ class GdnWorker:
             self.session_ids.append(reply.session_id)
         self.bodies = [_request_body(self.session_ids, x) for x in self.inputs]
         if self.cfg.verify:
-            gates = gate_params_from_seed(self.info.num_layers, self.info.num_v_heads, self.cfg.server_seed)
+            gates = gate_params_from_seed(self.info, self.cfg.server_seed)
             self.verifier = StateVerifier(self.info, gates, self.session_ids, self.layers, self.cfg.server_seed)
         if self.cfg.mode == "stream":
             self.call = self.channel.stream_stream(_DECODE_STREAM)()

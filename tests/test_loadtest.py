@@ -267,18 +267,6 @@ def test_verify_fails_the_run_on_wrong_outputs(small_server, capsys, processes):
     assert ("load process" in err) == (processes > 1)
 
 
-@pytest.mark.parametrize("layers, v_heads, seed", [(3, 4, 7), (48, 32, 0), (1, 1, 12345)])
-def test_gate_params_from_seed_are_the_servers(layers, v_heads, seed):
-    """The tool's copy of the server's recipe draws the very same A_log and dt_bias."""
-    from gdn_server.config import ModelShape
-    from gdn_server.weights import random_gate_params
-
-    shape = ModelShape(num_layers=layers, num_q_heads=1, num_v_heads=v_heads, head_dim_k=128, head_dim_v=128)
-    server = random_gate_params(shape, seed)
-    ours = verify.gate_params_from_seed(layers, v_heads, seed)
-    assert torch.equal(ours.A_log, server.A_log) and torch.equal(ours.dt_bias, server.dt_bias)
-
-
 def _model(H: int, HV: int, K: int) -> ModelInfo:
     return ModelInfo(num_layers=2, num_q_heads=H, num_v_heads=HV, head_dim_k=K, head_dim_v=K, max_tokens_per_step=4,
                      max_sessions=8, sessions_in_use=0, backend="cpu-torch", state_dtype="bfloat16",
@@ -291,7 +279,7 @@ def test_the_verifier_follows_the_reference_and_names_a_wrong_output():
     a few percent of its head's scale is reported with its session, layer and position."""
     B, T, H, HV, K = 2, 3, 2, 4, 32
     info = _model(H, HV, K)
-    gates = verify.gate_params_from_seed(info.num_layers, HV, 3)
+    gates = verify.gate_params_from_seed(info, 3)
     verifier = verify.StateVerifier(info, gates, ["s0", "s1"], layers=2, server_seed=3)
     gen = torch.Generator().manual_seed(0)
     state = torch.zeros(B, HV, K, K)
@@ -315,8 +303,9 @@ def test_the_verifier_follows_the_reference_and_names_a_wrong_output():
 
 
 def test_the_tool_is_beside_the_client_library():
-    """gdn_client holds no load tool or echo server any more, and the tool imports nothing of
-    gdn_server but its process settings (gdn_server.tuning, dependency-free)."""
+    """gdn_client holds no load tool or echo server, and the tool imports nothing of gdn_server
+    but its process settings (gdn_server.tuning, dependency-free); --verify alone loads the
+    server's gate parameter recipe."""
     code = ("import sys, importlib.util; import gdn_loadtest.cli, gdn_loadtest.processes, gdn_loadtest.echo; "
             "assert importlib.util.find_spec('gdn_client.loadtest') is None; "
             "assert importlib.util.find_spec('gdn_client._echo') is None; "
