@@ -4,6 +4,7 @@ gdn-loadtest drives it, summed per thread (self and inclusive samples per functi
     python bench/profile_server.py                          # qwen3-next on GPU 0, 1 and 64 clients
     python bench/profile_server.py --device cpu --model "--layers 4 --q-heads 2 --v-heads 4"
     python bench/profile_server.py --spy-on load            # the load generator instead
+    python bench/profile_server.py --clients 1 --load-flags="--mode unary --batch 256"
 
 For each clients value: a fresh server, a load run of --duration seconds, and py-spy recording
 the server (or the gdn-loadtest process) over the measured part of the run. Writes the raw
@@ -75,7 +76,7 @@ def profile_point(args: argparse.Namespace, py_spy: str, clients: int, out: Path
     spy = [py_spy, "record", "-r", str(args.rate), "-f", "raw", "-o", str(raw), "--threads",
            *shlex.split(args.spy_flags)]
     load_flags = ["--clients", str(clients), "--duration", str(args.duration),
-                  "--processes", str(args.load_processes)]
+                  "--processes", str(args.load_processes), *shlex.split(args.load_flags)]
     server = common.Server(server_cmd).start()
     load = wrapped = None
     try:
@@ -126,6 +127,8 @@ def main() -> None:
                    help="the process py-spy records: the server, or the gdn-loadtest process driving it "
                         "(with --load-processes > 1, add --subprocesses to --spy-flags for its children)")
     p.add_argument("--load-processes", type=int, default=1, help="gdn-loadtest --processes")
+    p.add_argument("--load-flags", default="",
+                   help="more gdn-loadtest flags, e.g. --load-flags='--mode unary --batch 256'")
     p.add_argument("--spy-flags", default="--nonblocking",
                    help="more py-spy record flags: '--native' for C frames too (pauses the process per sample)")
     p.add_argument("--out", default=None, help="parent folder of the results (default bench/out)")
