@@ -329,8 +329,8 @@ def test_a_lost_device_turns_health_to_not_serving():
 
 def test_an_exception_in_a_round_fails_that_round_with_internal_and_the_scheduler_goes_on():
     def body(app, address):
-        scheduler = app.placement.shards[0].scheduler
-        real_admit = scheduler._admit  # noqa: SLF001
+        planner = app.placement.shards[0].scheduler._planner  # noqa: SLF001
+        real_admit = planner.admit
         calls = []
 
         def admit_once_broken(item):
@@ -339,7 +339,7 @@ def test_an_exception_in_a_round_fails_that_round_with_internal_and_the_schedule
                 raise OverflowError("a bug in admission")
             return real_admit(item)
 
-        scheduler._admit = admit_once_broken  # noqa: SLF001
+        planner.admit = admit_once_broken
         sid = _first_step_fails_internal(address)
         channel, stub = _stub(address)
         with channel:
