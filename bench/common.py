@@ -51,9 +51,10 @@ class Server:
     kernels and serves) and returns that address. Starting several servers before waiting for
     any lets their warm-ups overlap."""
 
-    def __init__(self, cmd: Sequence[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, cmd: Sequence[str], env: dict[str, str] | None = None, cwd: str | Path | None = None) -> None:
         self.cmd = list(cmd)
         self.env = env
+        self.cwd = REPO if cwd is None else cwd  # `python -m gdn_server` runs the package found there
         self.proc: subprocess.Popen | None = None
         self.target: str | None = None
         self._last: collections.deque[str] = collections.deque(maxlen=20)
@@ -61,7 +62,7 @@ class Server:
 
     def start(self) -> "Server":
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     bufsize=1, env=self.env, cwd=REPO)
+                                     bufsize=1, env=self.env, cwd=self.cwd)
         # one reader for the process's whole life: a full pipe would block the server
         threading.Thread(target=self._read, daemon=True).start()
         return self

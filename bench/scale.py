@@ -60,7 +60,7 @@ def start_servers(args: argparse.Namespace, k: int) -> list[common.Server]:
     else:
         per_server = args.max_sessions or math.ceil(max(args.clients) / k) + 16
         cmds = [common.server_command(args.device, args.model, per_server, flags) for _ in range(k)]
-    servers = [common.Server(cmd).start() for cmd in cmds]  # their warm-ups overlap
+    servers = [common.Server(cmd, cwd=args.server_tree).start() for cmd in cmds]  # their warm-ups overlap
     try:
         for server in servers:
             server.wait()
@@ -165,6 +165,9 @@ def main() -> None:
     p.add_argument("--server-flags", default="",
                    help="more gdn-server flags for every server, e.g. --server-flags='--max-batch-rows 64'")
     p.add_argument("--load-flags", default="", help="more gdn-loadtest flags for every load run")
+    p.add_argument("--server-tree", default=None,
+                   help="run the servers from this source tree instead of this checkout (e.g. an older "
+                        "commit's, to measure before and after in one session); the load stays this one's")
     p.add_argument("--out", default=None, help="folder of the result file (default bench/out)")
     args = p.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]

@@ -12,6 +12,7 @@ runs, in the same call, so each pair sees the host in the same state. A host's e
 
     python bench/serve.py                                    # the H200 figures of bench/RESULTS.md
     python bench/serve.py --clients 64 --rounds 3            # one point, three pairs of runs
+    python bench/serve.py --server-tree ../old               # another commit's server, this load
     python bench/serve.py --device cpu --model "--layers 4 --q-heads 2 --v-heads 4" \\
         --clients 1,8 --batch-sessions 16 --duration 2       # a smoke run on any machine
 
@@ -81,6 +82,9 @@ def main() -> None:
                    help="more gdn-server flags for every part, e.g. --server-flags='--max-batch-rows 64'")
     p.add_argument("--load-flags", default="",
                    help="more gdn-loadtest flags for every part, e.g. --load-flags='--dtype f32'")
+    p.add_argument("--server-tree", default=None,
+                   help="run the server from this source tree instead of this checkout (e.g. an older "
+                        "commit's, to measure before and after in one session); the load stays this one's")
     p.add_argument("--out", default=None, help="folder of the result file (default bench/out)")
     args = p.parse_args()
 
@@ -90,7 +94,7 @@ def main() -> None:
         for name, server_flags, load_flags in parts(args):
             cmd = common.server_command(args.device, args.model, args.max_sessions,
                                         [*server_flags, *shlex.split(args.server_flags)])
-            with common.Server(cmd) as server:
+            with common.Server(cmd, cwd=args.server_tree) as server:
                 doc = common.run_loadtest(server.target, Path(tmp) / f"{name}.json", load_flags)
             results.append({"part": name, "server_command": common.shown(cmd),
                             "loadtest_flags": shlex.join(load_flags), "loadtest": doc})
