@@ -17,8 +17,8 @@ be applied. Requests are atomic: every session of one is checked before any row 
   are planned once it has run.
 - Routing changes session records (an implicit commit, scratch rows taken), as a step's rows are
   fixed there; positions and last steps move in `launched`, once the backend has queued the step.
-- `launched` and `roll_back` are plain functions over Session and SessionTable objects, so that
-  gdn_server.sessions stays as it is; each is a session table method in kind.
+- A session's own state changes when a step is queued or its launch fails are methods of the
+  Session (`step_queued`, `step_failed`); `launched` and `roll_back` apply them to a batch.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from gdn_server.config import ModelShape
 from gdn_server.errors import FailedPrecondition, GdnError
-from gdn_server.sessions import LastStep, Provisional, Session, SessionTable, StepRecord
+from gdn_server.sessions import Provisional, Session, SessionTable, StepRecord
 from gdn_server.validation import check_finite
 from gdn_server.work import DecodeResult, DecodeWork, StepBatch
 
@@ -258,8 +258,9 @@ class Planner:
 
 
 def launched(members: list[Admitted], tokens: int, now: float, table: SessionTable) -> None:
-    """The batch is queued on the device: its sessions' positions and last steps move, so later
-    requests see them, and the scratch rows its steps supersede are free to write again."""
+    """The batch is queued on the device: each session's position and last step move
+    (`Session.step_queued`), so later requests see them, and the scratch rows its steps supersede
+    are free to write again."""
     for m in members:
         work = m.item.work
         layer = work.layer
@@ -267,16 +268,13 @@ def launched(members: list[Admitted], tokens: int, now: float, table: SessionTab
         digests = work.digests
         after = []
         for row, s in enumerate(m.sessions):
-            before = s.positions[layer]
-            s.positions[layer] = before + tokens
-            after.append(before + tokens)
-            s.last_steps[layer] = LastStep(before, record, row, digests[row] if digests else None)
-            s.last_used = now
+            provisional = None
             if work.speculative:
-                s.provisional[layer] = Provisional(
-                    row=m.write_rows[row], read_row=m.read_rows[row], tokens=tokens, count_before=before,
+                provisional = Provisional(
+                    row=m.write_rows[row], read_row=m.read_rows[row], tokens=tokens, count_before=s.positions[layer],
                     inputs=tuple(t[row : row + 1] for t in (work.q, work.k, work.v, work.a, work.b)),
                 )
+            after.append(s.step_queued(layer, record, row, digests[row] if digests else None, now, provisional))
         m.positions = tuple(after)
         for released in m.released:  # superseded by this step: a later launch may write them again
             table.give_scratch(released)
@@ -286,11 +284,6 @@ def roll_back(member: Admitted, table: SessionTable) -> None:
     """Undoes `launched` for a step whose launch failed after it was queued."""
     layer = member.item.work.layer
     for s in member.sessions:
-        last = s.last_steps.get(layer)
-        if last is not None and last.record is member.record:
-            s.positions[layer] = last.count_before
-            del s.last_steps[layer]
-        pending = s.provisional.get(layer)
-        if pending is not None and pending.row in member.write_rows:
-            del s.provisional[layer]
-            table.give_scratch(pending.row)
+        freed = s.step_failed(layer, member.record, member.write_rows)
+        if freed is not None:
+            table.give_scratch(freed)

@@ -109,6 +109,32 @@ class Session:
         self.scratch_current[layer] = pending.row
         return pending.read_row if pending.read_row != self.pool_slot(layer) else None
 
+    def step_queued(self, layer: int, record: StepRecord, row: int, digest: int | None, now: float,
+                    provisional: Provisional | None = None) -> int:
+        """A step of this session at `layer` (row `row` of `record`) is queued on the device: the
+        position moves by its tokens, it becomes the step a retry is answered from, and a
+        speculative step is open until Commit. Returns the new position."""
+        before = self.positions[layer]
+        after = self.positions[layer] = before + record.tokens
+        self.last_steps[layer] = LastStep(before, record, row, digest)
+        self.last_used = now
+        if provisional is not None:
+            self.provisional[layer] = provisional
+        return after
+
+    def step_failed(self, layer: int, record: StepRecord, write_rows: list[int]) -> int | None:
+        """Undoes `step_queued` for a step whose launch failed after it was queued. Returns the
+        scratch row of its open speculative step, now free, or None."""
+        last = self.last_steps.get(layer)
+        if last is not None and last.record is record:
+            self.positions[layer] = last.count_before
+            del self.last_steps[layer]
+        pending = self.provisional.get(layer)
+        if pending is not None and pending.row in write_rows:
+            del self.provisional[layer]
+            return pending.row
+        return None
+
     def check_owner(self, identity: str | None) -> None:
         """PermissionDenied unless `identity` created this session (both None where auth is off)."""
         if self.owner != identity:
