@@ -150,7 +150,7 @@ def _checked_work(
     raising the first failure's InvalidArgument."""
     B = len(session_ids)
     try:
-        dims, numels = check_shapes(messages, B, speculative, shape)
+        dims, _ = check_shapes(messages, B, speculative, shape)
     except InvalidArgument:
         for name in INPUT_NAMES:  # a tensor left out reads as an empty one: say which
             if not req.HasField(name):
