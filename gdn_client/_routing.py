@@ -22,24 +22,14 @@ from typing import Any, Callable, Generic, Sequence, TypeVar
 
 from gdn_client._errors import FailedPreconditionError, ResourceExhaustedError
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
+from gdn_client.proto.ids import process_of
 
-__all__ = ["ProcessRoutes", "process_of", "process_target"]
+__all__ = ["ProcessRoutes", "process_target"]
 
 ChannelT = TypeVar("ChannelT")
 
-_SESSION_PROCESS = re.compile(r"p(\d+)\.")
 # name-resolver prefixes of a gRPC target that come before host:port ("dns:///h:p", "ipv4:h:p")
 _RESOLVER_PREFIX = re.compile(r"^(?:dns:(?://[^/]*/)?|ipv4:|ipv6:)")
-
-
-def process_of(session_id: str) -> int | None:
-    """The server process a session id names, or None for an id of a server of one process.
-
-    >>> process_of("p1.Xq3v"), process_of("Xq3v")
-    (1, None)
-    """
-    match = _SESSION_PROCESS.match(session_id)
-    return int(match.group(1)) if match else None
 
 
 def process_target(target: str, port: int) -> str:

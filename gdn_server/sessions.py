@@ -15,7 +15,6 @@ take the table lock because they are also called from the gRPC event loop.
 """
 from __future__ import annotations
 
-import re
 import secrets
 import threading
 import time
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gdn_client.proto.ids import process_of, process_prefix
 from gdn_server.errors import NotFound, PermissionDenied, ResourceExhausted, WrongProcess
 
 
@@ -154,23 +154,18 @@ class ProcessHomes:
     this process's index and every process's port. A session's id names its process,
     "p<index>.<random>", so any process can tell a client where a session it lacks lives."""
 
-    _PREFIX = re.compile(r"p(\d+)\.")
-
     def __init__(self, index: int, ports: tuple[int, ...]) -> None:
         self.index = index
         self.ports = ports
 
     @property
     def prefix(self) -> str:
-        return f"p{self.index}."
+        return process_prefix(self.index)
 
     def elsewhere(self, session_id: str) -> WrongProcess | None:
         """The error for a session id that names another process of this host, else None."""
-        match = self._PREFIX.match(session_id)
-        if match is None:
-            return None
-        index = int(match.group(1))
-        if index == self.index or index >= len(self.ports):
+        index = process_of(session_id)
+        if index is None or index == self.index or index >= len(self.ports):
             return None
         return WrongProcess(session_id, index, self.ports[index], self.index, self.ports[self.index])
 

@@ -30,7 +30,8 @@ from gdn_client import (
     NotFoundError,
     ReplicaSet,
 )
-from gdn_client._routing import process_of, process_target
+from gdn_client._routing import process_target
+from gdn_client.proto.ids import process_of
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from servers import ServerProcess, start_server
 from util import cli_refusal, decode_request, random_inputs
@@ -158,8 +159,10 @@ def test_process_targets_keep_the_users_host_spelling():
         process_target("unix:/run/gdn.sock", 50052)
     assert (process_of("p12.abc"), process_of("abc"), process_of("pp1.x")) == (12, None, None)
     import gdn_client._routing
+    import gdn_client.proto.ids
 
     assert doctest.testmod(gdn_client._routing).failed == 0
+    assert doctest.testmod(gdn_client.proto.ids).attempted and doctest.testmod(gdn_client.proto.ids).failed == 0
 
 
 def test_a_replica_set_counts_and_follows_a_replicas_processes(host, solo):
