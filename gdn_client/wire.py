@@ -15,14 +15,10 @@ from gdn_client.proto.gdn.v1 import gdn_pb2
 # the raw-byte checks (no torch), re-exported: this module is where clients look for them. It also
 # silences torch.frombuffer's warning about read-only buffers, which this module's views are too.
 from gdn_client.proto.checks import (  # noqa: F401
-    ITEMSIZE_OF, WireFormatError, all_finite, check_layout, first_nonfinite, has_nonfinite,
+    ITEMSIZE_OF, WireFormatError, all_finite, check_layout, first_nonfinite, has_nonfinite, torch_dtypes,
 )
 
-TORCH_DTYPE_OF: dict[int, torch.dtype] = {
-    gdn_pb2.BF16: torch.bfloat16,
-    gdn_pb2.F16: torch.float16,
-    gdn_pb2.F32: torch.float32,
-}
+TORCH_DTYPE_OF: dict[int, torch.dtype] = torch_dtypes()
 WIRE_DTYPE_OF: dict[torch.dtype, int] = {v: k for k, v in TORCH_DTYPE_OF.items()}
 _NUMPY_TO_TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32}
 

@@ -18,7 +18,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from gdn_client.proto.checks import WireFormatError, check_layout, first_nonfinite, has_nonfinite
+from gdn_client.proto.checks import (
+    JOIN_LIMIT, WireFormatError, check_layout, first_nonfinite, has_nonfinite, torch_dtypes,
+)
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
@@ -44,9 +46,7 @@ DEFERRED_CHECK_BYTES = 1 << 20
 # instead of milliseconds.
 DIGEST_FULL_ROW_BYTES = 1024
 DIGEST_STRIDE = 61
-CHECK_JOINED_BYTES = 256 << 10  # check_finite joins the inputs of a request up to this size
-
-TORCH_DTYPE = {gdn_pb2.BF16: torch.bfloat16, gdn_pb2.F16: torch.float16, gdn_pb2.F32: torch.float32}
+TORCH_DTYPE = torch_dtypes()
 _ALL_BF16 = (gdn_pb2.BF16,) * 5
 
 
@@ -99,7 +99,7 @@ def decode_work_from_request(
         return _checked_work(req, messages, raw, shape, layer, session_ids, positions, request_id,
                              bool(speculative), defer_finite_check, owner, owner_key)
     total = layout.total_bytes
-    joined = b"".join(raw) if B == 1 and total <= CHECK_JOINED_BYTES else None
+    joined = b"".join(raw) if B == 1 and total <= JOIN_LIMIT else None
     finite_checked = not (defer_finite_check and total >= DEFERRED_CHECK_BYTES)
     if finite_checked:
         check_finite(raw, joined)
@@ -164,7 +164,7 @@ def _checked_work(
             raise InvalidArgument(str(e)) from None
 
     # a small request's inputs as one buffer: one pass each for the NaN/Inf check and the digest
-    joined = b"".join(raw) if B == 1 and sum(map(len, raw)) <= CHECK_JOINED_BYTES else None
+    joined = b"".join(raw) if B == 1 and sum(map(len, raw)) <= JOIN_LIMIT else None
     common = dict(
         layer=layer, session_ids=session_ids, positions=positions, request_id=request_id,
         speculative=speculative, owner=owner, owner_key=owner_key, digests=row_digests(raw, B, joined),

@@ -9,6 +9,7 @@ messages needs none.
 """
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
@@ -37,7 +38,7 @@ _NONFINITE_EXPONENT = {gdn_pb2.BF16: (np.uint16, 0x7F80), gdn_pb2.F16: (np.uint1
 # temporary the size of the tensor would be a fresh multi-MiB allocation per big request (page
 # faults on every one of its pages), and a chunk of 256-512 KiB stays in cache between the two passes.
 _CHECK_CHUNK = 1 << 17  # words
-_JOIN_LIMIT = 256 << 10  # bytes: first_nonfinite joins buffers up to this size for one check
+JOIN_LIMIT = 256 << 10  # bytes: first_nonfinite joins buffers up to this size for one check
 # From this size on the check runs in torch, whose intra-op threads split it across cores (numpy
 # uses one): ~4x less time for the 4 MiB of a B=256 step on the H200 host's 16 cores.
 _PARALLEL_CHECK_BYTES = 1 << 20
@@ -79,7 +80,7 @@ def first_nonfinite(buffers: "list[Any] | tuple[Any, ...]", wire_dtype: int) -> 
     total = sum(len(b) for b in buffers)
     if total == 0:
         return None
-    if total <= _JOIN_LIMIT:
+    if total <= JOIN_LIMIT:
         if not has_nonfinite(b"".join(buffers), wire_dtype):
             return None
     for index, data in enumerate(buffers):
@@ -117,8 +118,15 @@ def _has_nonfinite_parallel(data: Any, wire_dtype: int) -> bool:
     """`has_nonfinite` in torch (`all_finite`): loaded here on the first big check."""
     import torch
 
-    dtype = {gdn_pb2.BF16: torch.bfloat16, gdn_pb2.F16: torch.float16, gdn_pb2.F32: torch.float32}[wire_dtype]
-    return not all_finite(torch.frombuffer(data, dtype=dtype))
+    return not all_finite(torch.frombuffer(data, dtype=torch_dtypes()[wire_dtype]))
+
+
+@functools.cache
+def torch_dtypes() -> dict[int, torch.dtype]:
+    """The torch dtype of each wire dtype (torch is imported here, on the first call)."""
+    import torch
+
+    return {gdn_pb2.BF16: torch.bfloat16, gdn_pb2.F16: torch.float16, gdn_pb2.F32: torch.float32}
 
 
 def all_finite(x: torch.Tensor) -> bool:
