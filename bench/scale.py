@@ -42,13 +42,9 @@ import time
 from pathlib import Path
 
 import common
+from gdn_loadtest.processes import shares
 
 ONE_COMMAND_FLAG = "--processes"  # gdn-server's flag for K processes on one device
-
-
-def shares(total: int, parts: int) -> list[int]:
-    """`total` split into `parts` near-equal whole numbers, larger first."""
-    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
 def start_servers(args: argparse.Namespace, k: int) -> list[common.Server]:
@@ -106,7 +102,7 @@ def common_window(servers: list[common.Server], clients: list[int], loads: list[
 
 def load_point(args: argparse.Namespace, servers: list[common.Server], clients: int, tmp: Path) -> dict:
     """N clients over the servers, one gdn-loadtest each, at once."""
-    per_server = [n for n in shares(clients, len(servers)) if n > 0]
+    per_server = shares(clients, len(servers))
     servers = servers[: len(per_server)]
     load_procs = shares(max(args.load_processes, len(servers)), len(servers))
     counted_here = args.launch == "separate"

@@ -32,12 +32,12 @@ from gdn_loadtest.progress import REFRESH_S, ProgressBar
 from gdn_loadtest.verify import VerificationError
 from gdn_loadtest.workers import EchoWorker, GdnWorker, server_view
 
-__all__ = ["LineProgress", "child_main", "spread"]
+__all__ = ["LineProgress", "child_main", "shares", "spread"]
 
 _READY_TIMEOUT_S = 180.0  # a child imports torch and grpc, opens its sessions, warms up
 
 
-def _shares(total: int, parts: int) -> list[int]:
+def shares(total: int, parts: int) -> list[int]:
     """`total` split into at most `parts` near-equal positive shares."""
     return [n for n in (total // parts + (i < total % parts) for i in range(parts)) if n]
 
@@ -53,8 +53,8 @@ async def spread(
     what starts a child (default: this module; a benchmark with clients of its own kind gives
     its own, speaking the same protocol through `child_main`)."""
     parts = min(processes, cfg.clients, cfg.clients if cfg.requests is None else max(1, cfg.requests))
-    clients = _shares(cfg.clients, parts)
-    requests = None if cfg.requests is None else _shares(cfg.requests, parts) or [0]
+    clients = shares(cfg.clients, parts)
+    requests = None if cfg.requests is None else shares(cfg.requests, parts) or [0]
     children: list[asyncio.subprocess.Process] = []
     try:
         first = 0

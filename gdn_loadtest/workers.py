@@ -18,6 +18,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from gdn_client import AsyncClient, ClientOptions, GdnError, ModelInfo, Stats
+from gdn_client._errors import error_from_code, error_from_rpc
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_client.wire import WireFormatError, tensor_from_proto, tensor_to_proto
 from gdn_loadtest.config import LoadConfig
@@ -33,7 +34,6 @@ INPUT_SETS = 4  # pre-drawn input sets per client, rotated step by step
 _DECODE = "/gdn.v1.GdnDecode/Decode"
 _DECODE_STREAM = "/gdn.v1.GdnDecode/DecodeStream"
 _MAX_MESSAGE_BYTES = 256 << 20
-_STATUS_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def channel_args(cfg: LoadConfig) -> list[tuple[str, Any]]:
@@ -53,12 +53,6 @@ async def server_view(target: str, timeout: float) -> tuple[ModelInfo, Stats]:
         return await client.model_info(), await client.stats()
 
 
-def _rpc_error(exc: grpc.RpcError) -> GdnError:
-    code = exc.code() if callable(getattr(exc, "code", None)) else None
-    details = exc.details() if callable(getattr(exc, "details", None)) else None
-    return GdnError(details or str(exc), code or grpc.StatusCode.UNKNOWN)
-
-
 async def _round_trip(stream: Any, unary: Any, request: bytes, timeout: float, stream_name: str) -> bytes:
     """One request's reply bytes: over the open `stream`, or (None) by one `unary` call; an RPC
     error becomes a GdnError, a stream that ends becomes UNAVAILABLE."""
@@ -68,7 +62,7 @@ async def _round_trip(stream: Any, unary: Any, request: bytes, timeout: float, s
         await stream.write(request)
         reply = await stream.read()
     except grpc.RpcError as exc:
-        raise _rpc_error(exc) from None
+        raise error_from_rpc(exc) from None
     if reply is grpc.aio.EOF:
         raise GdnError(f"{stream_name} ended", grpc.StatusCode.UNAVAILABLE)
     return reply
@@ -135,7 +129,7 @@ class GdnWorker:
             try:
                 reply = await self.stub.CreateSession(request, timeout=self.cfg.timeout)
             except grpc.RpcError as exc:
-                raise _rpc_error(exc) from None
+                raise error_from_rpc(exc) from None
             self.session_ids.append(reply.session_id)
         self.bodies = [_request_body(self.session_ids, x) for x in self.inputs]
         if self.cfg.verify:
@@ -164,7 +158,7 @@ class GdnWorker:
         except DecodeError as exc:
             raise GdnError(f"malformed reply: {exc}") from None
         if msg.error_code:
-            raise GdnError(msg.error_message, _STATUS_BY_NUMBER.get(msg.error_code, grpc.StatusCode.UNKNOWN))
+            raise error_from_code(msg.error_code, msg.error_message)
         if msg.request_id != str(self.step_index):
             raise GdnError(f"a reply to request {msg.request_id!r} for request {str(self.step_index)!r}")
         if self.verifier is not None:
