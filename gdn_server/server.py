@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
+from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server.backends import make_backends
 from gdn_server.config import GIL_SWITCH_INTERVAL_S, SPECULATIVE_TIMEOUT_S, Limits, ModelShape, SchedulerConfig
 from gdn_server.lifecycle import evict_idle, idle_sessions, release_stale_speculation, stale_speculation
@@ -141,7 +141,7 @@ def grpc_server(app: GdnApp, interceptors: list) -> grpc.aio.Server:
             ("grpc.so_reuseport", 0),
         ],
     )
-    gdn_pb2_grpc.add_GdnDecodeServicer_to_server(app.servicer, server)
+    app.servicer.add_to_server(server)
     app.health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(app.health, server)
     reflection.enable_server_reflection(

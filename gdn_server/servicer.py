@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 from typing import Any, AsyncIterator, Callable
 
@@ -27,8 +28,9 @@ from gdn_server.placement import Placement, Shard
 from gdn_server.security import current_identity
 from gdn_server.sessions import ProcessHomes
 from gdn_server.state_transfer import StateAssembler, encode_state
+from gdn_server._wire import PlainStep, encode_reply
 from gdn_server.scheduler import settle
-from gdn_server.validation import decode_work_from_request
+from gdn_server.validation import decode_work, parse_decode_request, step_limits
 from gdn_server.work import DecodeResult
 
 log = logging.getLogger(__name__)
@@ -45,14 +47,14 @@ MAX_STREAM_HELD_BYTES = 16 << 20
 MAX_HELD_REQUEST_BYTES = 512 << 20
 
 
-def decode_response(result: DecodeResult) -> gdn_pb2.DecodeResponse:
-    # o is filled in place: `o=gdn_pb2.Tensor(...)` would copy the output bytes once more
-    reply = gdn_pb2.DecodeResponse(positions=result.positions, request_id=result.request_id)
-    o = reply.o
-    o.dtype = gdn_pb2.BF16
-    o.shape.extend(result.shape)
-    o.data = result.out
-    return reply
+def decode_response(result: DecodeResult) -> bytes:
+    """The serialized DecodeResponse of a step's result."""
+    return encode_reply(result.out, result.shape, result.positions, result.request_id)
+
+
+def serialize_reply(reply: bytes | gdn_pb2.DecodeResponse) -> bytes:
+    """The decode RPCs' response serializer: results come serialized, error replies as messages."""
+    return reply if type(reply) is bytes else reply.SerializeToString()
 
 
 def error_response(request_id: str, error: GdnError) -> gdn_pb2.DecodeResponse:
@@ -89,17 +91,26 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
     def _release(self, nbytes: int) -> None:
         self.held_bytes -= nbytes
 
-    def _submit_decode(self, request: gdn_pb2.DecodeRequest, identity: str | None, owner_key: str,
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Serves gdn.v1.GdnDecode on `server`: the generated handlers, with the decode RPCs'
+        messages read by validation.parse_decode_request and their results sent as encoded."""
+        handlers = _HandlerCapture()
+        gdn_pb2_grpc.add_GdnDecodeServicer_to_server(self, handlers)
+        methods = handlers.methods
+        parse = functools.partial(parse_decode_request, limits=step_limits(self.shape))
+        for name, factory in (("Decode", grpc.unary_unary_rpc_method_handler),
+                              ("DecodeStream", grpc.stream_stream_rpc_method_handler)):
+            methods[name] = factory(getattr(self, name), request_deserializer=parse, response_serializer=serialize_reply)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(handlers.service, methods),))
+        server.add_registered_method_handlers(handlers.service, methods)
+
+    def _submit_decode(self, request: PlainStep | gdn_pb2.DecodeRequest, identity: str | None, owner_key: str,
                        done: Callable[[Any], None], cancelled: Callable[[], bool]) -> int:
         """Checks a request of the caller `identity` (`owner_key`: its quota_key), counts its bytes
         as held (`_hold`) and queues it; `done` gets its DecodeResult or GdnError. Returns the bytes
         held, which the caller releases once the request is answered. Raises GdnError for what
         validation finds (nothing held then)."""
-        work = decode_work_from_request(
-            # bf16 NaN/Inf checks of big requests are left to the backend, which reads the inputs
-            # anyway (a GPU's staging copy, the CPU's step) and checks them before any state changes
-            request, self.shape, defer_finite_check=True, owner=identity, owner_key=owner_key
-        )
+        work = decode_work(request, self.shape, identity, owner_key)
         shard = self.placement.shard_for(work.session_ids)
         nbytes = work.nbytes
         self._hold(nbytes)
@@ -333,6 +344,16 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
             device_seconds=sum(st.device_s for st in stats),
             queue_wait_seconds=sum(st.queue_wait_s for st in stats),
         )
+
+
+class _HandlerCapture:
+    """Stands in for a server to the generated add_GdnDecodeServicer_to_server: keeps its handlers."""
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, methods: dict) -> None:
+        self.service, self.methods = service, dict(methods)
 
 
 _PENDING = object()  # an _Answer's result before the answer

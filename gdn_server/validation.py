@@ -1,27 +1,26 @@
-"""DecodeRequest (protobuf) -> DecodeWork (checked inputs). Everything a request can get wrong on
-its own, without looking at session state, is caught here as InvalidArgument, before anything
-is queued.
+"""A decode request's wire bytes -> DecodeWork (checked inputs). Everything a request can get
+wrong on its own, without looking at session state, is caught here as InvalidArgument, before
+anything is queued.
 
-It runs on the event loop for every decode request, so the common case (all five inputs bf16)
-builds no tensor: shapes and byte lengths are checked as integers, the NaN/Inf check reads the
-exponent bits of the raw bytes, and the DecodeWork carries the bytes, which a GPU backend copies
-into its staging buffer as they are. Requests with f16/f32 inputs become float tensors here.
+It runs on the event loop for every decode request. The common case, a plain step (bf16 inputs,
+not speculative, in protobuf's plain encoding), is read, checked and digested from the raw bytes
+by gdn_server._wire in one pass, and its DecodeWork carries views of the message's bytes, which a
+GPU backend copies into its staging buffer as they are. Everything else is parsed by protobuf and
+checked here in Python, which also says what is wrong with a request the C declined; f16/f32
+inputs become float tensors here.
 """
 from __future__ import annotations
 
-import math
 import sys
 import warnings
-import zlib
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
-from gdn_client.proto.checks import (
-    JOIN_LIMIT, WireFormatError, check_layout, first_nonfinite, has_nonfinite, torch_dtypes,
-)
+from gdn_client.proto.checks import WireFormatError, check_layout, first_nonfinite, has_nonfinite, torch_dtypes
 from gdn_client.proto.gdn.v1 import gdn_pb2
+from gdn_server import _wire
+from gdn_server._wire import PlainStep
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
 from gdn_server.work import INPUT_NAMES, DecodeWork
@@ -35,19 +34,44 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 MAX_SESSION_ID_LEN = 128
 MAX_REQUEST_ID_LEN = 256
 MAX_POSITION = 2**63 - 1  # positions travel as uint64 and are kept as signed 64-bit counts
-# bf16 inputs of at least this many bytes in all leave their NaN/Inf check to a backend that
-# stages them (`defer_finite_check`), which reads them where it has just copied them: one pass
-# over the request's bytes fewer on the event loop. Below it the check is cheap either way.
+# bf16 inputs of at least this many bytes in all leave their NaN/Inf check to the backend, which
+# stages them anyway (a GPU's staging copy, the CPU's step) and checks them before any state
+# changes: one pass over the request's bytes fewer on the event loop. Below it the check is cheap.
 DEFERRED_CHECK_BYTES = 1 << 20
-# The retry digest of a session's inputs reads every byte of its row (its five inputs' rows) up
-# to this size; a longer row one byte in DIGEST_STRIDE (a prime, so every byte offset of an
-# element is sampled somewhere). A row of q, k or v holds hundreds of values, so a retry with other inputs changes
-# sampled bytes, while a multi-MiB request's digests cost tens of microseconds on the event loop
-# instead of milliseconds.
-DIGEST_FULL_ROW_BYTES = 1024
-DIGEST_STRIDE = 61
 TORCH_DTYPE = torch_dtypes()
 _ALL_BF16 = (gdn_pb2.BF16,) * 5
+
+# Each session's inputs as sent, digested (CRC-32 of its q, k, v, a, b rows, sampled when long):
+# what a retry of its step must match. gdn_server/_wire.c says how.
+row_digests = _wire.row_digests
+
+
+def step_limits(shape: ModelShape) -> tuple[int, ...]:
+    """What `parse_decode_request` checks a plain step against, for a model of `shape`."""
+    s = shape
+    return (s.num_layers, s.num_q_heads, s.num_v_heads, s.head_dim_k, s.head_dim_v, s.max_tokens_per_step,
+            MAX_SESSION_ID_LEN, MAX_REQUEST_ID_LEN, DEFERRED_CHECK_BYTES)
+
+
+def parse_decode_request(data: bytes, limits: tuple[int, ...]) -> PlainStep | gdn_pb2.DecodeRequest:
+    """A DecodeRequest's wire bytes: a checked PlainStep (gdn_server._wire) where they are a valid
+    plain step, else the protobuf message, for `decode_work` to check; protobuf's DecodeError
+    where they do not parse. The decode RPCs' request deserializer (`limits`: `step_limits`)."""
+    step = _wire.parse_plain_step(data, limits)
+    return step if step is not None else gdn_pb2.DecodeRequest.FromString(data)
+
+
+def decode_work(request: PlainStep | gdn_pb2.DecodeRequest, shape: ModelShape, owner: str | None = None,
+                owner_key: str | None = None) -> DecodeWork:
+    """The DecodeWork of a `parse_decode_request` result, owned by `owner` (its quota key
+    `owner_key`). Raises InvalidArgument with a precise reason."""
+    if type(request) is PlainStep:
+        return DecodeWork(
+            request.layer, request.session_ids, positions=request.positions, request_id=request.request_id,
+            owner=owner, owner_key=owner_key, bf16_bytes=request.inputs, input_dims=request.dims,
+            finite_checked=request.finite_checked, digests=request.digests,
+        )
+    return decode_work_from_request(request, shape, defer_finite_check=True, owner=owner, owner_key=owner_key)
 
 
 def decode_work_from_request(
@@ -64,17 +88,13 @@ def decode_work_from_request(
         raise InvalidArgument(f"layer {layer} out of range: the model has {L} layers (0..{L - 1})")
     session_ids = tuple(req.session_ids)
     B = len(session_ids)
-    if B == 1:
-        if not 0 < len(session_ids[0]) <= MAX_SESSION_ID_LEN:
-            raise _malformed_session_id(session_ids[0])
-    else:
-        if B == 0:
-            raise InvalidArgument("session_ids is empty: a request names at least one session")
-        if len(set(session_ids)) != B:
-            raise InvalidArgument("duplicate session ids in one request")
-        lengths = tuple(map(len, session_ids))
-        if min(lengths) == 0 or max(lengths) > MAX_SESSION_ID_LEN:
-            raise _malformed_session_id(next(sid for sid in session_ids if not sid or len(sid) > MAX_SESSION_ID_LEN))
+    if B == 0:
+        raise InvalidArgument("session_ids is empty: a request names at least one session")
+    if len(set(session_ids)) != B:
+        raise InvalidArgument("duplicate session ids in one request")
+    for sid in session_ids:
+        if not 0 < len(sid) <= MAX_SESSION_ID_LEN:
+            raise _malformed_session_id(sid)
     request_id = req.request_id
     if len(request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidArgument(f"request_id has {len(request_id)} characters, at most {MAX_REQUEST_ID_LEN}")
@@ -84,57 +104,10 @@ def decode_work_from_request(
             raise InvalidArgument(f"positions has {len(positions)} entries for {B} sessions")
         if max(positions) > MAX_POSITION:
             raise InvalidArgument(f"position {max(positions)} is out of range: positions are below 2^63")
-
-    speculative = req.speculative
-    q, k, v, a, b = messages = (req.q, req.k, req.v, req.a, req.b)
-    q_shape = q.shape
-    layout = _layout(shape, B, q_shape[1]) if len(q_shape) == 4 and 0 < q_shape[1] <= shape.max_tokens_per_step else None
-    raw = (q.data, k.data, v.data, a.data, b.data)  # a fresh bytes object per access of `data`: read once
-    if (layout is None or speculative or tuple(map(len, raw)) != layout.bf16_bytes
-            or (q.dtype, k.dtype, v.dtype, a.dtype, b.dtype) != _ALL_BF16
-            or q_shape != layout.want[0] or k.shape != layout.want[1] or v.shape != layout.want[2]
-            or a.shape != layout.want[3] or b.shape != layout.want[4]):
-        # anything but the plain case (bf16 inputs of the shapes a step of B sessions and T
-        # tokens has): the full checks, which say what is wrong, or take other dtypes
-        return _checked_work(req, messages, raw, shape, layer, session_ids, positions, request_id,
-                             bool(speculative), defer_finite_check, owner, owner_key)
-    total = layout.total_bytes
-    joined = b"".join(raw) if B == 1 and total <= JOIN_LIMIT else None
-    finite_checked = not (defer_finite_check and total >= DEFERRED_CHECK_BYTES)
-    if finite_checked:
-        check_finite(raw, joined)
-    return DecodeWork(
-        layer, session_ids, positions=positions, request_id=request_id, owner=owner, owner_key=owner_key,
-        bf16_bytes=raw, input_dims=layout.dims, finite_checked=finite_checked, digests=row_digests(raw, B, joined),
-    )
-
-
-class _Layout:
-    """What the five inputs of a plain step of B sessions and T tokens look like: their shapes (as
-    lists, what a repeated field compares equal to), dims and bf16 byte counts."""
-
-    __slots__ = ("want", "dims", "bf16_bytes", "total_bytes")
-
-    def __init__(self, shape: ModelShape, B: int, T: int) -> None:
-        H, HV, K, V = shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v
-        self.want = ([B, T, H, K], [B, T, H, K], [B, T, HV, V], [B, T, HV], [B, T, HV])
-        self.dims = tuple(map(tuple, self.want))
-        self.bf16_bytes = tuple(2 * math.prod(d) for d in self.dims)
-        self.total_bytes = sum(self.bf16_bytes)
-
-
-_LAYOUTS: dict[tuple[ModelShape, int, int], _Layout] = {}
-_LAYOUTS_KEPT = 1024  # (shape, B, T) keys; requests of more sessions make theirs each time
-
-
-def _layout(shape: ModelShape, B: int, T: int) -> _Layout:
-    key = (shape, B, T)
-    layout = _LAYOUTS.get(key)
-    if layout is None:
-        layout = _Layout(shape, B, T)
-        if len(_LAYOUTS) < _LAYOUTS_KEPT and B <= 256:
-            _LAYOUTS[key] = layout
-    return layout
+    messages = (req.q, req.k, req.v, req.a, req.b)
+    raw = tuple(m.data for m in messages)  # a fresh bytes object per access of `data`: read once
+    return _checked_work(req, messages, raw, shape, layer, session_ids, positions, request_id,
+                         bool(req.speculative), defer_finite_check, owner, owner_key)
 
 
 def _malformed_session_id(sid: str) -> InvalidArgument:
@@ -146,8 +119,8 @@ def _checked_work(
     session_ids: tuple[str, ...], positions: tuple[int, ...] | None, request_id: str, speculative: bool,
     defer_finite_check: bool, owner: str | None, owner_key: str | None,
 ) -> DecodeWork:
-    """`decode_work_from_request` for every request but a plain bf16 step: each check in turn,
-    raising the first failure's InvalidArgument."""
+    """The rest of `decode_work_from_request`: the inputs' shapes, layouts and values, each
+    check in turn, raising the first failure's InvalidArgument."""
     B = len(session_ids)
     try:
         dims, _ = check_shapes(messages, B, speculative, shape)
@@ -163,16 +136,14 @@ def _checked_work(
         except WireFormatError as e:
             raise InvalidArgument(str(e)) from None
 
-    # a small request's inputs as one buffer: one pass each for the NaN/Inf check and the digest
-    joined = b"".join(raw) if B == 1 and sum(map(len, raw)) <= JOIN_LIMIT else None
     common = dict(
         layer=layer, session_ids=session_ids, positions=positions, request_id=request_id,
-        speculative=speculative, owner=owner, owner_key=owner_key, digests=row_digests(raw, B, joined),
+        speculative=speculative, owner=owner, owner_key=owner_key, digests=row_digests(raw, B),
     )
     if tuple(dtypes) == _ALL_BF16:
         finite_checked = not (defer_finite_check and sum(map(len, raw)) >= DEFERRED_CHECK_BYTES)
         if finite_checked:
-            check_finite(raw, joined)
+            check_finite(raw)
         return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), finite_checked=finite_checked)
     tensors = {}
     for name, dtype, d, data in zip(INPUT_NAMES, dtypes, dims, raw):
@@ -206,29 +177,8 @@ def check_shapes(messages: Sequence[gdn_pb2.Tensor], B: int, speculative: bool,
     return tuple(map(tuple, expected)), (qk * K, qk * K, heads * V, heads, heads)
 
 
-def row_digests(raw: Sequence[Any], rows: int, joined: bytes | None = None) -> tuple[int, ...]:
-    """A cheap digest of each session's inputs as sent: a CRC-32 of its row (its q, k, v, a and
-    b rows, in that order), sampled when the row is long (DIGEST_STRIDE). A session's digest is
-    the same whatever other sessions shared its request, so a retry may regroup sessions.
-    `joined`: the five inputs as one buffer, where the caller made it already (one row)."""
-    row_bytes = sum(map(len, raw)) // rows
-    stride = 1 if row_bytes <= DIGEST_FULL_ROW_BYTES else DIGEST_STRIDE
-    if rows == 1:
-        whole = joined if joined is not None else b"".join(raw)
-        return (zlib.crc32(whole if stride == 1 else memoryview(whole)[::stride].tobytes()),)
-    parts, offset = [], 0
-    for data in raw:  # each tensor's share of the sampled row: the stride runs on across tensors
-        by_row = np.frombuffer(data, dtype=np.uint8).reshape(rows, -1)
-        parts.append(by_row[:, (-offset) % stride :: stride])
-        offset += by_row.shape[1]
-    return tuple(zlib.crc32(row) for row in np.concatenate(parts, axis=1))
-
-
-def check_finite(raw: Sequence[Any], joined: bytes | None = None) -> None:
-    """InvalidArgument naming the first of q, k, v, a, b (their bf16 bytes) with a NaN or Inf.
-    `joined`: the five as one buffer, where the caller made it already (a small step's inputs)."""
-    if joined is not None and not has_nonfinite(joined, gdn_pb2.BF16):
-        return
+def check_finite(raw: Sequence[Any]) -> None:
+    """InvalidArgument naming the first of q, k, v, a, b (their bf16 bytes) with a NaN or Inf."""
     index = first_nonfinite(raw, gdn_pb2.BF16)
     if index is not None:
         raise nonfinite_input(INPUT_NAMES[index])

@@ -1,0 +1,516 @@
+/* gdn_server._wire: the decode RPCs' per-message wire work, in C.
+
+   A decode step's message is read and answered once per step and client, on the event loop that
+   serves every client, so its cost bounds a server process's steps per second
+   (bench/DECISIONS.md, "The per-message wire work in C").
+
+   parse_plain_step(data, limits) -> PlainStep | None
+       A serialized DecodeRequest that is a valid plain step, checked: every session id 1..max_id
+       characters and distinct, request_id at most max_request_id characters, layer below
+       num_layers, positions (when given) one per session and below 2^63, not speculative, q, k,
+       v, a, b in BF16 with the shapes of B sessions and T tokens (1 <= T <= max_tokens) and the
+       byte lengths those shapes give. Its inputs are checked for NaN/Inf unless they hold
+       defer_from bytes or more (finite_checked False: the backend checks them where it stages
+       them), and each session's inputs are digested (`row_digests`).
+       None for anything else: the caller parses it with protobuf and gdn_server.validation says
+       what is wrong with it, or takes it the long way (other dtypes, speculative steps). So this
+       reads only the plain encoding: each known field with its own wire type, a singular field
+       at most once, positions packed, no unknown fields; whatever it accepts, protobuf parses
+       to the same values (tests/test_wire.py checks both on a corpus and on fuzzed bytes).
+       limits = (num_layers, H, HV, K, V, max_tokens, max_id, max_request_id, defer_from).
+
+   row_digests(inputs, rows) -> tuple[int, ...]
+       A CRC-32 of each session's inputs as sent: its row of q, k, v, a and b, in that order, read
+       whole up to DIGEST_FULL_ROW_BYTES and one byte in DIGEST_STRIDE beyond (a prime, so every
+       byte offset of an element is sampled somewhere). The same whatever other sessions shared
+       the request, so a retry may regroup sessions. A retried step must match its first try's.
+
+   encode_reply(out, shape, positions, request_id) -> bytes
+       A DecodeResponse with o = the bf16 bytes `out` of `shape`, byte for byte what protobuf's
+       SerializeToString gives, with one copy of the output (a protobuf message takes two). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define N_INPUTS 5
+#define BF16 1
+#define MAX_POSITION ((uint64_t)INT64_MAX)
+#define DIGEST_FULL_ROW_BYTES 1024
+#define DIGEST_STRIDE 61
+
+enum { WIRE_VARINT = 0, WIRE_LEN = 2 };
+
+/* -- reading the wire ------------------------------------------------------------------------ */
+
+/* A varint that fits 64 bits (at most 10 bytes); 0 on success. */
+static int read_varint(const uint8_t **pos, const uint8_t *end, uint64_t *out) {
+    const uint8_t *p = *pos;
+    uint64_t value = 0;
+    for (int shift = 0; shift < 64 && p < end; shift += 7) {
+        uint8_t byte = *p++;
+        if (shift == 63 && byte > 1) return -1;
+        value |= (uint64_t)(byte & 0x7F) << shift;
+        if (!(byte & 0x80)) {
+            *pos = p;
+            *out = value;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* A length-delimited value [*start, *start + *len) that lies inside [*pos, end); 0 on success. */
+static int read_len(const uint8_t **pos, const uint8_t *end, const uint8_t **start, Py_ssize_t *len) {
+    uint64_t n;
+    if (read_varint(pos, end, &n) != 0 || n > (uint64_t)(end - *pos)) return -1;
+    *start = *pos;
+    *len = (Py_ssize_t)n;
+    *pos += n;
+    return 0;
+}
+
+typedef struct {
+    int seen; /* the field was in the message */
+    uint64_t dtype;
+    uint64_t dims[4];
+    int ndim;
+    const uint8_t *data;
+    Py_ssize_t len;
+} Tensor;
+
+/* A Tensor message in the plain encoding; 0 on success, -1 for anything else. */
+static int read_tensor(const uint8_t *p, const uint8_t *end, Tensor *t) {
+    int seen_dtype = 0, seen_shape = 0, seen_data = 0;
+    while (p < end) {
+        uint64_t key;
+        const uint8_t *start;
+        Py_ssize_t len;
+        if (read_varint(&p, end, &key) != 0) return -1;
+        if (key == (1 << 3 | WIRE_VARINT) && !seen_dtype) {
+            seen_dtype = 1;
+            if (read_varint(&p, end, &t->dtype) != 0) return -1;
+        } else if (key == (2 << 3 | WIRE_LEN) && !seen_shape) {
+            seen_shape = 1;
+            if (read_len(&p, end, &start, &len) != 0) return -1;
+            const uint8_t *q = start, *q_end = start + len;
+            while (q < q_end) {
+                if (t->ndim == 4 || read_varint(&q, q_end, &t->dims[t->ndim]) != 0) return -1;
+                t->ndim++;
+            }
+        } else if (key == (3 << 3 | WIRE_LEN) && !seen_data) {
+            seen_data = 1;
+            if (read_len(&p, end, &t->data, &t->len) != 0) return -1;
+        } else {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* -- checks and digests ---------------------------------------------------------------------- */
+
+/* Whether some bf16 value of data[0:nbytes] is NaN or Inf (its exponent bits all ones). */
+static int has_nonfinite_bf16(const uint8_t *data, Py_ssize_t nbytes) {
+    uint16_t hit = 0;
+    for (Py_ssize_t i = 0; i + 1 < nbytes; i += 2) { /* no early exit: the compiler vectorizes it */
+        uint16_t word;
+        memcpy(&word, data + i, 2);
+        hit |= (uint16_t)((word & 0x7F80) == 0x7F80);
+    }
+    return hit != 0;
+}
+
+static uint32_t crc_table[256];
+
+static void make_crc_table(void) { /* CRC-32 (ISO-HDLC), the one zlib.crc32 computes */
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[n] = c;
+    }
+}
+
+/* The CRC-32 `crc` carried on over bytes p[0], p[stride], ... below p + len. */
+static uint32_t crc_update(uint32_t crc, const uint8_t *p, Py_ssize_t len, Py_ssize_t stride) {
+    crc = ~crc;
+    for (Py_ssize_t i = 0; i < len; i += stride) crc = crc_table[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
+    return ~crc;
+}
+
+/* Each of `rows` rows' digest (see row_digests above) into out; data[i] holds len[i] bytes. */
+static void digest_rows(const uint8_t *const *data, const Py_ssize_t *len, Py_ssize_t rows, uint32_t *out) {
+    Py_ssize_t row_bytes = 0;
+    for (int i = 0; i < N_INPUTS; i++) row_bytes += len[i] / rows;
+    Py_ssize_t stride = row_bytes <= DIGEST_FULL_ROW_BYTES ? 1 : DIGEST_STRIDE;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        uint32_t crc = 0;
+        Py_ssize_t offset = 0; /* of this input's row in the session's row: the stride runs on */
+        for (int i = 0; i < N_INPUTS; i++) {
+            Py_ssize_t per_row = len[i] / rows, first = (stride - offset % stride) % stride;
+            if (first < per_row) crc = crc_update(crc, data[i] + r * per_row + first, per_row - first, stride);
+            offset += per_row;
+        }
+        out[r] = crc;
+    }
+}
+
+static PyObject *digest_tuple(const uint8_t *const *data, const Py_ssize_t *len, Py_ssize_t rows) {
+    uint32_t *crcs = PyMem_Malloc(sizeof(uint32_t) * (size_t)rows);
+    if (crcs == NULL) return PyErr_NoMemory();
+    digest_rows(data, len, rows, crcs);
+    PyObject *tuple = PyTuple_New(rows);
+    for (Py_ssize_t r = 0; tuple != NULL && r < rows; r++) {
+        PyObject *n = PyLong_FromUnsignedLong(crcs[r]);
+        if (n == NULL) Py_CLEAR(tuple);
+        else PyTuple_SET_ITEM(tuple, r, n);
+    }
+    PyMem_Free(crcs);
+    return tuple;
+}
+
+static PyObject *row_digests(PyObject *self, PyObject *args) {
+    PyObject *inputs;
+    Py_ssize_t rows;
+    if (!PyArg_ParseTuple(args, "On", &inputs, &rows)) return NULL;
+    PyObject *seq = PySequence_Fast(inputs, "inputs must be a sequence");
+    if (seq == NULL) return NULL;
+    if (PySequence_Fast_GET_SIZE(seq) != N_INPUTS || rows < 1) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "row_digests takes five inputs and rows >= 1");
+        return NULL;
+    }
+    Py_buffer views[N_INPUTS];
+    const uint8_t *data[N_INPUTS];
+    Py_ssize_t len[N_INPUTS];
+    int held = 0;
+    PyObject *result = NULL;
+    for (; held < N_INPUTS; held++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, held), &views[held], PyBUF_SIMPLE) != 0) goto done;
+        data[held] = views[held].buf;
+        len[held] = views[held].len;
+    }
+    result = digest_tuple(data, len, rows);
+done:
+    for (int i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    Py_DECREF(seq);
+    return result;
+}
+
+/* -- parse_plain_step ------------------------------------------------------------------------ */
+
+static PyTypeObject PlainStepType;
+
+static PyStructSequence_Field plain_step_fields[] = {
+    {"layer", NULL},
+    {"session_ids", "tuple of str"},
+    {"positions", "tuple of int, or None when the request gave none"},
+    {"request_id", NULL},
+    {"inputs", "q, k, v, a, b: read-only memoryviews of the message's bf16 bytes"},
+    {"dims", "the five inputs' shapes"},
+    {"finite_checked", "False: the inputs are big and still to be checked for NaN/Inf"},
+    {"digests", "each session's row_digests"},
+    {NULL, NULL},
+};
+
+static PyStructSequence_Desc plain_step_desc = {
+    "gdn_server._wire.PlainStep", "A DecodeRequest that is a valid plain step (parse_plain_step).",
+    plain_step_fields, 8,
+};
+
+/* A str of the UTF-8 bytes, or NULL (no error set) where they are not valid UTF-8 or the str
+   has more than max_chars characters. */
+static PyObject *short_str(const uint8_t *s, Py_ssize_t n, long long max_chars) {
+    PyObject *str = PyUnicode_DecodeUTF8((const char *)s, n, NULL);
+    if (str == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) PyErr_Clear();
+        return NULL;
+    }
+    if (PyUnicode_GET_LENGTH(str) > max_chars) Py_CLEAR(str);
+    return str;
+}
+
+#define NOT_PLAIN goto not_plain
+
+static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long lim[9];
+    if (nargs != 2 || !PyBytes_Check(args[0]) || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != 9) {
+        PyErr_SetString(PyExc_TypeError, "parse_plain_step(data: bytes, limits: 9-tuple)");
+        return NULL;
+    }
+    for (int i = 0; i < 9; i++) {
+        lim[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(args[1], i));
+        if (lim[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    const long long L = lim[0], H = lim[1], HV = lim[2], K = lim[3], V = lim[4], max_T = lim[5], max_id = lim[6],
+                    max_rid = lim[7], defer_from = lim[8];
+    PyObject *message = args[0];
+    const uint8_t *base = (const uint8_t *)PyBytes_AS_STRING(message), *p = base;
+    const uint8_t *end = base + PyBytes_GET_SIZE(message);
+
+    uint64_t layer = 0, speculative = 0;
+    int seen_layer = 0, seen_rid = 0, seen_spec = 0, seen_positions = 0;
+    const uint8_t *rid = NULL, *pos_start = NULL;
+    Py_ssize_t rid_len = 0, pos_len = 0;
+    Tensor t[N_INPUTS];
+    memset(t, 0, sizeof t);
+    PyObject *ids = PyList_New(0), *positions = NULL, *str = NULL, *inputs = NULL, *dims = NULL, *view = NULL,
+             *digests = NULL, *result = NULL;
+    if (ids == NULL) return NULL;
+
+    while (p < end) {
+        uint64_t key;
+        const uint8_t *start;
+        Py_ssize_t len;
+        if (read_varint(&p, end, &key) != 0) NOT_PLAIN;
+        uint64_t field = key >> 3, wire = key & 7;
+        if (field == 1 && wire == WIRE_VARINT && !seen_layer) {
+            seen_layer = 1;
+            if (read_varint(&p, end, &layer) != 0) NOT_PLAIN;
+        } else if (field == 2 && wire == WIRE_LEN) {
+            if (read_len(&p, end, &start, &len) != 0 || (str = short_str(start, len, max_id)) == NULL) goto not_plain_or_error;
+            if (PyUnicode_GET_LENGTH(str) == 0) NOT_PLAIN;
+            if (PyList_Append(ids, str) != 0) goto error;
+            Py_CLEAR(str);
+        } else if (field >= 3 && field <= 7 && wire == WIRE_LEN && !t[field - 3].seen) {
+            t[field - 3].seen = 1;
+            if (read_len(&p, end, &start, &len) != 0 || read_tensor(start, start + len, &t[field - 3]) != 0) NOT_PLAIN;
+        } else if (field == 8 && wire == WIRE_LEN && !seen_positions) {
+            seen_positions = 1;
+            if (read_len(&p, end, &pos_start, &pos_len) != 0) NOT_PLAIN;
+        } else if (field == 9 && wire == WIRE_LEN && !seen_rid) {
+            seen_rid = 1;
+            if (read_len(&p, end, &rid, &rid_len) != 0) NOT_PLAIN;
+        } else if (field == 10 && wire == WIRE_VARINT && !seen_spec) {
+            seen_spec = 1;
+            if (read_varint(&p, end, &speculative) != 0) NOT_PLAIN;
+        } else {
+            NOT_PLAIN; /* an unknown field, a field twice or in another wire type: protobuf decides */
+        }
+    }
+    Py_ssize_t B = PyList_GET_SIZE(ids);
+    if (B == 0 || speculative != 0 || layer >= (uint64_t)L) NOT_PLAIN;
+    if (B > 1) {
+        PyObject *distinct = PySet_New(ids);
+        if (distinct == NULL) goto error;
+        Py_ssize_t n = PySet_GET_SIZE(distinct);
+        Py_DECREF(distinct);
+        if (n != B) NOT_PLAIN;
+    }
+
+    /* positions: none, or one per session, each below 2^63 */
+    if (pos_len > 0) {
+        positions = PyTuple_New(B);
+        if (positions == NULL) goto error;
+        const uint8_t *q = pos_start, *q_end = pos_start + pos_len;
+        for (Py_ssize_t i = 0; i < B; i++) {
+            uint64_t value;
+            if (q >= q_end || read_varint(&q, q_end, &value) != 0 || value > MAX_POSITION) NOT_PLAIN;
+            PyObject *n = PyLong_FromUnsignedLongLong(value);
+            if (n == NULL) goto error;
+            PyTuple_SET_ITEM(positions, i, n);
+        }
+        if (q != q_end) NOT_PLAIN;
+    } else {
+        positions = Py_NewRef(Py_None);
+    }
+
+    /* the five inputs: BF16, the shapes of B sessions and T tokens, their byte lengths */
+    uint64_t T = t[0].ndim == 4 ? t[0].dims[1] : 0;
+    if (T < 1 || T > (uint64_t)max_T) NOT_PLAIN;
+    const long long want[N_INPUTS][4] = {
+        {B, (long long)T, H, K}, {B, (long long)T, H, K}, {B, (long long)T, HV, V}, {B, (long long)T, HV, 1},
+        {B, (long long)T, HV, 1},
+    };
+    const int ndims[N_INPUTS] = {4, 4, 4, 3, 3};
+    const uint8_t *data[N_INPUTS];
+    Py_ssize_t lens[N_INPUTS], total = 0;
+    for (int i = 0; i < N_INPUTS; i++) {
+        if (!t[i].seen || t[i].dtype != BF16 || t[i].ndim != ndims[i]) NOT_PLAIN;
+        long long numel = 1;
+        for (int d = 0; d < ndims[i]; d++) {
+            if (t[i].dims[d] != (uint64_t)want[i][d]) NOT_PLAIN;
+            numel *= want[i][d];
+        }
+        if (t[i].len != 2 * numel) NOT_PLAIN;
+        data[i] = t[i].data;
+        lens[i] = t[i].len;
+        total += t[i].len;
+    }
+    int finite_checked = total < defer_from;
+    if (finite_checked) {
+        for (int i = 0; i < N_INPUTS; i++)
+            if (has_nonfinite_bf16(data[i], lens[i])) NOT_PLAIN; /* validation names the input */
+    }
+    if (rid_len > 0) {
+        if ((str = short_str(rid, rid_len, max_rid)) == NULL) goto not_plain_or_error;
+    } else {
+        str = PyUnicode_New(0, 0);
+        if (str == NULL) goto error;
+    }
+
+    /* the result: inputs as views of the message (no copy), their shapes, digests */
+    view = PyMemoryView_FromObject(message);
+    inputs = view ? PyTuple_New(N_INPUTS) : NULL;
+    dims = inputs ? PyTuple_New(N_INPUTS) : NULL;
+    if (dims == NULL) goto error;
+    for (int i = 0; i < N_INPUTS; i++) {
+        Py_ssize_t offset = data[i] - base;
+        PyObject *slice = PySequence_GetSlice(view, offset, offset + lens[i]);
+        if (slice == NULL) goto error;
+        PyTuple_SET_ITEM(inputs, i, slice);
+        PyObject *shape = ndims[i] == 4 ? Py_BuildValue("(LLLL)", want[i][0], want[i][1], want[i][2], want[i][3])
+                                        : Py_BuildValue("(LLL)", want[i][0], want[i][1], want[i][2]);
+        if (shape == NULL) goto error;
+        PyTuple_SET_ITEM(dims, i, shape);
+    }
+    digests = digest_tuple(data, lens, B);
+    if (digests == NULL) goto error;
+    result = PyStructSequence_New(&PlainStepType);
+    if (result == NULL) goto error;
+    PyObject *id_tuple = PyList_AsTuple(ids);
+    if (id_tuple == NULL) goto error;
+    PyObject *fields[8] = {
+        PyLong_FromUnsignedLongLong(layer), id_tuple, positions, str, inputs, dims,
+        Py_NewRef(finite_checked ? Py_True : Py_False), digests,
+    };
+    if (fields[0] == NULL) {
+        Py_DECREF(id_tuple);
+        goto error;
+    }
+    positions = str = inputs = dims = digests = NULL; /* the result holds them now */
+    for (int i = 0; i < 8; i++) PyStructSequence_SET_ITEM(result, i, fields[i]);
+    goto done;
+
+not_plain_or_error:
+    if (PyErr_Occurred()) goto error;
+not_plain:
+    result = Py_NewRef(Py_None);
+    goto done;
+error:
+    Py_CLEAR(result);
+done:
+    Py_XDECREF(ids);
+    Py_XDECREF(positions);
+    Py_XDECREF(str);
+    Py_XDECREF(inputs);
+    Py_XDECREF(dims);
+    Py_XDECREF(view);
+    Py_XDECREF(digests);
+    return result;
+}
+
+/* -- encode_reply ---------------------------------------------------------------------------- */
+
+static Py_ssize_t varint_size(uint64_t v) {
+    Py_ssize_t n = 1;
+    while (v >= 0x80) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
+static uint8_t *put_varint(uint8_t *p, uint64_t v) {
+    while (v >= 0x80) {
+        *p++ = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    *p++ = (uint8_t)v;
+    return p;
+}
+
+/* A tuple of ints as uint64 (negatives as their two's complement, as protobuf writes int64). */
+static int read_ints(PyObject *tuple, uint64_t *out, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(tuple, i);
+        out[i] = (uint64_t)PyLong_AsUnsignedLongLongMask(item);
+        if (out[i] == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+static PyObject *encode_reply(PyObject *self, PyObject *args) {
+    Py_buffer out;
+    PyObject *shape, *positions, *request_id;
+    if (!PyArg_ParseTuple(args, "y*O!O!U", &out, &PyTuple_Type, &shape, &PyTuple_Type, &positions, &request_id))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n_dims = PyTuple_GET_SIZE(shape), n_pos = PyTuple_GET_SIZE(positions), rid_len;
+    uint64_t *ints = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n_dims + n_pos + 1));
+    const char *rid = PyUnicode_AsUTF8AndSize(request_id, &rid_len);
+    if (ints == NULL || rid == NULL) {
+        if (ints == NULL) PyErr_NoMemory();
+        goto done;
+    }
+    if (read_ints(shape, ints, n_dims) != 0 || read_ints(positions, ints + n_dims, n_pos) != 0) goto done;
+    Py_ssize_t dims_bytes = 0, pos_bytes = 0;
+    for (Py_ssize_t i = 0; i < n_dims; i++) dims_bytes += varint_size(ints[i]);
+    for (Py_ssize_t i = 0; i < n_pos; i++) pos_bytes += varint_size(ints[n_dims + i]);
+    /* o: dtype, shape (packed), data; then positions (packed), request_id; proto3 leaves empty
+       fields out */
+    Py_ssize_t tensor = 2 + (n_dims ? 1 + varint_size(dims_bytes) + dims_bytes : 0) +
+                        (out.len ? 1 + varint_size(out.len) + out.len : 0);
+    Py_ssize_t total = 1 + varint_size(tensor) + tensor + (n_pos ? 1 + varint_size(pos_bytes) + pos_bytes : 0) +
+                       (rid_len ? 1 + varint_size(rid_len) + rid_len : 0);
+    result = PyBytes_FromStringAndSize(NULL, total);
+    if (result == NULL) goto done;
+    uint8_t *p = (uint8_t *)PyBytes_AS_STRING(result);
+    *p++ = 1 << 3 | WIRE_LEN;
+    p = put_varint(p, tensor);
+    *p++ = 1 << 3 | WIRE_VARINT;
+    *p++ = BF16;
+    if (n_dims) {
+        *p++ = 2 << 3 | WIRE_LEN;
+        p = put_varint(p, dims_bytes);
+        for (Py_ssize_t i = 0; i < n_dims; i++) p = put_varint(p, ints[i]);
+    }
+    if (out.len) {
+        *p++ = 3 << 3 | WIRE_LEN;
+        p = put_varint(p, out.len);
+        memcpy(p, out.buf, out.len);
+        p += out.len;
+    }
+    if (n_pos) {
+        *p++ = 2 << 3 | WIRE_LEN;
+        p = put_varint(p, pos_bytes);
+        for (Py_ssize_t i = 0; i < n_pos; i++) p = put_varint(p, ints[n_dims + i]);
+    }
+    if (rid_len) {
+        *p++ = 3 << 3 | WIRE_LEN;
+        p = put_varint(p, rid_len);
+        memcpy(p, rid, rid_len);
+    }
+done:
+    PyMem_Free(ints);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* -- the module ------------------------------------------------------------------------------ */
+
+static PyMethodDef methods[] = {
+    {"parse_plain_step", (PyCFunction)(void (*)(void))parse_plain_step, METH_FASTCALL,
+     "parse_plain_step(data, limits) -> PlainStep | None: a serialized DecodeRequest that is a valid plain step"},
+    {"row_digests", row_digests, METH_VARARGS, "row_digests(inputs, rows) -> tuple: each session's inputs' CRC-32"},
+    {"encode_reply", encode_reply, METH_VARARGS,
+     "encode_reply(out, shape, positions, request_id) -> bytes: a serialized DecodeResponse"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gdn_server._wire", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__wire(void) {
+    make_crc_table();
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PlainStepType.tp_name == NULL && PyStructSequence_InitType2(&PlainStepType, &plain_step_desc) != 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(m, "PlainStep", (PyObject *)&PlainStepType) != 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

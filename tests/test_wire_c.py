@@ -1,0 +1,185 @@
+"""gdn_server._wire, the decode RPCs' per-message wire work in C, against protobuf and the Python
+checks it stands in front of.
+
+- parse_plain_step takes a plain step from its wire bytes, checked: wherever it accepts bytes,
+  protobuf parses them and gdn_server.validation's checks give the same DecodeWork; every plain
+  step as protobuf serializes it is accepted. A fixed corpus, then fuzzed bytes (mutations of it,
+  derandomized: CI runs the same examples every time).
+- row_digests equals the digest written out in Python below (its oracle).
+- encode_reply gives what protobuf's SerializeToString gives, byte for byte.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from gdn_client.proto.gdn.v1 import gdn_pb2
+from gdn_server import _wire
+from gdn_server.config import ModelShape
+from gdn_server.errors import InvalidArgument
+from gdn_server.validation import decode_work_from_request, parse_decode_request, step_limits
+from util import decode_request, random_inputs
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+SHAPE = ModelShape(num_layers=3, num_q_heads=2, num_v_heads=4, head_dim_k=8, head_dim_v=8, max_tokens_per_step=4,
+                   max_speculative_tokens=8)
+LIMITS = step_limits(SHAPE)
+FUZZ = settings(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None,
+                max_examples=400)
+FIELDS = ("layer", "session_ids", "positions", "request_id", "bf16_bytes", "input_dims", "finite_checked", "digests")
+
+
+def plain(B=1, T=1, layer=1, positions=None, request_id="r-1", seed=0, ids=None) -> gdn_pb2.DecodeRequest:
+    gen = torch.Generator().manual_seed(seed)
+    inputs = random_inputs(B, T, SHAPE.num_q_heads, SHAPE.num_v_heads, SHAPE.head_dim_k, gen=gen, dtype=torch.bfloat16)
+    return decode_request(layer, ids or [f"s{i}" for i in range(B)], inputs, positions, request_id)
+
+
+def python_work(data: bytes):
+    """What protobuf and the Python checks make of `data`: a DecodeWork's fields, or None where
+    protobuf or a check refuses it (or it is not a plain step)."""
+    try:
+        req = gdn_pb2.DecodeRequest.FromString(data)
+        work = decode_work_from_request(req, SHAPE, defer_finite_check=True)
+    except (InvalidArgument, Exception) as e:  # DecodeError, or a check's InvalidArgument
+        if not isinstance(e, InvalidArgument) and type(e).__name__ != "DecodeError":
+            raise
+        return None
+    if work.speculative or work.bf16_bytes is None:
+        return None
+    return _fields(work)
+
+
+def _fields(work) -> tuple:
+    return tuple(tuple(bytes(b) for b in work.bf16_bytes) if f == "bf16_bytes" else getattr(work, f) for f in FIELDS)
+
+
+def c_work(data: bytes):
+    step = _wire.parse_plain_step(data, LIMITS)
+    if step is None:
+        return None
+    return (step.layer, step.session_ids, step.positions, step.request_id, tuple(bytes(b) for b in step.inputs),
+            step.dims, step.finite_checked, step.digests)
+
+
+def corpus() -> list[bytes]:
+    reqs = [
+        plain(), plain(B=3, T=2, layer=2, positions=[0, 5, 2**63 - 1]), plain(request_id=""), plain(T=4),
+        plain(B=2, ids=["é-ü", "x" * 128], request_id="ü" * 256), plain(layer=0, positions=[7]),
+        # what the C declines and Python refuses or takes the long way
+        plain(layer=3), plain(T=5), plain(B=2, ids=["a", "a"]), plain(ids=[""]), plain(ids=["x" * 129]),
+        plain(request_id="r" * 257), plain(positions=[1, 2]), plain(positions=[2**63]),
+    ]
+    spec = plain()
+    spec.speculative = True
+    f32 = plain()
+    f32.q.dtype = gdn_pb2.F32
+    nan = plain()
+    nan.v.data = b"\x80\x7f" + nan.v.data[2:]
+    missing = plain()
+    missing.ClearField("b")
+    reqs += [spec, f32, nan, missing]
+    return [r.SerializeToString() for r in reqs]
+
+
+def _check_agrees(data: bytes) -> None:
+    c = c_work(data)
+    if c is not None:  # accepted: protobuf and the Python checks must make the same step of it
+        assert c == python_work(data)
+
+
+@pytest.mark.parametrize("index", range(len(corpus())))
+def test_corpus_agrees_with_protobuf_and_validation(index):
+    data = corpus()[index]
+    want = python_work(data)
+    # protobuf's own serialization of a valid plain step is the plain encoding: always accepted
+    assert c_work(data) == want
+
+
+def test_big_inputs_leave_the_nan_check_to_the_backend():
+    shape = ModelShape(num_layers=1, num_q_heads=16, num_v_heads=32, head_dim_k=128, head_dim_v=128)
+    gen = torch.Generator().manual_seed(0)
+    rows = 64  # 64 x 16.5 KB of inputs: above DEFERRED_CHECK_BYTES
+    inputs = random_inputs(rows, 1, 16, 32, 128, gen=gen, dtype=torch.bfloat16)
+    inputs["q"][5, 0, 3, 7] = float("nan")
+    data = decode_request(0, [f"s{i}" for i in range(rows)], inputs).SerializeToString()
+    step = parse_decode_request(data, step_limits(shape))
+    assert type(step) is _wire.PlainStep and step.finite_checked is False  # the backend finds the NaN
+
+
+def test_other_encodings_go_to_protobuf():
+    data = plain().SerializeToString()
+    unknown = data + b"\xa8\x06\x01"  # field 101, varint: protobuf keeps it, the C declines
+    twice = data + gdn_pb2.DecodeRequest(layer=2).SerializeToString()  # layer again: the last wins
+    for variant in (unknown, twice):
+        assert _wire.parse_plain_step(variant, LIMITS) is None
+        assert type(parse_decode_request(variant, LIMITS)) is gdn_pb2.DecodeRequest
+    assert type(parse_decode_request(data, LIMITS)) is _wire.PlainStep
+
+
+def _mutations():
+    seeds = corpus()[:6]
+    ops = st.sampled_from(["flip", "cut", "insert", "append", "repeat"])
+    return st.tuples(st.sampled_from(seeds), ops, st.integers(0, 1 << 20), st.binary(min_size=1, max_size=12))
+
+
+@FUZZ
+@given(_mutations())
+def test_fuzzed_bytes_agree_with_protobuf(case):
+    data, op, at, blob = case
+    i = at % len(data)
+    if op == "flip":
+        data = data[:i] + bytes([data[i] ^ blob[0]]) + data[i + 1 :]
+    elif op == "cut":
+        data = data[:i]
+    elif op == "insert":
+        data = data[:i] + blob + data[i:]
+    elif op == "append":
+        data = data + blob
+    else:  # a stretch of the message again: fields twice, merged sub-messages
+        data = data + data[i : i + len(blob) * 64]
+    _check_agrees(data)
+
+
+@FUZZ
+@given(st.binary(max_size=200))
+def test_random_bytes_agree_with_protobuf(data):
+    _check_agrees(data)
+
+
+def digests_in_python(raw, rows: int) -> tuple[int, ...]:
+    """The oracle of _wire.row_digests: each row's q, k, v, a, b bytes joined, every byte of it
+    up to 1024 bytes, else one byte in 61, CRC-32."""
+    out = []
+    for r in range(rows):
+        row = b"".join(bytes(x)[r * (len(x) // rows) : (r + 1) * (len(x) // rows)] for x in raw)
+        out.append(zlib.crc32(row if len(row) <= 1024 else row[::61]))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("rows,sizes", [(1, (8, 8, 16, 2, 2)), (3, (48, 48, 96, 6, 6)), (1, (4096, 4096, 8192, 64, 64)),
+                                        (4, (4096 * 4, 4096 * 4, 8192 * 4, 256, 256)), (2, (0, 0, 0, 0, 0))])
+def test_row_digests_match_the_python_oracle(rows, sizes):
+    rng = np.random.default_rng(rows)
+    raw = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    assert _wire.row_digests(raw, rows) == digests_in_python(raw, rows)
+    assert _wire.row_digests([memoryview(x) for x in raw], rows) == digests_in_python(raw, rows)
+
+
+@FUZZ
+@given(st.binary(max_size=3000), st.lists(st.integers(-(2**63), 2**63 - 1), max_size=5),
+       st.lists(st.integers(0, 2**64 - 1), max_size=5), st.text(max_size=40))
+def test_encode_reply_is_what_protobuf_serializes(out, shape, positions, request_id):
+    reply = gdn_pb2.DecodeResponse(positions=positions, request_id=request_id)
+    reply.o.dtype = gdn_pb2.BF16
+    reply.o.shape.extend(shape)
+    reply.o.data = out
+    got = _wire.encode_reply(out, tuple(shape), tuple(positions), request_id)
+    assert got == reply.SerializeToString()
+    assert _wire.encode_reply(memoryview(out), tuple(shape), tuple(positions), request_id) == got
