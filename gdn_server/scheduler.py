@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 # launches a scheduler on the event loop keeps on the device at once: fewer than a backend's
 # staging sets (CudaBackend.RING), so a launch never waits for a set to come free
 LOOP_MAX_IN_FLIGHT = 4
+# After a round answers, the loop keeps polling its sockets (it does not sleep) this long: a client
+# stepping through a model's layers sends its next request right after each reply, and a sleeping
+# loop must then be woken first, with its caches gone cold. It costs a core while clients keep the
+# server busy, none once they stop (bench/DECISIONS.md, "The loop polls for 1 ms after answering").
+BUSY_POLL_S = 0.001
 
 
 def settle(fut: asyncio.Future) -> Done:
@@ -109,6 +114,8 @@ class Scheduler:
         self._waiter_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting_on: Any = None
         self._waited: Any = None  # the last launch the waiter's wait returned for
+        self._spin_until = 0.0  # the loop polls until then (BUSY_POLL_S)
+        self._spinning = False
 
     # -- called from any thread -------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -409,6 +416,22 @@ class Scheduler:
                 self.on_launch(batch.rows, started - min(m.item.enqueued for m in members), device_s)
             for m, result in zip(members, self._planner.finish(batch, members, whole)):
                 m.item.done(result)
+        self._keep_polling()
+
+    def _keep_polling(self) -> None:
+        """Keeps the loop polling for BUSY_POLL_S from now: a callback that posts itself again, on
+        its own rather than a round, so new work still waits one iteration for its round (see
+        `_post_soon`)."""
+        self._spin_until = time.monotonic() + BUSY_POLL_S
+        if not self._spinning and self._loop is not None:
+            self._spinning = True
+            self._loop.call_soon(self._spin)
+
+    def _spin(self) -> None:
+        if time.monotonic() < self._spin_until and not self._stopping:
+            self._loop.call_soon(self._spin)
+        else:
+            self._spinning = False
 
     def _backend_failed(self, error: Exception, rows: int) -> None:
         log.error("backend launch failed (%d rows)", rows, exc_info=error)
