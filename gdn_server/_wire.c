@@ -2,7 +2,7 @@
 
    A decode step's message is read and answered once per step and client, on the event loop that
    serves every client, so its cost bounds a server process's steps per second
-   (bench/DECISIONS.md, "The per-message wire work in C").
+   (bench/DECISIONS.md, entry 17).
 
    parse_plain_step(data, limits) -> PlainStep | None
        A serialized DecodeRequest that is a valid plain step, checked: every session id 1..max_id

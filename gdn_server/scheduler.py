@@ -46,7 +46,7 @@ LOOP_MAX_IN_FLIGHT = 4
 # After a round answers, the loop keeps polling its sockets (it does not sleep) this long: a client
 # stepping through a model's layers sends its next request right after each reply, and a sleeping
 # loop must then be woken first, with its caches gone cold. It costs a core while clients keep the
-# server busy, none once they stop (bench/DECISIONS.md, "The loop polls for 1 ms after answering").
+# server busy, none once they stop (bench/DECISIONS.md, entry 14).
 BUSY_POLL_S = 0.001
 
 
