@@ -2,6 +2,8 @@
 
 It stays thin: requests are checked by gdn_server.validation, run by each device's scheduler
 (decode steps) or as control items between launches (session operations), and answered here.
+The decode RPCs take their messages as bytes, which validation reads (a plain step in C, the
+rest through protobuf), and send results encoded by gdn_server._wire (`add_to_server`).
 Domain errors (`GdnError`) become status codes here and only here. The event loop never waits on
 the device: the scheduler answers each request through a callback (a future's for a unary call,
 the stream's slot for a DecodeStream message).
@@ -21,6 +23,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
+from gdn_server._wire import PlainStep, encode_reply
 from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError, ResourceExhausted
 from gdn_server.lifecycle import commit_speculation, export_session, fork_session, import_session
@@ -28,7 +31,6 @@ from gdn_server.placement import Placement, Shard
 from gdn_server.security import current_identity
 from gdn_server.sessions import ProcessHomes
 from gdn_server.state_transfer import StateAssembler, encode_state
-from gdn_server._wire import PlainStep, encode_reply
 from gdn_server.scheduler import settle
 from gdn_server.validation import decode_work, parse_decode_request, step_limits
 from gdn_server.work import DecodeResult

@@ -106,22 +106,7 @@ def decode_work_from_request(
             raise InvalidArgument(f"position {max(positions)} is out of range: positions are below 2^63")
     messages = (req.q, req.k, req.v, req.a, req.b)
     raw = tuple(m.data for m in messages)  # a fresh bytes object per access of `data`: read once
-    return _checked_work(req, messages, raw, shape, layer, session_ids, positions, request_id,
-                         bool(req.speculative), defer_finite_check, owner, owner_key)
-
-
-def _malformed_session_id(sid: str) -> InvalidArgument:
-    return InvalidArgument(f"malformed session id {sid[:MAX_SESSION_ID_LEN]!r} (1..{MAX_SESSION_ID_LEN} characters)")
-
-
-def _checked_work(
-    req: gdn_pb2.DecodeRequest, messages: tuple, raw: tuple, shape: ModelShape, layer: int,
-    session_ids: tuple[str, ...], positions: tuple[int, ...] | None, request_id: str, speculative: bool,
-    defer_finite_check: bool, owner: str | None, owner_key: str | None,
-) -> DecodeWork:
-    """The rest of `decode_work_from_request`: the inputs' shapes, layouts and values, each
-    check in turn, raising the first failure's InvalidArgument."""
-    B = len(session_ids)
+    speculative = bool(req.speculative)
     try:
         dims = check_shapes(messages, B, speculative, shape)
     except InvalidArgument:
@@ -135,7 +120,6 @@ def _checked_work(
             check_layout(dtype, d, len(data), name)
         except WireFormatError as e:
             raise InvalidArgument(str(e)) from None
-
     common = dict(
         layer=layer, session_ids=session_ids, positions=positions, request_id=request_id,
         speculative=speculative, owner=owner, owner_key=owner_key, digests=row_digests(raw, B),
@@ -152,6 +136,10 @@ def _checked_work(
         tensors[name] = (torch.frombuffer(data, dtype=TORCH_DTYPE[dtype]) if len(data)
                          else torch.empty(0, dtype=TORCH_DTYPE[dtype])).view(d)
     return DecodeWork(**common, **tensors)
+
+
+def _malformed_session_id(sid: str) -> InvalidArgument:
+    return InvalidArgument(f"malformed session id {sid[:MAX_SESSION_ID_LEN]!r} (1..{MAX_SESSION_ID_LEN} characters)")
 
 
 def check_shapes(messages: Sequence[gdn_pb2.Tensor], B: int, speculative: bool,
