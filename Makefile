@@ -14,7 +14,8 @@ PYTEST_ARGS ?=
 
 .PHONY: serve test proto bench-kernel clean
 
-$(VENV)/.runtime: pyproject.toml
+# the C module is built by the install: a changed source is built again
+$(VENV)/.runtime: pyproject.toml gdn_server/_wire.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
