@@ -16,7 +16,7 @@
        what is wrong with it, or takes it the long way (other dtypes, speculative steps). So this
        reads only the plain encoding: each known field with its own wire type, a singular field
        at most once, positions packed, no unknown fields; whatever it accepts, protobuf parses
-       to the same values (tests/test_wire.py checks both on a corpus and on fuzzed bytes).
+       to the same values (tests/test_wire_c.py checks both on a corpus and on fuzzed bytes).
        limits = (num_layers, H, HV, K, V, max_tokens, max_id, max_request_id, defer_from).
 
    row_digests(inputs, rows) -> tuple[int, ...]
