@@ -11,8 +11,6 @@ inputs become float tensors here.
 """
 from __future__ import annotations
 
-import sys
-import warnings
 from typing import Any, Sequence
 
 import torch
@@ -24,12 +22,6 @@ from gdn_server._wire import PlainStep
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
 from gdn_server.work import INPUT_NAMES, DecodeWork
-
-if sys.byteorder != "little":  # the wire format is little-endian; so is every host this ships for
-    raise ImportError("gdn-serve needs a little-endian host")
-
-# torch.frombuffer warns once per process that a bytes object is not writable; it is only read
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 MAX_SESSION_ID_LEN = 128
 MAX_REQUEST_ID_LEN = 256
