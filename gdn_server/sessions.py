@@ -242,11 +242,6 @@ class SessionTable:
             self._by_id[sid] = session
             return session
 
-    @property
-    def by_id(self) -> dict[str, Session]:
-        """The id -> Session dict itself, for the scheduler's lookups per request (read only)."""
-        return self._by_id
-
     def find(self, session_id: str) -> Session | None:
         return self._by_id.get(session_id)
 
