@@ -12,6 +12,9 @@ import sys
 from gdn_server.config import (
     GRPC_EXPERIMENTS, OMP_WAIT_POLICY, PRESETS, SPECULATIVE_TIMEOUT_S, Limits, ModelShape, SchedulerConfig,
 )
+
+# the shapes served when the command line names none: the model this service was built for
+DEFAULT_PRESET = "qwen3-next"
 from gdn_server.tuning import tune_process
 
 log = logging.getLogger("gdn_server")
@@ -22,15 +25,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="port; 0 takes a free one (default 50051)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
-                   help="auto: CUDA with the CuTe kernel when a GPU is present, else CPU")
-    shape = p.add_argument_group("model shape (a preset, or explicit sizes)")
-    shape.add_argument("--preset", choices=sorted(PRESETS), help="qwen3-next: H=16, HV=32, K=V=128, 36 layers")
-    shape.add_argument("--layers", type=int, help="number of GDN layers L")
-    shape.add_argument("--q-heads", type=int, help="query/key heads H")
-    shape.add_argument("--v-heads", type=int, help="value heads HV (a multiple of H)")
-    shape.add_argument("--head-dim", type=int, default=None, help="K = V head size (default 128)")
-    p.add_argument("--weights", help="safetensors file with float32 layers.{i}.A_log / layers.{i}.dt_bias [HV]")
-    p.add_argument("--seed", type=int, default=0, help="seed for A_log/dt_bias when --weights is not given")
+                   help="auto: CUDA with the CuTe kernel when a GPU is present, else CPU (default auto)")
+    shape = p.add_argument_group(f"model shape (a preset, or explicit sizes; neither: --preset {DEFAULT_PRESET})")
+    shape.add_argument("--preset", choices=sorted(PRESETS),
+                       help=f"qwen3-next: H=16, HV=32, K=V=128, 36 layers (default {DEFAULT_PRESET} when no size "
+                            "is given)")
+    shape.add_argument("--layers", type=int, help="number of GDN layers L (no default: give all three sizes)")
+    shape.add_argument("--q-heads", type=int, help="query/key heads H (no default: give all three sizes)")
+    shape.add_argument("--v-heads", type=int, help="value heads HV, a multiple of H (no default: give all three sizes)")
+    shape.add_argument("--head-dim", type=int, default=None, help="K = V head size, with the sizes above (default 128)")
+    p.add_argument("--weights", help="safetensors file with float32 layers.{i}.A_log / layers.{i}.dt_bias [HV] "
+                                     "(default: gates drawn from --seed)")
+    p.add_argument("--seed", type=int, default=0, help="seed for A_log/dt_bias when --weights is not given (default 0)")
     p.add_argument("--scale", type=float, default=None, help="query scale (default 1/sqrt(K))")
     p.add_argument("--devices", default=None,
                    help="CUDA devices to serve from, e.g. 0,1 (default: every visible GPU; one state pool and "
@@ -43,15 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sessions that may hold uncommitted speculative steps at once; each uses up to 2 scratch "
                         "states per layer (default: min(max sessions, 32); 0 turns speculative steps off)")
     p.add_argument("--max-batch-rows", type=int, default=SchedulerConfig.max_batch_rows,
-                   help="rows (session x layer) per kernel launch at most")
+                   help="rows (session x layer) per kernel launch at most (default %(default)s)")
     p.add_argument("--max-queue-delay-us", type=int, default=SchedulerConfig.max_queue_delay_us,
-                   help="once work is pending, wait at most this long for more before launching")
+                   help="once work is pending, wait at most this long for more before launching "
+                        "(default %(default)s)")
     p.add_argument("--state-dir", default=None,
                    help="save every session here on SIGTERM/SIGINT and restore them on start (default: off)")
     p.add_argument("--session-idle-timeout-s", type=float, default=None,
                    help="close sessions unused for this many seconds; they answer NOT_FOUND (default: never)")
     p.add_argument("--max-queue-rows", type=int, default=SchedulerConfig.max_queue_rows,
-                   help="rows waiting for the device at most; requests beyond get UNAVAILABLE (clients retry)")
+                   help="rows waiting for the device at most; requests beyond get UNAVAILABLE, which clients "
+                        "retry (default %(default)s)")
     p.add_argument("--speculative-timeout-s", type=float, default=SPECULATIVE_TIMEOUT_S,
                    help="open speculative steps of a session unused this long are dropped (as if never sent) and "
                         "its accepted scratch states go home, freeing scratch rows (default %(default)s)")
@@ -72,11 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--drain-timeout-s", type=float, default=30.0,
                      help="on shutdown, how long in-flight RPCs may take to finish (default 30)")
     sec = p.add_argument_group("security")
-    sec.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
-    sec.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    sec.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    sec.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key; default: plaintext)")
+    sec.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
+    sec.add_argument("--tls-client-ca",
+                     help="PEM CA bundle: require client certificates it signed, mutual TLS (default: off)")
     sec.add_argument("--auth-token-file",
-                     help="file of `name:token` lines: every RPC needs `authorization: Bearer <token>`")
+                     help="file of `name:token` lines: every RPC needs `authorization: Bearer <token>` "
+                          "(default: no tokens)")
     sec.add_argument("--max-sessions-per-client", type=int, default=None,
                      help="sessions one identity (token name or client certificate) may hold (default: no limit)")
     host = p.add_argument_group("several processes on one host")
@@ -84,20 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
                       help="server processes per device: each serves its own sessions on its own port (PORT, "
                            "PORT+1, ...) with 1/K of the device's memory; gdn_client follows each session to its "
                            "process (default 1)")
-    host.add_argument("--process-index", type=int, default=None,
-                      help="this process's place among --process-ports (set by --processes for each process)")
-    host.add_argument("--process-ports", default=None,
-                      help="every process's port, in order, e.g. 50051,50052 (set by --processes for each process)")
+    # set by the supervisor for each of its processes (or by hand, docs/operations.md): this process's
+    # place among every process's ports, e.g. 1 of 50051,50052; hidden from --help as internal
+    host.add_argument("--process-index", type=int, default=None, help=argparse.SUPPRESS)
+    host.add_argument("--process-ports", default=None, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return p
 
 
 def shape_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelShape:
     explicit = {"--layers": args.layers, "--q-heads": args.q_heads, "--v-heads": args.v_heads}
+    sized = any(v is not None for v in explicit.values()) or args.head_dim is not None
     if args.preset:
-        if any(v is not None for v in explicit.values()) or args.head_dim is not None:
+        if sized:
             parser.error("--preset cannot be combined with --layers/--q-heads/--v-heads/--head-dim")
         return PRESETS[args.preset]
+    if not sized:
+        return PRESETS[DEFAULT_PRESET]
     missing = [k for k, v in explicit.items() if v is None]
     if missing:
         parser.error(f"give --preset or all of --layers --q-heads --v-heads (missing {' '.join(missing)})")

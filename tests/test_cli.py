@@ -1,6 +1,7 @@
 """The command line: flags of API.md, clear errors for bad ones, weights files in both namings."""
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -58,10 +59,22 @@ def test_hugging_face_weight_names_are_renumbered(tmp_path):
                 assert rel_err(tensor_from_proto(reply.o), ref.step(layer, [sid], **inputs)) < 5e-3
 
 
-def test_preset_serves_qwen3_next_shapes_and_exits_cleanly_on_sigint():
-    with start_server("--preset", "qwen3-next", "--max-sessions", "2") as srv:
+def test_no_model_flags_serve_qwen3_next_shapes_and_exit_cleanly_on_sigint():
+    with start_server("--max-sessions", "2") as srv:
         with grpc.insecure_channel(srv.address) as channel:
             info = gdn_pb2_grpc.GdnDecodeStub(channel).GetModelInfo(gdn_pb2.GetModelInfoRequest(), timeout=30)
         assert (info.num_layers, info.num_q_heads, info.num_v_heads, info.head_dim_k) == (36, 16, 32, 128)
         import signal
         assert srv.stop(signal.SIGINT) == 0
+
+
+def test_help_gives_every_flag_a_default_and_hides_the_supervisors_flags():
+    from gdn_server.cli import build_parser
+
+    parser = build_parser()
+    text = parser.format_help()
+    assert "--process-index" not in text and "--process-ports" not in text
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or action.dest == "help":
+            continue
+        assert action.help and "default" in action.help, (action.option_strings, action.help)
