@@ -24,51 +24,65 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!gdn_client/proto/gdn/v1/gdn.proto\x12\x06gdn.v1\"C\n\x06Tensor\x12\x1c\n\x05\x64type\x18\x01 \x01(\x0e\x32\r.gdn.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x15\n\x13GetModelInfoRequest\"\xe5\x02\n\tModelInfo\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x13\n\x0bnum_q_heads\x18\x02 \x01(\x05\x12\x13\n\x0bnum_v_heads\x18\x03 \x01(\x05\x12\x12\n\nhead_dim_k\x18\x04 \x01(\x05\x12\x12\n\nhead_dim_v\x18\x05 \x01(\x05\x12\x1b\n\x13max_tokens_per_step\x18\x06 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\x03\x12\x17\n\x0fsessions_in_use\x18\x08 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12\x13\n\x0bstate_dtype\x18\n \x01(\t\x12\r\n\x05scale\x18\x0b \x01(\x02\x12\x1e\n\x16max_speculative_tokens\x18\x0c \x01(\x05\x12#\n\x07\x64\x65vices\x18\r \x03(\x0b\x32\x12.gdn.v1.DeviceInfo\x12\x15\n\rprocess_ports\x18\x0e \x03(\r\x12\x15\n\rprocess_index\x18\x0f \x01(\r\"X\n\nDeviceInfo\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\x03\x12\x17\n\x0fsessions_in_use\x18\x04 \x01(\x03\"-\n\x14\x43reateSessionRequest\x12\x15\n\rcolocate_with\x18\x01 \x01(\t\"+\n\x15\x43reateSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\xf6\x01\n\rDecodeRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0bsession_ids\x18\x02 \x03(\t\x12\x19\n\x01q\x18\x03 \x01(\x0b\x32\x0e.gdn.v1.Tensor\x12\x19\n\x01k\x18\x04 \x01(\x0b\x32\x0e.gdn.v1.Tensor\x12\x19\n\x01v\x18\x05 \x01(\x0b\x32\x0e.gdn.v1.Tensor\x12\x19\n\x01\x61\x18\x06 \x01(\x0b\x32\x0e.gdn.v1.Tensor\x12\x19\n\x01\x62\x18\x07 \x01(\x0b\x32\x0e.gdn.v1.Tensor\x12\x11\n\tpositions\x18\x08 \x03(\x04\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x13\n\x0bspeculative\x18\n \x01(\x08\"}\n\x0e\x44\x65\x63odeResponse\x12\x19\n\x01o\x18\x01 \x01(\x0b\x32\x0e.gdn.v1.Tensor\x12\x11\n\tpositions\x18\x02 \x03(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\nerror_code\x18\x04 \x01(\x05\x12\x15\n\rerror_message\x18\x05 \x01(\t\"(\n\x12\x46orkSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"(\n\x12\x45xportStateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xa7\x01\n\x0bStateHeader\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x13\n\x0bnum_v_heads\x18\x02 \x01(\x05\x12\x12\n\nhead_dim_k\x18\x03 \x01(\x05\x12\x12\n\nhead_dim_v\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\tpositions\x18\x06 \x03(\x04\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\t\"?\n\nStateChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.gdn.v1.StateHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x11\n\x0fGetStatsRequest\"\xe5\x01\n\x05Stats\x12\x10\n\x08launches\x18\x01 \x01(\x04\x12\x15\n\rrows_launched\x18\x02 \x01(\x04\x12\x10\n\x08requests\x18\x03 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\x04 \x01(\x04\x12\x1c\n\x14mean_rows_per_launch\x18\x05 \x01(\x01\x12\x17\n\x0fsessions_in_use\x18\x06 \x01(\x03\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x16\n\x0e\x64\x65vice_seconds\x18\t \x01(\x01\x12\x1a\n\x12queue_wait_seconds\x18\n \x01(\x01\"5\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\"=\n\x0e\x43ommitResponse\x12\x11\n\tpositions\x18\x01 \x03(\x04\x12\x18\n\x10\x63ommitted_layers\x18\x02 \x03(\r*:\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x42\x46\x31\x36\x10\x01\x12\x07\n\x03\x46\x31\x36\x10\x02\x12\x07\n\x03\x46\x33\x32\x10\x03\x32\x9c\x05\n\tGdnDecode\x12>\n\x0cGetModelInfo\x12\x1b.gdn.v1.GetModelInfoRequest\x1a\x11.gdn.v1.ModelInfo\x12L\n\rCreateSession\x12\x1c.gdn.v1.CreateSessionRequest\x1a\x1d.gdn.v1.CreateSessionResponse\x12I\n\x0c\x43loseSession\x12\x1b.gdn.v1.CloseSessionRequest\x1a\x1c.gdn.v1.CloseSessionResponse\x12\x37\n\x06\x44\x65\x63ode\x12\x15.gdn.v1.DecodeRequest\x1a\x16.gdn.v1.DecodeResponse\x12\x41\n\x0c\x44\x65\x63odeStream\x12\x15.gdn.v1.DecodeRequest\x1a\x16.gdn.v1.DecodeResponse(\x01\x30\x01\x12H\n\x0b\x46orkSession\x12\x1a.gdn.v1.ForkSessionRequest\x1a\x1d.gdn.v1.CreateSessionResponse\x12?\n\x0b\x45xportState\x12\x1a.gdn.v1.ExportStateRequest\x1a\x12.gdn.v1.StateChunk0\x01\x12\x42\n\x0bImportState\x12\x12.gdn.v1.StateChunk\x1a\x1d.gdn.v1.CreateSessionResponse(\x01\x12\x32\n\x08GetStats\x12\x17.gdn.v1.GetStatsRequest\x1a\r.gdn.v1.Stats\x12\x37\n\x06\x43ommit\x12\x15.gdn.v1.CommitRequest\x1a\x16.gdn.v1.CommitResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!gdn_client/proto/gdn/v1/gdn.proto\x12\x06gdn.v1\"c\n\x06Tensor\x12\x1c\n\x05\x64type\x18\x01 \x01(\x0e\x32\r.gdn.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x1e\n\x03ref\x18\x04 \x01(\x0b\x32\x11.gdn.v1.TensorRef\"+\n\tTensorRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\x15\n\x13GetModelInfoRequest\"\xfc\x02\n\tModelInfo\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x13\n\x0bnum_q_heads\x18\x02 \x01(\x05\x12\x13\n\x0bnum_v_heads\x18\x03 \x01(\x05\x12\x12\n\nhead_dim_k\x18\x04 \x01(\x05\x12\x12\n\nhead_dim_v\x18\x05 \x01(\x05\x12\x1b\n\x13max_tokens_per_step\x18\x06 \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\x03\x12\x17\n\x0fsessions_in_use\x18\x08 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12\x13\n\x0bstate_dtype\x18\n \x01(\t\x12\r\n\x05scale\x18\x0b \x01(\x02\x12\x1e\n\x16max_speculative_tokens\x18\x0c \x01(\x05\x12#\n\x07\x64\x65vices\x18\r \x03(\x0b\x32\x12.gdn.v1.DeviceInfo\x12\x15\n\rprocess_ports\x18\x0e \x03(\r\x12\x15\n\rprocess_index\x18\x0f \x01(\r\x12\x15\n\rshared_memory\x18\x10 \x01(\x08\"X\n\nDeviceInfo\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x14\n\x0cmax_sessions\x18\x03 \x01(\x03\x12\x17\n\x0fsessions_in_use\x18\x04 \x01(\x03\"-\n\x14\x43reateSessionRequest\x12\x15\n\rcolocate_with\x18\x01 \x01(\t\"+\n\x15\x43reateSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\x98\x02\n\rDecodeRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0bsession_ids\x18\x02 \x03(\t\x12\x19\n\x01q\x18\x03 \x01(\x0b\x32\x0e.gdn.v1.Tensor\x12\x19\n\x01k\x18\x04 \x01(\x0b\x32\x0e.gdn.v1.Tensor\x12\x19\n\x01v\x18\x05 \x01(\x0b\x32\x0e.gdn.v1.Tensor\x12\x19\n\x01\x61\x18\x06 \x01(\x0b\x32\x0e.gdn.v1.Tensor\x12\x19\n\x01\x62\x18\x07 \x01(\x0b\x32\x0e.gdn.v1.Tensor\x12\x11\n\tpositions\x18\x08 \x03(\x04\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x13\n\x0bspeculative\x18\n \x01(\x08\x12 \n\x05o_ref\x18\x0b \x01(\x0b\x32\x11.gdn.v1.TensorRef\"}\n\x0e\x44\x65\x63odeResponse\x12\x19\n\x01o\x18\x01 \x01(\x0b\x32\x0e.gdn.v1.Tensor\x12\x11\n\tpositions\x18\x02 \x03(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\nerror_code\x18\x04 \x01(\x05\x12\x15\n\rerror_message\x18\x05 \x01(\t\"(\n\x12\x46orkSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"(\n\x12\x45xportStateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xa7\x01\n\x0bStateHeader\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x13\n\x0bnum_v_heads\x18\x02 \x01(\x05\x12\x12\n\nhead_dim_k\x18\x03 \x01(\x05\x12\x12\n\nhead_dim_v\x18\x04 \x01(\x05\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\tpositions\x18\x06 \x03(\x04\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\t\"?\n\nStateChunk\x12#\n\x06header\x18\x01 \x01(\x0b\x32\x13.gdn.v1.StateHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x11\n\x0fGetStatsRequest\"\xe5\x01\n\x05Stats\x12\x10\n\x08launches\x18\x01 \x01(\x04\x12\x15\n\rrows_launched\x18\x02 \x01(\x04\x12\x10\n\x08requests\x18\x03 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\x04 \x01(\x04\x12\x1c\n\x14mean_rows_per_launch\x18\x05 \x01(\x01\x12\x17\n\x0fsessions_in_use\x18\x06 \x01(\x03\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x16\n\x0e\x64\x65vice_seconds\x18\t \x01(\x01\x12\x1a\n\x12queue_wait_seconds\x18\n \x01(\x01\"5\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\"=\n\x0e\x43ommitResponse\x12\x11\n\tpositions\x18\x01 \x03(\x04\x12\x18\n\x10\x63ommitted_layers\x18\x02 \x03(\r\"\xa0\x01\n\x1bRegisterSharedMemoryRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12,\n\x06system\x18\x02 \x01(\x0b\x32\x1a.gdn.v1.SystemSharedMemoryH\x00\x12(\n\x04\x63uda\x18\x03 \x01(\x0b\x32\x18.gdn.v1.CudaSharedMemoryH\x00\x12\x11\n\tbyte_size\x18\x04 \x01(\x04\x42\x08\n\x06region\"1\n\x12SystemSharedMemory\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"6\n\x10\x43udaSharedMemory\x12\x12\n\nipc_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\"\x1e\n\x1cRegisterSharedMemoryResponse\"-\n\x1dUnregisterSharedMemoryRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\" \n\x1eUnregisterSharedMemoryResponse*:\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x42\x46\x31\x36\x10\x01\x12\x07\n\x03\x46\x31\x36\x10\x02\x12\x07\n\x03\x46\x33\x32\x10\x03\x32\xe8\x06\n\tGdnDecode\x12>\n\x0cGetModelInfo\x12\x1b.gdn.v1.GetModelInfoRequest\x1a\x11.gdn.v1.ModelInfo\x12L\n\rCreateSession\x12\x1c.gdn.v1.CreateSessionRequest\x1a\x1d.gdn.v1.CreateSessionResponse\x12I\n\x0c\x43loseSession\x12\x1b.gdn.v1.CloseSessionRequest\x1a\x1c.gdn.v1.CloseSessionResponse\x12\x37\n\x06\x44\x65\x63ode\x12\x15.gdn.v1.DecodeRequest\x1a\x16.gdn.v1.DecodeResponse\x12\x41\n\x0c\x44\x65\x63odeStream\x12\x15.gdn.v1.DecodeRequest\x1a\x16.gdn.v1.DecodeResponse(\x01\x30\x01\x12H\n\x0b\x46orkSession\x12\x1a.gdn.v1.ForkSessionRequest\x1a\x1d.gdn.v1.CreateSessionResponse\x12?\n\x0b\x45xportState\x12\x1a.gdn.v1.ExportStateRequest\x1a\x12.gdn.v1.StateChunk0\x01\x12\x42\n\x0bImportState\x12\x12.gdn.v1.StateChunk\x1a\x1d.gdn.v1.CreateSessionResponse(\x01\x12\x32\n\x08GetStats\x12\x17.gdn.v1.GetStatsRequest\x1a\r.gdn.v1.Stats\x12\x37\n\x06\x43ommit\x12\x15.gdn.v1.CommitRequest\x1a\x16.gdn.v1.CommitResponse\x12\x61\n\x14RegisterSharedMemory\x12#.gdn.v1.RegisterSharedMemoryRequest\x1a$.gdn.v1.RegisterSharedMemoryResponse\x12g\n\x16UnregisterSharedMemory\x12%.gdn.v1.UnregisterSharedMemoryRequest\x1a&.gdn.v1.UnregisterSharedMemoryResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gdn_client.proto.gdn.v1.gdn_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1810
-  _globals['_DTYPE']._serialized_end=1868
+  _globals['_DTYPE']._serialized_start=2327
+  _globals['_DTYPE']._serialized_end=2385
   _globals['_TENSOR']._serialized_start=45
-  _globals['_TENSOR']._serialized_end=112
-  _globals['_GETMODELINFOREQUEST']._serialized_start=114
-  _globals['_GETMODELINFOREQUEST']._serialized_end=135
-  _globals['_MODELINFO']._serialized_start=138
-  _globals['_MODELINFO']._serialized_end=495
-  _globals['_DEVICEINFO']._serialized_start=497
-  _globals['_DEVICEINFO']._serialized_end=585
-  _globals['_CREATESESSIONREQUEST']._serialized_start=587
-  _globals['_CREATESESSIONREQUEST']._serialized_end=632
-  _globals['_CREATESESSIONRESPONSE']._serialized_start=634
-  _globals['_CREATESESSIONRESPONSE']._serialized_end=677
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=679
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=720
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=722
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=744
-  _globals['_DECODEREQUEST']._serialized_start=747
-  _globals['_DECODEREQUEST']._serialized_end=993
-  _globals['_DECODERESPONSE']._serialized_start=995
-  _globals['_DECODERESPONSE']._serialized_end=1120
-  _globals['_FORKSESSIONREQUEST']._serialized_start=1122
-  _globals['_FORKSESSIONREQUEST']._serialized_end=1162
-  _globals['_EXPORTSTATEREQUEST']._serialized_start=1164
-  _globals['_EXPORTSTATEREQUEST']._serialized_end=1204
-  _globals['_STATEHEADER']._serialized_start=1207
-  _globals['_STATEHEADER']._serialized_end=1374
-  _globals['_STATECHUNK']._serialized_start=1376
-  _globals['_STATECHUNK']._serialized_end=1439
-  _globals['_GETSTATSREQUEST']._serialized_start=1441
-  _globals['_GETSTATSREQUEST']._serialized_end=1458
-  _globals['_STATS']._serialized_start=1461
-  _globals['_STATS']._serialized_end=1690
-  _globals['_COMMITREQUEST']._serialized_start=1692
-  _globals['_COMMITREQUEST']._serialized_end=1745
-  _globals['_COMMITRESPONSE']._serialized_start=1747
-  _globals['_COMMITRESPONSE']._serialized_end=1808
-  _globals['_GDNDECODE']._serialized_start=1871
-  _globals['_GDNDECODE']._serialized_end=2539
+  _globals['_TENSOR']._serialized_end=144
+  _globals['_TENSORREF']._serialized_start=146
+  _globals['_TENSORREF']._serialized_end=189
+  _globals['_GETMODELINFOREQUEST']._serialized_start=191
+  _globals['_GETMODELINFOREQUEST']._serialized_end=212
+  _globals['_MODELINFO']._serialized_start=215
+  _globals['_MODELINFO']._serialized_end=595
+  _globals['_DEVICEINFO']._serialized_start=597
+  _globals['_DEVICEINFO']._serialized_end=685
+  _globals['_CREATESESSIONREQUEST']._serialized_start=687
+  _globals['_CREATESESSIONREQUEST']._serialized_end=732
+  _globals['_CREATESESSIONRESPONSE']._serialized_start=734
+  _globals['_CREATESESSIONRESPONSE']._serialized_end=777
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=779
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=820
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=822
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=844
+  _globals['_DECODEREQUEST']._serialized_start=847
+  _globals['_DECODEREQUEST']._serialized_end=1127
+  _globals['_DECODERESPONSE']._serialized_start=1129
+  _globals['_DECODERESPONSE']._serialized_end=1254
+  _globals['_FORKSESSIONREQUEST']._serialized_start=1256
+  _globals['_FORKSESSIONREQUEST']._serialized_end=1296
+  _globals['_EXPORTSTATEREQUEST']._serialized_start=1298
+  _globals['_EXPORTSTATEREQUEST']._serialized_end=1338
+  _globals['_STATEHEADER']._serialized_start=1341
+  _globals['_STATEHEADER']._serialized_end=1508
+  _globals['_STATECHUNK']._serialized_start=1510
+  _globals['_STATECHUNK']._serialized_end=1573
+  _globals['_GETSTATSREQUEST']._serialized_start=1575
+  _globals['_GETSTATSREQUEST']._serialized_end=1592
+  _globals['_STATS']._serialized_start=1595
+  _globals['_STATS']._serialized_end=1824
+  _globals['_COMMITREQUEST']._serialized_start=1826
+  _globals['_COMMITREQUEST']._serialized_end=1879
+  _globals['_COMMITRESPONSE']._serialized_start=1881
+  _globals['_COMMITRESPONSE']._serialized_end=1942
+  _globals['_REGISTERSHAREDMEMORYREQUEST']._serialized_start=1945
+  _globals['_REGISTERSHAREDMEMORYREQUEST']._serialized_end=2105
+  _globals['_SYSTEMSHAREDMEMORY']._serialized_start=2107
+  _globals['_SYSTEMSHAREDMEMORY']._serialized_end=2156
+  _globals['_CUDASHAREDMEMORY']._serialized_start=2158
+  _globals['_CUDASHAREDMEMORY']._serialized_end=2212
+  _globals['_REGISTERSHAREDMEMORYRESPONSE']._serialized_start=2214
+  _globals['_REGISTERSHAREDMEMORYRESPONSE']._serialized_end=2244
+  _globals['_UNREGISTERSHAREDMEMORYREQUEST']._serialized_start=2246
+  _globals['_UNREGISTERSHAREDMEMORYREQUEST']._serialized_end=2291
+  _globals['_UNREGISTERSHAREDMEMORYRESPONSE']._serialized_start=2293
+  _globals['_UNREGISTERSHAREDMEMORYRESPONSE']._serialized_end=2325
+  _globals['_GDNDECODE']._serialized_start=2388
+  _globals['_GDNDECODE']._serialized_end=3260
 # @@protoc_insertion_point(module_scope)

@@ -19,21 +19,31 @@ F16: DType
 F32: DType
 
 class Tensor(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "ref")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    ref: TensorRef
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., ref: _Optional[_Union[TensorRef, _Mapping]] = ...) -> None: ...
+
+class TensorRef(_message.Message):
+    __slots__ = ("region", "offset")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("num_layers", "num_q_heads", "num_v_heads", "head_dim_k", "head_dim_v", "max_tokens_per_step", "max_sessions", "sessions_in_use", "backend", "state_dtype", "scale", "max_speculative_tokens", "devices", "process_ports", "process_index")
+    __slots__ = ("num_layers", "num_q_heads", "num_v_heads", "head_dim_k", "head_dim_v", "max_tokens_per_step", "max_sessions", "sessions_in_use", "backend", "state_dtype", "scale", "max_speculative_tokens", "devices", "process_ports", "process_index", "shared_memory")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_Q_HEADS_FIELD_NUMBER: _ClassVar[int]
     NUM_V_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +59,7 @@ class ModelInfo(_message.Message):
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     PROCESS_PORTS_FIELD_NUMBER: _ClassVar[int]
     PROCESS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_q_heads: int
     num_v_heads: int
@@ -64,7 +75,8 @@ class ModelInfo(_message.Message):
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
     process_ports: _containers.RepeatedScalarFieldContainer[int]
     process_index: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_v_heads: _Optional[int] = ..., head_dim_k: _Optional[int] = ..., head_dim_v: _Optional[int] = ..., max_tokens_per_step: _Optional[int] = ..., max_sessions: _Optional[int] = ..., sessions_in_use: _Optional[int] = ..., backend: _Optional[str] = ..., state_dtype: _Optional[str] = ..., scale: _Optional[float] = ..., max_speculative_tokens: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., process_ports: _Optional[_Iterable[int]] = ..., process_index: _Optional[int] = ...) -> None: ...
+    shared_memory: bool
+    def __init__(self, num_layers: _Optional[int] = ..., num_q_heads: _Optional[int] = ..., num_v_heads: _Optional[int] = ..., head_dim_k: _Optional[int] = ..., head_dim_v: _Optional[int] = ..., max_tokens_per_step: _Optional[int] = ..., max_sessions: _Optional[int] = ..., sessions_in_use: _Optional[int] = ..., backend: _Optional[str] = ..., state_dtype: _Optional[str] = ..., scale: _Optional[float] = ..., max_speculative_tokens: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., process_ports: _Optional[_Iterable[int]] = ..., process_index: _Optional[int] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
     __slots__ = ("index", "name", "max_sessions", "sessions_in_use")
@@ -101,7 +113,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("layer", "session_ids", "q", "k", "v", "a", "b", "positions", "request_id", "speculative")
+    __slots__ = ("layer", "session_ids", "q", "k", "v", "a", "b", "positions", "request_id", "speculative", "o_ref")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +124,7 @@ class DecodeRequest(_message.Message):
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    O_REF_FIELD_NUMBER: _ClassVar[int]
     layer: int
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     q: Tensor
@@ -122,7 +135,8 @@ class DecodeRequest(_message.Message):
     positions: _containers.RepeatedScalarFieldContainer[int]
     request_id: str
     speculative: bool
-    def __init__(self, layer: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., a: _Optional[_Union[Tensor, _Mapping]] = ..., b: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., speculative: _Optional[bool] = ...) -> None: ...
+    o_ref: TensorRef
+    def __init__(self, layer: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., q: _Optional[_Union[Tensor, _Mapping]] = ..., k: _Optional[_Union[Tensor, _Mapping]] = ..., v: _Optional[_Union[Tensor, _Mapping]] = ..., a: _Optional[_Union[Tensor, _Mapping]] = ..., b: _Optional[_Union[Tensor, _Mapping]] = ..., positions: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., speculative: _Optional[bool] = ..., o_ref: _Optional[_Union[TensorRef, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("o", "positions", "request_id", "error_code", "error_message")
@@ -221,3 +235,45 @@ class CommitResponse(_message.Message):
     positions: _containers.RepeatedScalarFieldContainer[int]
     committed_layers: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, positions: _Optional[_Iterable[int]] = ..., committed_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RegisterSharedMemoryRequest(_message.Message):
+    __slots__ = ("name", "system", "cuda", "byte_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    system: SystemSharedMemory
+    cuda: CudaSharedMemory
+    byte_size: int
+    def __init__(self, name: _Optional[str] = ..., system: _Optional[_Union[SystemSharedMemory, _Mapping]] = ..., cuda: _Optional[_Union[CudaSharedMemory, _Mapping]] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class SystemSharedMemory(_message.Message):
+    __slots__ = ("key", "offset")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class CudaSharedMemory(_message.Message):
+    __slots__ = ("ipc_handle", "device")
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ipc_handle: bytes
+    device: int
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., device: _Optional[int] = ...) -> None: ...
+
+class RegisterSharedMemoryResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnregisterSharedMemoryRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnregisterSharedMemoryResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -84,6 +84,16 @@ class GdnDecodeStub:
                 request_serializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.CommitRequest.SerializeToString,
                 response_deserializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.CommitResponse.FromString,
                 _registered_method=True)
+        self.RegisterSharedMemory = channel.unary_unary(
+                '/gdn.v1.GdnDecode/RegisterSharedMemory',
+                request_serializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.RegisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.RegisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.UnregisterSharedMemory = channel.unary_unary(
+                '/gdn.v1.GdnDecode/UnregisterSharedMemory',
+                request_serializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.UnregisterSharedMemoryResponse.FromString,
+                _registered_method=True)
 
 
 class GdnDecodeServicer:
@@ -152,6 +162,21 @@ class GdnDecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterSharedMemory(self, request, context):
+        """Shared memory on the server's host (docs/protocol.md, "Tensors through shared memory"): a
+        region the caller registers is mapped once and referenced by its tensors (TensorRef) and
+        outputs (DecodeRequest.o_ref). Off unless the server runs with --allow-shared-memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterSharedMemory(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GdnDecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -204,6 +229,16 @@ def add_GdnDecodeServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.CommitRequest.FromString,
                     response_serializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.CommitResponse.SerializeToString,
+            ),
+            'RegisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterSharedMemory,
+                    request_deserializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.RegisterSharedMemoryRequest.FromString,
+                    response_serializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.RegisterSharedMemoryResponse.SerializeToString,
+            ),
+            'UnregisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterSharedMemory,
+                    request_deserializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.UnregisterSharedMemoryRequest.FromString,
+                    response_serializer=gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.UnregisterSharedMemoryResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -476,6 +511,60 @@ class GdnDecode:
             '/gdn.v1.GdnDecode/Commit',
             gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.CommitRequest.SerializeToString,
             gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gdn.v1.GdnDecode/RegisterSharedMemory',
+            gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.RegisterSharedMemoryRequest.SerializeToString,
+            gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.RegisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gdn.v1.GdnDecode/UnregisterSharedMemory',
+            gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+            gdn__client_dot_proto_dot_gdn_dot_v1_dot_gdn__pb2.UnregisterSharedMemoryResponse.FromString,
             options,
             channel_credentials,
             insecure,
