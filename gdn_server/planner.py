@@ -179,10 +179,11 @@ class Planner:
                 if pos == count:
                     continue
                 last = s.last_steps.get(layer)
-                if last is None or last.count_before != pos or last.tokens != work.tokens:
+                if (last is None or last.count_before != pos or last.tokens != work.tokens
+                        or last.record.speculative != work.speculative):
                     raise FailedPrecondition(
                         f"session {s.id}: position {pos} at layer {layer} does not match the server's "
-                        f"count {count} (nor is it a retry of the last step)"
+                        f"count {count} (nor is it a retry of the last step: same position, T and speculative flag)"
                     )
                 if last.digest != work.digests[index]:
                     raise FailedPrecondition(
@@ -264,7 +265,7 @@ def launched(members: list[Admitted], tokens: int, now: float, table: SessionTab
     for m in members:
         work = m.item.work
         layer = work.layer
-        m.record = record = StepRecord(tokens, len(m.sessions))
+        m.record = record = StepRecord(tokens, len(m.sessions), work.speculative)
         digests = work.digests
         after = []
         for row, s in enumerate(m.sessions):

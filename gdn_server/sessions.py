@@ -33,11 +33,12 @@ class StepRecord:
     the output is set once for all of them, and each step keeps its own even when a later step of
     the same session and layer is already queued behind it."""
 
-    __slots__ = ("tokens", "rows", "out")
+    __slots__ = ("tokens", "rows", "speculative", "out")
 
-    def __init__(self, tokens: int, rows: int, out: bytes | None = None) -> None:
+    def __init__(self, tokens: int, rows: int, speculative: bool = False, out: bytes | None = None) -> None:
         self.tokens = tokens  # T of the step
         self.rows = rows  # rows of `out`
+        self.speculative = speculative  # a draft: a retry must be one too
         self.out = out  # the output bytes of those rows; None while the step runs
 
 

@@ -30,7 +30,7 @@ A session file (safetensors, little-endian):
     state          bf16  [L, HV, V, K]  the recurrent state, as `Backend.read_session` returns it
     positions      int64 [L]            tokens taken per layer
     last_out.{l}   bf16  [T, HV, V]     this session's output of its last step at layer l
-    metadata       {"session_id": id, "last_steps": JSON {"<l>": [count_before, T, digest], ...}}
+    metadata       {"session_id": id, "last_steps": JSON {"<l>": [count_before, T, digest, speculative], ...}}
 
 (digest: this session's inputs of that step as first sent, so a retry with others is refused.)
 
@@ -151,7 +151,7 @@ def encode_session(session: Session, state: torch.Tensor, shape: ModelShape) -> 
         tensors[f"last_out.{layer}"] = torch.frombuffer(bytearray(row), dtype=torch.bfloat16).reshape(
             last.tokens, HV, V
         )
-        steps[str(layer)] = [last.count_before, last.tokens, last.digest]
+        steps[str(layer)] = [last.count_before, last.tokens, last.digest, last.record.speculative]
     metadata = {"session_id": session.id, "last_steps": json.dumps(steps)}
     return st_save(tensors, metadata=metadata)
 
@@ -187,8 +187,9 @@ def decode_session(data: bytes, entry: dict, shape: ModelShape) -> _Restored:
         raise SnapshotError(f"{name}: negative positions")
     last_steps = {}
     for key, step in steps.items():
-        # [count_before, T, digest of this session's inputs] (the digest refuses a retry with others)
-        count_before, tokens, digest = (list(step) + [None])[:3]
+        # [count_before, T, digest of this session's inputs, speculative]: a retry must match the
+        # digest and the flag; a file without the flag holds a plain step
+        count_before, tokens, digest, speculative = (list(step) + [None, False])[:4]
         layer = int(key)
         out = tensors.get(f"last_out.{layer}")
         if not 0 <= layer < L or out is None or out.dtype != torch.bfloat16 or tuple(out.shape) != (tokens, HV, V):
@@ -196,7 +197,7 @@ def decode_session(data: bytes, entry: dict, shape: ModelShape) -> _Restored:
         if count_before + tokens != pos[layer]:
             raise SnapshotError(f"{name}: last step of layer {layer} does not end at its position")
         out_bytes = out.contiguous().view(torch.int16).numpy().tobytes()
-        last_steps[layer] = LastStep(int(count_before), StepRecord(int(tokens), 1, out_bytes), 0, digest)
+        last_steps[layer] = LastStep(int(count_before), StepRecord(int(tokens), 1, bool(speculative), out_bytes), 0, digest)
     return _Restored(entry["id"], entry.get("owner"), state.contiguous(), pos, last_steps)
 
 

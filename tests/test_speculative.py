@@ -134,6 +134,24 @@ def test_a_next_step_commits_all_tokens_and_retries_still_work(stub):
     assert _export(stub, a) == _export(stub, b)
 
 
+def test_a_retry_must_repeat_the_speculative_flag(stub):
+    """A step resent with the other speculative flag is not a retry: FAILED_PRECONDITION, and
+    nothing is applied (no draft opened, no draft settled)."""
+    gen = torch.Generator().manual_seed(11)
+    plain, draft = _create(stub, 2)
+    x = random_inputs(1, 2, H, HV, gen=gen)
+    stub.Decode(decode_request(0, [plain], x, positions=[0]), timeout=TIMEOUT)
+    stub.Decode(_spec(decode_request(0, [draft], x, positions=[0])), timeout=TIMEOUT)
+    for sid, resend in ((plain, _spec(decode_request(0, [plain], x, positions=[0]))),
+                        (draft, decode_request(0, [draft], x, positions=[0]))):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Decode(resend, timeout=TIMEOUT)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert list(stub.Commit(gdn_pb2.CommitRequest(session_id=plain, accepted=0), timeout=TIMEOUT).committed_layers) == []
+    reply = stub.Commit(gdn_pb2.CommitRequest(session_id=draft, accepted=1), timeout=TIMEOUT)
+    assert list(reply.committed_layers) == [0] and list(reply.positions) == [1, 0, 0]
+
+
 def test_speculative_errors_change_nothing(stub):
     gen = torch.Generator().manual_seed(6)
     (a,) = _create(stub, 1)
