@@ -29,73 +29,53 @@ def _discard(sessions: SessionTable, backend: Backend, session: Session) -> None
 
 
 def bring_home(sessions: SessionTable, backend: Backend, session: Session) -> None:
-    """Moves accepted speculative states from scratch rows back to the session's own rows, so
+    """Moves accepted speculative states from scratch rows back to the session's home rows, so
     `slot`-wide operations (copy, read) see every layer's committed state."""
-    if not session.scratch_current:
+    if not session.accepted_rows:
         return
-    layers = sorted(session.scratch_current)
-    backend.copy_rows([session.scratch_current[l] for l in layers], [session.pool_slot(l) for l in layers])
-    for layer in layers:
-        sessions.give_scratch(session.scratch_current.pop(layer))
+    backend.copy_rows(*sessions.rows_away(session))
+    sessions.came_home(session)
 
 
 def settled(sessions: SessionTable, backend: Backend, session: Session) -> Session:
-    """The session with every state home; FailedPrecondition while a speculative step is open."""
-    if session.provisional:
+    """The session with every state home; FailedPrecondition while a draft is open."""
+    if session.drafts:
         raise FailedPrecondition(
             f"session {session.id!r} has an uncommitted speculative step at layer(s) "
-            f"{sorted(session.provisional)}: Commit it first"
+            f"{sorted(session.drafts)}: Commit it first"
         )
     bring_home(sessions, backend, session)
     return session
 
 
 def drop_speculation(sessions: SessionTable, backend: Backend, session: Session) -> None:
-    """Forgets uncommitted speculative steps (as if never sent) and brings states home: what a
-    snapshot saves, so a restart never resumes a half-committed session."""
-    for layer, pending in list(session.provisional.items()):
-        sessions.give_scratch(pending.row)
-        session.positions[layer] = pending.count_before
-        session.last_steps.pop(layer, None)
-        del session.provisional[layer]
+    """Forgets open drafts (as if never sent) and brings states home: what a snapshot saves, so
+    a restart never resumes a half-committed session."""
+    sessions.drop_drafts(session)
     bring_home(sessions, backend, session)
 
 
 def commit_speculation(
     sessions: SessionTable, backend: Backend, session_id: str, accepted: int, identity: str | None = None
 ) -> tuple[list[int], list[int]]:
-    """Settles every open speculative step of a session to its first `accepted` tokens.
+    """Settles every open draft of a session to its first `accepted` tokens.
 
-    Fully accepted: the scratch row the step wrote is the committed state (no copy). Partly
+    Fully accepted: the scratch row the draft wrote is the committed state (no copy). Partly
     accepted: the scratch row is dropped and the first `accepted` tokens are replayed from the
     untouched starting state, all layers in one backend call (one extra plain step at most).
     Returns (positions per layer, the layers settled). Atomic: a bad `accepted` changes nothing.
     """
     session = sessions.get(session_id)
     session.check_owner(identity)
-    pending = dict(sorted(session.provisional.items()))
-    too_many = {layer: p.tokens for layer, p in pending.items() if accepted > p.tokens}
-    if too_many:
-        raise InvalidArgument(f"accepted = {accepted} is more than the speculative step's T at layer(s) {too_many}")
+    layers = sorted(session.drafts)
     replay = StepBatch(accepted)
-    for layer, p in pending.items():
-        if accepted == p.tokens:
-            superseded = session.accept_all(layer)
-            if superseded is not None:  # no launch is queued (a control item runs when quiet)
-                sessions.give_scratch(superseded)
-            continue
-        del session.provisional[layer]
-        sessions.give_scratch(p.row)
-        session.positions[layer] = p.count_before + accepted
-        session.last_steps.pop(layer, None)  # that step's output no longer describes the state
-        if accepted:
-            q, k, v, a, b = (t[:, :accepted] for t in p.inputs)
-            work = DecodeWork(layer, (session.id,), q=q, k=k, v=v, a=a, b=b, positions=None)
-            replay.add(work, [p.read_row])
+    for layer, draft in sessions.commit(session, accepted, time.monotonic()):
+        q, k, v, a, b = (t[:, :accepted] for t in draft.inputs)
+        work = DecodeWork(layer, (session.id,), q=q, k=k, v=v, a=a, b=b, positions=None)
+        replay.add(work, [draft.read_row])
     if replay.rows:
         backend.submit(replay).result()  # writes the replayed states in place, at their read rows
-    session.last_used = time.monotonic()
-    return list(session.positions), list(pending)
+    return list(session.positions), layers
 
 
 def fork_session(
@@ -158,7 +138,7 @@ def stale_speculation(sessions: SessionTable, timeout_s: float) -> list[Session]
     """Sessions holding scratch rows (open drafts, or accepted states not yet home) and unused for
     longer than `timeout_s` (a read-only look; safe from any thread)."""
     now = time.monotonic()
-    return [s for s in sessions.sessions() if (s.provisional or s.scratch_current) and now - s.last_used > timeout_s]
+    return [s for s in sessions.sessions() if (s.drafts or s.accepted_rows) and now - s.last_used > timeout_s]
 
 
 def release_stale_speculation(sessions: SessionTable, backend: Backend, timeout_s: float) -> list[str]:

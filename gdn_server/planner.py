@@ -3,9 +3,21 @@
 asyncio or backend calls (the driver, gdn_server.scheduler, owns those), so every admission rule
 runs on plain objects.
 
-A plan holds one batch per T, at most `max_batch_rows` rows in all (a single bigger request still
-goes alone). A session has at most one row in a plan; a request whose session is already in it,
-or behind an earlier deferred request, is deferred, so each session's requests apply in arrival
+Glossary (the names the scheduler, the session table and the backends share):
+- *session slot*: a session's index in the table (`Session.slot`); never a pool row.
+- *pool row*: one (session, layer) state in the backend's state pool. A session's *home row* at
+  layer l is `slot * L + l`; *scratch rows*, after every home row, hold speculative states.
+- *read row* / *write row*: the pool rows one row of a launch reads its state from and writes
+  its new state to (`StepBatch.read_rows`, `StepBatch.write_rows`); the CuTe kernel calls them
+  `slots` and `out_slots`, the entries of its state pool.
+- *draft*: an uncommitted speculative step of a session at a layer (`sessions.Draft`).
+- *round plan* (`RoundPlan`): what one scheduler round launches and what waits; a *launch*
+  (`Launch`) is one backend call of it, one T, its batch and members (`Admitted`, one per request).
+  (The backends' own per-shape layouts are `staging.StagingLayout` and `torch_math.StepWorkspace`.)
+
+A round plan holds one launch per T, at most `max_batch_rows` rows in all (a single bigger request
+still goes alone). A session has at most one row in a plan; a request whose session is already in
+it, or behind an earlier deferred request, is deferred, so each session's requests apply in arrival
 order. Checks that depend on session state run here, when the session's earlier steps are known to
 be applied. Requests are atomic: every session of one is checked before any row is added.
 
@@ -13,12 +25,12 @@ be applied. Requests are atomic: every session of one is checked before any row 
   (item, answer) pairs: planning calls no answer callback, and the driver gives them, in arrival order,
   before it runs or launches anything.
 - A control item that may run at once (nothing in flight, batched or deferred before it) ends the
-  plan (`Plan.first`): later requests may name the session it closes, forks or imports, so they
+  plan (`RoundPlan.first`): later requests may name the session it closes, forks or imports, so they
   are planned once it has run.
-- Routing changes session records (an implicit commit, scratch rows taken), as a step's rows are
-  fixed there; positions and last steps move in `launched`, once the backend has queued the step.
-- A session's own state changes when a step is queued or its launch fails are methods of the
-  Session (`step_queued`, `step_failed`); `launched` and `roll_back` apply them to a batch.
+- Planning reads session records and changes none: it computes each step's read and write rows
+  (and reserves the scratch rows a draft writes). `launched` applies a queued launch to the
+  records through the session table's methods; `roll_back` undoes it where the launch then
+  fails, and `not_launched` gives back what a launch that never ran reserved.
 """
 from __future__ import annotations
 
@@ -27,7 +39,7 @@ from typing import Any, Callable
 
 from gdn_server.config import ModelShape
 from gdn_server.errors import FailedPrecondition, GdnError
-from gdn_server.sessions import Provisional, Session, SessionTable, StepRecord
+from gdn_server.sessions import Session, SessionTable, StepRecord
 from gdn_server.validation import check_finite
 from gdn_server.work import DecodeResult, DecodeWork, StepBatch
 
@@ -64,7 +76,7 @@ Item = DecodeItem | ControlItem
 class Admitted:
     """A request in a batch: its sessions and where its rows sit in the launch."""
 
-    __slots__ = ("item", "sessions", "first_row", "read_rows", "write_rows", "released", "record", "positions")
+    __slots__ = ("item", "sessions", "first_row", "read_rows", "write_rows", "record", "positions")
 
     def __init__(self, item: DecodeItem, sessions: list[Session]) -> None:
         self.item = item
@@ -72,18 +84,35 @@ class Admitted:
         self.first_row = 0
         self.read_rows: list[int] = []  # pool row each session's state is read from
         self.write_rows: list[int] = []  # pool row each session's new state goes to
-        self.released: list[int] = []  # scratch rows free once this step is queued
         self.record: StepRecord | None = None  # set when launched: what each session's LastStep points at
         self.positions: tuple[int, ...] = ()  # each session's count at the layer after this step
 
 
-class Plan:
+class Launch:
+    """One backend call of a round plan: a batch of one T and its members in row order; once
+    submitted, the backend's handle and when it was submitted (the driver's in-flight record)."""
+
+    __slots__ = ("batch", "members", "pending", "started")
+
+    def __init__(self, batch: StepBatch, members: list[Admitted] | None = None) -> None:
+        self.batch = batch
+        self.members: list[Admitted] = [] if members is None else members
+        self.pending: Any = None  # the backend's PendingStep, once submitted
+        self.started = 0.0  # time.monotonic() at submit
+
+    def add(self, member: Admitted) -> None:
+        member.first_row = self.batch.rows
+        self.members.append(member)
+        self.batch.add(member.item.work, member.read_rows, member.write_rows)
+
+
+class RoundPlan:
     """One round's launches, and what waits."""
 
-    __slots__ = ("batches", "deferred", "barrier", "first", "answers")
+    __slots__ = ("launches", "deferred", "barrier", "first", "answers")
 
     def __init__(self) -> None:
-        self.batches: dict[int, tuple[StepBatch, list[Admitted]]] = {}  # T -> batch, its members in row order
+        self.launches: dict[int, Launch] = {}  # T -> the launch of that T
         self.deferred: list[Item] = []  # to plan later (once `first` has run, else in a later round)
         self.barrier: ControlItem | None = None  # to run once these launches are done, before `deferred`
         self.first: ControlItem | None = None  # to run before anything else (there are no batches)
@@ -104,11 +133,11 @@ class Planner:
         self._heads = shape.num_v_heads
         self._head_dim = shape.head_dim_v
 
-    def plan(self, items: list[Item], quiet: bool) -> Plan:
+    def plan(self, items: list[Item], quiet: bool) -> RoundPlan:
         """Plans `items` (in arrival order); `quiet`: nothing is in flight on the device, so a
         control item met before anything is batched may run at once."""
-        plan = Plan()
-        batches, deferred, answers = plan.batches, plan.deferred, plan.answers
+        plan = RoundPlan()
+        batches, deferred, answers = plan.launches, plan.deferred, plan.answers
         busy: set[str] = set()  # sessions with a row in this plan, or behind a deferred request
         rows, max_rows, admit = 0, self.max_batch_rows, self.admit
         for idx, item in enumerate(items):
@@ -141,21 +170,14 @@ class Planner:
                 answers.append((item, admitted))  # an error, or a retry's answer
                 continue
             try:
-                if not work.finite_checked and (work.speculative or any(s.provisional or s.scratch_current for s in admitted)):
-                    # routing this step changes session records (a commit, scratch rows): check
-                    # its inputs first, so a step the backend would refuse changes nothing
-                    check_finite(work.bf16_bytes)
                 member = self.route(item, admitted)
             except GdnError as e:
                 answers.append((item, e))
                 continue
-            entry = batches.get(work.tokens)
-            if entry is None:
-                entry = batches[work.tokens] = (StepBatch(work.tokens), [])
-            batch, members = entry
-            member.first_row = batch.rows
-            members.append(member)
-            batch.add(work, member.read_rows, member.write_rows)
+            launch = batches.get(work.tokens)
+            if launch is None:
+                launch = batches[work.tokens] = Launch(StepBatch(work.tokens))
+            launch.add(member)
             busy.update(ids)
             rows += n
         return plan
@@ -204,33 +226,21 @@ class Planner:
             return e
 
     def route(self, item: DecodeItem, sessions: list[Session]) -> Admitted:
-        """Picks each session's read and write rows for an admitted step.
+        """Each session's read and write rows for an admitted step; changes no record.
 
-        A plain step reads the committed state and writes the session's own row. A speculative
-        step writes a scratch row instead, so the state it started from survives until Commit.
-        A new step at a layer with an open speculative step commits all of its tokens first (the
-        positions already count them): the scratch row it wrote becomes the committed state.
+        A step reads the state after every token its session has taken at the layer, an open
+        draft's included (a next step accepts it whole: `SessionTable.step_queued`). A plain step
+        writes the session's home row; a draft writes a scratch row, reserved here (RESOURCE_EXHAUSTED
+        when none is free), so the state it started from survives until Commit.
         """
         work = item.work
         layer = work.layer
-        speculative = work.speculative
-        scratch = self.sessions.take_scratch_rows(len(sessions), work.owner_key) if speculative else []
         member = Admitted(item, sessions)
-        for i, s in enumerate(sessions):
-            home = s.slot * s.num_layers + layer
-            if s.provisional and layer in s.provisional:  # implicit commit of all T tokens
-                superseded = s.accept_all(layer)
-                if superseded is not None:
-                    member.released.append(superseded)
-            read = s.scratch_current.get(layer, home) if s.scratch_current else home
-            if speculative:
-                write = scratch[i]
-            else:
-                write = home
-                if read != home:  # the state goes home with this step; its scratch row is free after
-                    member.released.append(s.scratch_current.pop(layer))
-            member.read_rows.append(read)
-            member.write_rows.append(write)
+        member.read_rows = [s.committed_row(layer) for s in sessions]
+        if work.speculative:
+            member.write_rows = self.sessions.take_scratch_rows(len(sessions), work.owner_key)
+        else:
+            member.write_rows = [s.home_row(layer) for s in sessions]
         return member
 
     def replay(self, work: DecodeWork, sessions: list[Session]) -> DecodeResult:
@@ -244,13 +254,14 @@ class Planner:
         shape = (work.rows, work.tokens, self._heads, self._head_dim)
         return DecodeResult(b"".join(parts), shape, positions, work.request_id)
 
-    def finish(self, batch: StepBatch, members: list[Admitted], whole: bytes | memoryview) -> list[DecodeResult]:
+    def finish(self, launch: Launch, whole: bytes | memoryview) -> list[DecodeResult]:
         """The answers of a finished launch, one per member in order, from its output `whole`
         (the backend's buffer: copied here, never kept); keeps each step's output for retries."""
+        batch = launch.batch
         row_bytes = len(whole) // batch.rows
         tokens, heads, head_dim = batch.tokens, self._heads, self._head_dim
         results = []
-        for m in members:
+        for m in launch.members:
             rows = len(m.sessions)
             data = bytes(whole[m.first_row * row_bytes : (m.first_row + rows) * row_bytes])
             m.record.out = data  # what a retry of this step is answered from, for each of its sessions
@@ -258,33 +269,34 @@ class Planner:
         return results
 
 
-def launched(members: list[Admitted], tokens: int, now: float, table: SessionTable) -> None:
-    """The batch is queued on the device: each session's position and last step move
-    (`Session.step_queued`), so later requests see them, and the scratch rows its steps supersede
-    are free to write again."""
-    for m in members:
+def launched(launch: Launch, now: float, table: SessionTable) -> None:
+    """`launch` is queued on the device: each session's record moves (`SessionTable.step_queued`),
+    so later requests see the new positions, drafts and rows."""
+    tokens = launch.batch.tokens
+    for m in launch.members:
         work = m.item.work
         layer = work.layer
         m.record = record = StepRecord(tokens, len(m.sessions), work.speculative)
         digests = work.digests
         after = []
         for row, s in enumerate(m.sessions):
-            provisional = None
-            if work.speculative:
-                provisional = Provisional(
-                    row=m.write_rows[row], read_row=m.read_rows[row], tokens=tokens, count_before=s.positions[layer],
-                    inputs=tuple(t[row : row + 1] for t in (work.q, work.k, work.v, work.a, work.b)),
-                )
-            after.append(s.step_queued(layer, record, row, digests[row] if digests else None, now, provisional))
+            inputs = tuple(t[row : row + 1] for t in (work.q, work.k, work.v, work.a, work.b)) if work.speculative else ()
+            after.append(table.step_queued(
+                s, layer, record, row, digests[row] if digests else None, now, m.read_rows[row], m.write_rows[row], inputs,
+            ))
         m.positions = tuple(after)
-        for released in m.released:  # superseded by this step: a later launch may write them again
-            table.give_scratch(released)
 
 
 def roll_back(member: Admitted, table: SessionTable) -> None:
     """Undoes `launched` for a step whose launch failed after it was queued."""
     layer = member.item.work.layer
-    for s in member.sessions:
-        freed = s.step_failed(layer, member.record, member.write_rows)
-        if freed is not None:
-            table.give_scratch(freed)
+    for s, write_row in zip(member.sessions, member.write_rows):
+        table.step_failed(s, layer, member.record, write_row)
+
+
+def not_launched(member: Admitted, table: SessionTable) -> None:
+    """Gives back what routing reserved for a step that never ran (its launch was refused): a
+    draft's scratch rows."""
+    if member.item.work.speculative:
+        for row in member.write_rows:
+            table.give_scratch(row)

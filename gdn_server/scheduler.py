@@ -33,7 +33,7 @@ from gdn_server.backends.base import Backend, NonFiniteInputs
 from gdn_server.config import SchedulerConfig
 from gdn_server.errors import GdnError, Unavailable
 from gdn_server.planner import (
-    Admitted, ControlItem, DecodeItem, Done, Item, Planner, launched, roll_back,
+    ControlItem, DecodeItem, Done, Item, Launch, Planner, launched, not_launched, roll_back,
 )
 from gdn_server.sessions import SessionTable
 from gdn_server.work import DecodeWork, StepBatch
@@ -106,7 +106,7 @@ class Scheduler:
         # them, and whether a round is already posted
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
-        self._in_flight: list = []
+        self._in_flight: list[Launch] = []
         self._barrier: ControlItem | None = None
         self._round_posted = False
         self._drained = threading.Event()
@@ -265,7 +265,7 @@ class Scheduler:
             again = bool(self._in_flight or self._pending)
         if again:
             if self._leave_wait_to_thread():
-                self._hand_to_waiter(self._in_flight[0][0])
+                self._hand_to_waiter(self._in_flight[0].pending)
             else:
                 self._post_round(poll=True)  # polls once per loop iteration; I/O runs in between
         elif self._stopping:
@@ -278,9 +278,9 @@ class Scheduler:
         in_flight = self._in_flight
         if not in_flight or (self._pending and len(in_flight) < LOOP_MAX_IN_FLIGHT and self._barrier is None):
             return False
-        if in_flight[0][0] is self._waited:  # waited for and still not ready (its wait failed): poll
+        if in_flight[0].pending is self._waited:  # waited for and still not ready (its wait failed): poll
             return False
-        return len(in_flight) > 1 or len(in_flight[0][2]) > 1
+        return len(in_flight) > 1 or len(in_flight[0].members) > 1
 
     def _hand_to_waiter(self, step: Any) -> None:
         if self._waiting_on is step:  # already handed over: its end posts the next round
@@ -328,7 +328,7 @@ class Scheduler:
         """Answers the oldest launches that are done, in launch order."""
         in_flight = self._in_flight
         ready = 0
-        while ready < len(in_flight) and in_flight[ready][0].ready():
+        while ready < len(in_flight) and in_flight[ready].pending.ready():
             ready += 1
         if ready:
             self._in_flight = in_flight[ready:]
@@ -337,12 +337,12 @@ class Scheduler:
     def _drain_here(self) -> None:
         """Runs everything queued to the end on this (the loop's) thread, waiting on the device."""
         while self._advance():
-            if self._in_flight and not self._in_flight[0][0].ready():
-                self._in_flight[0][0].wait()
+            if self._in_flight and not self._in_flight[0].pending.ready():
+                self._in_flight[0].pending.wait()
         self._drained.set()
 
     # -- launches: the planner's plan run, its launches answered --------------------------------
-    def _launch(self, items: list[Item], in_flight: list, quiet: bool) -> tuple[list[Item], ControlItem | None]:
+    def _launch(self, items: list[Item], in_flight: list[Launch], quiet: bool) -> tuple[list[Item], ControlItem | None]:
         """Plans `items` and launches the batches. Returns (deferred items, a control item to run
         once the launches are done and before the deferred items)."""
         plan = self._planner.plan(items, quiet)
@@ -353,38 +353,34 @@ class Scheduler:
                 break
             self._run_control(plan.first)  # before the rest is planned: it may change their sessions
             plan = self._planner.plan(plan.deferred, quiet)
-        for batch, members in plan.batches.values():
-            self._submit(batch, members, in_flight)
+        for launch in plan.launches.values():
+            self._submit(launch, in_flight)
         return plan.deferred, plan.barrier
 
-    def _submit(self, batch: StepBatch, members: list[Admitted], in_flight: list) -> None:
-        started = time.monotonic()
+    def _submit(self, launch: Launch, in_flight: list[Launch]) -> None:
+        batch, members = launch.batch, launch.members
+        launch.started = started = time.monotonic()
         try:
-            pending = self.backend.submit(batch)
+            launch.pending = self.backend.submit(batch)
         except NonFiniteInputs as e:  # nothing ran: answer the culprits, launch the others again
-            keep = []
+            rest = Launch(StepBatch(batch.tokens))
             for index, m in enumerate(members):
                 error = e.errors.get(index)
                 if error is None:
-                    keep.append(m)
-                else:  # routed without touching session records (the planner checked those that would)
+                    rest.add(m)
+                else:
+                    not_launched(m, self.sessions)
                     m.item.done(error)
-            if keep:
-                rest = StepBatch(batch.tokens)
-                for m in keep:
-                    m.first_row = rest.rows
-                    rest.add(m.item.work, m.read_rows, m.write_rows)
-                self._submit(rest, keep, in_flight)
+            if rest.members:
+                self._submit(rest, in_flight)
             return
         except Exception as e:  # a backend failure fails this batch; the server stays up if the device does
             self._backend_failed(e, batch.rows)
             for m in members:
-                if m.item.work.speculative:  # the scratch rows its routing took go back
-                    for row in m.write_rows:
-                        self.sessions.give_scratch(row)
+                not_launched(m, self.sessions)
                 m.item.done(GdnError(f"backend failure: {e}"))
             return
-        launched(members, batch.tokens, time.monotonic(), self.sessions)  # later requests see the new positions
+        launched(launch, time.monotonic(), self.sessions)  # later requests see the new positions
         on_dispatch = self.on_dispatch
         queue_wait = 0.0
         for m in members:
@@ -393,12 +389,13 @@ class Scheduler:
             if on_dispatch is not None:
                 on_dispatch(wait)
         self.stats.queue_wait_s += queue_wait
-        in_flight.append((pending, batch, members, started))
+        in_flight.append(launch)
 
-    def _finish(self, in_flight: list) -> None:
-        for pending, batch, members, started in in_flight:
+    def _finish(self, in_flight: list[Launch]) -> None:
+        for launch in in_flight:
+            batch, members, started = launch.batch, launch.members, launch.started
             try:
-                whole = pending.result_bytes()  # the backend's buffer, reused later: read here, never kept
+                whole = launch.pending.result_bytes()  # the backend's buffer, reused later: read here, never kept
             except Exception as e:
                 self._backend_failed(e, batch.rows)
                 for m in members:
@@ -414,7 +411,7 @@ class Scheduler:
             stats.requests += len(members)  # counted before the answers: a GetStats may follow one
             if self.on_launch is not None:
                 self.on_launch(batch.rows, started - min(m.item.enqueued for m in members), device_s)
-            for m, result in zip(members, self._planner.finish(batch, members, whole)):
+            for m, result in zip(members, self._planner.finish(launch, whole)):
                 m.item.done(result)
         self._keep_polling()
 

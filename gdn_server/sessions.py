@@ -1,17 +1,20 @@
-"""The session table: ids, pool slots and per-layer positions.
+"""The session table: ids, session slots, pool rows and per-layer positions.
 
-A session owns one *session slot*; its state for layer l lives at pool row
-`slot * num_layers + l` (see `pool_slot`). Positions count the tokens a session has taken at each
-layer. `LastStep` remembers the previous step per layer so a retried request (same positions,
-same T) is answered again without being applied twice.
+A session owns one *session slot*; its state for layer l lives at *pool row*
+`slot * num_layers + l`, its *home row* (`Session.home_row`). Positions count the tokens a session
+has taken at each layer. `LastStep` remembers the previous step per layer so a retried request
+(same positions, T, speculative flag and inputs) is answered again without being applied twice.
 
-Speculative steps (draft tokens) write into *scratch rows* after the sessions' own rows, so the
-state before the step survives until `Commit`: `Provisional` records such a step per layer. A
-fully accepted step leaves the committed state in its scratch row (`scratch_current`) until the
+Speculative steps (drafts) write into *scratch rows* after the sessions' home rows, so the state
+before the step survives until `Commit`: a `Draft` records such a step per layer. A fully
+accepted draft leaves the committed state in its scratch row (`Session.accepted_rows`) until the
 next plain step at that layer writes it back home, so acceptance costs no extra copy.
 
-Only the scheduler's rounds mutate positions, last steps and speculative records; `create`/`remove`
-take the table lock because they are also called from the gRPC event loop.
+Every change of a session's record is a method of `SessionTable` (creation, removal, a step
+queued or failed, a Commit, drafts dropped, states brought home): the planner only reads records
+to compute a step's rows, and applies them through the table once the backend has queued the
+step. Only the scheduler's rounds call those methods; `create`/`remove` take the table lock
+because they are also called from the gRPC event loop.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gdn_client.proto.ids import process_of, process_prefix
-from gdn_server.errors import NotFound, PermissionDenied, ResourceExhausted, WrongProcess
+from gdn_server.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, WrongProcess
 
 
 class StepRecord:
@@ -67,7 +70,7 @@ class LastStep:
 
 
 @dataclass
-class Provisional:
+class Draft:
     """An uncommitted speculative step of one session at one layer."""
 
     row: int  # scratch row holding the state after all T tokens
@@ -80,61 +83,50 @@ class Provisional:
 @dataclass
 class Session:
     id: str
-    slot: int
+    slot: int  # session slot: the session's index in the table (not a pool row)
     num_layers: int
     owner: str | None = None  # the identity that created it, where auth is on
     quota_key: str | None = None  # whose quota it counts against: the owner, or without auth the peer
     positions: list[int] = field(default_factory=list)
     last_steps: dict[int, LastStep] = field(default_factory=dict)
     last_used: float = field(default_factory=time.monotonic)
-    scratch_current: dict[int, int] = field(default_factory=dict)  # layer -> scratch row with the committed state
-    provisional: dict[int, Provisional] = field(default_factory=dict)  # layer -> uncommitted speculative step
+    accepted_rows: dict[int, int] = field(default_factory=dict)  # layer -> scratch row holding its committed state
+    drafts: dict[int, Draft] = field(default_factory=dict)  # layer -> uncommitted speculative step
 
     def __post_init__(self) -> None:
         if not self.positions:
             self.positions = [0] * self.num_layers
 
-    def pool_slot(self, layer: int) -> int:
-        """The session's own (home) pool row for `layer`."""
+    def home_row(self, layer: int) -> int:
+        """The pool row of the session's own state at `layer`."""
         return self.slot * self.num_layers + layer
+
+    def committed_row(self, layer: int) -> int:
+        """The pool row a next step at `layer` reads: where the state after every token taken at
+        that layer lives (an open draft counts as accepted, as a next step accepts it)."""
+        if self.drafts and layer in self.drafts:
+            return self.drafts[layer].row
+        home = self.slot * self.num_layers + layer
+        return self.accepted_rows.get(layer, home) if self.accepted_rows else home
+
+    def superseded_rows(self, layer: int, speculative: bool) -> list[int]:
+        """The scratch rows a next step at `layer` frees once it is queued: the row an open draft
+        started from (its state is replaced by the draft's, accepted), and for a plain step the
+        row holding the committed state, which the step writes home."""
+        rows = []
+        home = self.slot * self.num_layers + layer
+        draft = self.drafts.get(layer) if self.drafts else None
+        if draft is not None and draft.read_row != home:
+            rows.append(draft.read_row)
+        if not speculative:
+            current = self.committed_row(layer)
+            if current != home:
+                rows.append(current)
+        return rows
 
     def scratch_rows(self) -> list[int]:
         """Every scratch row this session holds."""
-        return list(self.scratch_current.values()) + [p.row for p in self.provisional.values()]
-
-    def accept_all(self, layer: int) -> int | None:
-        """Commits every token of the open speculative step at `layer`: the scratch row it wrote
-        becomes the committed state (no copy). Returns the scratch row that held the state before
-        it, which the caller frees once no queued launch reads it, or None."""
-        pending = self.provisional.pop(layer)
-        self.scratch_current[layer] = pending.row
-        return pending.read_row if pending.read_row != self.pool_slot(layer) else None
-
-    def step_queued(self, layer: int, record: StepRecord, row: int, digest: int | None, now: float,
-                    provisional: Provisional | None = None) -> int:
-        """A step of this session at `layer` (row `row` of `record`) is queued on the device: the
-        position moves by its tokens, it becomes the step a retry is answered from, and a
-        speculative step is open until Commit. Returns the new position."""
-        before = self.positions[layer]
-        after = self.positions[layer] = before + record.tokens
-        self.last_steps[layer] = LastStep(before, record, row, digest)
-        self.last_used = now
-        if provisional is not None:
-            self.provisional[layer] = provisional
-        return after
-
-    def step_failed(self, layer: int, record: StepRecord, write_rows: list[int]) -> int | None:
-        """Undoes `step_queued` for a step whose launch failed after it was queued. Returns the
-        scratch row of its open speculative step, now free, or None."""
-        last = self.last_steps.get(layer)
-        if last is not None and last.record is record:
-            self.positions[layer] = last.count_before
-            del self.last_steps[layer]
-        pending = self.provisional.get(layer)
-        if pending is not None and pending.row in write_rows:
-            del self.provisional[layer]
-            return pending.row
-        return None
+        return list(self.accepted_rows.values()) + [d.row for d in self.drafts.values()]
 
     def check_owner(self, identity: str | None) -> None:
         """PermissionDenied unless `identity` created this session (both None where auth is off)."""
@@ -284,9 +276,94 @@ class SessionTable:
             raise self._not_found(session_id)
         for row in session.scratch_rows():  # a dropped speculative state is never read again
             self.give_scratch(row)
-        session.scratch_current.clear()
-        session.provisional.clear()
+        session.accepted_rows.clear()
+        session.drafts.clear()
         return session
+
+    # -- a session's record changes as its steps are queued, fail or are settled ----------------
+    def step_queued(
+        self, session: Session, layer: int, record: StepRecord, row: int, digest: int | None, now: float,
+        read_row: int, write_row: int, inputs: tuple[torch.Tensor, ...] = (),
+    ) -> int:
+        """A step of `session` at `layer` (row `row` of `record`), reading `read_row` and writing
+        `write_row`, is queued on the device: an open draft at the layer is accepted whole, the
+        position moves by the step's tokens, the step becomes the one a retry is answered from, a
+        draft (`record.speculative`, with its `inputs`) is open until Commit, and the scratch rows
+        the step supersedes are free again. Returns the new position."""
+        freed = session.superseded_rows(layer, record.speculative)
+        draft = session.drafts.pop(layer, None)
+        if draft is not None:  # the step reads the draft's state: accepted, as if committed whole
+            session.accepted_rows[layer] = draft.row
+        before = session.positions[layer]
+        after = session.positions[layer] = before + record.tokens
+        session.last_steps[layer] = LastStep(before, record, row, digest)
+        session.last_used = now
+        if record.speculative:
+            session.drafts[layer] = Draft(write_row, read_row, record.tokens, before, inputs)
+        else:  # a plain step writes the state home
+            session.accepted_rows.pop(layer, None)
+        for scratch in freed:  # superseded by this step: a later launch may write them again
+            self.give_scratch(scratch)
+        return after
+
+    def step_failed(self, session: Session, layer: int, record: StepRecord, write_row: int) -> None:
+        """Undoes the position, last step and draft of `step_queued` for a step whose launch failed
+        after it was queued; its scratch row is free again. (An accepted draft stays accepted:
+        its state was written by an earlier launch.)"""
+        last = session.last_steps.get(layer)
+        if last is not None and last.record is record:
+            session.positions[layer] = last.count_before
+            del session.last_steps[layer]
+        draft = session.drafts.get(layer)
+        if draft is not None and draft.row == write_row:
+            del session.drafts[layer]
+            self.give_scratch(draft.row)
+
+    def commit(self, session: Session, accepted: int, now: float) -> list[tuple[int, Draft]]:
+        """Settles every open draft of `session` to its first `accepted` tokens (InvalidArgument,
+        and nothing changed, when a draft has fewer). A fully accepted draft's scratch row becomes
+        the committed state; a partly accepted one is dropped, its position set to the accepted
+        prefix. Returns (layer, dropped draft) for each partly accepted draft with accepted > 0:
+        the caller replays those tokens in place at the draft's `read_row`."""
+        drafts = dict(sorted(session.drafts.items()))
+        too_many = {layer: d.tokens for layer, d in drafts.items() if accepted > d.tokens}
+        if too_many:
+            raise InvalidArgument(f"accepted = {accepted} is more than the speculative step's T at layer(s) {too_many}")
+        replay = []
+        for layer, draft in drafts.items():
+            del session.drafts[layer]
+            if accepted == draft.tokens:
+                session.accepted_rows[layer] = draft.row
+                if draft.read_row != session.home_row(layer):
+                    self.give_scratch(draft.read_row)
+                continue
+            self.give_scratch(draft.row)
+            session.positions[layer] = draft.count_before + accepted
+            session.last_steps.pop(layer, None)  # that step's output no longer describes the state
+            if accepted:
+                replay.append((layer, draft))
+        session.last_used = now
+        return replay
+
+    def drop_drafts(self, session: Session) -> None:
+        """Forgets every open draft of `session`, as if it had never been sent: positions go back,
+        the drafts' scratch rows are free."""
+        for layer, draft in list(session.drafts.items()):
+            self.give_scratch(draft.row)
+            session.positions[layer] = draft.count_before
+            session.last_steps.pop(layer, None)
+            del session.drafts[layer]
+
+    def rows_away(self, session: Session) -> tuple[list[int], list[int]]:
+        """(scratch rows, home rows) of the committed states `session` holds away from home, by
+        layer: what `came_home` expects the caller to have copied."""
+        layers = sorted(session.accepted_rows)
+        return [session.accepted_rows[l] for l in layers], [session.home_row(l) for l in layers]
+
+    def came_home(self, session: Session) -> None:
+        """The committed states of `rows_away` have been copied home: their scratch rows are free."""
+        for layer in list(session.accepted_rows):
+            self.give_scratch(session.accepted_rows.pop(layer))
 
     @property
     def scratch_share(self) -> int:

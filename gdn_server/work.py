@@ -119,7 +119,8 @@ class DecodeResult:
 
 @dataclass
 class StepBatch:
-    """Rows of one backend call: all rows share T; each row is (pool slot, layer) and appears once.
+    """Rows of one backend call: all rows share T; each row is one (session, layer) state, read
+    from its read row and written to its write row of the state pool, and appears once.
 
     Inputs stay in the requests they arrived in (`works`); the backend copies them into its own
     staging buffer (bf16 bytes with memcpys, or one concatenation per input), so the scheduler does
@@ -127,27 +128,27 @@ class StepBatch:
     """
 
     tokens: int  # T
-    slots: list[int] = field(default_factory=list)  # pool slot each row reads its state from
-    out_slots: list[int] = field(default_factory=list)  # pool slot each row writes its new state to
+    read_rows: list[int] = field(default_factory=list)  # pool row each row reads its state from
+    write_rows: list[int] = field(default_factory=list)  # pool row each row writes its new state to
     layers: list[int] = field(default_factory=list)  # layer per row
     works: list[DecodeWork] = field(default_factory=list)  # the requests, in row order
 
     @property
     def rows(self) -> int:
-        return len(self.slots)
+        return len(self.read_rows)
 
     @property
     def in_place(self) -> bool:
-        """Every row writes back to the slot it read (no speculative rows)."""
-        return self.slots == self.out_slots
+        """Every row writes back to the pool row it read (no speculative rows)."""
+        return self.read_rows == self.write_rows
 
     def inputs(self, name: str) -> list[torch.Tensor]:
         """Each request's tensor `name` (q, k, v, a or b; [B_r, T, ...]), for backends that
         compute on the host (built from a bf16 request's bytes on first read)."""
         return [getattr(w, name) for w in self.works]
 
-    def add(self, work: DecodeWork, slots: list[int], out_slots: list[int] | None = None) -> None:
-        self.slots.extend(slots)
-        self.out_slots.extend(slots if out_slots is None else out_slots)
-        self.layers.extend([work.layer] * len(slots))
+    def add(self, work: DecodeWork, read_rows: list[int], write_rows: list[int] | None = None) -> None:
+        self.read_rows.extend(read_rows)
+        self.write_rows.extend(read_rows if write_rows is None else write_rows)
+        self.layers.extend([work.layer] * len(read_rows))
         self.works.append(work)

@@ -42,7 +42,7 @@ def _reference(backend: CpuBackend, batch: StepBatch, before: torch.Tensor) -> t
     x = {name: torch.cat([getattr(w, name) for w in batch.works]).float() for name in "qkvab"}
     layers = torch.tensor(batch.layers)
     return gdn_reference_step(
-        before[torch.tensor(batch.slots)].float(), x["q"], x["k"], x["v"], x["a"], x["b"],
+        before[torch.tensor(batch.read_rows)].float(), x["q"], x["k"], x["v"], x["a"], x["b"],
         backend.A_log[layers], backend.dt_bias[layers], backend.scale,
     )
 
@@ -70,14 +70,14 @@ def test_matches_the_fp64_reference(heads, T):
     assert out.dtype == torch.bfloat16 and out.shape == (batch.rows, T, HV, shape.head_dim_v)
     # bf16 output rounding alone is ~2e-3 (relative, as a norm); the fp32 math adds ~1e-7
     assert rel_err(out, o_ref) < 2.5e-3
-    new = backend.state_pool[torch.tensor(batch.out_slots)]
+    new = backend.state_pool[torch.tensor(batch.write_rows)]
     assert rel_err(new, s_ref) < 2.5e-3
     # rounded once: each element is the fp64 state rounded to bf16 or its neighbour, but for the
     # fp32 math's absolute error on elements near 0 (cancellations)
     slack = s_ref.abs() * 2 ** -7 + 1e-7 * s_ref.abs().max()
     assert (new.double() - s_ref.to(torch.bfloat16).double()).abs().le(slack).all()
     untouched = torch.ones(backend.pool_rows, dtype=torch.bool)
-    untouched[torch.tensor(batch.out_slots)] = False
+    untouched[torch.tensor(batch.write_rows)] = False
     assert torch.equal(backend.state_pool[untouched], before[untouched])  # slots read but not written too
 
 

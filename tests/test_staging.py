@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gdn_server.backends.staging import PARALLEL_COPY_BYTES, carve, fill, make_plan, nonfinite
+from gdn_server.backends.staging import PARALLEL_COPY_BYTES, carve, fill, make_layout, nonfinite
 from gdn_server.config import ModelShape
 from gdn_server.work import DecodeWork, StepBatch
 
@@ -43,7 +43,7 @@ def _staged(works: list[DecodeWork], room: int | None = None, speculative: bool 
         slots = list(range(slot, slot + w.rows))
         batch.add(w, slots, [s + 90 for s in slots] if speculative else None)
         slot += w.rows
-    plan = make_plan(SHAPE, room or batch.rows, 1)
+    plan = make_layout(SHAPE, room or batch.rows, 1)
     buf = torch.full((plan.total,), 0xAB, dtype=torch.uint8)
     host_bytes = buf.numpy()
     views = {name: carve(buf, e) for name, e in plan.entries.items()}

@@ -10,12 +10,12 @@ import numpy as np
 import torch
 
 from gdn_server.backends.base import Backend, DoneStep, PendingStep, check_unchecked_inputs
-from gdn_server.backends.torch_math import StepPlan, exp_lane_aligned
+from gdn_server.backends.torch_math import StepWorkspace, exp_lane_aligned
 from gdn_server.config import ModelShape
 from gdn_server.weights import GateParams
 from gdn_server.work import INPUT_NAMES, StepBatch
 
-# A launch runs in chunks of rows whose fp32 state fits in this many bytes, each on a StepPlan
+# A launch runs in chunks of rows whose fp32 state fits in this many bytes, each on a StepWorkspace
 # kept per (rows, T) over one shared fp32 buffer: a chunk is then ~25 torch calls that allocate
 # nothing (32 rows of the 4-value-head test model, 4 of qwen3-next), and its state stays in the
 # cache (32 MiB of L3 on the CPU box) across the three passes a token makes over it. One thread,
@@ -81,7 +81,7 @@ class CpuBackend(Backend):
         super().__init__(shape, gates, max_sessions, scale, speculative_sessions)
         H, HV, V, K = shape.num_q_heads, shape.num_v_heads, shape.head_dim_v, shape.head_dim_k
         self.state_pool = _zeroed_bf16((self.pool_rows, HV, V, K))
-        # the rows as StepPlan.run writes them, value heads split by query head
+        # the rows as StepWorkspace.run writes them, value heads split by query head
         self._pool_grouped = self.state_pool.view(self.pool_rows, H, HV // H, V, K)
         self.A_log = gates.A_log.float().contiguous()
         self.dt_bias = gates.dt_bias.float().contiguous()
@@ -90,7 +90,7 @@ class CpuBackend(Backend):
         self._layer_gates = [(g[0:1][None], g[1:2][None]) for g in self._gate_params]  # [1, 1, HV] each
         self._chunk_rows = max(1, CHUNK_WORK_BYTES // (4 * HV * V * K))
         self._work = torch.empty(self._chunk_rows, HV, V, K, dtype=torch.float32)
-        self._plans: dict[tuple[int, int], StepPlan] = {}
+        self._plans: dict[tuple[int, int], StepWorkspace] = {}
         self._worker: ThreadPoolExecutor | None = None  # big launches' thread, started on first use
         self._last_offloaded: Future | None = None
         self._row_views: dict[int, torch.Tensor] = {}
@@ -100,13 +100,13 @@ class CpuBackend(Backend):
         view = self._row_views[slot] = self._pool_grouped[slot]
         return view
 
-    def _plan(self, rows: int, tokens: int) -> StepPlan:
+    def _plan(self, rows: int, tokens: int) -> StepWorkspace:
         plan = self._plans.get((rows, tokens))
         if plan is None:
             if len(self._plans) >= PLANS_KEPT:
                 del self._plans[next(iter(self._plans))]
             s = self.shape
-            plan = self._plans[rows, tokens] = StepPlan(
+            plan = self._plans[rows, tokens] = StepWorkspace(
                 rows, tokens, s.num_q_heads, s.num_v_heads, s.head_dim_v, s.head_dim_k, self.scale,
                 work=self._work[:rows],
             )
@@ -145,10 +145,10 @@ class CpuBackend(Backend):
         # the pool's rows themselves, read and written one call per row: no gather or scatter pass
         # (index_copy_ of bf16 rows ran 5x slower than a copy_ per row)
         views = self._row_views
-        state = [views[slot] if slot in views else self._row_view(slot) for slot in batch.slots]
-        new_state = [views[slot] if slot in views else self._row_view(slot) for slot in batch.out_slots]
+        state = [views[slot] if slot in views else self._row_view(slot) for slot in batch.read_rows]
+        new_state = [views[slot] if slot in views else self._row_view(slot) for slot in batch.write_rows]
         chunk = self._chunk_rows
-        # every buffer the launch needs exists before the first state is written (StepPlan.run
+        # every buffer the launch needs exists before the first state is written (StepWorkspace.run
         # writes a chunk's states in its last calls), so a failure leaves every state unchanged
         plans = [self._plan(min(chunk, R - first), T) for first in range(0, R, chunk)]
         s = self.shape

@@ -32,7 +32,7 @@ import torch
 
 from gdn_server.backends.base import Backend, NonFiniteInputs, PendingStep
 from gdn_server.backends.mapped import device_alias
-from gdn_server.backends.staging import Plan as _Plan, carve as _carve, fill as _fill_staging, make_plan, nonfinite
+from gdn_server.backends.staging import StagingLayout, carve as _carve, fill as _fill_staging, make_layout, nonfinite
 from gdn_server.backends.torch_math import gdn_step_fp32
 from gdn_server.config import ModelShape
 from gdn_server.validation import nonfinite_input
@@ -103,14 +103,14 @@ class _Staging:
             self._mapped = (device_alias(self.host, self.device), device_alias(self.out_host, self.device))
         return self._mapped
 
-    def mapped_views(self, plan: _Plan, views: _Views) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def mapped_views(self, plan: StagingLayout, views: _Views) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """`views`' inputs and outputs, carved from the mapped buffers instead of `dev`."""
         host, out_host = self.mapped()
         inputs = {name: _carve(host, e) for name, e in plan.entries.items()}
         out = out_host[: plan.out_bytes].view(torch.bfloat16).view(views.out_host.shape)
         return inputs, out
 
-    def views_for(self, plan: _Plan, key: tuple[int, int]) -> _Views:
+    def views_for(self, plan: StagingLayout, key: tuple[int, int]) -> _Views:
         views = self._views.get(key)
         if views is None:
             out = (plan.out_shape, torch.bfloat16)
@@ -217,7 +217,7 @@ class CudaBackend(Backend):
         else:
             log.warning("head dims K=%d V=%d: the CuTe kernel needs 128; using torch on the GPU", K, V)
         self._ring: list[_Staging | None] = [None] * RING
-        self._plans: dict[tuple[int, int], _Plan] = {}
+        self._plans: dict[tuple[int, int], StagingLayout] = {}
         self._next = 0
         self._rows_hint = rows_hint
         # launches up to this many rows are padded to a graph bucket: buckets past rows_hint
@@ -226,16 +226,16 @@ class CudaBackend(Backend):
         self._bucket_max = 0
 
     # -- staging plans: where each input of a launch of R rows and T tokens sits ----------------
-    def _plan(self, rows: int, tokens: int) -> "_Plan":
+    def _plan(self, rows: int, tokens: int) -> StagingLayout:
         """The byte layout of a launch's inputs in a staging buffer, computed once per (R, T)."""
         plan = self._plans.get((rows, tokens))
         if plan is not None:
             return plan
-        plan = make_plan(self.shape, rows, tokens)
+        plan = make_layout(self.shape, rows, tokens)
         self._plans[(rows, tokens)] = plan
         return plan
 
-    def _staging_for(self, plan: "_Plan") -> _Staging:
+    def _staging_for(self, plan: StagingLayout) -> _Staging:
         idx = self._next
         self._next = (idx + 1) % RING
         staging = self._ring[idx]
@@ -247,7 +247,7 @@ class CudaBackend(Backend):
         staging.used = True
         return staging
 
-    def _new_staging(self, plan: "_Plan | None" = None) -> _Staging:
+    def _new_staging(self, plan: "StagingLayout | None" = None) -> _Staging:
         """A staging set for `plan`, and at least for rows_hint rows of the longest step."""
         hint = self._plan(self._rows_hint, self.shape.max_tokens_per_step)
         total = hint.total if plan is None else max(plan.total, hint.total)

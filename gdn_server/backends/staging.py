@@ -1,7 +1,7 @@
 """Host staging of one launch: where a batch's inputs and indices sit in one flat buffer, the host
 work that fills it, and the NaN/Inf check of the inputs validation left to the backend.
 
-The layout (`make_plan`): q, k, v, a, b as bf16 [rows, T, ...], then the int32 slots, out_slots
+The layout (`make_layout`): q, k, v, a, b as bf16 [rows, T, ...], then the int32 slots, out_slots
 and layers [rows], each entry at a multiple of ALIGN bytes. The CUDA backend fills a pinned
 buffer with this and copies it to the device in one transfer (or lets the kernel read it in
 place). Nothing here needs a GPU, so the tests check the layout and the fill on any machine.
@@ -31,7 +31,7 @@ def _align(n: int) -> int:
 
 
 @dataclass(frozen=True)
-class Plan:
+class StagingLayout:
     """The byte layout of a launch's inputs in a staging buffer, for one (rows, T)."""
 
     entries: dict  # name -> (byte offset, shape, dtype, bytes)
@@ -45,7 +45,7 @@ class Plan:
         return self.out_shape[0]
 
 
-def make_plan(shape: ModelShape, rows: int, tokens: int) -> Plan:
+def make_layout(shape: ModelShape, rows: int, tokens: int) -> StagingLayout:
     H, HV, K, V = shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v
     shapes = {
         "q": ((rows, tokens, H, K), torch.bfloat16, 2),
@@ -63,7 +63,7 @@ def make_plan(shape: ModelShape, rows: int, tokens: int) -> Plan:
         entries[name] = (offset, shp, dtype, nbytes)
         offset += _align(nbytes)
     out_shape = (rows, tokens, HV, V)
-    return Plan(entries, offset, out_shape, math.prod(out_shape) * 2)
+    return StagingLayout(entries, offset, out_shape, math.prod(out_shape) * 2)
 
 
 def carve(buf: torch.Tensor, entry: tuple) -> torch.Tensor:
@@ -73,7 +73,7 @@ def carve(buf: torch.Tensor, entry: tuple) -> torch.Tensor:
 
 
 def fill(
-    batch: StepBatch, plan: Plan, host_mem: memoryview, host_bytes: np.ndarray, host_views: dict[str, torch.Tensor]
+    batch: StepBatch, plan: StagingLayout, host_mem: memoryview, host_bytes: np.ndarray, host_views: dict[str, torch.Tensor]
 ) -> None:
     """Copies `batch` into a staging buffer laid out by `plan`: a memcpy per request and input for
     bf16 requests (their raw bytes; torch's parallel copy for inputs of PARALLEL_COPY_BYTES or
@@ -109,8 +109,8 @@ def fill(
             for name, part in zip(INPUTS, (work.q, work.k, work.v, work.a, work.b)):
                 host_views[name][row : row + n].copy_(part)
         row += n
-    for name, values, padding in (("slots", batch.slots, -1), ("layers", batch.layers, 0)) + (
-        () if batch.in_place else (("out_slots", batch.out_slots, -1),)
+    for name, values, padding in (("slots", batch.read_rows, -1), ("layers", batch.layers, 0)) + (
+        () if batch.in_place else (("out_slots", batch.write_rows, -1),)
     ):
         offset, _, _, nbytes = entries[name]
         column = host_bytes[offset : offset + nbytes].view(np.int32)

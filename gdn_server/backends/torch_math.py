@@ -30,13 +30,13 @@ def _padded(numel: int) -> int:
 
 
 def exp_lane_aligned(x: torch.Tensor) -> torch.Tensor:
-    """exp(x) in float32, computed over a buffer padded to whole SIMD vectors (see StepPlan)."""
+    """exp(x) in float32, computed over a buffer padded to whole SIMD vectors (see StepWorkspace)."""
     flat = torch.zeros(_padded(x.numel()), dtype=torch.float32, device=x.device)
     flat[: x.numel()] = x.reshape(-1)
     return flat.exp_()[: x.numel()].view(x.shape)
 
 
-class StepPlan:
+class StepWorkspace:
     """The buffers of one launch shape (rows, T) and every view of them a step uses, made once:
     `run` is then ~20 torch calls for a one-token step, none of which allocates or builds a view.
     The CPU backend keeps the plans of its small launches; a plan is used by one step at a time.
@@ -167,6 +167,6 @@ def gdn_step_fp32(
     """Applies T tokens to `state` (kept fp32 between tokens) and returns o [B, T, HV, V] float32."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    plan = StepPlan(B, T, H, HV, V, K, scale, state.device, state, softplus_beta, softplus_threshold)
+    plan = StepWorkspace(B, T, H, HV, V, K, scale, state.device, state, softplus_beta, softplus_threshold)
     neg_A = exp_lane_aligned(A_log).neg_()
     return plan.run(state, plan.S5, q, k, v, a, b, neg_A[:, None, :], dt_bias[:, None, :])
