@@ -4,10 +4,16 @@
    serves every client, so its cost bounds a server process's steps per second
    (bench/DECISIONS.md, entry 17).
 
+   StepLimits(num_layers=, num_q_heads=, num_v_heads=, head_dim_k=, head_dim_v=, max_tokens=,
+              max_session_id_len=, max_request_id_len=, defer_check_from=)
+       What parse_plain_step checks a step against, by name (gdn_server.validation.step_limits
+       makes it once per server); read-only attributes of the same names.
+
    parse_plain_step(data, limits) -> PlainStep | None
        A serialized DecodeRequest that is a valid plain step, checked: every session id 1..max_id
        characters and distinct, request_id at most max_request_id characters, layer below
-       num_layers, positions (when given) one per session and below 2^63, not speculative, q, k,
+       num_layers, positions (when given) one per session with position + T below 2^63 (the
+       count after the step must stay a signed 64-bit number), not speculative, q, k,
        v, a, b in BF16 with the shapes of B sessions and T tokens (1 <= T <= max_tokens) and the
        byte lengths those shapes give. Its inputs are checked for NaN/Inf unless they hold
        defer_from bytes or more (finite_checked False: the backend checks them where it stages
@@ -17,7 +23,8 @@
        reads only the plain encoding: each known field with its own wire type, a singular field
        at most once, positions packed, no unknown fields; whatever it accepts, protobuf parses
        to the same values (tests/test_wire_c.py checks both on a corpus and on fuzzed bytes).
-       limits = (num_layers, H, HV, K, V, max_tokens, max_id, max_request_id, defer_from).
+       The field numbers and the BF16 code it reads are the module's constants (FIELDS, BF16,
+       MAX_POSITION), which tests/test_wire_c.py checks against gdn_pb2.
 
    row_digests(inputs, rows) -> tuple[int, ...]
        A CRC-32 of each session's inputs as sent: its row of q, k, v, a and b, in that order, read
@@ -30,12 +37,17 @@
        SerializeToString gives, with one copy of the output (a protobuf message takes two). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
 #define N_INPUTS 5
-#define BF16 1
+#define BF16 1 /* gdn.v1.DType.BF16 */
 #define MAX_POSITION ((uint64_t)INT64_MAX)
+/* field numbers of gdn.v1.DecodeRequest and gdn.v1.Tensor this parse reads or writes */
+enum { F_LAYER = 1, F_SESSION_IDS = 2, F_Q = 3, F_B = 7, F_POSITIONS = 8, F_REQUEST_ID = 9, F_SPECULATIVE = 10 };
+enum { F_TENSOR_DTYPE = 1, F_TENSOR_SHAPE = 2, F_TENSOR_DATA = 3 };
+enum { F_REPLY_O = 1, F_REPLY_POSITIONS = 2, F_REPLY_REQUEST_ID = 3 };
 #define DIGEST_FULL_ROW_BYTES 1024
 #define DIGEST_STRIDE 61
 
@@ -87,10 +99,10 @@ static int read_tensor(const uint8_t *p, const uint8_t *end, Tensor *t) {
         const uint8_t *start;
         Py_ssize_t len;
         if (read_varint(&p, end, &key) != 0) return -1;
-        if (key == (1 << 3 | WIRE_VARINT) && !seen_dtype) {
+        if (key == (F_TENSOR_DTYPE << 3 | WIRE_VARINT) && !seen_dtype) {
             seen_dtype = 1;
             if (read_varint(&p, end, &t->dtype) != 0) return -1;
-        } else if (key == (2 << 3 | WIRE_LEN) && !seen_shape) {
+        } else if (key == (F_TENSOR_SHAPE << 3 | WIRE_LEN) && !seen_shape) {
             seen_shape = 1;
             if (read_len(&p, end, &start, &len) != 0) return -1;
             const uint8_t *q = start, *q_end = start + len;
@@ -98,7 +110,7 @@ static int read_tensor(const uint8_t *p, const uint8_t *end, Tensor *t) {
                 if (t->ndim == 4 || read_varint(&q, q_end, &t->dims[t->ndim]) != 0) return -1;
                 t->ndim++;
             }
-        } else if (key == (3 << 3 | WIRE_LEN) && !seen_data) {
+        } else if (key == (F_TENSOR_DATA << 3 | WIRE_LEN) && !seen_data) {
             seen_data = 1;
             if (read_len(&p, end, &t->data, &t->len) != 0) return -1;
         } else {
@@ -199,6 +211,56 @@ done:
 
 /* -- parse_plain_step ------------------------------------------------------------------------ */
 
+typedef struct {
+    PyObject_HEAD
+    long long num_layers, num_q_heads, num_v_heads, head_dim_k, head_dim_v, max_tokens, max_session_id_len,
+        max_request_id_len, defer_check_from;
+} StepLimits;
+
+static PyMemberDef step_limits_members[] = {
+    {"num_layers", T_LONGLONG, offsetof(StepLimits, num_layers), READONLY, NULL},
+    {"num_q_heads", T_LONGLONG, offsetof(StepLimits, num_q_heads), READONLY, NULL},
+    {"num_v_heads", T_LONGLONG, offsetof(StepLimits, num_v_heads), READONLY, NULL},
+    {"head_dim_k", T_LONGLONG, offsetof(StepLimits, head_dim_k), READONLY, NULL},
+    {"head_dim_v", T_LONGLONG, offsetof(StepLimits, head_dim_v), READONLY, NULL},
+    {"max_tokens", T_LONGLONG, offsetof(StepLimits, max_tokens), READONLY, "T of a plain step at most"},
+    {"max_session_id_len", T_LONGLONG, offsetof(StepLimits, max_session_id_len), READONLY, NULL},
+    {"max_request_id_len", T_LONGLONG, offsetof(StepLimits, max_request_id_len), READONLY, NULL},
+    {"defer_check_from", T_LONGLONG, offsetof(StepLimits, defer_check_from), READONLY,
+     "input bytes from which the NaN/Inf check is left to the backend"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyObject *step_limits_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"num_layers", "num_q_heads", "num_v_heads", "head_dim_k", "head_dim_v", "max_tokens",
+                            "max_session_id_len", "max_request_id_len", "defer_check_from", NULL};
+    long long v[9];
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$LLLLLLLLL:StepLimits", names, &v[0], &v[1], &v[2], &v[3],
+                                     &v[4], &v[5], &v[6], &v[7], &v[8]))
+        return NULL;
+    for (int i = 0; i < 9; i++) {
+        if (v[i] < 1) {
+            PyErr_Format(PyExc_ValueError, "StepLimits: %s must be >= 1, got %lld", names[i], v[i]);
+            return NULL;
+        }
+    }
+    StepLimits *self = (StepLimits *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->num_layers = v[0], self->num_q_heads = v[1], self->num_v_heads = v[2], self->head_dim_k = v[3];
+    self->head_dim_v = v[4], self->max_tokens = v[5], self->max_session_id_len = v[6];
+    self->max_request_id_len = v[7], self->defer_check_from = v[8];
+    return (PyObject *)self;
+}
+
+static PyTypeObject StepLimitsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gdn_server._wire.StepLimits",
+    .tp_basicsize = sizeof(StepLimits),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "What parse_plain_step checks a plain step against (keyword arguments, read-only attributes).",
+    .tp_members = step_limits_members,
+    .tp_new = step_limits_new,
+};
+
 static PyTypeObject PlainStepType;
 
 static PyStructSequence_Field plain_step_fields[] = {
@@ -233,17 +295,14 @@ static PyObject *short_str(const uint8_t *s, Py_ssize_t n, long long max_chars) 
 #define NOT_PLAIN goto not_plain
 
 static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    long long lim[9];
-    if (nargs != 2 || !PyBytes_Check(args[0]) || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != 9) {
-        PyErr_SetString(PyExc_TypeError, "parse_plain_step(data: bytes, limits: 9-tuple)");
+    if (nargs != 2 || !PyBytes_Check(args[0]) || !PyObject_TypeCheck(args[1], &StepLimitsType)) {
+        PyErr_SetString(PyExc_TypeError, "parse_plain_step(data: bytes, limits: StepLimits)");
         return NULL;
     }
-    for (int i = 0; i < 9; i++) {
-        lim[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(args[1], i));
-        if (lim[i] == -1 && PyErr_Occurred()) return NULL;
-    }
-    const long long L = lim[0], H = lim[1], HV = lim[2], K = lim[3], V = lim[4], max_T = lim[5], max_id = lim[6],
-                    max_rid = lim[7], defer_from = lim[8];
+    const StepLimits *lim = (const StepLimits *)args[1];
+    const long long L = lim->num_layers, H = lim->num_q_heads, HV = lim->num_v_heads, K = lim->head_dim_k,
+                    V = lim->head_dim_v, max_T = lim->max_tokens, max_id = lim->max_session_id_len,
+                    max_rid = lim->max_request_id_len, defer_from = lim->defer_check_from;
     PyObject *message = args[0];
     const uint8_t *base = (const uint8_t *)PyBytes_AS_STRING(message), *p = base;
     const uint8_t *end = base + PyBytes_GET_SIZE(message);
@@ -264,24 +323,24 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
         Py_ssize_t len;
         if (read_varint(&p, end, &key) != 0) NOT_PLAIN;
         uint64_t field = key >> 3, wire = key & 7;
-        if (field == 1 && wire == WIRE_VARINT && !seen_layer) {
+        if (field == F_LAYER && wire == WIRE_VARINT && !seen_layer) {
             seen_layer = 1;
             if (read_varint(&p, end, &layer) != 0) NOT_PLAIN;
-        } else if (field == 2 && wire == WIRE_LEN) {
+        } else if (field == F_SESSION_IDS && wire == WIRE_LEN) {
             if (read_len(&p, end, &start, &len) != 0 || (str = short_str(start, len, max_id)) == NULL) goto not_plain_or_error;
             if (PyUnicode_GET_LENGTH(str) == 0) NOT_PLAIN;
             if (PyList_Append(ids, str) != 0) goto error;
             Py_CLEAR(str);
-        } else if (field >= 3 && field <= 7 && wire == WIRE_LEN && !t[field - 3].seen) {
-            t[field - 3].seen = 1;
-            if (read_len(&p, end, &start, &len) != 0 || read_tensor(start, start + len, &t[field - 3]) != 0) NOT_PLAIN;
-        } else if (field == 8 && wire == WIRE_LEN && !seen_positions) {
+        } else if (field >= F_Q && field <= F_B && wire == WIRE_LEN && !t[field - F_Q].seen) {
+            t[field - F_Q].seen = 1;
+            if (read_len(&p, end, &start, &len) != 0 || read_tensor(start, start + len, &t[field - F_Q]) != 0) NOT_PLAIN;
+        } else if (field == F_POSITIONS && wire == WIRE_LEN && !seen_positions) {
             seen_positions = 1;
             if (read_len(&p, end, &pos_start, &pos_len) != 0) NOT_PLAIN;
-        } else if (field == 9 && wire == WIRE_LEN && !seen_rid) {
+        } else if (field == F_REQUEST_ID && wire == WIRE_LEN && !seen_rid) {
             seen_rid = 1;
             if (read_len(&p, end, &rid, &rid_len) != 0) NOT_PLAIN;
-        } else if (field == 10 && wire == WIRE_VARINT && !seen_spec) {
+        } else if (field == F_SPECULATIVE && wire == WIRE_VARINT && !seen_spec) {
             seen_spec = 1;
             if (read_varint(&p, end, &speculative) != 0) NOT_PLAIN;
         } else {
@@ -298,14 +357,17 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
         if (n != B) NOT_PLAIN;
     }
 
-    /* positions: none, or one per session, each below 2^63 */
+    /* the five inputs: BF16, the shapes of B sessions and T tokens, their byte lengths */
+    uint64_t T = t[0].ndim == 4 ? t[0].dims[1] : 0;
+    if (T < 1 || T > (uint64_t)max_T) NOT_PLAIN;
+    /* positions: none, or one per session, each with position + T below 2^63 */
     if (pos_len > 0) {
         positions = PyTuple_New(B);
         if (positions == NULL) goto error;
         const uint8_t *q = pos_start, *q_end = pos_start + pos_len;
         for (Py_ssize_t i = 0; i < B; i++) {
             uint64_t value;
-            if (q >= q_end || read_varint(&q, q_end, &value) != 0 || value > MAX_POSITION) NOT_PLAIN;
+            if (q >= q_end || read_varint(&q, q_end, &value) != 0 || value > MAX_POSITION - T) NOT_PLAIN;
             PyObject *n = PyLong_FromUnsignedLongLong(value);
             if (n == NULL) goto error;
             PyTuple_SET_ITEM(positions, i, n);
@@ -315,9 +377,6 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
         positions = Py_NewRef(Py_None);
     }
 
-    /* the five inputs: BF16, the shapes of B sessions and T tokens, their byte lengths */
-    uint64_t T = t[0].ndim == 4 ? t[0].dims[1] : 0;
-    if (T < 1 || T > (uint64_t)max_T) NOT_PLAIN;
     const long long want[N_INPUTS][4] = {
         {B, (long long)T, H, K}, {B, (long long)T, H, K}, {B, (long long)T, HV, V}, {B, (long long)T, HV, 1},
         {B, (long long)T, HV, 1},
@@ -456,28 +515,28 @@ static PyObject *encode_reply(PyObject *self, PyObject *args) {
     result = PyBytes_FromStringAndSize(NULL, total);
     if (result == NULL) goto done;
     uint8_t *p = (uint8_t *)PyBytes_AS_STRING(result);
-    *p++ = 1 << 3 | WIRE_LEN;
+    *p++ = F_REPLY_O << 3 | WIRE_LEN;
     p = put_varint(p, tensor);
-    *p++ = 1 << 3 | WIRE_VARINT;
+    *p++ = F_TENSOR_DTYPE << 3 | WIRE_VARINT;
     *p++ = BF16;
     if (n_dims) {
-        *p++ = 2 << 3 | WIRE_LEN;
+        *p++ = F_TENSOR_SHAPE << 3 | WIRE_LEN;
         p = put_varint(p, dims_bytes);
         for (Py_ssize_t i = 0; i < n_dims; i++) p = put_varint(p, ints[i]);
     }
     if (out.len) {
-        *p++ = 3 << 3 | WIRE_LEN;
+        *p++ = F_TENSOR_DATA << 3 | WIRE_LEN;
         p = put_varint(p, out.len);
         memcpy(p, out.buf, out.len);
         p += out.len;
     }
     if (n_pos) {
-        *p++ = 2 << 3 | WIRE_LEN;
+        *p++ = F_REPLY_POSITIONS << 3 | WIRE_LEN;
         p = put_varint(p, pos_bytes);
         for (Py_ssize_t i = 0; i < n_pos; i++) p = put_varint(p, ints[n_dims + i]);
     }
     if (rid_len) {
-        *p++ = 3 << 3 | WIRE_LEN;
+        *p++ = F_REPLY_REQUEST_ID << 3 | WIRE_LEN;
         p = put_varint(p, rid_len);
         memcpy(p, rid, rid_len);
     }
@@ -500,6 +559,14 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gdn_server._wire", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
+/* PyModule_AddObjectRef of a new reference (NULL: the error that made it), which it gives up */
+static int add_new_ref(PyObject *m, const char *name, PyObject *value) {
+    if (value == NULL) return -1;
+    int rc = PyModule_AddObjectRef(m, name, value);
+    Py_DECREF(value);
+    return rc;
+}
+
 PyMODINIT_FUNC PyInit__wire(void) {
     make_crc_table();
     PyObject *m = PyModule_Create(&module);
@@ -508,7 +575,20 @@ PyMODINIT_FUNC PyInit__wire(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddObjectRef(m, "PlainStep", (PyObject *)&PlainStepType) != 0) {
+    if (PyModule_AddObjectRef(m, "PlainStep", (PyObject *)&PlainStepType) != 0 || PyType_Ready(&StepLimitsType) != 0 ||
+        PyModule_AddObjectRef(m, "StepLimits", (PyObject *)&StepLimitsType) != 0 ||
+        PyModule_AddIntConstant(m, "BF16", BF16) != 0 || add_new_ref(m, "MAX_POSITION", PyLong_FromUnsignedLongLong(MAX_POSITION)) != 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    /* the field numbers this module reads and writes, by message and field name */
+    PyObject *fields = Py_BuildValue(
+        "{s{sisisisisisisisisisi}s{sisisi}s{sisisi}}", "DecodeRequest", "layer", F_LAYER, "session_ids",
+        F_SESSION_IDS, "q", F_Q, "k", F_Q + 1, "v", F_Q + 2, "a", F_Q + 3, "b", F_B, "positions", F_POSITIONS,
+        "request_id", F_REQUEST_ID, "speculative", F_SPECULATIVE, "Tensor", "dtype", F_TENSOR_DTYPE, "shape",
+        F_TENSOR_SHAPE, "data", F_TENSOR_DATA, "DecodeResponse", "o", F_REPLY_O, "positions", F_REPLY_POSITIONS,
+        "request_id", F_REPLY_REQUEST_ID);
+    if (add_new_ref(m, "FIELDS", fields) != 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -11,6 +11,7 @@ import sys
 # load (config.GRPC_EXPERIMENTS, config.OMP_WAIT_POLICY)
 from gdn_server.config import (
     GRPC_EXPERIMENTS, OMP_WAIT_POLICY, PRESETS, SPECULATIVE_TIMEOUT_S, Limits, ModelShape, SchedulerConfig,
+    SharedMemoryLimits,
 )
 
 # the shapes served when the command line names none: the model this service was built for
@@ -72,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="client connections at once; more are refused (default %(default)s)")
     lim.add_argument("--idle-connection-timeout-s", type=float, default=Limits.idle_connection_timeout_s,
                      help="a connection with no call for this long is closed (default %(default)s)")
+    shm = p.add_argument_group("shared memory (clients on this host; docs/operations.md says who may use it)")
+    shm.add_argument("--allow-shared-memory", action="store_true",
+                     help="accept RegisterSharedMemory: tensors in the clients' POSIX shared memory or CUDA IPC memory, "
+                          "referenced by region and offset (default: off)")
+    shm.add_argument("--shared-memory-idle-s", type=float, default=SharedMemoryLimits.idle_s,
+                     help="unmap a region no request has used for this long (default %(default)s)")
     ops = p.add_argument_group("operations")
     ops.add_argument("--metrics-port", type=int, default=None,
                      help="serve Prometheus /metrics on --host at this port; 0 takes a free one (default: off)")
@@ -180,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e).replace("_", "-", 3))
     if not args.speculative_timeout_s > 0:
         parser.error("--speculative-timeout-s must be > 0")
+    if not args.shared_memory_idle_s > 0:
+        parser.error("--shared-memory-idle-s must be > 0")
+    shared_memory = SharedMemoryLimits(idle_s=args.shared_memory_idle_s) if args.allow_shared_memory else None
     if args.session_idle_timeout_s is not None and not args.session_idle_timeout_s > 0:
         parser.error("--session-idle-timeout-s must be > 0")
     if args.weights:
@@ -215,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         processes=args.processes,
         process_index=args.process_index or 0,
         process_ports=process_ports,
+        shared_memory=shared_memory,
     )
     try:
         app = server.build_app(settings)

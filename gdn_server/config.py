@@ -89,3 +89,19 @@ class Limits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.idle_connection_timeout_s > 0:
             raise ValueError(f"idle_connection_timeout_s must be > 0, got {self.idle_connection_timeout_s}")
+
+
+@dataclass(frozen=True)
+class SharedMemoryLimits:
+    """What one caller may map through RegisterSharedMemory, where --allow-shared-memory is on
+    (docs/operations.md, limits). Without auth a caller is a connection."""
+
+    max_regions_per_client: int = 16
+    max_bytes_per_client: int = 4 << 30  # bytes registered at once, over the caller's regions
+    idle_s: float = 60.0  # a region no request has used for this long is unmapped (--shared-memory-idle-s)
+
+    def __post_init__(self) -> None:
+        if self.max_regions_per_client < 1 or self.max_bytes_per_client < 1:
+            raise ValueError("shared-memory bounds must be >= 1")
+        if not self.idle_s > 0:
+            raise ValueError(f"idle_s must be > 0, got {self.idle_s}")

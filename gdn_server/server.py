@@ -20,7 +20,9 @@ from grpc_reflection.v1alpha import reflection
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server.backends import make_backends
-from gdn_server.config import GIL_SWITCH_INTERVAL_S, SPECULATIVE_TIMEOUT_S, Limits, ModelShape, SchedulerConfig
+from gdn_server.config import (
+    GIL_SWITCH_INTERVAL_S, SPECULATIVE_TIMEOUT_S, Limits, ModelShape, SchedulerConfig, SharedMemoryLimits,
+)
 from gdn_server.lifecycle import evict_idle, idle_sessions, release_stale_speculation, stale_speculation
 from gdn_server.metrics import Metrics, MetricsInterceptor
 from gdn_server.placement import Placement, Shard
@@ -28,6 +30,7 @@ from gdn_server.scheduler import Scheduler
 from gdn_server.security import AuthInterceptor, RejectMalformed, SecurityConfig, load_tokens, server_credentials
 from gdn_server.servicer import GdnDecodeServicer
 from gdn_server.sessions import OwnerQuota, ProcessHomes, SessionTable
+from gdn_server.shared_memory import SharedMemoryRegistry, cuda_opener
 from gdn_server.snapshot import load_snapshot, save_snapshot
 from gdn_server.tuning import freeze_startup_objects
 from gdn_server.weights import GateParams
@@ -65,6 +68,7 @@ class ServerSettings:
     processes: int = 1  # server processes per device on this host (gdn_server.supervisor)
     process_index: int = 0  # this process's place among `process_ports`
     process_ports: tuple[int, ...] = ()  # every process's port, where there are several
+    shared_memory: SharedMemoryLimits | None = None  # --allow-shared-memory (None: off)
 
 
 @dataclass
@@ -101,6 +105,9 @@ def build_app(settings: ServerSettings) -> GdnApp:
         shards.append(Shard(index, backend, sessions, Scheduler(backend, sessions, settings.scheduler)))
     placement = Placement(shards)
     servicer = GdnDecodeServicer(settings.shape, placement, shards[0].backend.name, homes)
+    if settings.shared_memory is not None:
+        on_gpu = shards[0].backend.name.startswith("cuda")
+        servicer.shared_memory = SharedMemoryRegistry(settings.shared_memory, cuda_opener() if on_gpu else None)
     app = GdnApp(settings, placement, servicer)
     sec = settings.security
     if sec.auth_token_file or sec.mutual_tls:
@@ -182,6 +189,8 @@ async def start_server(app: GdnApp) -> tuple[grpc.aio.Server, int]:
         shard.scheduler.start(loop)
     app.background.append(asyncio.create_task(_housekeeping(app)))
     app.background.append(asyncio.create_task(_watch_liveness(app)))
+    if app.servicer.shared_memory is not None:
+        app.background.append(asyncio.create_task(_unmap_idle_regions(app.servicer.shared_memory)))
     await server.start()
     if app.metrics is not None:
         app.metrics.serve(settings.host, settings.metrics_port or 0)
@@ -207,6 +216,14 @@ async def _housekeeping(app: GdnApp) -> None:
                 await shard.scheduler.control(
                     lambda shard=shard: release_stale_speculation(shard.sessions, shard.backend, stale)
                 )
+
+
+async def _unmap_idle_regions(regions: SharedMemoryRegistry) -> None:
+    """Unmaps the shared-memory regions no request has used for --shared-memory-idle-s."""
+    interval = min(regions.limits.idle_s / 4, 5.0)
+    while True:
+        await asyncio.sleep(interval)
+        regions.sweep()
 
 
 def _liveness_problem(app: GdnApp) -> str | None:
@@ -255,6 +272,8 @@ async def stop_server(app: GdnApp, server: grpc.aio.Server) -> bool:
             return False
         return await loop.run_in_executor(None, save_snapshot, app.settings.state_dir, shards, app.settings.gates)
     finally:
+        if app.servicer.shared_memory is not None:
+            app.servicer.shared_memory.close()
         for shard in app.placement.shards:
             shard.backend.close()
         if app.metrics is not None:

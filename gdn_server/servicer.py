@@ -21,15 +21,17 @@ import logging
 from typing import Any, AsyncIterator, Callable
 
 import grpc
+import torch
 
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from gdn_server._wire import PlainStep, encode_reply
 from gdn_server.config import ModelShape
-from gdn_server.errors import GdnError, ResourceExhausted
+from gdn_server.errors import FailedPrecondition, GdnError, InvalidArgument, ResourceExhausted
 from gdn_server.lifecycle import commit_speculation, export_session, fork_session, import_session
 from gdn_server.placement import Placement, Shard
 from gdn_server.security import current_identity
 from gdn_server.sessions import ProcessHomes
+from gdn_server.shared_memory import SharedMemoryRegistry
 from gdn_server.state_transfer import StateAssembler, encode_state
 from gdn_server.scheduler import settle
 from gdn_server.validation import decode_work, parse_decode_request, step_limits
@@ -49,9 +51,16 @@ MAX_STREAM_HELD_BYTES = 16 << 20
 MAX_HELD_REQUEST_BYTES = 512 << 20
 
 
-def decode_response(result: DecodeResult) -> bytes:
-    """The serialized DecodeResponse of a step's result."""
-    return encode_reply(result.out, result.shape, result.positions, result.request_id)
+def decode_response(result: DecodeResult, output: Any = None) -> bytes:
+    """The serialized DecodeResponse of a step's result; with `output` (a request's o_ref, as a
+    view of its region), o is written there and the reply's o has its dtype and shape only."""
+    if output is None:
+        return encode_reply(result.out, result.shape, result.positions, result.request_id)
+    if type(output) is memoryview:
+        output[:] = result.out
+    else:  # device memory: a CUDA uint8 tensor
+        output.copy_(torch.frombuffer(result.out, dtype=torch.uint8))
+    return encode_reply(b"", result.shape, result.positions, result.request_id)
 
 
 def serialize_reply(reply: bytes | gdn_pb2.DecodeResponse) -> bytes:
@@ -79,6 +88,8 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         self.backend_name = backend_name
         self.metrics = None  # gdn_server.metrics.Metrics, when --metrics-port is on
         self.held_bytes = 0  # input bytes of the decode requests being served (MAX_HELD_REQUEST_BYTES)
+        # the callers' shared-memory regions (--allow-shared-memory); None: the server takes none
+        self.shared_memory: SharedMemoryRegistry | None = None
 
     # -- helpers ----------------------------------------------------------------------------
     def _hold(self, nbytes: int) -> None:
@@ -107,17 +118,20 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         server.add_registered_method_handlers(handlers.service, methods)
 
     def _submit_decode(self, request: PlainStep | gdn_pb2.DecodeRequest, identity: str | None, owner_key: str,
-                       done: Callable[[Any], None], cancelled: Callable[[], bool]) -> int:
-        """Checks a request of the caller `identity` (`owner_key`: its quota_key), counts its bytes
-        as held (`_hold`) and queues it; `done` gets its DecodeResult or GdnError. Returns the bytes
-        held, which the caller releases once the request is answered. Raises GdnError for what
-        validation finds (nothing held then)."""
-        work = decode_work(request, self.shape, identity, owner_key)
+                       done: Callable[[Any], None], cancelled: Callable[[], bool]) -> tuple[int, Any]:
+        """Checks a request of the caller `identity` (`owner_key`: its quota_key, which also owns
+        its shared-memory regions), counts its bytes as held (`_hold`) and queues it; `done` gets
+        its DecodeResult or GdnError. Returns the bytes held, which the caller releases once the
+        request is answered, and where its output goes (DecodeWork.output, for decode_response).
+        Raises GdnError for what validation finds (nothing held then)."""
+        regions = self.shared_memory
+        resolve = regions.resolver(owner_key) if regions is not None and type(request) is not PlainStep else None
+        work = decode_work(request, self.shape, identity, owner_key, resolve)
         shard = self.placement.shard_for(work.session_ids)
         nbytes = work.nbytes
         self._hold(nbytes)
         shard.scheduler.submit_decode(work, done, cancelled=cancelled)
-        return nbytes
+        return nbytes, work.output
 
     def _count(self, method: str, code: grpc.StatusCode) -> None:
         if self.metrics is not None:
@@ -130,7 +144,8 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         nbytes = 0
         try:
             identity = current_identity()
-            nbytes = self._submit_decode(request, identity, quota_key(identity, context), settle(fut), fut.cancelled)
+            nbytes, output = self._submit_decode(request, identity, quota_key(identity, context), settle(fut),
+                                                 fut.cancelled)
             result = await fut
             code = grpc.StatusCode.OK
         except GdnError as e:
@@ -139,7 +154,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         finally:
             self._release(nbytes)
             self._count("Decode", code)
-        return decode_response(result)
+        return decode_response(result, output)
 
     async def DecodeStream(self, request_iterator: AsyncIterator[gdn_pb2.DecodeRequest], context) -> None:
         # A reader task checks and queues requests ahead of their replies (bounded: see
@@ -157,7 +172,9 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
                     answer = _Answer(stream, request.request_id, 0)
                     stream.answers.append(answer)
                     try:
-                        answer.nbytes = self._submit_decode(request, identity, owner_key, answer, stream.is_closed)
+                        answer.nbytes, answer.output = self._submit_decode(
+                            request, identity, owner_key, answer, stream.is_closed
+                        )
                         stream.held_bytes += answer.nbytes
                     except GdnError as e:
                         answer(e)
@@ -204,7 +221,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         if isinstance(result, BaseException):
             raise result
         self._count("DecodeStream", grpc.StatusCode.OK)
-        return decode_response(result)
+        return decode_response(result, answer.output)
 
     # -- sessions and the rest -------------------------------------------------------------------------------
     async def GetModelInfo(self, request, context):
@@ -231,6 +248,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
             ],
             process_ports=self.homes.ports if self.homes is not None else (),
             process_index=self.homes.index if self.homes is not None else 0,
+            shared_memory=self.shared_memory is not None,
         )
 
     async def CreateSession(self, request, context):
@@ -330,6 +348,36 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
             await context.abort(e.code, e.message)
         return gdn_pb2.CreateSessionResponse(session_id=session.id)
 
+    # -- shared memory (gdn_server.shared_memory) ----------------------------------------------
+    async def RegisterSharedMemory(self, request, context):
+        try:
+            regions = self._regions()
+            owner = quota_key(current_identity(), context)
+            kind = request.WhichOneof("region")
+            if kind == "system":
+                regions.register(owner, request.name, request.byte_size,
+                                 system=(request.system.key, request.system.offset))
+            elif kind == "cuda":
+                regions.register(owner, request.name, request.byte_size,
+                                 cuda=(request.cuda.ipc_handle, request.cuda.device))
+            else:
+                raise InvalidArgument("a region is system or cuda shared memory: set one of them")
+        except GdnError as e:
+            await context.abort(e.code, e.message)
+        return gdn_pb2.RegisterSharedMemoryResponse()
+
+    async def UnregisterSharedMemory(self, request, context):
+        try:
+            self._regions().unregister(quota_key(current_identity(), context), request.name)
+        except GdnError as e:
+            await context.abort(e.code, e.message)
+        return gdn_pb2.UnregisterSharedMemoryResponse()
+
+    def _regions(self) -> SharedMemoryRegistry:
+        if self.shared_memory is None:
+            raise FailedPrecondition("this server does not accept shared memory (gdn-server --allow-shared-memory)")
+        return self.shared_memory
+
     async def GetStats(self, request, context):
         stats = [shard.scheduler.stats for shard in self.placement]  # summed over devices
         launches = sum(st.launches for st in stats)
@@ -366,12 +414,13 @@ class _Answer:
     `done`, on the loop's thread), it keeps the first answer and wakes the stream's writer when the
     oldest request has its answer."""
 
-    __slots__ = ("stream", "request_id", "result", "nbytes")
+    __slots__ = ("stream", "request_id", "result", "nbytes", "output")
 
     def __init__(self, stream: "_ReplyStream", request_id: str, nbytes: int) -> None:
         self.stream = stream
         self.request_id = request_id
         self.nbytes = nbytes  # the request's input bytes, held until it is answered
+        self.output: Any = None  # where its o goes (DecodeWork.output): None, in the reply
         self.result: Any = _PENDING
 
     def __call__(self, result: Any) -> None:  # on the loop's thread, where rounds answer

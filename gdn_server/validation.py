@@ -8,24 +8,33 @@ by gdn_server._wire in one pass, and its DecodeWork carries views of the message
 GPU backend copies into its staging buffer as they are. Everything else is parsed by protobuf and
 checked here in Python, which also says what is wrong with a request the C declined; f16/f32
 inputs become float tensors here.
+
+Tensors by reference (TensorRef, into a shared-memory region the caller registered) become views
+of the region here, through the `resolve` function the servicer passes for the caller
+(gdn_server.shared_memory): host memory as buffers like a message's bytes, device memory as CUDA
+tensors. So the scheduler and the backends see a DecodeWork of views and never learn about
+regions; an output reference (o_ref) becomes `DecodeWork.output`, where the reply's o goes.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import math
+from typing import Any, Callable, Sequence
 
 import torch
 
-from gdn_client.proto.checks import WireFormatError, check_layout, first_nonfinite, has_nonfinite, torch_dtypes
+from gdn_client.proto.checks import (
+    ITEMSIZE_OF, WireFormatError, all_finite, check_layout, describe_shape, first_nonfinite, has_nonfinite, torch_dtypes,
+)
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server import _wire
-from gdn_server._wire import PlainStep
+from gdn_server._wire import PlainStep, StepLimits
 from gdn_server.config import ModelShape
-from gdn_server.errors import InvalidArgument
+from gdn_server.errors import FailedPrecondition, InvalidArgument
 from gdn_server.work import INPUT_NAMES, DecodeWork
 
 MAX_SESSION_ID_LEN = 128
 MAX_REQUEST_ID_LEN = 256
-MAX_POSITION = 2**63 - 1  # positions travel as uint64 and are kept as signed 64-bit counts
+MAX_POSITION = _wire.MAX_POSITION  # 2^63 - 1: positions travel as uint64 and are kept as signed 64-bit counts
 # bf16 inputs of at least this many bytes in all leave their NaN/Inf check to the backend, which
 # stages them anyway (a GPU's staging copy, the CPU's step) and checks them before any state
 # changes: one pass over the request's bytes fewer on the event loop. Below it the check is cheap.
@@ -36,16 +45,22 @@ _ALL_BF16 = (gdn_pb2.BF16,) * 5
 # Each session's inputs as sent, digested (CRC-32 of its q, k, v, a, b rows, sampled when long):
 # what a retry of its step must match. gdn_server/_wire.c says how.
 row_digests = _wire.row_digests
+# A tensor reference's resolution (gdn_server.shared_memory.SharedMemoryRegistry.resolver):
+# (region, offset, byte count) -> a buffer of host memory or a CUDA uint8 tensor
+Resolve = Callable[[str, int, int], Any]
 
 
-def step_limits(shape: ModelShape) -> tuple[int, ...]:
+def step_limits(shape: ModelShape) -> StepLimits:
     """What `parse_decode_request` checks a plain step against, for a model of `shape`."""
     s = shape
-    return (s.num_layers, s.num_q_heads, s.num_v_heads, s.head_dim_k, s.head_dim_v, s.max_tokens_per_step,
-            MAX_SESSION_ID_LEN, MAX_REQUEST_ID_LEN, DEFERRED_CHECK_BYTES)
+    return StepLimits(
+        num_layers=s.num_layers, num_q_heads=s.num_q_heads, num_v_heads=s.num_v_heads, head_dim_k=s.head_dim_k,
+        head_dim_v=s.head_dim_v, max_tokens=s.max_tokens_per_step, max_session_id_len=MAX_SESSION_ID_LEN,
+        max_request_id_len=MAX_REQUEST_ID_LEN, defer_check_from=DEFERRED_CHECK_BYTES,
+    )
 
 
-def parse_decode_request(data: bytes, limits: tuple[int, ...]) -> PlainStep | gdn_pb2.DecodeRequest:
+def parse_decode_request(data: bytes, limits: StepLimits) -> PlainStep | gdn_pb2.DecodeRequest:
     """A DecodeRequest's wire bytes: a checked PlainStep (gdn_server._wire) where they are a valid
     plain step, else the protobuf message, for `decode_work` to check; protobuf's DecodeError
     where they do not parse. The decode RPCs' request deserializer (`limits`: `step_limits`)."""
@@ -54,26 +69,29 @@ def parse_decode_request(data: bytes, limits: tuple[int, ...]) -> PlainStep | gd
 
 
 def decode_work(request: PlainStep | gdn_pb2.DecodeRequest, shape: ModelShape, owner: str | None = None,
-                owner_key: str | None = None) -> DecodeWork:
+                owner_key: str | None = None, resolve: Resolve | None = None) -> DecodeWork:
     """The DecodeWork of a `parse_decode_request` result, owned by `owner` (its quota key
-    `owner_key`). Raises InvalidArgument with a precise reason."""
+    `owner_key`), its tensor references resolved by `resolve` (None: the server takes none).
+    Raises InvalidArgument with a precise reason (NotFound for an unknown region)."""
     if type(request) is PlainStep:
         return DecodeWork(
             request.layer, request.session_ids, positions=request.positions, request_id=request.request_id,
             owner=owner, owner_key=owner_key, bf16_bytes=request.inputs, input_dims=request.dims,
             finite_checked=request.finite_checked, digests=request.digests,
         )
-    return decode_work_from_request(request, shape, defer_finite_check=True, owner=owner, owner_key=owner_key)
+    return decode_work_from_request(request, shape, defer_finite_check=True, owner=owner, owner_key=owner_key,
+                                    resolve=resolve)
 
 
 def decode_work_from_request(
     req: gdn_pb2.DecodeRequest, shape: ModelShape, defer_finite_check: bool = False,
-    owner: str | None = None, owner_key: str | None = None,
+    owner: str | None = None, owner_key: str | None = None, resolve: Resolve | None = None,
 ) -> DecodeWork:
     """Checks a DecodeRequest against the model shape; raises InvalidArgument with a precise reason.
 
     With `defer_finite_check`, bf16 inputs of DEFERRED_CHECK_BYTES or more are not checked for
-    NaN/Inf here: the work says so (`finite_checked=False`) and the backend checks them."""
+    NaN/Inf here: the work says so (`finite_checked=False`) and the backend checks them. Tensor
+    references are resolved with `resolve` (see `Resolve`; None: FailedPrecondition)."""
     L = shape.num_layers
     layer = req.layer
     if layer >= L:
@@ -94,8 +112,6 @@ def decode_work_from_request(
     if positions is not None:
         if len(positions) != B:
             raise InvalidArgument(f"positions has {len(positions)} entries for {B} sessions")
-        if max(positions) > MAX_POSITION:
-            raise InvalidArgument(f"position {max(positions)} is out of range: positions are below 2^63")
     messages = (req.q, req.k, req.v, req.a, req.b)
     raw = tuple(m.data for m in messages)  # a fresh bytes object per access of `data`: read once
     speculative = bool(req.speculative)
@@ -106,28 +122,102 @@ def decode_work_from_request(
             if not req.HasField(name):
                 raise InvalidArgument(f"tensor {name} is missing") from None
         raise
+    T = dims[0][1]
+    if positions is not None and max(positions) > MAX_POSITION - T:
+        raise InvalidArgument(
+            f"position {max(positions)} + T = {T} is out of range: a session's count stays below 2^63"
+        )
     dtypes = [m.dtype for m in messages]
-    for name, dtype, d, data in zip(INPUT_NAMES, dtypes, dims, raw):
-        try:
-            check_layout(dtype, d, len(data), name)
-        except WireFormatError as e:
-            raise InvalidArgument(str(e)) from None
+    refs = [m.ref if m.HasField("ref") else None for m in messages]
+    spans: list[tuple[str, int, int, str]] = []  # (region, start, end, tensor) of each reference
+    if any(refs):
+        raw = _resolve_inputs(messages, raw, refs, dtypes, dims, resolve, spans)
+    else:
+        for name, dtype, d, data in zip(INPUT_NAMES, dtypes, dims, raw):
+            try:
+                check_layout(dtype, d, len(data), name)
+            except WireFormatError as e:
+                raise InvalidArgument(str(e)) from None
+    output = None
+    if req.HasField("o_ref"):
+        out_dims = (B, T, shape.num_v_heads, shape.head_dim_v)
+        output = _resolve(req.o_ref, 2 * math.prod(out_dims), "o_ref", resolve, spans)
+    on_device = [type(r) is torch.Tensor for r in raw]
     common = dict(
         layer=layer, session_ids=session_ids, positions=positions, request_id=request_id,
-        speculative=speculative, owner=owner, owner_key=owner_key, digests=row_digests(raw, B),
+        speculative=speculative, owner=owner, owner_key=owner_key, output=output,
     )
-    if tuple(dtypes) == _ALL_BF16:
+    if tuple(dtypes) == _ALL_BF16 and not any(on_device):
         finite_checked = not (defer_finite_check and sum(map(len, raw)) >= DEFERRED_CHECK_BYTES)
         if finite_checked:
             check_finite(raw)
-        return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), finite_checked=finite_checked)
+        return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), finite_checked=finite_checked,
+                          digests=row_digests(raw, B))
     tensors = {}
-    for name, dtype, d, data in zip(INPUT_NAMES, dtypes, dims, raw):
-        if len(data) and has_nonfinite(data, dtype):
-            raise nonfinite_input(name)
-        tensors[name] = (torch.frombuffer(data, dtype=TORCH_DTYPE[dtype]) if len(data)
-                         else torch.empty(0, dtype=TORCH_DTYPE[dtype])).view(d)
-    return DecodeWork(**common, **tensors)
+    for name, dtype, d, data, device in zip(INPUT_NAMES, dtypes, dims, raw, on_device):
+        torch_dtype = TORCH_DTYPE[dtype]
+        if device:
+            tensor = data.view(torch_dtype).view(d)
+            if not all_finite(tensor):
+                raise nonfinite_input(name)
+        else:
+            if len(data) and has_nonfinite(data, dtype):
+                raise nonfinite_input(name)
+            tensor = (torch.frombuffer(data, dtype=torch_dtype) if len(data) else torch.empty(0, dtype=torch_dtype)).view(d)
+        tensors[name] = tensor
+    digests = device_row_digests(tuple(tensors.values()), B) if any(on_device) else row_digests(raw, B)
+    return DecodeWork(**common, **tensors, digests=digests)
+
+
+def _resolve_inputs(messages: Sequence[gdn_pb2.Tensor], raw: tuple, refs: list, dtypes: list[int],
+                    dims: Sequence[tuple[int, ...]], resolve: Resolve | None,
+                    spans: list[tuple[str, int, int, str]]) -> tuple:
+    """The inputs' bytes with each reference resolved (a view of its region); checks each
+    tensor's layout, by reference or inline."""
+    out = []
+    for name, dtype, d, data, ref in zip(INPUT_NAMES, dtypes, dims, raw, refs):
+        if ref is None:
+            try:
+                check_layout(dtype, d, len(data), name)
+            except WireFormatError as e:
+                raise InvalidArgument(str(e)) from None
+            out.append(data)
+            continue
+        if len(data):
+            raise InvalidArgument(f"tensor {name} has both data and ref: its bytes are in one place")
+        try:
+            check_layout(dtype, d, ITEMSIZE_OF.get(dtype, 0) * math.prod(d), name)
+        except WireFormatError as e:
+            raise InvalidArgument(str(e)) from None
+        out.append(_resolve(ref, ITEMSIZE_OF[dtype] * math.prod(d), name, resolve, spans))
+    return tuple(out)
+
+
+def _resolve(ref: gdn_pb2.TensorRef, nbytes: int, name: str, resolve: Resolve | None,
+             spans: list[tuple[str, int, int, str]]) -> Any:
+    """The view of `nbytes` bytes that `ref` names; an output (`o_ref`) must not overlap an input."""
+    if resolve is None:
+        raise FailedPrecondition(f"{name} refers to shared memory, which this server does not accept "
+                                 "(gdn-server --allow-shared-memory)")
+    view = resolve(ref.region, ref.offset, nbytes)  # NotFound, or InvalidArgument past the region's end
+    start, end = ref.offset, ref.offset + nbytes
+    if name == "o_ref":
+        for region, s, e, other in spans:
+            if region == ref.region and start < e and s < end:
+                raise InvalidArgument(f"o_ref overlaps input {other} in region {region!r}: outputs go where no input is")
+    spans.append((ref.region, start, end, name))
+    return view
+
+
+def device_row_digests(tensors: Sequence[torch.Tensor], rows: int) -> tuple[int, ...]:
+    """Each session's inputs digested on their device (some input lives in CUDA memory): a
+    weighted sum of each row's 16-bit words, the weights a fixed odd sequence, modulo 2^32. What
+    a retry of the step through the same memory must match."""
+    device = next(t.device for t in tensors if t.is_cuda)
+    words = torch.cat([t.to(device).reshape(rows, -1).view(torch.int16).to(torch.int64) & 0xFFFF for t in tensors],
+                      dim=1)
+    weights = torch.arange(words.shape[1], device=device, dtype=torch.int64) * 2 + 1
+    return tuple(int(x) for x in ((words * weights).sum(dim=1) & 0xFFFFFFFF).tolist())
 
 
 def _malformed_session_id(sid: str) -> InvalidArgument:
@@ -141,7 +231,7 @@ def check_shapes(messages: Sequence[gdn_pb2.Tensor], B: int, speculative: bool,
     H, HV, K, V = shape.num_q_heads, shape.num_v_heads, shape.head_dim_k, shape.head_dim_v
     q = messages[0].shape
     if len(q) != 4:
-        raise InvalidArgument(f"q must be [B, T, H, K] = [{B}, T, {H}, {K}], got {list(q)}")
+        raise InvalidArgument(f"q must be [B, T, H, K] = [{B}, T, {H}, {K}], got {describe_shape(q)}")
     T = int(q[1])
     max_T = shape.max_speculative_tokens if speculative else shape.max_tokens_per_step
     kind = "a speculative step" if speculative else "a step"
@@ -152,7 +242,7 @@ def check_shapes(messages: Sequence[gdn_pb2.Tensor], B: int, speculative: bool,
     expected = ([B, T, H, K], [B, T, H, K], [B, T, HV, V], [B, T, HV], [B, T, HV])
     for name, message, want in zip(INPUT_NAMES, messages, expected):
         if message.shape != want:
-            raise InvalidArgument(f"{name} must have shape {want} (B={B}, T={T}), got {list(message.shape)}")
+            raise InvalidArgument(f"{name} must have shape {want} (B={B}, T={T}), got {describe_shape(message.shape)}")
     return tuple(map(tuple, expected))
 
 

@@ -55,7 +55,7 @@ class DecodeWork:
         owner_key: str | None = None, speculative: bool = False,
         bf16_bytes: tuple[bytes | memoryview, ...] | None = None,
         input_dims: tuple[tuple[int, ...], ...] | None = None, finite_checked: bool = True,
-        digests: tuple[int, ...] = (),
+        digests: tuple[int, ...] = (), output: "memoryview | torch.Tensor | None" = None,
     ) -> None:
         d = self.__dict__
         d.update(
@@ -75,6 +75,9 @@ class DecodeWork:
             finite_checked=finite_checked,
             # each session's inputs as sent, digested (validation.row_digests): a retry must match
             digests=digests,
+            # where the reply's o goes: a view of a shared-memory region the client named (o_ref),
+            # which the servicer fills when it answers; None: o travels in the reply
+            output=output,
         )
         if q is None:
             if bf16_bytes is None or input_dims is None:

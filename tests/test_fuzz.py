@@ -107,7 +107,7 @@ def _code(fn) -> grpc.StatusCode:
 # -- DecodeRequest -----------------------------------------------------------------------------
 DTYPES = {gdn_pb2.BF16: torch.bfloat16, gdn_pb2.F16: torch.float16, gdn_pb2.F32: torch.float32}
 int64s = st.one_of(st.integers(-3, 8), st.integers(-(2**63), 2**63 - 1), st.sampled_from([0, 2**31, 2**40, 2**62]))
-uint64s = st.one_of(st.integers(0, 8), st.integers(0, 2**64 - 1))
+uint64s = st.one_of(st.integers(0, 8), st.integers(0, 2**64 - 1), st.integers(2**63 - 9, 2**63 + 1))
 weird_ids = st.one_of(st.text(max_size=8), st.just(""), st.just("x" * 300), st.binary(max_size=24).map(
     lambda b: b.decode("latin-1")))
 
@@ -125,7 +125,7 @@ def hostile_decode(draw, env: Env) -> tuple[gdn_pb2.DecodeRequest, bool]:
     req = decode_request(draw(st.integers(0, L - 1)), sessions, inputs)
     for _ in range(draw(st.integers(0, 4))):
         kind = draw(st.sampled_from(["layer", "id", "foreign", "dup", "add_id", "drop_id", "dtype", "shape",
-                                     "bytes", "nonfinite", "missing", "positions", "request_id"]))
+                                     "bytes", "nonfinite", "missing", "positions", "request_id", "ref"]))
         name = draw(st.sampled_from("qkvab"))
         t = getattr(req, name)
         if kind == "layer":
@@ -146,7 +146,7 @@ def hostile_decode(draw, env: Env) -> tuple[gdn_pb2.DecodeRequest, bool]:
         elif kind == "dtype":
             t.dtype = draw(st.integers(0, 9))
         elif kind == "shape":
-            t.shape[:] = draw(st.lists(int64s, max_size=6))
+            t.shape[:] = draw(st.one_of(st.lists(int64s, max_size=6), st.just([1] * 10_004)))
         elif kind == "bytes":
             how = draw(st.sampled_from(["cut", "grow", "random", "empty"]))
             if how == "cut":
@@ -172,6 +172,9 @@ def hostile_decode(draw, env: Env) -> tuple[gdn_pb2.DecodeRequest, bool]:
             req.positions[:] = draw(st.lists(uint64s, max_size=5))
         elif kind == "request_id":
             req.request_id = draw(st.text(max_size=40))
+        elif kind == "ref":  # shared memory, which this server does not take
+            ref = req.o_ref if draw(st.booleans()) else t.ref
+            ref.region, ref.offset = draw(st.text(max_size=8)), draw(uint64s)
     return req, env.control in req.session_ids
 
 
@@ -443,3 +446,33 @@ def test_a_cancelled_stream_drops_its_queued_requests_before_the_device():
             reply = stub.Decode(decode_request(layer, [sid], random_inputs(1, 1, H, HV), positions=[0]), timeout=30)
             assert list(reply.positions) == [1]
         assert s.proc.poll() is None
+
+
+def test_hostile_positions_and_shapes_of_issue_45(env):
+    """A session whose count is near 2^63 cannot step past it (INVALID_ARGUMENT, nothing applied,
+    and export still works); a shape of 10,004 dimensions is INVALID_ARGUMENT with a short message,
+    not a status too long for the client's metadata."""
+    md = _md(MALLORY)
+    sid = env.own[0]
+    state = list(env.stub.ExportState(gdn_pb2.ExportStateRequest(session_id=sid), metadata=md, timeout=30))
+    near = 2**63 - 2
+    state[0].header.positions[:] = [near] * L
+    state[0].header.checksum = hashlib.sha256(b"".join(c.data for c in state)).hexdigest()
+    imported = env.stub.ImportState(iter(state), metadata=md, timeout=30).session_id
+    try:
+        x = random_inputs(1, 1, H, HV, gen=torch.Generator().manual_seed(3))
+        assert env.stub.Decode(decode_request(0, [imported], x, [near]), metadata=md, timeout=30).positions == [near + 1]
+        for position in (near + 1, near):  # 2^63 - 1 + 1, or a step of 2 tokens from 2^63 - 2
+            x = random_inputs(1, 1 if position > near else 2, H, HV, gen=torch.Generator().manual_seed(4))
+            with pytest.raises(grpc.RpcError) as refused:
+                env.stub.Decode(decode_request(0, [imported], x, [position]), metadata=md, timeout=30)
+            assert refused.value.code() == C.INVALID_ARGUMENT and "2^63" in refused.value.details()
+        chunks = list(env.stub.ExportState(gdn_pb2.ExportStateRequest(session_id=imported), metadata=md, timeout=30))
+        assert list(chunks[0].header.positions) == [near + 1] + [near] * (L - 1)
+    finally:
+        env.stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=imported), metadata=md, timeout=30)
+    req = decode_request(0, [sid], random_inputs(1, 1, H, HV, gen=torch.Generator().manual_seed(5)))
+    req.v.shape[:] = [1] * 10_004
+    with pytest.raises(grpc.RpcError) as refused:
+        env.stub.Decode(req, metadata=md, timeout=30)
+    assert refused.value.code() == C.INVALID_ARGUMENT and len(refused.value.details()) < 300

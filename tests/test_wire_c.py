@@ -18,7 +18,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_server import _wire
+from gdn_server import _wire, validation
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
 from gdn_server.validation import decode_work_from_request, parse_decode_request, step_limits
@@ -181,3 +181,50 @@ def test_encode_reply_is_what_protobuf_serializes(out, shape, positions, request
     got = _wire.encode_reply(out, tuple(shape), tuple(positions), request_id)
     assert got == reply.SerializeToString()
     assert _wire.encode_reply(memoryview(out), tuple(shape), tuple(positions), request_id) == got
+
+
+def test_the_c_constants_are_the_protos_and_validations():
+    """The field numbers, the BF16 code and the position bound written into _wire.c are those of
+    gdn_pb2 and gdn_server.validation; StepLimits carries the model and validation's bounds by name."""
+    for message, fields in _wire.FIELDS.items():
+        descriptor = getattr(gdn_pb2, message).DESCRIPTOR
+        for name, number in fields.items():
+            assert descriptor.fields_by_name[name].number == number, (message, name)
+    assert _wire.BF16 == gdn_pb2.BF16
+    assert _wire.MAX_POSITION == validation.MAX_POSITION == 2**63 - 1
+    assert (LIMITS.num_layers, LIMITS.num_q_heads, LIMITS.num_v_heads, LIMITS.head_dim_k, LIMITS.head_dim_v,
+            LIMITS.max_tokens) == (3, 2, 4, 8, 8, 4)
+    assert (LIMITS.max_session_id_len, LIMITS.max_request_id_len, LIMITS.defer_check_from) == (
+        validation.MAX_SESSION_ID_LEN, validation.MAX_REQUEST_ID_LEN, validation.DEFERRED_CHECK_BYTES)
+    with pytest.raises(TypeError):
+        _wire.parse_plain_step(plain().SerializeToString(), tuple(range(1, 10)))  # no positional tuple
+    with pytest.raises(ValueError, match="max_tokens"):
+        _wire.StepLimits(num_layers=1, num_q_heads=1, num_v_heads=1, head_dim_k=1, head_dim_v=1, max_tokens=0,
+                         max_session_id_len=1, max_request_id_len=1, defer_check_from=1)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_a_count_that_would_reach_2_63_is_refused_where_it_enters(T):
+    """position + T must stay below 2^63: the last position a step of T tokens may start at is
+    2^63 - 1 - T. Beyond it, C and Python alike refuse it (INVALID_ARGUMENT), nothing queued."""
+    for position, ok in ((2**63 - 1 - T, True), (2**63 - T, False), (2**63 - 1, False)):
+        data = plain(T=T, positions=[position]).SerializeToString()
+        assert (c_work(data) is not None) == ok
+        if ok:
+            assert python_work(data) == c_work(data)
+        else:
+            with pytest.raises(InvalidArgument, match="2\\^63"):
+                decode_work_from_request(gdn_pb2.DecodeRequest.FromString(data), SHAPE)
+
+
+def test_a_shape_of_thousands_of_dims_is_named_briefly():
+    req = plain()
+    req.k.shape[:] = [1] * 10_004
+    with pytest.raises(InvalidArgument) as refused:
+        decode_work_from_request(req, SHAPE)
+    assert "10004 dimensions" in str(refused.value) and len(str(refused.value)) < 200
+    req = plain()
+    req.q.shape[:] = [1] * 10_004
+    with pytest.raises(InvalidArgument) as refused:
+        decode_work_from_request(req, SHAPE)
+    assert len(str(refused.value)) < 200

@@ -45,8 +45,25 @@ _PARALLEL_CHECK_BYTES = 1 << 20
 _scratch = threading.local()
 
 
+MAX_DIMS_SHOWN = 8  # an error names a shape's first dimensions only: a message stays short
+
+
 class WireFormatError(ValueError):
     """A Tensor message whose dtype, shape and byte length do not agree."""
+
+
+def describe_shape(shape: Any) -> str:
+    """A shape as an error message shows it: whole up to MAX_DIMS_SHOWN dimensions, else its first
+    ones and how many there are (a shape of thousands of dimensions would make a status message
+    longer than a client accepts in its metadata).
+
+    >>> describe_shape([2, 3]), describe_shape(range(10))
+    ('[2, 3]', '[0, 1, 2, 3, 4, 5, 6, 7, ... (10 dimensions)]')
+    """
+    dims = list(shape[:MAX_DIMS_SHOWN + 1]) if hasattr(shape, "__getitem__") else list(shape)
+    if len(dims) <= MAX_DIMS_SHOWN:
+        return str(dims)
+    return f"[{', '.join(map(str, dims[:MAX_DIMS_SHOWN]))}, ... ({len(shape)} dimensions)]"
 
 
 def check_layout(wire_dtype: int, shape: tuple[int, ...], nbytes: int, name: str = "tensor") -> int:
@@ -60,12 +77,14 @@ def check_layout(wire_dtype: int, shape: tuple[int, ...], nbytes: int, name: str
     numel = 1
     for s in shape:
         if s < 0:
-            raise WireFormatError(f"{name}: negative dimension in shape {list(shape)}")
+            raise WireFormatError(f"{name}: negative dimension in shape {describe_shape(shape)}")
         numel *= s
         if numel * itemsize > nbytes:  # checked while multiplying so huge shapes can't overflow
             break
     if numel * itemsize != nbytes:
-        raise WireFormatError(f"{name}: shape {list(shape)} of {dtype} needs {numel * itemsize} bytes, got {nbytes}")
+        raise WireFormatError(
+            f"{name}: shape {describe_shape(shape)} of {dtype} needs {numel * itemsize} bytes, got {nbytes}"
+        )
     return numel
 
 

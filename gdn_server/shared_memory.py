@@ -1,0 +1,241 @@
+"""Shared-memory regions that clients register (RegisterSharedMemory), so that a request's tensors
+can be referenced by region and offset (TensorRef) instead of carried in the message.
+
+A region belongs to the caller that registered it (its identity where auth is on, else its
+connection's quota key) and is found by (owner, name) only: another caller's region reads as one
+that does not exist. A region is mapped once, at registration:
+
+- system: the POSIX shared-memory object /dev/shm/<key> (shm_open's "/key"), opened without
+  following links, a regular file only, mapped read-write from `offset` for `byte_size` bytes;
+- cuda: device memory of another process, opened from its CUDA IPC handle on the GPU it lives on
+  (gdn_client.proto.cuda_ipc), on a server whose backend is CUDA.
+
+It is unmapped when its owner unregisters it, when no request has used it for `idle_s` (a client
+that died must not pin memory for ever: `sweep`), and at shutdown (`close`). A request that holds
+views of a region keeps that memory mapped until it is answered (the views hold the mapping), so
+unmapping never pulls memory from under a step in flight. Each owner holds at most
+`max_regions_per_client` regions of `max_bytes_per_client` bytes in all.
+
+`resolver(owner)` is what the wire layer (gdn_server.validation) gets: a function from (region,
+offset, byte count) to a view of those bytes (a writable memoryview for system memory, a CUDA
+uint8 tensor for device memory), raising NotFound or InvalidArgument. Nothing below the wire layer
+learns about regions.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import stat
+import time
+from typing import Any, Callable
+
+from gdn_server.config import SharedMemoryLimits
+from gdn_server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"  # where Linux keeps shm_open's objects
+# shm_open's name: one leading '/', then 1..NAME_MAX - 1 characters, none of them '/' or NUL
+SHM_KEY = re.compile(r"/[^/\x00]{1,254}")
+MAX_REGION_NAME_LEN = 128
+CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+
+# What resolve() returns: a memoryview of system memory, or a CUDA uint8 tensor
+Resolver = Callable[[str, int, int], Any]
+
+
+class Region:
+    """One registered region: its bytes (`memory`) and when a request last used it."""
+
+    __slots__ = ("owner", "name", "kind", "byte_size", "memory", "last_used", "_release")
+
+    def __init__(self, owner: str, name: str, kind: str, byte_size: int, memory: Any,
+                 release: Callable[[], None], now: float) -> None:
+        self.owner = owner
+        self.name = name
+        self.kind = kind  # "system" or "cuda"
+        self.byte_size = byte_size
+        self.memory = memory  # memoryview (system) or CUDA uint8 tensor (cuda) of byte_size bytes
+        self.last_used = now
+        self._release = release
+
+    def view(self, offset: int, nbytes: int) -> Any:
+        """The bytes [offset, offset + nbytes) of the region; InvalidArgument past its end."""
+        if offset > self.byte_size or nbytes > self.byte_size - offset:
+            raise InvalidArgument(
+                f"shared-memory region {self.name!r}: bytes [{offset}, {offset + nbytes}) lie past its end "
+                f"({self.byte_size} bytes)"
+            )
+        return self.memory[offset:offset + nbytes]
+
+    def unmap(self) -> None:
+        """Drops the registry's hold on the memory: unmapped now, or when the last request using
+        it is answered."""
+        self.memory = None
+        self._release()
+
+
+class SharedMemoryRegistry:
+    """Every registered region of a server process, by (owner, name)."""
+
+    def __init__(self, limits: SharedMemoryLimits, open_cuda: Callable[[bytes, int, int], tuple[Any, Callable[[], None]]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        # (ipc handle, device, byte_size) -> (CUDA uint8 tensor, close); None: no CUDA backend
+        self._open_cuda = open_cuda
+        self._clock = clock
+        self._regions: dict[tuple[str, str], Region] = {}
+        self._held: dict[str, tuple[int, int]] = {}  # owner -> (regions, bytes)
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    @property
+    def accepts_cuda(self) -> bool:
+        return self._open_cuda is not None
+
+    def register(self, owner: str, name: str, byte_size: int, *, system: tuple[str, int] | None = None,
+                 cuda: tuple[bytes, int] | None = None) -> Region:
+        """Maps a region for `owner`: `system` (key, offset) or `cuda` (ipc handle, device).
+        InvalidArgument for a malformed request, an object that is not there or too small, or a
+        name the owner already uses; ResourceExhausted beyond the owner's bounds;
+        FailedPrecondition for CUDA memory on a server without a CUDA backend."""
+        if not 0 < len(name) <= MAX_REGION_NAME_LEN:
+            raise InvalidArgument(f"a region's name has 1..{MAX_REGION_NAME_LEN} characters, got {len(name)}")
+        if (system is None) == (cuda is None):
+            raise InvalidArgument("a region is either system or cuda shared memory")
+        if byte_size < 1:
+            raise InvalidArgument("a region's byte_size must be at least 1")
+        if (owner, name) in self._regions:
+            raise InvalidArgument(f"shared-memory region {name!r} is already registered: unregister it first")
+        regions, held = self._held.get(owner, (0, 0))
+        lim = self.limits
+        if regions + 1 > lim.max_regions_per_client:
+            raise ResourceExhausted(f"a client holds at most {lim.max_regions_per_client} shared-memory regions")
+        if held + byte_size > lim.max_bytes_per_client:
+            raise ResourceExhausted(
+                f"a client maps at most {lim.max_bytes_per_client} bytes of shared memory; it holds {held}, "
+                f"this region would add {byte_size}"
+            )
+        if system is not None:
+            memory, release = map_system(system[0], system[1], byte_size)
+            kind = "system"
+        else:
+            handle, device = cuda
+            if self._open_cuda is None:
+                raise FailedPrecondition("CUDA shared memory needs a server on the CUDA backend; this one runs on the CPU")
+            if len(handle) != CUDA_IPC_HANDLE_BYTES:
+                raise InvalidArgument(f"a CUDA IPC handle has {CUDA_IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+            if device < 0:
+                raise InvalidArgument(f"CUDA device {device} is not a device ordinal")
+            memory, release = self._open_cuda(handle, device, byte_size)
+            kind = "cuda"
+        region = Region(owner, name, kind, byte_size, memory, release, self._clock())
+        self._regions[(owner, name)] = region
+        self._held[owner] = (regions + 1, held + byte_size)
+        return region
+
+    def unregister(self, owner: str, name: str) -> int:
+        """Unmaps the owner's region `name` ("": all of the owner's); returns how many went.
+        NotFound for a name the owner has no region of."""
+        if name:
+            region = self._regions.get((owner, name))
+            if region is None:
+                raise NotFound(f"no shared-memory region {name!r}")
+            self._drop(region)
+            return 1
+        mine = [r for r in self._regions.values() if r.owner == owner]
+        for region in mine:
+            self._drop(region)
+        return len(mine)
+
+    def resolver(self, owner: str) -> Resolver:
+        """The resolve(region, offset, nbytes) of `owner`'s requests (see the module docstring)."""
+        regions, clock = self._regions, self._clock
+
+        def resolve(name: str, offset: int, nbytes: int) -> Any:
+            region = regions.get((owner, name))
+            if region is None:
+                raise NotFound(f"no shared-memory region {name!r}")
+            region.last_used = clock()
+            return region.view(offset, nbytes)
+
+        return resolve
+
+    def sweep(self) -> list[Region]:
+        """Unmaps the regions no request has used for `idle_s`; returns them."""
+        deadline = self._clock() - self.limits.idle_s
+        idle = [r for r in self._regions.values() if r.last_used < deadline]
+        for region in idle:
+            log.info("shared-memory region %r of %s unmapped after %.0f s unused", region.name, region.owner,
+                     self.limits.idle_s)
+            self._drop(region)
+        return idle
+
+    def close(self) -> None:
+        """Unmaps every region (shutdown)."""
+        for region in list(self._regions.values()):
+            self._drop(region)
+
+    def _drop(self, region: Region) -> None:
+        del self._regions[(region.owner, region.name)]
+        regions, held = self._held[region.owner]
+        if regions == 1:
+            del self._held[region.owner]
+        else:
+            self._held[region.owner] = (regions - 1, held - region.byte_size)
+        region.unmap()
+
+
+def map_system(key: str, offset: int, byte_size: int) -> tuple[memoryview, Callable[[], None]]:
+    """Maps bytes [offset, offset + byte_size) of the shm object `key` read-write: its memoryview
+    and the function that unmaps it (at once, or once the last view of it is gone).
+    InvalidArgument where `key` is not a plain shm_open name, or the object is not there, not a
+    regular file the server may read and write, or smaller than offset + byte_size."""
+    if SHM_KEY.fullmatch(key) is None or key in ("/.", "/.."):
+        raise InvalidArgument(f"shared-memory key {key[:64]!r} is not a plain shm_open name (\"/name\", no other '/')")
+    try:
+        fd = os.open(SHM_DIR + key, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        raise InvalidArgument(f"shared-memory object {key!r} cannot be opened: {e.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidArgument(f"shared-memory object {key!r} is not a regular shared-memory object")
+        if offset > info.st_size or byte_size > info.st_size - offset:
+            raise InvalidArgument(
+                f"shared-memory object {key!r} has {info.st_size} bytes: [{offset}, {offset + byte_size}) lies past its end"
+            )
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY  # mmap's offset must be page-aligned
+        mapping = mmap.mmap(fd, byte_size + (offset - start), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
+                            offset=start)
+    finally:
+        os.close(fd)
+    whole = memoryview(mapping)
+    view = whole[offset - start:]
+
+    def release() -> None:
+        view.release()
+        whole.release()
+        try:
+            mapping.close()
+        except BufferError:  # a request in flight still holds a view: unmapped when it lets go
+            pass
+
+    return view, release
+
+
+def cuda_opener() -> Callable[[bytes, int, int], tuple[Any, Callable[[], None]]]:
+    """What a registry on the CUDA backend opens CUDA regions with: gdn_client.proto.cuda_ipc's
+    open_handle, its failures as InvalidArgument (a handle that does not open names no region)."""
+    from gdn_client.proto.cuda_ipc import CudaIpcError, open_handle
+
+    def open_cuda(handle: bytes, device: int, nbytes: int) -> tuple[Any, Callable[[], None]]:
+        try:
+            return open_handle(handle, device, nbytes)
+        except CudaIpcError as e:
+            raise InvalidArgument(f"CUDA IPC handle on device {device} does not open: {e}") from None
+
+    return open_cuda

@@ -1,0 +1,282 @@
+"""Tensors through system shared memory against real server processes (--allow-shared-memory),
+with stock gRPC stubs: the wire contract as a client in any language sees it.
+
+Numbers by reference are bit-equal to the same inputs sent inline; every status of the contract,
+each with nothing applied; regions belong to the connection that registered them; a region no
+request uses is unmapped after --shared-memory-idle-s, a dead client's too; unregistering unmaps.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from multiprocessing import shared_memory
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
+from servers import SMALL_MODEL, start_server
+from util import decode_request, random_inputs
+
+H, HV, K = 2, 4, 128
+REGION_BYTES = 1 << 20
+ALIGN = 64
+
+
+@pytest.fixture(scope="module")
+def shm_server():
+    with start_server(*SMALL_MODEL, "--max-sessions", "32", "--seed", "7", "--allow-shared-memory") as server:
+        yield server
+
+
+class Stub:
+    """One connection to a server: a channel and its GdnDecode stub."""
+
+    def __init__(self, address: str) -> None:
+        # a connection of its own (channels of one process to one target share one by default):
+        # without auth the server tells callers apart by connection
+        self.channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        self.rpc = gdn_pb2_grpc.GdnDecodeStub(self.channel)
+
+    def session(self) -> str:
+        return self.rpc.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=10).session_id
+
+    def register(self, name: str, key: str, byte_size: int = REGION_BYTES, offset: int = 0) -> None:
+        self.rpc.RegisterSharedMemory(gdn_pb2.RegisterSharedMemoryRequest(
+            name=name, byte_size=byte_size, system=gdn_pb2.SystemSharedMemory(key=key, offset=offset)), timeout=10)
+
+    def status(self, method: str, request) -> tuple[grpc.StatusCode, str]:
+        try:
+            getattr(self.rpc, method)(request, timeout=10)
+        except grpc.RpcError as e:
+            return e.code(), e.details()
+        return grpc.StatusCode.OK, ""
+
+
+@pytest.fixture
+def stub(shm_server):
+    s = Stub(shm_server.address)
+    yield s
+    s.channel.close()
+
+
+@pytest.fixture
+def shm():
+    """A fresh POSIX shared-memory object of REGION_BYTES, unlinked at the end."""
+    mem = shared_memory.SharedMemory(create=True, size=REGION_BYTES)
+    yield mem
+    mem.close()
+    mem.unlink()
+
+
+def by_reference(req: gdn_pb2.DecodeRequest, mem: shared_memory.SharedMemory, region: str,
+                 names: str = "qkvab", start: int = 0, output: bool = True) -> int:
+    """Moves the bytes of `names` into `mem` (from `start`, 64-byte aligned) and points the request at
+    them; with `output`, o goes to the region after them. Returns the output's offset (or the end)."""
+    buf = np.ndarray((len(mem.buf),), dtype=np.uint8, buffer=mem.buf)
+    offset = start
+    for name in names:
+        tensor = getattr(req, name)
+        data = tensor.data
+        buf[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        tensor.ClearField("data")
+        tensor.ref.region, tensor.ref.offset = region, offset
+        offset += -(-len(data) // ALIGN) * ALIGN
+    if output:
+        req.o_ref.region, req.o_ref.offset = region, offset
+    return offset
+
+
+def inputs(seed: int, B: int = 1, T: int = 1, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    return random_inputs(B, T, H, HV, K, gen=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def server_maps(server, key: str) -> bool:
+    """Whether the server process has the shm object `key` mapped."""
+    with open(f"/proc/{server.proc.pid}/maps") as maps:
+        return any(line.rstrip().endswith("/dev/shm" + key) for line in maps)
+
+
+@pytest.mark.parametrize("dtype,names", [(torch.bfloat16, "qkvab"), (torch.float32, "qvb")])
+def test_numbers_by_reference_equal_inline_bytes(stub, shm, dtype, names):
+    """Two sessions take the same steps, one inline, one by reference (all or some inputs, the
+    output into the region): the outputs are bit-equal, positions advance alike, a retry by
+    reference is answered from the first try."""
+    stub.register("io", "/" + shm.name)
+    inline, shared = stub.session(), stub.session()
+    out = np.ndarray((REGION_BYTES,), dtype=np.uint8, buffer=shm.buf)
+    for step in range(3):
+        x = inputs(step, T=2, dtype=dtype)
+        want = stub.rpc.Decode(decode_request(1, [inline], x, [2 * step]), timeout=10)
+        req = decode_request(1, [shared], x, [2 * step])
+        at = by_reference(req, shm, "io", names)
+        got = stub.rpc.Decode(req, timeout=10)
+        assert list(got.o.shape) == [1, 2, HV, K] and got.o.data == b"" and got.o.dtype == gdn_pb2.BF16
+        assert out[at:at + len(want.o.data)].tobytes() == want.o.data
+        assert list(got.positions) == list(want.positions) == [2 * step + 2]
+    out[at:at + len(want.o.data)] = 0
+    again = stub.rpc.Decode(req, timeout=10)  # the last step resent: answered again, not applied twice
+    assert list(again.positions) == [6] and out[at:at + len(want.o.data)].tobytes() == want.o.data
+    stub.rpc.UnregisterSharedMemory(gdn_pb2.UnregisterSharedMemoryRequest(name="io"), timeout=10)
+
+
+def test_a_stream_and_a_batch_by_reference(stub, shm):
+    stub.register("io", "/" + shm.name)
+    a, b = stub.session(), stub.session()
+    c, d = stub.session(), stub.session()
+    x = inputs(5, B=2)
+    want = stub.rpc.Decode(decode_request(0, [a, b], x, [0, 0]), timeout=10)
+    req = decode_request(0, [c, d], x, [0, 0], request_id="r0")
+    at = by_reference(req, shm, "io")
+    replies = list(stub.rpc.DecodeStream(iter([req]), timeout=10))
+    assert replies[0].error_code == 0 and list(replies[0].positions) == [1, 1]
+    assert bytes(shm.buf[at:at + len(want.o.data)]) == want.o.data
+
+
+def test_register_statuses(stub, shm, shm_server):
+    bad = [
+        ("x", "no-slash", REGION_BYTES, 0), ("x", "/a/b", REGION_BYTES, 0), ("x", "/..", REGION_BYTES, 0),
+        ("x", "/gdn-test-missing-object", REGION_BYTES, 0),
+        ("x", "/" + shm.name, REGION_BYTES + 1, 0), ("x", "/" + shm.name, REGION_BYTES, 1),
+        ("x", "/" + shm.name, 1, 2**64 - 1), ("x", "/" + shm.name, 0, 0), ("", "/" + shm.name, 8, 0),
+    ]
+    for name, key, size, offset in bad:
+        req = gdn_pb2.RegisterSharedMemoryRequest(name=name, byte_size=size,
+                                                  system=gdn_pb2.SystemSharedMemory(key=key, offset=offset))
+        code, details = stub.status("RegisterSharedMemory", req)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (key, size, offset, details)
+    code, _ = stub.status("RegisterSharedMemory", gdn_pb2.RegisterSharedMemoryRequest(name="x", byte_size=8))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT  # neither system nor cuda
+    cuda = gdn_pb2.RegisterSharedMemoryRequest(name="x", byte_size=8, cuda=gdn_pb2.CudaSharedMemory(ipc_handle=b"\0" * 64))
+    assert stub.status("RegisterSharedMemory", cuda)[0] == grpc.StatusCode.FAILED_PRECONDITION  # a CPU server
+    stub.register("r0", "/" + shm.name, 4096, offset=4096)
+    code, details = stub.status("RegisterSharedMemory", gdn_pb2.RegisterSharedMemoryRequest(
+        name="r0", byte_size=8, system=gdn_pb2.SystemSharedMemory(key="/" + shm.name)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "already registered" in details
+    for i in range(1, 16):  # 16 regions per client, the default bound
+        stub.register(f"r{i}", "/" + shm.name, 4096)
+    code, details = stub.status("RegisterSharedMemory", gdn_pb2.RegisterSharedMemoryRequest(
+        name="r16", byte_size=8, system=gdn_pb2.SystemSharedMemory(key="/" + shm.name)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    assert server_maps(shm_server, "/" + shm.name)
+    assert stub.status("UnregisterSharedMemory", gdn_pb2.UnregisterSharedMemoryRequest(name="nope"))[0] == \
+        grpc.StatusCode.NOT_FOUND
+    stub.rpc.UnregisterSharedMemory(gdn_pb2.UnregisterSharedMemoryRequest(name=""), timeout=10)  # all of them
+    assert not server_maps(shm_server, "/" + shm.name)
+    stub.register("r16", "/" + shm.name, 4096)  # room again
+    stub.rpc.UnregisterSharedMemory(gdn_pb2.UnregisterSharedMemoryRequest(name="r16"), timeout=10)
+
+
+def test_reference_statuses_apply_nothing(stub, shm, shm_server):
+    """Unknown region, another connection's region, past the end, o overlapping an input, data and
+    ref together: each refused with its status, and the session's next step is still position 0."""
+    stub.register("io", "/" + shm.name)
+    other = Stub(shm_server.address)
+    try:
+        session = stub.session()
+        x = inputs(9)
+
+        def refused(edit) -> tuple[grpc.StatusCode, str]:
+            req = decode_request(2, [session], x, [0])
+            by_reference(req, shm, "io")
+            edit(req)
+            return stub.status("Decode", req)
+
+        def field(name, **values):
+            def edit(req):
+                for key, value in values.items():
+                    setattr(getattr(req, name).ref if name != "o_ref" else req.o_ref, key, value)
+            return edit
+
+        def with_data(req):
+            req.v.data = b"\0" * (HV * K * 2)
+
+        cases = [
+            (field("q", region="nope"), grpc.StatusCode.NOT_FOUND),
+            (field("o_ref", region="nope"), grpc.StatusCode.NOT_FOUND),
+            (field("a", offset=2**64 - 1), grpc.StatusCode.INVALID_ARGUMENT),
+            (field("o_ref", offset=REGION_BYTES - 8), grpc.StatusCode.INVALID_ARGUMENT),
+            (field("o_ref", offset=ALIGN), grpc.StatusCode.INVALID_ARGUMENT),  # overlaps k
+            (with_data, grpc.StatusCode.INVALID_ARGUMENT),
+        ]
+        for edit, code in cases:
+            got, details = refused(edit)
+            assert got == code, details
+        req = decode_request(2, [session], x, [0])
+        by_reference(req, shm, "io")
+        code, details = other.status("Decode", req)  # another connection names the same region
+        assert code == grpc.StatusCode.NOT_FOUND and "no shared-memory region 'io'" in details
+        assert other.status("UnregisterSharedMemory", gdn_pb2.UnregisterSharedMemoryRequest(name="io"))[0] == \
+            grpc.StatusCode.NOT_FOUND
+        assert list(stub.rpc.Decode(req, timeout=10).positions) == [1]  # nothing was applied before
+    finally:
+        other.channel.close()
+        stub.rpc.UnregisterSharedMemory(gdn_pb2.UnregisterSharedMemoryRequest(name=""), timeout=10)
+
+
+def test_off_by_default(small_server, shm):
+    s = Stub(small_server.address)
+    try:
+        assert not s.rpc.GetModelInfo(gdn_pb2.GetModelInfoRequest(), timeout=10).shared_memory
+        req = gdn_pb2.RegisterSharedMemoryRequest(name="x", byte_size=8, system=gdn_pb2.SystemSharedMemory(key="/" + shm.name))
+        assert s.status("RegisterSharedMemory", req)[0] == grpc.StatusCode.FAILED_PRECONDITION
+        session = s.session()
+        ref = decode_request(0, [session], inputs(1), [0])
+        by_reference(ref, shm, "x", output=False)
+        assert s.status("Decode", ref)[0] == grpc.StatusCode.FAILED_PRECONDITION
+        assert list(s.rpc.Decode(decode_request(0, [session], inputs(1), [0]), timeout=10).positions) == [1]
+    finally:
+        s.channel.close()
+
+
+DYING_CLIENT = textwrap.dedent("""
+    import sys, time, grpc
+    from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
+    stub = gdn_pb2_grpc.GdnDecodeStub(grpc.insecure_channel(sys.argv[1]))
+    stub.RegisterSharedMemory(gdn_pb2.RegisterSharedMemoryRequest(
+        name="mine", byte_size=4096, system=gdn_pb2.SystemSharedMemory(key="/" + sys.argv[2])), timeout=10)
+    print("registered", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_idle_regions_are_unmapped_a_dead_clients_too(shm):
+    """With --shared-memory-idle-s 1: a region in use stays; one left alone is unmapped (a
+    reference then is NOT_FOUND), and so is the region of a client killed while holding it."""
+    with start_server(*SMALL_MODEL, "--allow-shared-memory", "--shared-memory-idle-s", "1") as server:
+        key = "/" + shm.name
+        dying = subprocess.Popen([sys.executable, "-c", DYING_CLIENT, server.address, shm.name],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            assert dying.stdout.readline().strip() == "registered"
+            os.kill(dying.pid, signal.SIGKILL)
+        finally:
+            dying.wait(timeout=10)
+        s = Stub(server.address)
+        try:
+            s.register("io", key)
+            session = s.session()
+            for step in range(4):  # used every 0.4 s: not idle
+                req = decode_request(0, [session], inputs(step), [step])
+                by_reference(req, shm, "io")
+                s.rpc.Decode(req, timeout=10)
+                time.sleep(0.4)
+            assert server_maps(server, key)
+            deadline = time.monotonic() + 10
+            while server_maps(server, key) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not server_maps(server, key)  # both regions unmapped: the dead client's and ours
+            code, details = s.status("Decode", req)
+            assert code == grpc.StatusCode.NOT_FOUND and "io" in details
+            s.register("io", key)  # a client registers it again and goes on
+            req.positions[:] = [4]
+            assert list(s.rpc.Decode(req, timeout=10).positions) == [5]
+        finally:
+            s.channel.close()
+        assert server.stop() == 0
