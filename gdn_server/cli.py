@@ -44,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "scheduler each, sessions placed on the one with the most free slots). With --device cpu: "
                         "that many CPU shards (for testing multi-device serving without a GPU)")
     p.add_argument("--max-sessions", type=int, default=None,
-                   help="session capacity per device (default: on the CPU, what fits in a 256 MiB pool, at most 64; "
-                        "on a GPU, what fits in 80%% of its free memory, at most 4096)")
+                   help="session capacity per device (default: on the CPU 256, fewer where their states and "
+                        "scratch would pass half the host's memory, held only while in use; on a GPU, what fits "
+                        "in 80%% of its free memory, at most 4096)")
     p.add_argument("--speculative-sessions", type=int, default=None,
                    help="sessions that may hold uncommitted speculative steps at once; each uses up to 2 scratch "
                         "states per layer (default: min(max sessions, 32); 0 turns speculative steps off)")

@@ -59,11 +59,35 @@ def test_hugging_face_weight_names_are_renumbered(tmp_path):
                 assert rel_err(tensor_from_proto(reply.o), ref.step(layer, [sid], **inputs)) < 5e-3
 
 
-def test_no_model_flags_serve_qwen3_next_shapes_and_exit_cleanly_on_sigint():
-    with start_server("--max-sessions", "2") as srv:
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+def test_no_model_flags_serve_qwen3_next_shapes_idle_small_and_exit_cleanly_on_sigint():
+    """The embedded default: qwen3-next shapes, the host's default CPU capacity, and state memory
+    only for the sessions in use: the server idles under 500 MB, holds a session's 36 MiB while it
+    lives and gives them back when it closes."""
+    from gdn_server.backends import default_cpu_sessions
+    from gdn_server.config import PRESETS
+
+    with start_server() as srv:
         with grpc.insecure_channel(srv.address) as channel:
-            info = gdn_pb2_grpc.GdnDecodeStub(channel).GetModelInfo(gdn_pb2.GetModelInfoRequest(), timeout=30)
-        assert (info.num_layers, info.num_q_heads, info.num_v_heads, info.head_dim_k) == (36, 16, 32, 128)
+            stub = gdn_pb2_grpc.GdnDecodeStub(channel)
+            info = stub.GetModelInfo(gdn_pb2.GetModelInfoRequest(), timeout=30)
+            assert (info.num_layers, info.num_q_heads, info.num_v_heads, info.head_dim_k) == (36, 16, 32, 128)
+            assert info.max_sessions == default_cpu_sessions(PRESETS["qwen3-next"])
+            idle = _rss_bytes(srv.proc.pid)
+            assert idle < 500e6, idle
+            sid = stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=30).session_id
+            gen = torch.Generator().manual_seed(0)
+            for layer in range(info.num_layers):
+                stub.Decode(decode_request(layer, [sid], random_inputs(1, 1, 16, 32, gen=gen)), timeout=30)
+            in_use = _rss_bytes(srv.proc.pid)
+            assert in_use > idle + (30 << 20), (idle, in_use)
+            stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=sid), timeout=30)
+            closed = _rss_bytes(srv.proc.pid)
+            assert closed < in_use - (30 << 20), (idle, in_use, closed)
         import signal
         assert srv.stop(signal.SIGINT) == 0
 

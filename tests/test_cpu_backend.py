@@ -23,8 +23,14 @@ from reference import gdn_reference_step, rel_err
 def _backend(shape: ModelShape, seed: int = 0, sessions: int = 8) -> CpuBackend:
     backend = CpuBackend(shape, random_gate_params(shape, seed), sessions, speculative_sessions=4)
     gen = torch.Generator().manual_seed(seed)
-    backend.state_pool.copy_(0.1 * torch.randn(backend.state_pool.shape, generator=gen))
+    rows = _pool(backend).shape
+    backend.write_rows(range(backend.pool_rows), 0.1 * torch.randn(rows, generator=gen))
     return backend
+
+
+def _pool(backend: CpuBackend) -> torch.Tensor:
+    """A copy of every row of the backend's pool."""
+    return backend.read_rows(range(backend.pool_rows))
 
 
 def _work(shape: ModelShape, layer: int, rows: int, T: int, gen: torch.Generator, dtype=torch.bfloat16) -> DecodeWork:
@@ -64,13 +70,13 @@ def test_matches_the_fp64_reference(heads, T):
         out_slots = [next(scratch) for _ in slots] if r % 3 == 2 else None
         batch.add(_work(shape, layer, rows, T, gen, dtype), slots, out_slots)
     assert not batch.in_place
-    before = backend.state_pool.clone()
+    before = _pool(backend)
     out = backend.submit(batch).result()
     o_ref, s_ref = _reference(backend, batch, before)
     assert out.dtype == torch.bfloat16 and out.shape == (batch.rows, T, HV, shape.head_dim_v)
     # bf16 output rounding alone is ~2e-3 (relative, as a norm); the fp32 math adds ~1e-7
     assert rel_err(out, o_ref) < 2.5e-3
-    new = backend.state_pool[torch.tensor(batch.write_rows)]
+    new = backend.read_rows(batch.write_rows)
     assert rel_err(new, s_ref) < 2.5e-3
     # rounded once: each element is the fp64 state rounded to bf16 or its neighbour, but for the
     # fp32 math's absolute error on elements near 0 (cancellations)
@@ -78,7 +84,7 @@ def test_matches_the_fp64_reference(heads, T):
     assert (new.double() - s_ref.to(torch.bfloat16).double()).abs().le(slack).all()
     untouched = torch.ones(backend.pool_rows, dtype=torch.bool)
     untouched[torch.tensor(batch.write_rows)] = False
-    assert torch.equal(backend.state_pool[untouched], before[untouched])  # slots read but not written too
+    assert torch.equal(_pool(backend)[untouched], before[untouched])  # slots read but not written too
 
 
 def test_a_row_is_bitwise_the_same_alone_or_in_any_launch():
@@ -101,7 +107,7 @@ def test_a_row_is_bitwise_the_same_alone_or_in_any_launch():
                 for i in range(first, min(first + size, n)):
                     batch.add(works[i], [slots[i]])
                 outs.append(backend.submit(batch).result().clone())
-            results[size] = (torch.cat(outs), backend.state_pool[torch.tensor(slots)])
+            results[size] = (torch.cat(outs), backend.read_rows(slots))
         out0, state0 = results[1]
         for size, (out, state) in results.items():
             for i in range(n):
@@ -115,7 +121,7 @@ def test_steps_chain_like_the_reference():
     shape = ModelShape(num_layers=1, num_q_heads=2, num_v_heads=4)
     backend = _backend(shape, seed=3, sessions=1)
     gen = torch.Generator().manual_seed(3)
-    state = backend.state_pool[0:1].float()
+    state = backend.read_rows([0]).float()
     for step in range(10):
         T = step % 4 + 1
         batch = StepBatch(T)
@@ -126,7 +132,7 @@ def test_steps_chain_like_the_reference():
                                           backend.A_log[:1], backend.dt_bias[:1], backend.scale)
         state = state.to(torch.bfloat16).float()
         assert rel_err(out, o_ref) < 2.5e-3, step
-        assert rel_err(backend.state_pool[0:1], state) < 2.5e-3, step
+        assert rel_err(backend.read_rows([0]), state) < 2.5e-3, step
 
 
 def test_gdn_step_fp32_matches_the_reference():
@@ -145,37 +151,73 @@ def test_gdn_step_fp32_matches_the_reference():
 
 def test_copy_rows_copies_as_the_rows_were():
     backend = _backend(ModelShape(num_layers=2, num_q_heads=1, num_v_heads=2), sessions=4)
-    before = backend.state_pool.clone()
+    before = _pool(backend)
     backend.copy_rows([0, 1, 2], [1, 2, 5])  # rows 1 and 2 are both read and overwritten
-    assert torch.equal(backend.state_pool[torch.tensor([1, 2, 5])], before[torch.tensor([0, 1, 2])])
-    assert torch.equal(backend.state_pool[0], before[0])
+    assert torch.equal(backend.read_rows([1, 2, 5]), before[torch.tensor([0, 1, 2])])
+    assert torch.equal(backend.read_rows([0])[0], before[0])
 
 
-def test_default_cpu_sessions_fit_the_memory_budget():
-    """Small models keep 64 sessions; qwen3-next's pool and scratch stay well under 1 GB."""
-    from gdn_server.backends import CPU_STATE_BUDGET_BYTES, make_backends
+def test_default_cpu_sessions_fit_half_the_host_memory():
+    """Small models get 256 sessions; qwen3-next's pool in full use, scratch rows included, fits in
+    half of the host's memory."""
+    from gdn_server.backends import CPU_STATE_MEMORY_SHARE, DEFAULT_CPU_SESSIONS, make_backends
 
     small = ModelShape(num_layers=2, num_q_heads=2, num_v_heads=4)
-    assert default_cpu_sessions(small) == 64
+    assert default_cpu_sessions(small) == DEFAULT_CPU_SESSIONS == 256
     qwen = PRESETS["qwen3-next"]
-    sessions = default_cpu_sessions(qwen)
-    assert 1 <= sessions < 64
-    ((_, backend),) = make_backends("cpu", None, qwen, random_gate_params(qwen, 0), None)
-    assert backend.max_sessions == sessions
-    assert backend.pool_bytes <= CPU_STATE_BUDGET_BYTES < 1 << 30
-    # one more session (with its speculative share) would not have fit
-    assert CpuBackend(qwen, random_gate_params(qwen, 0), sessions + 1).pool_bytes > CPU_STATE_BUDGET_BYTES
+    gates = random_gate_params(qwen, 0)
+    host = 8 << 30
+    sessions = default_cpu_sessions(qwen, memory_bytes=host)
+    assert 1 < sessions < DEFAULT_CPU_SESSIONS
+    assert CpuBackend(qwen, gates, sessions).pool_bytes <= CPU_STATE_MEMORY_SHARE * host
+    assert CpuBackend(qwen, gates, sessions + 1).pool_bytes > CPU_STATE_MEMORY_SHARE * host
     huge = ModelShape(num_layers=200, num_q_heads=64, num_v_heads=128)
-    assert default_cpu_sessions(huge) == 1
+    assert default_cpu_sessions(huge, memory_bytes=host) == 1
+    ((_, backend),) = make_backends("cpu", None, qwen, gates, None)
+    assert backend.max_sessions == default_cpu_sessions(qwen)  # this host's memory
     ((_, backend),) = make_backends("cpu", None, small, random_gate_params(small, 0), 3)
     assert backend.max_sessions == 3  # a configured count wins
 
 
+def test_state_memory_grows_with_the_sessions_in_use_and_freed_slots_read_as_zero():
+    """Blocks of slots are made on first use and dropped when their last slot is reset; a slot
+    reset beside a slot still in use is zeroed; a session copied from an unused slot is zero."""
+    shape = ModelShape(num_layers=2, num_q_heads=2, num_v_heads=4)
+    backend = CpuBackend(shape, random_gate_params(shape, 0), 64)
+    per_block = backend._slots_per_block
+    assert per_block > 2 and backend.state_bytes_in_use() == 0
+    gen = torch.Generator().manual_seed(7)
+    batch = StepBatch(1)
+    batch.add(_work(shape, 1, 2, 1, gen), [0 * 2 + 1, 1 * 2 + 1])  # sessions 0 and 1 at layer 1
+    backend.submit(batch).result()
+    block_bytes = backend.state_bytes_in_use()
+    assert block_bytes == per_block * shape.state_bytes_per_session
+    far = per_block + 1  # a slot of the next block
+    backend.write_session(far, 0.1 * torch.randn(2, 4, 128, 128, generator=gen).to(torch.bfloat16))
+    assert backend.state_bytes_in_use() == 2 * block_bytes
+    assert backend.read_session(0)[1].abs().sum() > 0
+    backend.reset_session(0)  # session 1 still uses the block: zeroed in place
+    assert backend.state_bytes_in_use() == 2 * block_bytes
+    assert not backend.read_session(0).any() and backend.read_session(1)[1].any()
+    backend.reset_session(1)
+    backend.reset_session(far)
+    assert backend.state_bytes_in_use() == 0
+    assert not _pool(backend).any()
+    backend.copy_session(3, far)  # from a slot never used: stays unmade
+    assert backend.state_bytes_in_use() == 0
+    batch = StepBatch(1)
+    batch.add(_work(shape, 1, 1, 1, gen), [0 * 2 + 1])  # slot 0 taken again: it starts from zero
+    out = backend.submit(batch).result()
+    fresh = _backend(shape, sessions=64)
+    fresh.reset_session(0)
+    assert torch.equal(out, fresh.submit(batch).result())
+
+
 def test_warmup_leaves_the_pool_alone():
     backend = _backend(ModelShape(num_layers=2, num_q_heads=2, num_v_heads=4), sessions=2)
-    before = backend.state_pool.clone()
+    before = _pool(backend)
     backend.warmup()
-    assert torch.equal(backend.state_pool, before)
+    assert torch.equal(_pool(backend), before)
 
 
 def test_big_launches_run_on_the_worker_thread_in_order_with_the_same_results(monkeypatch):
@@ -197,7 +239,7 @@ def test_big_launches_run_on_the_worker_thread_in_order_with_the_same_results(mo
             handles.append(backend.submit(batch))
         outs = [h.result().clone() for h in handles]
         backend.synchronize()
-        runs[offload] = (outs, backend.state_pool.clone(), backend._worker is not None)
+        runs[offload] = (outs, _pool(backend), backend._worker is not None)
         backend.close()
     assert runs[True][2] and not runs[False][2]
     for a, b in zip(runs[True][0], runs[False][0]):

@@ -42,7 +42,7 @@ def test_the_scheduler_answers_unchecked_culprits_and_runs_the_rest_of_their_bat
     sessions = SessionTable(8, SHAPE.num_layers, range(backend.home_rows, backend.pool_rows))
     ids = [sessions.create().id for _ in range(5)]
     scheduler = Scheduler(backend, sessions, SchedulerConfig())
-    before = backend.state_pool.clone()
+    before = backend.read_rows(range(backend.pool_rows))
     works = [
         _bf16_work((ids[0],), 1, 1),
         _bf16_work((ids[1], ids[2]), 1, 2, nan_in="v"),
@@ -60,7 +60,7 @@ def test_the_scheduler_answers_unchecked_culprits_and_runs_the_rest_of_their_bat
     assert [a.positions for a in (answers[0], answers[2])] == [(1,), (1,)]
     for i, sid in enumerate(ids):
         s = sessions.get(sid)
-        moved = not torch.equal(backend.state_pool[s.home_row(1)], before[s.home_row(1)])
+        moved = not torch.equal(backend.read_rows([s.home_row(1)])[0], before[s.home_row(1)])
         assert s.positions[1] == (1 if i in (0, 3) else 0)
         assert moved == (i in (0, 3)), sid
         assert (1 in s.last_steps) == (i in (0, 3))

@@ -111,7 +111,7 @@ class Replay:
         other = Replay.__new__(Replay)
         other.shape = self.shape
         other.backend = CpuBackend(self.shape, GateParams(self.backend.A_log, self.backend.dt_bias), max_sessions=1)
-        other.backend.state_pool.copy_(self.backend.state_pool)
+        other.backend.write_session(0, self.backend.read_session(0))
         return other
 
 

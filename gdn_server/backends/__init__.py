@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -13,19 +14,36 @@ __all__ = ["Backend", "DoneStep", "PendingStep", "default_cpu_sessions", "make_b
 
 log = logging.getLogger(__name__)
 
-# The CPU backend's default session count: as many as fit in CPU_STATE_BUDGET_BYTES of state pool,
-# the speculative scratch rows included (each speculative session adds 2 rows per layer), at
-# least 1 and at most DEFAULT_CPU_SESSIONS. The CPU serves small models, tests and embedded use,
-# where the server must stay light: a fixed 64 gave qwen3-next (37.7 MB of bf16 state per session)
-# a 4.6 GB pool and 5 GB of RSS. 256 MiB keeps a server well under 1 GB (qwen3-next: 2 sessions,
-# 226 MB with their scratch; a model whose one session is bigger gets that one), and the small
-# test models (~1 MB a session with scratch) keep their 64. --max-sessions sets any other count.
-CPU_STATE_BUDGET_BYTES = 256 << 20
-DEFAULT_CPU_SESSIONS = 64
+# The CPU backend's default session count: DEFAULT_CPU_SESSIONS, or fewer where the pool in full
+# use (every session and the speculative scratch rows) would not fit in CPU_STATE_MEMORY_SHARE of
+# the host's memory (a container's memory limit counts as the host's), at least 1. The CPU pool
+# takes memory only for the sessions in use (gdn_server/backends/cpu.py), so an idle server stays
+# small whatever its capacity, and capacity is bounded by what those sessions may grow to: 256
+# qwen3-next sessions and their scratch rows are 11.25 GiB, so a host of 22.5 GiB or more offers
+# all 256, one of 16 GiB 163 and one of 8 GiB 49. --max-sessions sets any other count.
+DEFAULT_CPU_SESSIONS = 256
+CPU_STATE_MEMORY_SHARE = 0.5
 
 
-def default_cpu_sessions(shape: ModelShape, speculative_sessions: int | None = None) -> int:
-    """The CPU backend's session count when none is configured (CPU_STATE_BUDGET_BYTES)."""
+def host_memory_bytes() -> int:
+    """Physical memory, or the cgroup's memory limit where that is lower (in a container)."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit_file) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            memory = min(memory, int(text))
+    return memory
+
+
+def default_cpu_sessions(shape: ModelShape, speculative_sessions: int | None = None,
+                         memory_bytes: int | None = None) -> int:
+    """The CPU backend's session count when none is configured (see DEFAULT_CPU_SESSIONS), for a
+    host of `memory_bytes` (default: this one's, host_memory_bytes)."""
+    budget = CPU_STATE_MEMORY_SHARE * (host_memory_bytes() if memory_bytes is None else memory_bytes)
     row_bytes = shape.state_bytes_per_session // shape.num_layers
 
     def pool_bytes(sessions: int) -> int:  # Backend.pool_bytes of a backend of `sessions`
@@ -33,7 +51,7 @@ def default_cpu_sessions(shape: ModelShape, speculative_sessions: int | None = N
         return (sessions + 2 * min(spec, sessions)) * shape.num_layers * row_bytes
 
     sessions = DEFAULT_CPU_SESSIONS
-    while sessions > 1 and pool_bytes(sessions) > CPU_STATE_BUDGET_BYTES:
+    while sessions > 1 and pool_bytes(sessions) > budget:
         sessions -= 1
     return sessions
 

@@ -1,12 +1,20 @@
 """CPU backend ("cpu-torch"): the reference the GPU backend is checked against, and the default on
-machines without a GPU. The pool is a bf16 tensor in host memory; each step reads the rows'
-states from it, runs the fp32 math of `torch_math` and writes them back rounded to bf16 once."""
+machines without a GPU. The pool's bf16 rows live in host memory; each step reads the rows'
+states from it, runs the fp32 math of `torch_math` and writes them back rounded to bf16 once.
+
+The pool's memory grows with the sessions in use, not with capacity, so a CPU server can offer
+many sessions and still idle small: rows are stored in blocks of whole session slots (the
+speculative scratch rows after the sessions' count as slots of L rows too), each an anonymous
+memory mapping made when one of its slots is first used. The OS hands it out as zero pages on
+first touch, and takes it back whole when the block's last slot in use is reset, whatever malloc
+would keep. A row of a block not made reads as zeros, so a free slot holds a zero state as before.
+"""
 from __future__ import annotations
 
-import math
+import mmap
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
 
-import numpy as np
 import torch
 
 from gdn_server.backends.base import Backend, DoneStep, PendingStep, check_unchecked_inputs
@@ -63,12 +71,30 @@ class _WorkerStep(PendingStep):
         return self._future.result().result()
 
 
-def _zeroed_bf16(shape: tuple[int, ...]) -> torch.Tensor:
-    """bf16 zeros in pages the OS maps on first touch: numpy allocates zeros with calloc, which
-    takes fresh (already zero) pages for a big block without writing them, where torch.zeros writes
-    every byte. So startup does not grow with the pool (zeroing 64 qwen3-next sessions, 4.6 GB,
-    took 4.5 s of a 5.7 s start on the CPU box) and the process holds only the rows in use."""
-    return torch.from_numpy(np.zeros(math.prod(shape), dtype=np.int16)).view(torch.bfloat16).view(shape)
+# Blocks hold whole session slots, at least this many bytes of them: one slot each for qwen3-next
+# (36 MiB a session), many for small test models, so a server of thousands of tiny sessions makes a
+# few hundred mappings rather than one each (the kernel allows about 65k per process).
+BLOCK_MIN_BYTES = 4 << 20
+
+
+def _mapped_zeros(rows: int, row_shape: tuple[int, ...]) -> torch.Tensor:
+    """bf16 zeros [rows, *row_shape] in an anonymous mapping of their own: the OS maps zero pages
+    on first touch (nothing is written here) and unmaps them when the last tensor on it is freed."""
+    values = rows
+    for n in row_shape:
+        values *= n
+    return torch.frombuffer(mmap.mmap(-1, 2 * values), dtype=torch.bfloat16).view(rows, *row_shape)
+
+
+class _Block:
+    """One mapping of `slots` whole slots' rows, and which of those slots may hold a state."""
+
+    __slots__ = ("rows", "grouped", "in_use")
+
+    def __init__(self, rows: torch.Tensor, grouped: torch.Tensor) -> None:
+        self.rows = rows  # [slots * L, HV, V, K]
+        self.grouped = grouped  # the same rows as StepWorkspace.run writes them: [slots * L, H, HV // H, V, K]
+        self.in_use: set[int] = set()  # slots (pool-wide numbers) whose rows were handed out since their reset
 
 
 class CpuBackend(Backend):
@@ -80,9 +106,16 @@ class CpuBackend(Backend):
     ) -> None:
         super().__init__(shape, gates, max_sessions, scale, speculative_sessions)
         H, HV, V, K = shape.num_q_heads, shape.num_v_heads, shape.head_dim_v, shape.head_dim_k
-        self.state_pool = _zeroed_bf16((self.pool_rows, HV, V, K))
-        # the rows as StepWorkspace.run writes them, value heads split by query head
-        self._pool_grouped = self.state_pool.view(self.pool_rows, H, HV // H, V, K)
+        L = shape.num_layers
+        slot_bytes = shape.state_bytes_per_session
+        self._slots_per_block = max(1, -(-BLOCK_MIN_BYTES // slot_bytes))
+        self._rows_per_block = self._slots_per_block * L
+        # slots of L rows over the whole pool: the sessions' own, then the scratch rows' (pool_rows is
+        # a multiple of L); a block is made on its first use and dropped when none of its slots is
+        # in use (scratch slots stay in use: their rows are taken and given back without a reset)
+        self._blocks: list[_Block | None] = [None] * -(-(self.pool_rows // L) // self._slots_per_block)
+        self._row_shape = (HV, V, K)
+        self._grouped_shape = (H, HV // H, V, K)
         self.A_log = gates.A_log.float().contiguous()
         self.dt_bias = gates.dt_bias.float().contiguous()
         # per layer -exp(A_log) and dt_bias side by side [L, 2, HV]: a launch gathers both in one call
@@ -95,10 +128,44 @@ class CpuBackend(Backend):
         self._last_offloaded: Future | None = None
         self._row_views: dict[int, torch.Tensor] = {}
 
-    def _row_view(self, slot: int) -> torch.Tensor:
-        """Pool row `slot` as [H, group, V, K], kept: indexing the pool costs a torch call each time."""
-        view = self._row_views[slot] = self._pool_grouped[slot]
+    def _block_for_use(self, row: int) -> _Block:
+        """The block of pool row `row`, made if need be, with the row's slot marked in use."""
+        index = row // self._rows_per_block
+        block = self._blocks[index]
+        if block is None:
+            rows = _mapped_zeros(self._rows_per_block, self._row_shape)
+            block = self._blocks[index] = _Block(rows, rows.view(self._rows_per_block, *self._grouped_shape))
+        block.in_use.add(row // self.shape.num_layers)
+        return block
+
+    def _row_view(self, row: int) -> torch.Tensor:
+        """Pool row `row` as [H, group, V, K], kept until its slot is reset: indexing costs a torch
+        call each time."""
+        block = self._block_for_use(row)
+        view = self._row_views[row] = block.grouped[row % self._rows_per_block]
         return view
+
+    def state_bytes_in_use(self) -> int:
+        """Bytes of the blocks made: what the pool can hold in memory now (at most pool_bytes plus a
+        block's rounding)."""
+        return sum(block.rows.nbytes for block in self._blocks if block is not None)
+
+    def read_rows(self, rows: Sequence[int]) -> torch.Tensor:
+        """bf16 [len(rows), HV, V, K] copy of pool rows (zeros for a row of a block not made)."""
+        out = torch.zeros(len(rows), *self._row_shape, dtype=torch.bfloat16)
+        per_block = self._rows_per_block
+        for i, row in enumerate(rows):
+            block = self._blocks[row // per_block]
+            if block is not None:
+                out[i].copy_(block.rows[row % per_block])
+        return out
+
+    def write_rows(self, rows: Sequence[int], states: torch.Tensor) -> None:
+        """Overwrites pool rows from bf16 [len(rows), HV, V, K] (a copy_ per row: index_copy_ of bf16
+        rows ran 5x slower)."""
+        per_block = self._rows_per_block
+        for row, state in zip(rows, states):
+            self._block_for_use(row).rows[row % per_block].copy_(state)
 
     def _plan(self, rows: int, tokens: int) -> StepWorkspace:
         plan = self._plans.get((rows, tokens))
@@ -184,25 +251,39 @@ class CpuBackend(Backend):
         qk, v, ab = torch.zeros(1, 1, H, K), torch.zeros(1, 1, HV, V), torch.zeros(1, 1, HV)
         self._plan(1, 1).run(state, state.view(1, H, HV // H, V, K), qk, qk, v, ab, ab, *self._layer_gates[0])
 
-    def _rows(self, session_slot: int) -> slice:
+    def _session_rows(self, session_slot: int) -> range:
         L = self.shape.num_layers
-        return slice(session_slot * L, (session_slot + 1) * L)
+        return range(session_slot * L, (session_slot + 1) * L)
 
     def reset_session(self, session_slot: int) -> None:
-        self.state_pool[self._rows(session_slot)].zero_()
+        rows = self._session_rows(session_slot)
+        index = rows[0] // self._rows_per_block
+        block = self._blocks[index]
+        if block is None or session_slot not in block.in_use:
+            return  # never handed out since its last reset: already zero
+        for row in rows:
+            self._row_views.pop(row, None)
+        block.in_use.discard(session_slot)
+        if block.in_use:
+            first = rows[0] % self._rows_per_block
+            block.rows[first:first + len(rows)].zero_()
+        else:
+            self._blocks[index] = None  # its mapping goes back to the OS with the last view of it
 
     def copy_session(self, src_slot: int, dst_slot: int) -> None:
-        self.state_pool[self._rows(dst_slot)].copy_(self.state_pool[self._rows(src_slot)])
+        src = self._session_rows(src_slot)
+        block = self._blocks[src[0] // self._rows_per_block]
+        if block is None or src_slot not in block.in_use:
+            self.reset_session(dst_slot)  # a zero state: no memory for it
+        else:
+            self.write_rows(self._session_rows(dst_slot), self.read_rows(src))
 
     def read_session(self, session_slot: int) -> torch.Tensor:
-        return self.state_pool[self._rows(session_slot)].clone()
+        return self.read_rows(self._session_rows(session_slot))
 
     def write_session(self, session_slot: int, state: torch.Tensor) -> None:
-        self.state_pool[self._rows(session_slot)].copy_(state)
+        self.write_rows(self._session_rows(session_slot), state)
 
     def copy_rows(self, src_rows: list[int], dst_rows: list[int]) -> None:
-        # gathered first, so a row that is both copied and overwritten is copied as it was;
-        # scattered with a copy_ per row (index_copy_ of bf16 rows ran 5x slower)
-        src = self.state_pool.index_select(0, torch.tensor(src_rows, dtype=torch.long))
-        for row, dst in zip(src, dst_rows):
-            self.state_pool[dst].copy_(row)
+        # gathered first, so a row that is both copied and overwritten is copied as it was
+        self.write_rows(dst_rows, self.read_rows(src_rows))
