@@ -16,7 +16,7 @@ from gdn_client import GdnError
 from gdn_loadtest.config import LoadConfig, RunResult
 from gdn_loadtest.echo import echo_server
 from gdn_loadtest.report import format_table, pct_of_echo, pct_of_echo_by_point, write_plots
-from gdn_loadtest.run import run_echo, run_load
+from gdn_loadtest.run import check_capacity, run_echo, run_load
 from gdn_server.tuning import tune_process
 from gdn_loadtest.verify import VerificationError
 from gdn_loadtest.workers import DTYPES
@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each clients value this many times (with --echo: ours then the echo's, alternately)")
     p.add_argument("--processes", type=int, default=1,
                    help="spread each run's clients over this many load processes (default 1; one Python "
-                        "process tops out near 20k steps/s, see the README)")
+                        "load process costs ~40-60 us of CPU per step, so near 64 clients it can be the bound "
+                        "itself: docs/performance.md)")
     p.add_argument("--shared-connection", action="store_true",
                    help="the clients of a load process share one TCP connection (HTTP/2 streams on it; grpc's "
                         "default for alike channels) instead of one connection each, as separate clients have")
@@ -88,10 +89,12 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-async def _run_all(args: argparse.Namespace, echo_address: str | None) -> list[RunResult]:
+async def _run_all(args: argparse.Namespace, echo_address: str | None, results: list[RunResult]) -> None:
     """Per clients value and round: our run, then (with an echo address) the echo's run of the
-    same message sizes right after it, so each pair sees the host in the same state."""
-    results: list[RunResult] = []
+    same message sizes right after it, so each pair sees the host in the same state. Appends each
+    run to `results` as it ends, so a later failure leaves the finished ones there. First checks
+    that the server has sessions for the largest clients value."""
+    await check_capacity(args.target, max(args.clients), args.batch, args.timeout)
     for n in args.clients:
         for round_index in range(args.rounds):
             cfg = LoadConfig(
@@ -107,7 +110,6 @@ async def _run_all(args: argparse.Namespace, echo_address: str | None) -> list[R
             echo = await run_echo(cfg, echo_address, ours.request_bytes, ours.reply_bytes, ours.layers_per_token,
                                   args.processes)
             results.append(dataclasses.replace(echo, round=round_index))
-    return results
 
 
 def results_document(args: argparse.Namespace, results: Sequence[RunResult]) -> dict[str, Any]:
@@ -138,23 +140,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem is not None:
         print(f"gdn-loadtest: {problem}", file=sys.stderr)
         return 2
+    results: list[RunResult] = []
+    failure = None
     try:
         with echo_server() if args.echo else contextlib.nullcontext() as address:
-            results = asyncio.run(_run_all(args, address))
+            asyncio.run(_run_all(args, address, results))
     except GdnError as err:
-        print(f"gdn-loadtest: {err}", file=sys.stderr)
-        return 1
+        failure = f"gdn-loadtest: {err}"
     except VerificationError as err:
-        print(f"gdn-loadtest: --verify: a wrong output: {err}", file=sys.stderr)
-        return 1
-    print(format_table(results))
+        failure = f"gdn-loadtest: --verify: a wrong output: {err}"
+    if results:  # every run that finished, those before a failure too
+        print(format_table(results))
     for r in results:
         for sample in r.error_samples:
             print(f"  {r.kind} x{r.clients} error: {sample}", file=sys.stderr)
-    if args.json is not None:
+    if args.json is not None and results:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results_document(args, results), indent=2))
-    if args.plot is not None:
+    if args.plot is not None and results:
         for path in write_plots(results, args.plot):
             print(f"wrote {path}", file=sys.stderr)
+    if failure is not None:
+        print(failure, file=sys.stderr)
+        return 1
     return 0 if all(r.errors == 0 for r in results) else 1

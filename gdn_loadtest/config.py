@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
-__all__ = ["LoadConfig", "RunResult"]
+__all__ = ["Agreement", "LoadConfig", "RunResult"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,24 @@ class LoadConfig:
     shared_connection: bool = False
     verify: bool = False  # check every output against the reference math (gdn_loadtest.verify)
     server_seed: int = 0  # the server's --seed: its gate parameters, for verify
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How close the outputs --verify checked came to the reference math (gdn_loadtest.verify)."""
+
+    outputs: int  # output numbers checked and found within the tolerance
+    max_error: float  # the largest |o - expected| as a share of its head's largest |expected|
+    max_share: float  # the largest |o - expected| as a share of the error allowed there (<= 1 passes)
+
+    @staticmethod
+    def merge(parts: Iterable["Agreement | None"]) -> "Agreement | None":
+        """Several clients' agreements as one (None when none checked anything)."""
+        found = [p for p in parts if p is not None and p.outputs]
+        if not found:
+            return None
+        return Agreement(sum(p.outputs for p in found), max(p.max_error for p in found),
+                         max(p.max_share for p in found))
 
 
 @dataclass
@@ -55,6 +73,7 @@ class RunResult:
     # against host_cpu's busy_cores, what the load took of a host it shares with the server
     load_cores: float | None = None
     verified: bool = False  # every output was checked against the reference math
+    agreement: Agreement | None = None  # with verified: how close the outputs came to it
 
     def summary(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

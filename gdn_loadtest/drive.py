@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 
 from gdn_client import GdnError
-from gdn_loadtest.config import LoadConfig, RunResult
+from gdn_loadtest.config import Agreement, LoadConfig, RunResult
 from gdn_loadtest.progress import REFRESH_S, ProgressBar, ProgressSink
 
 __all__ = ["ClientTally", "Measured", "drive", "gather_or_cancel", "host_cpu_ticks", "host_cpu_usage",
@@ -70,6 +70,7 @@ class Measured:
     elapsed_s: float
     host_cpu: dict[str, float] | None  # the whole host's CPU over the run (host_cpu_usage)
     cpu_s: float  # CPU seconds of the load's own processes over the run
+    agreement: Agreement | None = None  # with --verify: how close the checked outputs came
 
 
 def host_cpu_ticks() -> list[int] | None:
@@ -183,5 +184,5 @@ def run_result(kind: str, cfg: LoadConfig, layers: int, measured: Measured, requ
         error_samples=[s for t in tallies for s in t.error_samples][:5], latencies_ms=lat_ms.tolist(),
         host_cpu=measured.host_cpu, shared_connection=cfg.shared_connection,
         load_cores=measured.cpu_s / elapsed if elapsed > 0 else None,
-        verified=cfg.verify and kind == "gdn",
+        verified=cfg.verify and kind == "gdn", agreement=measured.agreement,
     )

@@ -26,7 +26,7 @@ import grpc
 import numpy as np
 
 from gdn_client import GdnError
-from gdn_loadtest.config import LoadConfig
+from gdn_loadtest.config import Agreement, LoadConfig
 from gdn_loadtest.drive import ClientTally, Measured, drive, host_cpu_ticks, host_cpu_usage
 from gdn_loadtest.progress import REFRESH_S, ProgressBar
 from gdn_loadtest.verify import VerificationError
@@ -105,7 +105,8 @@ async def spread(
         latencies = np.frombuffer(base64.b64decode(r["latencies"]), dtype=np.float64).tolist()
         tallies.append(ClientTally(latencies, r["errors"], r["error_samples"]))
     cpu_s = own_cpu_s + sum(r["cpu_s"] for r in results)
-    return Measured(tallies, max(r["elapsed"] for r in results), host, cpu_s), results[0]["sizes"]
+    agreement = Agreement.merge(Agreement(**r["agreement"]) if r.get("agreement") else None for r in results)
+    return Measured(tallies, max(r["elapsed"] for r in results), host, cpu_s, agreement), results[0]["sizes"]
 
 
 async def _child_line(child: asyncio.subprocess.Process, index: int, timeout: float) -> tuple[str, str]:
@@ -182,6 +183,7 @@ async def _child(spec: dict[str, Any]) -> dict[str, Any]:
         await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
     w0 = workers[0]
     latencies = np.array([x for t in measured.tallies for x in t.latencies], dtype=np.float64)
+    agreement = Agreement.merge(w.verifier.agreement() for w in workers if spec["kind"] == "gdn" and w.verifier is not None)
     return {
         "elapsed": measured.elapsed_s, "cpu_s": measured.cpu_s,
         "latencies": base64.b64encode(latencies.tobytes()).decode(),
@@ -189,6 +191,7 @@ async def _child(spec: dict[str, Any]) -> dict[str, Any]:
         "error_samples": [m for t in measured.tallies for m in t.error_samples][:5],
         # what a gdn step measured (its sizes are the echo's inputs; the echo's own are known)
         "sizes": [w0.layers, w0.request_bytes, w0.reply_bytes] if spec["kind"] == "gdn" else None,
+        "agreement": None if agreement is None else dataclasses.asdict(agreement),
     }
 
 

@@ -7,7 +7,8 @@ from typing import Sequence
 
 import numpy as np
 
-from gdn_loadtest.config import RunResult
+from gdn_loadtest.config import Agreement, RunResult
+from gdn_loadtest.verify import TOLERANCE_TEXT
 
 __all__ = ["format_table", "pct_of_echo", "pct_of_echo_by_point", "write_plots"]
 
@@ -36,8 +37,11 @@ def format_table(results: Sequence[RunResult]) -> str:
         if len(values) > 1:
             lines.append(f"{mode} x{clients}: median {statistics.median(values):.1f}% of echo over "
                          f"{len(values)} rounds ({', '.join(f'{v:.1f}' for v in values)})")
-    if any(r.verified for r in results):
-        lines.append("every output of every step matched the reference math (--verify)")
+    agreement = Agreement.merge(r.agreement for r in results if r.verified)
+    if agreement is not None:
+        lines.append(f"--verify: all {agreement.outputs:,} output numbers matched the reference math within "
+                     f"{TOLERANCE_TEXT}; the largest error was {100 * agreement.max_error:.3g}% of its head's "
+                     f"largest output, {100 * agreement.max_share:.3g}% of the error allowed there")
     return "\n".join(lines)
 
 

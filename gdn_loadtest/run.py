@@ -8,25 +8,38 @@ from typing import Any
 
 import grpc
 
-from gdn_client import GdnError, Stats
-from gdn_loadtest.config import LoadConfig, RunResult
+from gdn_client import GdnError, ModelInfo, Stats
+from gdn_loadtest.config import Agreement, LoadConfig, RunResult
 from gdn_loadtest.drive import drive, run_result
 from gdn_loadtest.processes import spread
 from gdn_loadtest.workers import EchoWorker, GdnWorker, server_view
 
-__all__ = ["run_load", "run_echo"]
+__all__ = ["check_capacity", "run_load", "run_echo"]
+
+
+def _check_free_sessions(info: ModelInfo, target: str, clients: int, batch: int) -> None:
+    """RESOURCE_EXHAUSTED unless the server has a session free for each of `clients` x `batch`."""
+    free = info.max_sessions - info.sessions_in_use
+    if clients * batch > free:
+        raise GdnError(
+            f"{clients} clients x {batch} sessions (--batch) need {clients * batch} sessions at once; the server at "
+            f"{target} has {free} free ({info.max_sessions} in all, {info.sessions_in_use} in use): start it with "
+            f"a larger --max-sessions or run fewer clients", grpc.StatusCode.RESOURCE_EXHAUSTED,
+        )
+
+
+async def check_capacity(target: str, clients: int, batch: int, timeout: float) -> None:
+    """Before any run: the server has a session free for each of `clients` x `batch` (the largest
+    run of a list), or GdnError RESOURCE_EXHAUSTED saying how many it has."""
+    info, _ = await server_view(target, timeout)
+    _check_free_sessions(info, target, clients, batch)
 
 
 async def run_load(cfg: LoadConfig, processes: int = 1) -> RunResult:
     """One load run against a gdn server (one clients value), its clients in `processes` processes.
     With cfg.verify a wrong output raises VerificationError."""
     info, _ = await server_view(cfg.target, cfg.timeout)
-    free = info.max_sessions - info.sessions_in_use
-    if cfg.clients * cfg.batch > free:
-        raise GdnError(
-            f"{cfg.clients} clients x {cfg.batch} sessions need {cfg.clients * cfg.batch} sessions; "
-            f"the server has {free} free (--max-sessions)", grpc.StatusCode.RESOURCE_EXHAUSTED,
-        )
+    _check_free_sessions(info, cfg.target, cfg.clients, cfg.batch)  # other clients may have come meanwhile
     before: Stats | None = None
 
     async def snapshot() -> None:
@@ -46,6 +59,9 @@ async def run_load(cfg: LoadConfig, processes: int = 1) -> RunResult:
             _, after = await server_view(cfg.target, cfg.timeout)
         finally:
             await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+        if cfg.verify:
+            measured = dataclasses.replace(measured, agreement=Agreement.merge(
+                w.verifier.agreement() for w in workers if w.verifier is not None))
         w0 = workers[0]
         layers, request_bytes, reply_bytes = w0.layers, w0.request_bytes, w0.reply_bytes
     delta = after.since(before) if before is not None else after

@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from gdn_client import ModelInfo
+from gdn_loadtest.config import Agreement
 
 if TYPE_CHECKING:
     from gdn_server.weights import GateParams
 
 __all__ = ["VerificationError", "StateVerifier", "gate_params_from_seed", "reference_step",
-           "ABS_TOLERANCE", "REL_TOLERANCE"]
+           "ABS_TOLERANCE", "REL_TOLERANCE", "TOLERANCE_TEXT"]
 
 # An output is right when |o - expected| <= REL_TOLERANCE * |expected| + ABS_TOLERANCE * (the
 # largest |expected| of its session, token and head). bfloat16 keeps 8 significant bits: rounding
@@ -39,6 +40,7 @@ __all__ = ["VerificationError", "StateVerifier", "gate_params_from_seed", "refer
 # several times that largest output within a few steps.
 REL_TOLERANCE = 2.0 ** -7
 ABS_TOLERANCE = 2.0 ** -4
+TOLERANCE_TEXT = "|error| <= 2^-7 x |expected| + 2^-4 x the largest |expected| of its session, token and head"
 
 
 class VerificationError(Exception):
@@ -100,6 +102,9 @@ class StateVerifier:
         self.server_seed = server_seed
         B, HV, V, K = len(self.session_ids), info.num_v_heads, info.head_dim_v, info.head_dim_k
         self.states = torch.zeros(layers, B, HV, V, K)
+        self.outputs = 0
+        self.max_error = 0.0
+        self.max_share = 0.0
         # process-wide: torch's intra-op threads spin after each parallel region, taking the cores
         # the server and the other clients need (a verified run went 450 -> 13 steps/s on 2
         # cores); a step's math here is small enough for one thread
@@ -119,6 +124,9 @@ class StateVerifier:
         allowed = REL_TOLERANCE * expected.abs() + ABS_TOLERANCE * head_scale
         bad = ~(error <= allowed)  # NaN in the output is a mismatch too
         if not bool(bad.any()):
+            self.outputs += error.numel()
+            self.max_error = max(self.max_error, float((error / head_scale.clamp_min(1e-30)).max()))
+            self.max_share = max(self.max_share, float((error / allowed.clamp_min(1e-30)).max()))
             return
         excess = torch.where(bad, error / allowed.clamp_min(1e-30), torch.zeros(()))
         excess = torch.nan_to_num(excess, nan=float("inf"))
@@ -127,7 +135,12 @@ class StateVerifier:
         raise VerificationError(
             f"session {self.session_ids[row]} layer {layer} step at position {position} (token {token}, "
             f"value head {head}, index {index}): output {float(output[worst]):.6g}, expected "
-            f"{float(expected[worst]):.6g} (allowed error there {float(allowed[worst]):.3g}); max |error| over the step {float(error.nan_to_num(float('inf')).max()):.3g}, "
-            f"{int(bad.sum())} of {bad.numel()} outputs beyond the tolerance (the server's gates are taken from "
-            f"--server-seed {self.server_seed}: was it started with --seed {self.server_seed} and no --weights?)"
+            f"{float(expected[worst]):.6g} (allowed error there {float(allowed[worst]):.3g}); max |error| over the "
+            f"step {float(error.nan_to_num(float('inf')).max()):.3g}, {int(bad.sum())} of {bad.numel()} outputs "
+            f"beyond the tolerance, {TOLERANCE_TEXT} (the server's gates are taken from --server-seed "
+            f"{self.server_seed}: was it started with --seed {self.server_seed} and no --weights?)"
         )
+
+    def agreement(self) -> Agreement:
+        """The outputs this verifier has passed so far, and how close they came."""
+        return Agreement(self.outputs, self.max_error, self.max_share)

@@ -208,10 +208,39 @@ def test_unary_console_script(small_server, tmp_path):
     assert run["layers_per_token"] == 2 and run["server"]["requests"] == 30
 
 
-def test_too_many_sessions_is_a_clear_error(small_server, capsys):
-    rc = cli.main(["--target", small_server.address, "--clients", "65", "--requests", "1", "--no-progress"])
+def test_too_many_sessions_is_refused_before_any_run(small_server, capsys):
+    """The largest clients value is checked against the server's free sessions before the first
+    run: no run starts, and the message says what is needed and what the server has."""
+    rc = cli.main(["--target", small_server.address, "--clients", "1,65", "--requests", "1", "--no-progress"])
     assert rc == 1
-    assert "sessions" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert captured.out == ""  # not even the 1-client run
+    assert "65 clients x 1 sessions (--batch) need 65 sessions at once" in captured.err
+    assert "has 64 free (64 in all, 0 in use)" in captured.err and "--max-sessions" in captured.err
+
+
+def test_a_run_that_fails_later_leaves_the_finished_rows(monkeypatch, tmp_path, capsys):
+    """The server goes away after the first of two runs: the first run's row is still printed
+    (and written to --json) before the second's error, and the exit code is 1."""
+    from servers import SMALL_MODEL, start_server
+
+    real_run_load = cli.run_load
+    with start_server(*SMALL_MODEL, "--max-sessions", "4") as server:
+        async def run_then_stop_the_server(cfg, processes=1):
+            if cfg.clients == 2:
+                server.stop()
+            return await real_run_load(cfg, processes)
+
+        monkeypatch.setattr(cli, "run_load", run_then_stop_the_server)
+        out = tmp_path / "partial.json"
+        rc = cli.main(["--target", server.address, "--clients", "1,2", "--requests", "5", "--timeout", "5",
+                       "--json", str(out), "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert [row[:3] for row in _table_rows(captured.out)] == [["gdn", "stream", "1"]]
+    assert "gdn-loadtest: " in captured.err and "UNAVAILABLE" in captured.err
+    (run,) = _runs(out)
+    assert run["clients"] == 1 and run["steps"] == 5
 
 
 class _Terminal(io.StringIO):
@@ -242,9 +271,10 @@ def test_the_progress_bar_knows_the_runs_end_and_shows_only_on_a_terminal(small_
     assert capsys.readouterr().err == ""
 
 
-def test_verify_checks_every_output_against_the_reference_math(small_server, tmp_path):
+def test_verify_checks_every_output_against_the_reference_math(small_server, tmp_path, capsys):
     """--verify with the server's seed: every output matches (T=2, B=2, stream; and unary over two
-    load processes, each checking its own clients)."""
+    load processes, each checking its own clients), and the report gives the largest error and
+    the tolerance."""
     out = tmp_path / "verify.json"
     for flags in (["--mode", "stream", "--clients", "2"], ["--mode", "unary", "--clients", "3", "--processes", "2"]):
         rc = cli.main(["--target", small_server.address, *flags, "--requests", "60", "--batch", "2", "--tokens", "2",
@@ -252,6 +282,14 @@ def test_verify_checks_every_output_against_the_reference_math(small_server, tmp
         assert rc == 0
         (run,) = _runs(out)
         assert run["verified"] and run["steps"] == 60 and run["errors"] == 0
+        agreement = run["agreement"]
+        # every output number of the measured steps and of each client's warm-up step: B x T x HV x V each
+        clients = int(flags[flags.index("--clients") + 1])
+        assert agreement["outputs"] == (60 + clients) * 2 * 2 * 4 * 128
+        assert 0 < agreement["max_error"] < 0.05 and 0 < agreement["max_share"] <= 1
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("--verify:"))
+        assert f"all {agreement['outputs']:,} output numbers matched" in line and verify.TOLERANCE_TEXT in line
+        assert f"{100 * agreement['max_error']:.3g}% of its head's largest output" in line
 
 
 @pytest.mark.parametrize("processes", [1, 2])
