@@ -10,7 +10,8 @@
 ...             o = s.decode(layer, torch.randn(1, H, K), torch.randn(1, H, K),
 ...                          torch.randn(1, HV, K), torch.randn(1, HV), torch.randn(1, HV))
 
-`AsyncClient` is the asyncio twin; `Client.stream()` pipelines steps over DecodeStream.
+`AsyncClient` is the asyncio twin; `Client.stream()` pipelines steps over DecodeStream;
+`Client.shared_memory()` passes tensors by reference to a server on the same host.
 All failures raise `GdnError` (``.code`` is the grpc.StatusCode). A host running several server
 processes (``gdn-server --processes K``) is reached through its one address: the client sends
 each session's calls to the process it lives in. `ReplicaSet` spreads sessions over hosts.
@@ -24,11 +25,12 @@ from typing import TYPE_CHECKING, Any
 # only the error types or options, the stubs (`gdn_client.proto`) or `gdn_client.proto.checks`
 # then loads no torch (~2 s of CPU and ~200 MB).
 _EXPORTS = {
-    "AsyncClient": "_aio", "AsyncSession": "_aio",
+    "AsyncClient": "_aio", "AsyncSession": "_aio", "AsyncSpeculation": "_aio",
     "Client": "_client", "Session": "_client", "Speculation": "_client",
-    "ReplicaSet": "_replicas",
+    "ReplicaSet": "_replicas", "AsyncReplicaSet": "_replicas",
+    "SharedMemory": "_shared_memory", "AsyncSharedMemory": "_shared_memory",
     "ExportedState": "_sessions_ext",
-    "DeviceInfo": "_codec", "ModelInfo": "_codec", "Stats": "_codec",
+    "DeviceInfo": "_info", "ModelInfo": "_info", "Stats": "_info",
     "DeadlineExceededError": "_errors", "FailedPreconditionError": "_errors", "GdnError": "_errors",
     "InvalidArgumentError": "_errors", "NotFoundError": "_errors", "ResourceExhaustedError": "_errors",
     "UnauthenticatedError": "_errors", "UnavailableError": "_errors",
@@ -37,9 +39,9 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the plain imports
-    from gdn_client._aio import AsyncClient, AsyncSession
+    from gdn_client._aio import AsyncClient, AsyncSession, AsyncSpeculation
     from gdn_client._client import Client, Session, Speculation
-    from gdn_client._codec import DeviceInfo, ModelInfo, Stats
+    from gdn_client._info import DeviceInfo, ModelInfo, Stats
     from gdn_client._errors import (
         DeadlineExceededError,
         FailedPreconditionError,
@@ -51,7 +53,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the plain imports
         UnavailableError,
     )
     from gdn_client._options import ClientOptions
-    from gdn_client._replicas import ReplicaSet
+    from gdn_client._replicas import AsyncReplicaSet, ReplicaSet
+    from gdn_client._shared_memory import AsyncSharedMemory, SharedMemory
     from gdn_client._sessions_ext import ExportedState
     from gdn_client._stream import AsyncDecodeStream, DecodeStream
 
@@ -72,7 +75,10 @@ def __dir__() -> list[str]:
 __all__ = [
     "AsyncClient",
     "AsyncDecodeStream",
+    "AsyncReplicaSet",
     "AsyncSession",
+    "AsyncSharedMemory",
+    "AsyncSpeculation",
     "Client",
     "ClientOptions",
     "DeadlineExceededError",
@@ -87,6 +93,7 @@ __all__ = [
     "ReplicaSet",
     "ResourceExhaustedError",
     "Session",
+    "SharedMemory",
     "Speculation",
     "Stats",
     "UnauthenticatedError",

@@ -1,39 +1,32 @@
-"""The asyncio client: `AsyncClient` and `AsyncSession`.
-
-Same surface as the blocking client, with ``await``; request building, position bookkeeping and
-reply parsing are the shared ones from `gdn_client._codec`.
+"""The asyncio client: `AsyncClient` and `AsyncSession`: the operations of gdn_client._calls run
+with awaited grpc.aio stubs. Same surface as the blocking client, with ``await``.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Sequence, TypeVar
 
 import grpc
 import grpc.aio
 import torch
 
-from gdn_client._codec import (
-    ModelInfo,
-    PreparedStep,
-    SessionCursor,
-    Stats,
-    TensorLike,
-    model_info_from_proto,
-    prepare_step,
-    stats_from_proto,
-)
-from gdn_client._errors import GdnError, NotFoundError, ResourceExhaustedError, error_from_rpc
+from gdn_client import _calls
+from gdn_client._calls import STREAM_OUT, UNARY, Call, Op
+from gdn_client._errors import error_from_rpc
+from gdn_client._info import ModelInfo, Stats
 from gdn_client._options import ClientOptions
 from gdn_client._routing import ProcessRoutes
 from gdn_client._sessions_ext import ExportedState
+from gdn_client._shared_memory import AsyncSharedMemory, Region
+from gdn_client._steps import PreparedStep, SessionCursor, TensorLike, prepare_step
 from gdn_client._stream import AsyncDecodeStream
-from gdn_client.proto.gdn.v1 import gdn_pb2
 
-__all__ = ["AsyncClient", "AsyncSession"]
+__all__ = ["AsyncClient", "AsyncSession", "AsyncSpeculation"]
 
 logger = logging.getLogger("gdn_client")
+_R = TypeVar("_R")
 
 
 def make_aio_channel(target: str, options: ClientOptions) -> grpc.aio.Channel:
@@ -67,6 +60,9 @@ class AsyncClient:
         )
         self._channel = self._routes.channel  # the target's
         self._metadata = self.options.call_metadata()
+        self._regions: list[Region] = []  # shared-memory regions of this client (shared_memory())
+
+    # -- plumbing ------------------------------------------------------------------------------
 
     async def _call(self, method: Any, request: Any, *, retry: bool = False) -> Any:
         delays = self.options.backoff_delays() if retry else iter(())
@@ -81,56 +77,38 @@ class AsyncClient:
             logger.info("%s; retrying in %.3f s", err, delay)
             await asyncio.sleep(delay)
 
-    async def _learn_processes(self) -> None:
-        """Asks the target for the server's processes unless known (see `Client`)."""
-        if not self._routes.known:
-            self._routes.learn(
-                await self._call(self._routes.stub.GetModelInfo, gdn_pb2.GetModelInfoRequest(), retry=True)
-            )
+    async def _perform(self, call: Call) -> Any:
+        """One RPC of an operation (gdn_client._calls), on the stub of its process."""
+        method = getattr(self._routes.stub_of(call.process), call.method)
+        if call.kind == UNARY:
+            return await self._call(method, call.request, retry=call.retry)
+        try:
+            if call.kind == STREAM_OUT:
+                rpc = method(call.request, timeout=self.options.timeout, metadata=self._metadata)
+                return [reply async for reply in rpc]
+            return await method(iter(call.request), timeout=self.options.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    async def _run(self, op: Op[_R]) -> _R:
+        return await _calls.drive_async(op, self._perform)
 
     async def _stub_of(self, process: int | None) -> Any:
-        """The stub of server process `process` (None: the target)."""
+        """The stub of server process `process` (None: the target), its processes learned first."""
         if process is not None:
-            await self._learn_processes()
+            await self._run(_calls.learn_processes(self._routes))
         return self._routes.stub_of(process)
 
-    async def _stub_for(self, *session_ids: str) -> Any:
-        """The stub of the process these sessions live in (FailedPreconditionError if several)."""
-        return await self._stub_of(self._routes.home(session_ids))
-
-    async def _on_a_process_with_room(self, send: Callable[[Any], Awaitable[Any]]) -> Any:
-        """`await send(stub)` on the server's processes in new-session order, until one is not full."""
-        await self._learn_processes()
-        order = self._routes.new_session_order()
-        for process in order:
-            try:
-                return await send(self._routes.stub_of(process))
-            except ResourceExhaustedError as err:
-                full = err
-        raise self._routes.all_full(full)
-
     async def _run_step(self, step: PreparedStep) -> torch.Tensor:
-        try:
-            stub = await self._stub_for(*step.request.session_ids)
-        except GdnError as err:
-            step.fail(err)  # not sent
-            raise
-        except asyncio.CancelledError:
-            step.fail(GdnError("cancelled"))
-            raise
-        try:
-            reply = await self._call(stub.Decode, step.request, retry=True)
-        except GdnError as err:
-            step.fail(err, in_doubt=err.retryable)
-            raise
-        except asyncio.CancelledError:
-            step.fail(GdnError("cancelled"), in_doubt=True)
-            raise
-        return step.complete(reply)
+        return await self._run(_calls.run_step(self._routes, step))
 
-    async def _close(self, session_id: str, *, retry: bool) -> None:
-        request = gdn_pb2.CloseSessionRequest(session_id=session_id)
-        await self._call((await self._stub_for(session_id)).CloseSession, request, retry=retry)
+    async def _register(self, region: Region, process: int | None) -> None:
+        await self._run(_calls.register(region, process))
+
+    async def _unregister(self, region: Region, process: int | None) -> None:
+        await self._run(_calls.unregister(region, process))
+
+    # -- public API ----------------------------------------------------------------------------
 
     async def model_info(self) -> ModelInfo:
         """The served model's shape and capacity; on a host of several server processes, the
@@ -141,27 +119,11 @@ class AsyncClient:
         ...         info = await client.model_info()
         ...         return info.max_sessions - info.sessions_in_use
         """
-        request = gdn_pb2.GetModelInfoRequest()
-        target_info = await self._call(self._routes.stub.GetModelInfo, request, retry=True)
-        self._routes.learn(target_info)
-        processes = self._routes.other_processes()
-        replies = await asyncio.gather(
-            *(self._call(self._routes.stub_of(p).GetModelInfo, request, retry=True) for p in processes),
-            return_exceptions=True,
-        )
-        others = []
-        for process, reply in zip(processes, replies):
-            if isinstance(reply, GdnError):
-                logger.warning("server process %d left out of model_info: %s", process, reply)
-            elif isinstance(reply, BaseException):
-                raise reply
-            else:
-                others.append(reply)
-        return model_info_from_proto(target_info, *others)
+        return await self._run(_calls.model_info(self._routes))
 
     async def stats(self) -> Stats:
         """The target server process's counters (launches, rows per launch, requests)."""
-        return stats_from_proto(await self._call(self._routes.stub.GetStats, gdn_pb2.GetStatsRequest(), retry=True))
+        return await self._run(_calls.stats())
 
     async def create_session(self, colocate_with: "AsyncSession | str | None" = None) -> "AsyncSession":
         """Creates a session; close it with ``await s.close()`` or use ``async with``.
@@ -174,14 +136,7 @@ class AsyncClient:
         ...     return s, await client.create_session(colocate_with=s)
         """
         buddy = colocate_with.id if isinstance(colocate_with, AsyncSession) else (colocate_with or "")
-        if buddy:
-            request = gdn_pb2.CreateSessionRequest(colocate_with=buddy)
-            reply = await self._call((await self._stub_for(buddy)).CreateSession, request)
-        else:
-            reply = await self._on_a_process_with_room(
-                lambda stub: self._call(stub.CreateSession, gdn_pb2.CreateSessionRequest())
-            )
-        return AsyncSession(self, reply.session_id)
+        return AsyncSession(self, await self._run(_calls.create_session(self._routes, buddy)))
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator["AsyncSession"]:
@@ -197,7 +152,7 @@ class AsyncClient:
         if isinstance(session, AsyncSession):
             await session.close()
             return
-        await self._close(session, retry=False)
+        await self._run(_calls.close_session(self._routes, session, retry=False))
 
     async def decode_batch(
         self,
@@ -208,10 +163,14 @@ class AsyncClient:
         v: TensorLike,
         a: TensorLike,
         b: TensorLike,
+        *,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One atomic step for B sessions of one server process and device (see
-        `Client.decode_batch`): [B, T, ...] inputs, bf16 o [B, T, HV, V]."""
-        step = prepare_step(layer, [s._cursor for s in sessions], q, k, v, a, b, single=False)
+        `Client.decode_batch`): [B, T, ...] inputs, bf16 o [B, T, HV, V] (written into ``out``
+        where given, a tensor of the client's `shared_memory`)."""
+        step = prepare_step(layer, [s._cursor for s in sessions], q, k, v, a, b, single=False,
+                            regions=self._regions, out=out)
         return await self._run_step(step)
 
     async def import_state(self, exported: ExportedState) -> "AsyncSession":
@@ -222,19 +181,21 @@ class AsyncClient:
         ...     await session.close()
         ...     return moved
         """
+        return AsyncSession(self, await self._run(_calls.import_state(self._routes, exported)))
 
-        async def send(stub: Any) -> Any:
-            try:
-                return await stub.ImportState(
-                    iter(list(exported.chunks())), timeout=self.options.timeout, metadata=self._metadata
-                )
-            except grpc.RpcError as exc:
-                raise error_from_rpc(exc) from None
+    async def shared_memory(self, byte_size: int, device: str | torch.device = "cpu") -> AsyncSharedMemory:
+        """A registered region of shared memory (see `Client.shared_memory`).
 
-        reply = await self._on_a_process_with_room(send)
-        session = AsyncSession(self, reply.session_id)
-        session._cursor._adopt(list(exported.header.positions))
-        return session
+        >>> async with await client.shared_memory(16 << 20) as shm:   # doctest: +SKIP
+        ...     q = shm.tensor((1, 16, 128))
+        """
+        region = Region(byte_size, device)
+        try:
+            await self._register(region, None)
+        except BaseException:
+            region.close()
+            raise
+        return AsyncSharedMemory(self, region)
 
     def stream(self) -> AsyncDecodeStream:
         """Opens a pipelined DecodeStream (``async with client.stream() as st``)."""
@@ -258,9 +219,11 @@ class AsyncClient:
 class AsyncSession:
     """The asyncio counterpart of `Session`."""
 
-    def __init__(self, client: AsyncClient, session_id: str) -> None:
+    def __init__(self, client: AsyncClient, session: "str | SessionCursor") -> None:
+        """The session of id `session` on `client`'s server (its positions start from the
+        client's view: none taken yet)."""
         self._client = client
-        self._cursor = SessionCursor(session_id)
+        self._cursor = session if isinstance(session, SessionCursor) else SessionCursor(session)
 
     @property
     def id(self) -> str:
@@ -276,56 +239,42 @@ class AsyncSession:
 
     async def decode(
         self, layer: int, q: TensorLike, k: TensorLike, v: TensorLike, a: TensorLike, b: TensorLike,
-        *, speculative: bool = False,
+        *, speculative: bool = False, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One step of T tokens at ``layer``: [T, ...] inputs, bf16 o [T, HV, V]. ``speculative``:
-        a draft step that `commit` settles (see `Session.speculate`)."""
-        step = prepare_step(layer, [self._cursor], q, k, v, a, b, single=True, speculative=speculative)
+        a draft step that `commit` settles (prefer `speculate`); ``out``: see `Session.decode`."""
+        step = prepare_step(layer, [self._cursor], q, k, v, a, b, single=True, speculative=speculative,
+                            regions=self._client._regions, out=out)
         return await self._client._run_step(step)
 
     async def commit(self, accepted: int) -> dict[int, int]:
         """Keeps the first ``accepted`` tokens of every open speculative step; returns positions."""
-        stub = await self._client._stub_for(self.id)
-        reply = await self._client._call(
-            stub.Commit, gdn_pb2.CommitRequest(session_id=self.id, accepted=accepted), retry=True
-        )
-        self._cursor._adopt(list(reply.positions))
-        return self.positions
+        return await self._client._run(_calls.commit(self._client._routes, self._cursor, accepted))
+
+    def speculate(self) -> "AsyncSpeculation":
+        """A draft-and-verify step over every layer (see `Session.speculate`).
+
+        >>> async with session.speculate() as spec:                      # doctest: +SKIP
+        ...     for layer in range(info.num_layers):
+        ...         o = await spec.decode(layer, q[layer], k[layer], v[layer], a[layer], b[layer])
+        ...     await spec.commit(verify(o))
+        """
+        return AsyncSpeculation(self)
 
     async def fork(self) -> "AsyncSession":
         """A copy of this session (states and positions) on the same device; not retried."""
-        self._cursor._require_settled("fork()")
-        stub = await self._client._stub_for(self.id)
-        reply = await self._client._call(stub.ForkSession, gdn_pb2.ForkSessionRequest(session_id=self.id))
-        child = AsyncSession(self._client, reply.session_id)
-        child._cursor._adopt(self._cursor.positions())
-        return child
+        return AsyncSession(self._client, await self._client._run(_calls.fork(self._client._routes, self._cursor)))
 
     async def export(self) -> ExportedState:
         """This session's state and positions (see `AsyncClient.import_state`)."""
-        self._cursor._require_settled("export()")
-        stub = await self._client._stub_for(self.id)
-        call = stub.ExportState(
-            gdn_pb2.ExportStateRequest(session_id=self.id), timeout=self._client.options.timeout,
-            metadata=self._client._metadata,
-        )
-        try:
-            return ExportedState.from_chunks([chunk async for chunk in call])
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
+        return await self._client._run(_calls.export_state(self._client._routes, self._cursor))
 
     async def recover(self) -> list[torch.Tensor]:
         """Resends steps whose outcome stayed unknown after the last retry."""
-        return [await self._client._run_step(step) for step in self._cursor.in_doubt()]
+        return await self._client._run(_calls.recover(self._client._routes, self._cursor))
 
     async def close(self) -> None:
-        if self._cursor.closed:
-            return
-        self._cursor.closed = True
-        try:
-            await self._client._close(self.id, retry=True)
-        except NotFoundError:
-            pass
+        await self._client._run(_calls.close_cursor(self._client._routes, self._cursor))
 
     async def __aenter__(self) -> "AsyncSession":
         return self
@@ -335,3 +284,28 @@ class AsyncSession:
 
     def __repr__(self) -> str:
         return f"AsyncSession({self.id!r})"
+
+
+class AsyncSpeculation:
+    """An open draft step of one `AsyncSession` (see `AsyncSession.speculate`)."""
+
+    def __init__(self, session: AsyncSession) -> None:
+        self.session = session
+        self.committed: dict[int, int] | None = None
+
+    async def decode(self, layer: int, q: TensorLike, k: TensorLike, v: TensorLike, a: TensorLike,
+                     b: TensorLike) -> torch.Tensor:
+        """A speculative step of T draft tokens at ``layer``; returns bf16 o [T, HV, V]."""
+        return await self.session.decode(layer, q, k, v, a, b, speculative=True)
+
+    async def commit(self, accepted: int) -> dict[int, int]:
+        """Keeps the first ``accepted`` tokens at every layer; returns the positions afterwards."""
+        self.committed = await self.session.commit(accepted)
+        return self.committed
+
+    async def __aenter__(self) -> "AsyncSpeculation":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.committed is None:
+            await self.commit(0)

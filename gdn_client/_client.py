@@ -1,4 +1,5 @@
-"""The synchronous client: `Client` and its `Session`."""
+"""The synchronous client: `Client` and its `Session`: the operations of gdn_client._calls run
+with blocking stubs."""
 from __future__ import annotations
 
 import logging
@@ -8,21 +9,15 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 import grpc
 import torch
 
-from gdn_client._codec import (
-    ModelInfo,
-    PreparedStep,
-    SessionCursor,
-    Stats,
-    TensorLike,
-    model_info_from_proto,
-    prepare_step,
-    stats_from_proto,
-)
-from gdn_client._errors import GdnError, NotFoundError, ResourceExhaustedError, error_from_rpc
+from gdn_client import _calls
+from gdn_client._calls import STREAM_OUT, UNARY, Call, Op
+from gdn_client._errors import error_from_rpc
+from gdn_client._info import ModelInfo, Stats
 from gdn_client._options import ClientOptions
 from gdn_client._routing import ProcessRoutes
 from gdn_client._sessions_ext import ExportedState
-from gdn_client.proto.gdn.v1 import gdn_pb2
+from gdn_client._shared_memory import Region, SharedMemory
+from gdn_client._steps import PreparedStep, SessionCursor, TensorLike, prepare_step
 
 if TYPE_CHECKING:
     from gdn_client._stream import DecodeStream
@@ -70,6 +65,7 @@ class Client:
         self._routes: ProcessRoutes[grpc.Channel] = ProcessRoutes(target, lambda t: make_channel(t, self.options))
         self._channel = self._routes.channel  # the target's
         self._metadata = self.options.call_metadata()
+        self._regions: list[Region] = []  # shared-memory regions of this client (shared_memory())
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -87,49 +83,38 @@ class Client:
             logger.info("%s; retrying in %.3f s", err, delay)
             time.sleep(delay)
 
-    def _learn_processes(self) -> None:
-        """Asks the target for the server's processes, unless they are known."""
-        if not self._routes.known:
-            self._routes.learn(self._call(self._routes.stub.GetModelInfo, gdn_pb2.GetModelInfoRequest(), retry=True))
+    def _perform(self, call: Call) -> Any:
+        """One RPC of an operation (gdn_client._calls), on the stub of its process."""
+        method = getattr(self._routes.stub_of(call.process), call.method)
+        if call.kind == UNARY:
+            return self._call(method, call.request, retry=call.retry)
+        try:
+            if call.kind == STREAM_OUT:
+                return list(method(call.request, timeout=self.options.timeout, metadata=self._metadata))
+            return method(iter(call.request), timeout=self.options.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    def _run(self, op: Op[_R]) -> _R:
+        return _calls.drive(op, self._perform)
 
     def _stub_of(self, process: int | None) -> Any:
-        """The stub of server process `process` (None: the target)."""
+        """The stub of server process `process` (None: the target), its processes learned first."""
         if process is not None:
-            self._learn_processes()
+            self._run(_calls.learn_processes(self._routes))
         return self._routes.stub_of(process)
 
-    def _stub_for(self, *session_ids: str) -> Any:
-        """The stub of the process these sessions live in; FailedPreconditionError if they live
-        in different ones."""
-        return self._stub_of(self._routes.home(session_ids))
-
-    def _on_a_process_with_room(self, send: Callable[[Any], _R]) -> _R:
-        """`send(stub)` to the server's processes in new-session order, until one is not full."""
-        self._learn_processes()
-        order = self._routes.new_session_order()
-        for process in order:
-            try:
-                return send(self._routes.stub_of(process))
-            except ResourceExhaustedError as err:
-                full = err
-        raise self._routes.all_full(full)
-
     def _run_step(self, step: PreparedStep) -> torch.Tensor:
-        try:
-            stub = self._stub_for(*step.request.session_ids)
-        except GdnError as err:
-            step.fail(err)  # not sent
-            raise
-        try:
-            reply = self._call(stub.Decode, step.request, retry=True)
-        except GdnError as err:
-            step.fail(err, in_doubt=err.retryable)
-            raise
-        return step.complete(reply)
+        return self._run(_calls.run_step(self._routes, step))
+
+    def _register(self, region: Region, process: int | None) -> None:
+        self._run(_calls.register(region, process))
+
+    def _unregister(self, region: Region, process: int | None) -> None:
+        self._run(_calls.unregister(region, process))
 
     def _close(self, session_id: str, *, retry: bool) -> None:
-        request = gdn_pb2.CloseSessionRequest(session_id=session_id)
-        self._call(self._stub_for(session_id).CloseSession, request, retry=retry)
+        self._run(_calls.close_session(self._routes, session_id, retry))
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -144,21 +129,12 @@ class Client:
         ...     info = client.model_info()
         ...     free = info.max_sessions - info.sessions_in_use
         """
-        request = gdn_pb2.GetModelInfoRequest()
-        target_info = self._call(self._routes.stub.GetModelInfo, request, retry=True)
-        self._routes.learn(target_info)
-        others = []
-        for process in self._routes.other_processes():
-            try:
-                others.append(self._call(self._routes.stub_of(process).GetModelInfo, request, retry=True))
-            except GdnError as err:
-                logger.warning("server process %d left out of model_info: %s", process, err)
-        return model_info_from_proto(target_info, *others)
+        return self._run(_calls.model_info(self._routes))
 
     def stats(self) -> Stats:
         """The target server process's counters (launches, rows per launch, requests); on a host of
         several processes, those of the one at ``target`` only."""
-        return stats_from_proto(self._call(self._routes.stub.GetStats, gdn_pb2.GetStatsRequest(), retry=True))
+        return self._run(_calls.stats())
 
     def create_session(self, colocate_with: "Session | str | None" = None) -> "Session":
         """Creates a session (its state starts at zero); close it, or use it as a context manager.
@@ -172,15 +148,7 @@ class Client:
         ...     buddy = client.create_session(colocate_with=s)
         ...     o = client.decode_batch(0, [s, buddy], q, k, v, a, b)   # [2, T, ...] inputs
         """
-        buddy = _session_id(colocate_with)
-        if buddy:
-            request = gdn_pb2.CreateSessionRequest(colocate_with=buddy)
-            reply = self._call(self._stub_for(buddy).CreateSession, request)
-        else:
-            reply = self._on_a_process_with_room(
-                lambda stub: self._call(stub.CreateSession, gdn_pb2.CreateSessionRequest())
-            )
-        return Session(self, reply.session_id)
+        return Session(self, self._run(_calls.create_session(self._routes, _session_id(colocate_with))))
 
     def session(self) -> "Session":
         """Same as `create_session`; reads well as ``with client.session() as s:``."""
@@ -202,14 +170,18 @@ class Client:
         v: TensorLike,
         a: TensorLike,
         b: TensorLike,
+        *,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One step at ``layer`` for B sessions at once, atomically.
 
         q, k: [B, T, H, K]; v: [B, T, HV, V]; a, b: [B, T, HV]. Returns bf16 o [B, T, HV, V].
         The sessions must live in one server process and on one device: create them with
-        ``create_session(colocate_with=...)``; FailedPreconditionError otherwise.
+        ``create_session(colocate_with=...)``; FailedPreconditionError otherwise. Inputs from
+        `shared_memory` go by reference; ``out`` (a tensor of one) is where o is written.
         """
-        step = prepare_step(layer, [s._cursor for s in sessions], q, k, v, a, b, single=False)
+        step = prepare_step(layer, [s._cursor for s in sessions], q, k, v, a, b, single=False,
+                            regions=self._regions, out=out)
         return self._run_step(step)
 
     def import_state(self, exported: ExportedState) -> "Session":
@@ -224,16 +196,28 @@ class Client:
         ...     moved = there.import_state(s.export())                   # continues where s is
         ...     s.close()
         """
-        reply = self._on_a_process_with_room(lambda stub: self._call_stream_in(stub.ImportState, exported.chunks()))
-        session = Session(self, reply.session_id)
-        session._cursor._adopt(list(exported.header.positions))
-        return session
+        return Session(self, self._run(_calls.import_state(self._routes, exported)))
 
-    def _call_stream_in(self, method: Callable[..., _R], requests: Any) -> _R:
+    def shared_memory(self, byte_size: int, device: str | torch.device = "cpu") -> SharedMemory:
+        """A region of `byte_size` bytes of shared memory, registered with the server (on the same
+        host, started with ``--allow-shared-memory``): host memory (``device="cpu"``) or memory of
+        a local GPU (``"cuda"``, ``"cuda:N"``) shared by CUDA IPC. Tensors from its ``tensor()``
+        go to `Session.decode`, `decode_batch` and streams by reference, without a copy; see
+        `SharedMemory`. Close it (or leave its ``with``) to unregister and free it.
+
+        >>> with Client("127.0.0.1:50051") as client:                 # doctest: +SKIP
+        ...     with client.shared_memory(16 << 20) as shm, client.session() as s:
+        ...         q = shm.tensor((1, 16, 128)); q.copy_(torch.randn(1, 16, 128))
+        ...         ...                                              # k, v, a, b and out alike
+        ...         s.decode(0, q, k, v, a, b, out=o)
+        """
+        region = Region(byte_size, device)
         try:
-            return method(requests, timeout=self.options.timeout, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
+            self._register(region, None)
+        except BaseException:
+            region.close()
+            raise
+        return SharedMemory(self, region)
 
     def stream(self) -> "DecodeStream":
         """Opens a pipelined DecodeStream; see `DecodeStream`."""
@@ -269,9 +253,11 @@ class Session:
     safely and never applied twice. Use it as a context manager to close it on exit.
     """
 
-    def __init__(self, client: Client, session_id: str) -> None:
+    def __init__(self, client: Client, session: "str | SessionCursor") -> None:
+        """The session of id `session` on `client`'s server (its positions start from the
+        client's view: none taken yet)."""
         self._client = client
-        self._cursor = SessionCursor(session_id)
+        self._cursor = session if isinstance(session, SessionCursor) else SessionCursor(session)
 
     @property
     def id(self) -> str:
@@ -288,27 +274,24 @@ class Session:
 
     def decode(
         self, layer: int, q: TensorLike, k: TensorLike, v: TensorLike, a: TensorLike, b: TensorLike,
-        *, speculative: bool = False,
+        *, speculative: bool = False, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One step of T tokens at ``layer``.
 
         q, k: [T, H, K]; v: [T, HV, V]; a, b: [T, HV] (or the batched form with B = 1), torch
         bf16/f16/f32 or numpy f16/f32. Returns bf16 o [T, HV, V]. ``speculative=True`` makes it a
         draft step (T up to ModelInfo.max_speculative_tokens) that `commit` settles; prefer
-        `speculate()`.
+        `speculate()`. Inputs from the client's `shared_memory` go by reference; ``out``, a bf16
+        [T, HV, V] tensor of one, is where o is written (and what is returned).
         """
-        step = prepare_step(layer, [self._cursor], q, k, v, a, b, single=True, speculative=speculative)
+        step = prepare_step(layer, [self._cursor], q, k, v, a, b, single=True, speculative=speculative,
+                            regions=self._client._regions, out=out)
         return self._client._run_step(step)
 
     def commit(self, accepted: int) -> dict[int, int]:
         """Keeps the first ``accepted`` tokens of every open speculative step (one per layer) and
         drops the rest; returns the positions per layer afterwards. Safe to retry."""
-        reply = self._client._call(
-            self._client._stub_for(self.id).Commit, gdn_pb2.CommitRequest(session_id=self.id, accepted=accepted),
-            retry=True,
-        )
-        self._cursor._adopt(list(reply.positions))
-        return self.positions
+        return self._client._run(_calls.commit(self._client._routes, self._cursor, accepted))
 
     def speculate(self) -> "Speculation":
         """A draft-and-verify step over every layer, settled by `Speculation.commit`.
@@ -327,44 +310,22 @@ class Session:
     def fork(self) -> "Session":
         """A new session whose states and positions are copies of this one's (prefix sharing, beam
         search). Not retried: a lost reply would leak a session slot on the server."""
-        self._cursor._require_settled("fork()")
-        request = gdn_pb2.ForkSessionRequest(session_id=self.id)
-        reply = self._client._call(self._client._stub_for(self.id).ForkSession, request)
-        child = Session(self._client, reply.session_id)
-        child._cursor._adopt(self._cursor.positions())
-        return child
+        return Session(self._client, self._client._run(_calls.fork(self._client._routes, self._cursor)))
 
     def export(self) -> ExportedState:
         """This session's state and positions, to move it to another server with `Client.import_state`."""
-        self._cursor._require_settled("export()")
-        try:
-            chunks = self._client._stub_for(self.id).ExportState(
-                gdn_pb2.ExportStateRequest(session_id=self.id), timeout=self._client.options.timeout,
-                metadata=self._client._metadata,
-            )
-            return ExportedState.from_chunks(chunks)
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
+        return self._client._run(_calls.export_state(self._client._routes, self._cursor))
 
     def recover(self) -> list[torch.Tensor]:
         """Resends steps whose outcome stayed unknown after the last retry; returns their outputs.
 
         Resending is safe (same positions): the server applies a step at most once.
         """
-        outs = []
-        for step in self._cursor.in_doubt():
-            outs.append(self._client._run_step(step))
-        return outs
+        return self._client._run(_calls.recover(self._client._routes, self._cursor))
 
     def close(self) -> None:
         """Closes the session on the server; closing twice is a no-op."""
-        if self._cursor.closed:
-            return
-        self._cursor.closed = True
-        try:
-            self._client._close(self.id, retry=True)
-        except NotFoundError:
-            pass  # a retried close whose first attempt went through
+        self._client._run(_calls.close_cursor(self._client._routes, self._cursor))
 
     def __enter__(self) -> "Session":
         return self

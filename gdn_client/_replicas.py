@@ -8,15 +8,19 @@ after a move: it is re-pointed at its new home.
 
 Each replica is a `Client`, which itself follows the server processes of a replica that runs
 several (``gdn-server --processes K``): a replica's free capacity is that of all its processes.
+`AsyncReplicaSet` is the asyncio form, over `AsyncClient`s; the choices (which replica a new
+session goes to, when a replica counts as serving) are the same functions for both.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Sequence
+from typing import Any, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gdn_client._aio import AsyncClient, AsyncSession
 from gdn_client._client import Client, Session
 from gdn_client._errors import GdnError, ResourceExhaustedError
 from gdn_client._options import ClientOptions
@@ -45,10 +49,7 @@ class ReplicaSet:
     """
 
     def __init__(self, targets: Sequence[str], options: ClientOptions | None = None) -> None:
-        if not targets:
-            raise ValueError("a ReplicaSet needs at least one target")
-        if len(set(targets)) != len(targets):
-            raise ValueError("replica targets must be distinct")
+        _check_targets(targets)
         self.clients: dict[str, Client] = {t: Client(t, options) for t in targets}
 
     @property
@@ -60,7 +61,7 @@ class ReplicaSet:
         on the gRPC health service (starting, or draining before a shutdown), are left out."""
         free = {}
         for target, client in self.clients.items():
-            if not _serving(client):
+            if not _serving(_health_check(client)):
                 continue
             try:
                 info = client.model_info()
@@ -72,10 +73,7 @@ class ReplicaSet:
 
     def create_session(self) -> Session:
         """A new session on the replica with the most free capacity."""
-        free = self.free_capacity()
-        for target in sorted(free, key=lambda t: -free[t]):
-            if free[target] <= 0:
-                break
+        for target in placement_order(self.free_capacity()):
             try:
                 return self.clients[target].create_session()
             except ResourceExhaustedError:  # filled up since we asked: try the next one
@@ -126,17 +124,123 @@ class ReplicaSet:
         return f"ReplicaSet({self.targets!r})"
 
 
-def _serving(client: Client) -> bool:
-    """The replica's health for the GdnDecode service; a server without the health service counts
-    as serving (its GetModelInfo answer decides)."""
+class AsyncReplicaSet:
+    """The asyncio `ReplicaSet`, over `AsyncClient`s (create it inside a running loop).
+
+    >>> async with AsyncReplicaSet(["gdn-0:50051", "gdn-1:50051"]) as replicas:   # doctest: +SKIP
+    ...     s = await replicas.create_session()
+    ...     o = await s.decode(0, q, k, v, a, b)
+    ...     await replicas.migrate(s, "gdn-1:50051")
+    """
+
+    def __init__(self, targets: Sequence[str], options: ClientOptions | None = None) -> None:
+        _check_targets(targets)
+        self.clients: dict[str, AsyncClient] = {t: AsyncClient(t, options) for t in targets}
+
+    @property
+    def targets(self) -> list[str]:
+        return list(self.clients)
+
+    async def free_capacity(self) -> dict[str, int]:
+        """Free session slots per serving replica (see `ReplicaSet.free_capacity`), asked of all
+        replicas at once."""
+        async def free_of(target: str, client: AsyncClient) -> int | None:
+            if not _serving(await _health_check_async(client)):
+                return None
+            try:
+                info = await client.model_info()
+            except GdnError as err:
+                logger.warning("replica %s: %s", target, err)
+                return None
+            return info.max_sessions - info.sessions_in_use
+
+        answers = await asyncio.gather(*(free_of(t, c) for t, c in self.clients.items()))
+        return {t: n for t, n in zip(self.clients, answers) if n is not None}
+
+    async def create_session(self) -> AsyncSession:
+        """A new session on the replica with the most free capacity."""
+        for target in placement_order(await self.free_capacity()):
+            try:
+                return await self.clients[target].create_session()
+            except ResourceExhaustedError:
+                continue
+        raise ResourceExhaustedError("no replica has a free session slot")
+
+    def home_of(self, session: AsyncSession) -> str:
+        return session._client.target
+
+    async def migrate(self, session: AsyncSession, target: str) -> AsyncSession:
+        """Moves `session` to the replica `target` (see `ReplicaSet.migrate`)."""
+        if target not in self.clients:
+            raise ValueError(f"{target!r} is not one of this set's replicas {self.targets}")
+        source = session._client
+        if source.target == target:
+            return session
+        moved = await self.clients[target].import_state(await session.export())
+        old_id = session.id
+        session._client, session._cursor = moved._client, moved._cursor
+        try:
+            await source.close_session(old_id)
+        except GdnError as err:
+            logger.warning("migrated session %s to %s but could not close it on %s: %s", old_id, target, source.target, err)
+        return session
+
+    async def close(self) -> None:
+        for client in self.clients.values():
+            await client.close()
+
+    async def __aenter__(self) -> "AsyncReplicaSet":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"AsyncReplicaSet({self.targets!r})"
+
+
+def _check_targets(targets: Sequence[str]) -> None:
+    if not targets:
+        raise ValueError("a ReplicaSet needs at least one target")
+    if len(set(targets)) != len(targets):
+        raise ValueError("replica targets must be distinct")
+
+
+def placement_order(free: dict[str, int]) -> list[str]:
+    """The replicas a new session tries, most free slots first, full ones left out.
+
+    >>> placement_order({"a": 2, "b": 5, "c": 0})
+    ['b', 'a']
+    """
+    return [t for t in sorted(free, key=lambda t: -free[t]) if free[t] > 0]
+
+
+_HEALTH_REQUEST = health_pb2.HealthCheckRequest(service=_SERVICE)
+
+
+def _health_check(client: Client) -> Any:
+    """The replica's health answer for GdnDecode, or the RpcError it failed with."""
     stub = health_pb2_grpc.HealthStub(client._channel)
     try:
-        reply = stub.Check(
-            health_pb2.HealthCheckRequest(service=_SERVICE), timeout=client.options.timeout, metadata=client._metadata
-        )
+        return stub.Check(_HEALTH_REQUEST, timeout=client.options.timeout, metadata=client._metadata)
     except grpc.RpcError as err:
-        if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+        return err
+
+
+async def _health_check_async(client: AsyncClient) -> Any:
+    stub = health_pb2_grpc.HealthStub(client._channel)
+    try:
+        return await stub.Check(_HEALTH_REQUEST, timeout=client.options.timeout, metadata=client._metadata)
+    except grpc.RpcError as err:
+        return err
+
+
+def _serving(answer: Any) -> bool:
+    """Whether a health answer (or its RpcError) counts as serving: a server without the health
+    service does (its GetModelInfo answer decides)."""
+    if isinstance(answer, grpc.RpcError):
+        if answer.code() == grpc.StatusCode.UNIMPLEMENTED:
             return True
-        logger.warning("replica %s: health check failed: %s", client.target, err.code().name)
+        logger.warning("replica health check failed: %s", answer.code().name)
         return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    return answer.status == health_pb2.HealthCheckResponse.SERVING

@@ -6,6 +6,11 @@ requests by ``request_id``. A reply with ``error_code != 0`` becomes that future
 goes on. If the stream itself breaks with UNAVAILABLE (server restart, connection reset), it is
 reopened with backoff and every unanswered request is resent in order: each carries its positions,
 so the server answers steps it already applied without applying them again.
+
+Tensors of the client's shared memory go by reference, as in `Session.decode`; a lane registers a
+step's regions with its process before the step goes. A step whose region the server dropped is
+answered NOT_FOUND (its future raises it, nothing applied), and the region is registered again
+before the lane's next step that uses it.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Sequence, Union
 
 import grpc
 
-from gdn_client._codec import PreparedStep, TensorLike, prepare_step
+from gdn_client import _calls
 from gdn_client._errors import (
     GdnError,
     UnavailableError,
@@ -29,6 +34,8 @@ from gdn_client._errors import (
     error_from_rpc,
     error_from_status,
 )
+from gdn_client._shared_memory import missing_region
+from gdn_client._steps import PreparedStep, TensorLike, prepare_step
 from gdn_client.proto.gdn.v1 import gdn_pb2
 
 if TYPE_CHECKING:
@@ -45,7 +52,8 @@ _FutureT = Union[concurrent.futures.Future, asyncio.Future]
 class _InFlight:
     """Requests sent and not yet answered, in send order; shared by both stream flavours."""
 
-    def __init__(self) -> None:
+    def __init__(self, process: int | None) -> None:
+        self.process = process  # the server process of the lane
         self._ids = itertools.count()
         self._pending: OrderedDict[str, tuple[_FutureT, PreparedStep]] = OrderedDict()
         self._replayed: set[str] = set()
@@ -55,10 +63,17 @@ class _InFlight:
         step.request.request_id = str(next(self._ids))
         self._pending[step.request.request_id] = (fut, step)
 
-    def replay(self) -> list[gdn_pb2.DecodeRequest]:
-        """The unanswered requests, in order, marked as resent."""
+    def replay(self) -> list[PreparedStep]:
+        """The unanswered steps, in order, marked as resent."""
         self._replayed.update(self._pending)
-        return [step.request for _, step in self._pending.values()]
+        return [step for _, step in self._pending.values()]
+
+    def drop(self, step: PreparedStep, err: GdnError) -> None:
+        """Fails a step that was never sent (its regions could not be registered)."""
+        entry = self._pending.pop(step.request.request_id, None)
+        if entry is not None:
+            step.fail(err)
+            _settle(entry[0], exc=err)
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -75,6 +90,9 @@ class _InFlight:
         self._replayed.discard(step.request.request_id)
         if reply.error_code:
             err = error_from_code(reply.error_code, reply.error_message)
+            if step.regions and missing_region(err):  # the server dropped it: registered again before the next step
+                for region in step.regions:
+                    region.registered_on.discard(self.process)
             if replayed and err.code == grpc.StatusCode.FAILED_PRECONDITION:
                 # The server remembers only the last step per (session, layer): an older step that
                 # was applied before the stream broke can no longer be answered. Its fate is unknown.
@@ -141,12 +159,12 @@ class _Lanes:
     def _new_lane(self, process: int | None) -> Any:
         raise NotImplementedError
 
-    def _route(self, layer: int, sessions: Any, q, k, v, a, b) -> tuple[Any, PreparedStep]:
+    def _route(self, layer: int, sessions: Any, q, k, v, a, b, out) -> tuple[Any, PreparedStep]:
         """The lane of the step's process and the prepared step (positions reserved)."""
         one = hasattr(sessions, "_cursor")
         cursors = [sessions._cursor] if one else [s._cursor for s in sessions]
         process = self._client._routes.home([c.session_id for c in cursors])  # before any reservation
-        step = prepare_step(layer, cursors, q, k, v, a, b, single=one)
+        step = prepare_step(layer, cursors, q, k, v, a, b, single=one, regions=self._client._regions, out=out)
         with self._lanes_lock:
             closed = self._closing
             if not closed and process not in self._lanes:
@@ -193,10 +211,12 @@ class DecodeStream(_Lanes):
         v: TensorLike,
         a: TensorLike,
         b: TensorLike,
+        *,
+        out: Any = None,
     ) -> concurrent.futures.Future:
         """Queues one step; the future's result is bf16 o ([T, HV, V] for one Session, else
-        [B, T, HV, V])."""
-        lane, step = self._route(layer, sessions, q, k, v, a, b)
+        [B, T, HV, V]; ``out``, a tensor of the client's shared memory, where the server writes it)."""
+        lane, step = self._route(layer, sessions, q, k, v, a, b, out)
         return lane.submit(step)
 
     def close(self, timeout: float | None = None) -> None:
@@ -225,18 +245,18 @@ class _Lane(_Reconnecting):
         self._client = client
         self._process = process
         self._lock = threading.Lock()
-        self._inflight = _InFlight()
+        self._inflight = _InFlight(process)
         self._closing = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._reader: threading.Thread | None = None
         self._call: Any = None
         self._open([])
 
-    def _open(self, replay: list[gdn_pb2.DecodeRequest]) -> None:
+    def _open(self, replay: list[PreparedStep]) -> None:
         # caller holds self._lock (or is __init__)
         q: queue.SimpleQueue = queue.SimpleQueue()
-        for req in replay:
-            q.put(req)
+        for step in replay:
+            q.put(step)
         self._queue = q
         self._reader = threading.Thread(target=self._read, args=(q,), name="gdn-decode-stream", daemon=True)
         self._reader.start()
@@ -247,7 +267,7 @@ class _Lane(_Reconnecting):
             err = self._inflight.broken or (UnavailableError("stream is closed") if self._closing else None)
             if err is None:
                 self._inflight.add(step, fut)
-                self._queue.put(step.request)
+                self._queue.put(step)
         if err is not None:
             step.fail(err)
             raise error_from_status(err.code, err.message) from None
@@ -256,7 +276,7 @@ class _Lane(_Reconnecting):
     def _read(self, requests: queue.SimpleQueue) -> None:
         try:
             stub = self._client._stub_of(self._process)
-            call = stub.DecodeStream(_drain(requests), metadata=self._client._metadata)
+            call = stub.DecodeStream(_drain(requests, self._registered), metadata=self._client._metadata)
             with self._lock:
                 self._call = call
             for reply in call:
@@ -283,6 +303,17 @@ class _Lane(_Reconnecting):
             self._queue.put(_END)
             self._open(self._inflight.replay())  # a new reader thread takes over
 
+    def _registered(self, step: PreparedStep) -> bool:
+        """Registers the step's regions with the lane's process where needed; False (the step
+        failed, not sent) if that fails."""
+        try:
+            self._client._run(_calls.registered(step.regions, self._process))
+        except GdnError as err:
+            with self._lock:
+                self._inflight.drop(step, err)
+            return False
+        return True
+
     def half_close(self) -> None:
         """No more requests: the server answers those sent and ends the RPC."""
         with self._lock:
@@ -307,12 +338,13 @@ class _Lane(_Reconnecting):
                 self._inflight.fail_all(UnavailableError("stream closed before the reply came"))
 
 
-def _drain(q: queue.SimpleQueue) -> Iterator[gdn_pb2.DecodeRequest]:
+def _drain(q: queue.SimpleQueue, registered: Any) -> Iterator[gdn_pb2.DecodeRequest]:
     while True:
         item = q.get()
         if item is _END:
             return
-        yield item
+        if not item.regions or registered(item):
+            yield item.request
 
 
 class AsyncDecodeStream(_Lanes):
@@ -337,9 +369,12 @@ class AsyncDecodeStream(_Lanes):
         v: TensorLike,
         a: TensorLike,
         b: TensorLike,
+        *,
+        out: Any = None,
     ) -> asyncio.Future:
-        """Queues one step (no await needed); await the returned future for bf16 o."""
-        lane, step = self._route(layer, sessions, q, k, v, a, b)
+        """Queues one step (no await needed); await the returned future for bf16 o (see
+        `DecodeStream.submit` for ``out``)."""
+        lane, step = self._route(layer, sessions, q, k, v, a, b, out)
         return lane.submit(step)
 
     async def close(self, timeout: float | None = None) -> None:
@@ -364,17 +399,17 @@ class _AsyncLane(_Reconnecting):
     def __init__(self, client: "AsyncClient", process: int | None) -> None:
         self._client = client
         self._process = process
-        self._inflight = _InFlight()
+        self._inflight = _InFlight(process)
         self._closing = False
         self._queue: asyncio.Queue = asyncio.Queue()
         self._call: Any = None
         self._reader: asyncio.Task | None = None
         self._open([])
 
-    def _open(self, replay: list[gdn_pb2.DecodeRequest]) -> None:
+    def _open(self, replay: list[PreparedStep]) -> None:
         q: asyncio.Queue = asyncio.Queue()
-        for req in replay:
-            q.put_nowait(req)
+        for step in replay:
+            q.put_nowait(step)
         self._queue = q
         self._reader = asyncio.get_running_loop().create_task(self._read(q))
 
@@ -385,13 +420,13 @@ class _AsyncLane(_Reconnecting):
             raise error_from_status(err.code, err.message) from None
         fut = asyncio.get_running_loop().create_future()
         self._inflight.add(step, fut)
-        self._queue.put_nowait(step.request)
+        self._queue.put_nowait(step)
         return fut
 
     async def _read(self, requests: asyncio.Queue) -> None:
         try:
             stub = await self._client._stub_of(self._process)
-            self._call = stub.DecodeStream(_adrain(requests), metadata=self._client._metadata)
+            self._call = stub.DecodeStream(_adrain(requests, self._registered), metadata=self._client._metadata)
             async for reply in self._call:
                 self._inflight.resolve(reply)
                 self._delays = None
@@ -416,6 +451,15 @@ class _AsyncLane(_Reconnecting):
         self._queue.put_nowait(_END)
         self._open(self._inflight.replay())
 
+    async def _registered(self, step: PreparedStep) -> bool:
+        """See `_Lane._registered`."""
+        try:
+            await self._client._run(_calls.registered(step.regions, self._process))
+        except GdnError as err:
+            self._inflight.drop(step, err)
+            return False
+        return True
+
     def half_close(self) -> None:
         if not self._closing:
             self._closing = True
@@ -437,9 +481,10 @@ class _AsyncLane(_Reconnecting):
             self._inflight.fail_all(UnavailableError("stream closed before the reply came"))
 
 
-async def _adrain(q: asyncio.Queue) -> AsyncIterator[gdn_pb2.DecodeRequest]:
+async def _adrain(q: asyncio.Queue, registered: Any) -> AsyncIterator[gdn_pb2.DecodeRequest]:
     while True:
         item = await q.get()
         if item is _END:
             return
-        yield item
+        if not item.regions or await registered(item):
+            yield item.request

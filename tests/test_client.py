@@ -197,7 +197,7 @@ def test_decode_batch(client, gates):
 
 def test_outputs_are_the_callers_own_memory():
     # replies are decoded without a copy: each output must still be independent and writable
-    from gdn_client._codec import SessionCursor, prepare_step
+    from gdn_client._steps import SessionCursor, prepare_step
 
     x = [torch.zeros(1, 1, H, K), torch.zeros(1, 1, H, K), torch.zeros(1, 1, HV, K), torch.zeros(1, 1, HV),
          torch.zeros(1, 1, HV)]
@@ -500,8 +500,9 @@ def test_stream_reopens_and_resends_after_reset(server, gates):
 
 
 def test_async_client_speculates_forks_and_moves_sessions(tmp_path):
-    """The asyncio client has the session operations of the blocking one."""
-    from gdn_client import AsyncClient
+    """The asyncio client has the session operations of the blocking one, speculate() and the
+    ReplicaSet included."""
+    from gdn_client import AsyncClient, AsyncReplicaSet
 
     flags = ("--layers", "2", "--q-heads", "2", "--v-heads", "4", "--seed", "3")
     gen = torch.Generator().manual_seed(2)
@@ -516,14 +517,27 @@ def test_async_client_speculates_forks_and_moves_sessions(tmp_path):
                 buddy = await ca.create_session(colocate_with=s)
                 await s.decode(0, **x, speculative=True)
                 assert await s.commit(2) == {0: 2}
+                async with s.speculate() as spec:  # left without commit: as if never sent
+                    await spec.decode(1, **x)
+                async with s.speculate() as spec:
+                    await spec.decode(1, **x)
+                    assert await spec.commit(1) == {0: 2, 1: 1}
                 child = await s.fork()
-                assert child.positions == {0: 2}
+                assert child.positions == {0: 2, 1: 1}
                 moved = await cb.import_state(await s.export())
-                assert moved.positions == {0: 2}
+                assert moved.positions == {0: 2, 1: 1}
                 nxt = {n: t[:1] for n, t in x.items()}
                 outs = [await t.decode(0, **nxt) for t in (s, child, moved)]
                 assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
                 for t in (s, buddy, child, moved):
                     await t.close()
+            async with AsyncReplicaSet([a.address, b.address]) as replicas:
+                r = await replicas.create_session()
+                await r.decode(0, **nxt)
+                other = b.address if replicas.home_of(r) == a.address else a.address
+                assert await replicas.migrate(r, other) is r
+                assert replicas.home_of(r) == other and r.positions == {0: 1}
+                await r.decode(0, **nxt)
+                await r.close()
 
         asyncio.run(main())

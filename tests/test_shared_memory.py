@@ -280,3 +280,74 @@ def test_idle_regions_are_unmapped_a_dead_clients_too(shm):
         finally:
             s.channel.close()
         assert server.stop() == 0
+
+
+# -- gdn_client ------------------------------------------------------------------------------------
+
+def test_client_passes_region_tensors_by_reference(shm_server):
+    """Client.shared_memory: decode, decode_batch and a stream with inputs and out in the region
+    give what plain tensors give, bit for bit; leaving the block unregisters (the server unmaps)."""
+    from gdn_client import Client
+
+    with Client(shm_server.address) as client:
+        assert client.model_info().shared_memory
+        plain, shared = client.create_session(), client.create_session()
+        pair = [client.create_session() for _ in range(2)]
+        pair_plain = [client.create_session() for _ in range(2)]
+        with client.shared_memory(REGION_BYTES) as mem:
+            key = mem.region.register_request().system.key
+            assert server_maps(shm_server, key)
+            x = inputs(21, T=2)
+            names = "qkvab"
+            one = {n: mem.tensor(x[n].shape[1:]) for n in names}
+            for n in names:
+                one[n].copy_(x[n][0])
+            out = mem.tensor((2, HV, K))
+            got = shared.decode(0, *(one[n] for n in names), out=out)
+            assert got.data_ptr() == out.data_ptr()
+            assert torch.equal(got, plain.decode(0, *(x[n][0] for n in names)))
+            xb = inputs(22, B=2)
+            batch = {n: mem.tensor(xb[n].shape) for n in names}
+            for n in names:
+                batch[n].copy_(xb[n])
+            out_b = mem.tensor((2, 1, HV, K))
+            client.decode_batch(1, pair, *(batch[n] for n in names), out=out_b)
+            assert torch.equal(out_b, client.decode_batch(1, pair_plain, *(xb[n] for n in names)))
+            with client.stream() as st:
+                f = st.submit(2, shared, *(one[n] for n in names), out=out)
+                g = st.submit(2, plain, *(x[n][0] for n in names))
+                assert torch.equal(f.result(timeout=30), g.result(timeout=30))
+            mixed = shared.decode(1, one["q"], x["k"][0], one["v"], x["a"][0], one["b"])  # some inline, o in the reply
+            assert torch.equal(mixed, plain.decode(1, *(x[n][0] for n in names)))
+        assert not server_maps(shm_server, key)
+        with pytest.raises(ValueError):
+            mem.tensor((1,))  # closed
+
+
+def test_async_client_and_the_region_dropped_by_the_server(shm_server):
+    """AsyncClient.shared_memory; a region the server no longer has (here: unregistered behind the
+    client's back) is registered again and the step goes through."""
+    import asyncio
+
+    from gdn_client import AsyncClient
+
+    async def main():
+        async with AsyncClient(shm_server.address) as client:
+            async with client.session() as plain, client.session() as shared:
+                async with await client.shared_memory(REGION_BYTES) as mem:
+                    x = inputs(31)
+                    t = {n: mem.tensor(x[n].shape[1:]) for n in "qkvab"}
+                    for n in "qkvab":
+                        t[n].copy_(x[n][0])
+                    out = mem.tensor((1, HV, K))
+                    await shared.decode(0, *t.values(), out=out)
+                    assert torch.equal(out, await plain.decode(0, *(x[n][0] for n in "qkvab")))
+                    stub = gdn_pb2_grpc.GdnDecodeStub(client._channel)
+                    await stub.UnregisterSharedMemory(gdn_pb2.UnregisterSharedMemoryRequest(name=mem.region.name))
+                    again = await shared.decode(1, *t.values(), out=out)
+                    assert torch.equal(again, await plain.decode(1, *(x[n][0] for n in "qkvab")))
+                    async with client.stream() as st:
+                        o = await st.submit(2, shared, *t.values(), out=out)
+                        assert torch.equal(o, await plain.decode(2, *(x[n][0] for n in "qkvab")))
+
+    asyncio.run(main())

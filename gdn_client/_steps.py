@@ -1,32 +1,36 @@
-"""Request building and response parsing shared by the sync and async clients.
+"""Sessions and decode steps, shared by the sync and async clients and both stream flavours.
 
-Nothing here does I/O. A decode call is prepared into a `PreparedStep` (the DecodeRequest plus the
-position bookkeeping of the sessions it covers), sent by whichever transport, and then either
-`complete`d with the reply or `fail`ed with the error; both clients and both stream helpers go
-through the same three calls, so the position rules live in one place:
+Nothing here does I/O. A session's positions are a `SessionCursor`. A decode call is prepared
+into a `PreparedStep` (the DecodeRequest plus the position bookkeeping of the sessions it covers),
+sent by whichever transport, and then either `complete`d with the reply or `fail`ed with the
+error; both clients and both stream helpers go through the same three calls, so the position
+rules live in one place:
 
 - positions are reserved when a step is prepared (so pipelined steps of one session get
   consecutive positions) and always sent, which makes resending a step safe;
 - a step the server refused rolls the reservation back;
 - a step whose fate is unknown after the last retry leaves the layer "in doubt": further steps
   on that layer are refused until `recover()` resends the very same request.
+
+Tensors that live in one of the client's shared-memory regions (gdn_client._shared_memory) go by
+reference; an `out` tensor in a region is where the server writes o.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Any, Iterable, Sequence, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
 
 import torch
 from google.protobuf.internal import api_implementation
 
 from gdn_client._errors import FailedPreconditionError, GdnError, NotFoundError
+from gdn_client._shared_memory import Region, references
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_client.wire import WireFormatError, as_torch, tensor_from_proto, tensor_to_proto
+from gdn_client.wire import WIRE_DTYPE_OF, WireFormatError, as_torch, tensor_from_proto, tensor_to_proto
 
-__all__ = ["ModelInfo", "Stats", "SessionCursor", "PreparedStep", "prepare_step", "batch_inputs"]
+__all__ = ["SessionCursor", "PreparedStep", "prepare_step", "batch_inputs"]
 
 logger = logging.getLogger("gdn_client")
 
@@ -40,116 +44,25 @@ _FRESH_BYTES = api_implementation.Type() == "upb"
 TensorLike = Any  # torch.Tensor or numpy.ndarray (float16/float32; torch also bfloat16)
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """The served model's shape (mirrors ``gdn.v1.ModelInfo``)."""
-
-    num_layers: int
-    num_q_heads: int
-    num_v_heads: int
-    head_dim_k: int
-    head_dim_v: int
-    max_tokens_per_step: int
-    max_sessions: int
-    sessions_in_use: int
-    backend: str
-    state_dtype: str
-    scale: float
-    max_speculative_tokens: int = 0
-    devices: tuple["DeviceInfo", ...] = ()  # capacity per device (one per GPU; one for the CPU)
-    # several server processes on one host (gdn-server --processes): every process's port, in
-    # process order, and the target's place among them; () and 0 for a server of one process
-    process_ports: tuple[int, ...] = ()
-    process_index: int = 0
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """One device of the server (mirrors ``gdn.v1.DeviceInfo``)."""
-
-    index: int
-    name: str
-    max_sessions: int
-    sessions_in_use: int
-
-
-@dataclass(frozen=True)
-class Stats:
-    """Server counters (mirrors ``gdn.v1.Stats``); take deltas between two snapshots."""
-
-    launches: int
-    rows_launched: int
-    requests: int
-    batches: int
-    mean_rows_per_launch: float
-    sessions_in_use: int
-    max_sessions: int
-    backend: str
-    device_seconds: float = 0.0  # summed submit-to-result time of backend calls
-    queue_wait_seconds: float = 0.0  # summed time requests waited before their launch
-
-    def since(self, before: "Stats") -> "Stats":
-        """The counters accumulated between ``before`` and this snapshot."""
-        launches = self.launches - before.launches
-        rows = self.rows_launched - before.rows_launched
-        return dataclasses.replace(
-            self,
-            launches=launches,
-            rows_launched=rows,
-            requests=self.requests - before.requests,
-            batches=self.batches - before.batches,
-            mean_rows_per_launch=rows / launches if launches else 0.0,
-            device_seconds=self.device_seconds - before.device_seconds,
-            queue_wait_seconds=self.queue_wait_seconds - before.queue_wait_seconds,
-        )
-
-
-_T = TypeVar("_T")
-
-
-def _from_proto(cls: type[_T], msg: Any) -> _T:
-    return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
-
-
-def model_info_from_proto(msg: gdn_pb2.ModelInfo, *others: gdn_pb2.ModelInfo) -> ModelInfo:
-    """`msg` as a `ModelInfo`; with the ModelInfo of the host's other server processes
-    (`others`), the sessions and capacity are those of the whole host: summed over the processes,
-    per device too (the processes of one device share it)."""
-    repeated = ("devices", "process_ports")
-    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(ModelInfo) if f.name not in repeated}
-    devices: dict[tuple[int, str], DeviceInfo] = {}
-    for info in (msg, *others):
-        for d in info.devices:
-            seen = devices.get((d.index, d.name))
-            devices[(d.index, d.name)] = _from_proto(DeviceInfo, d) if seen is None else dataclasses.replace(
-                seen, max_sessions=seen.max_sessions + d.max_sessions,
-                sessions_in_use=seen.sessions_in_use + d.sessions_in_use,
-            )
-    fields["max_sessions"] = sum(info.max_sessions for info in (msg, *others))
-    fields["sessions_in_use"] = sum(info.sessions_in_use for info in (msg, *others))
-    return ModelInfo(**fields, devices=tuple(devices.values()), process_ports=tuple(msg.process_ports))
-
-
-def stats_from_proto(msg: gdn_pb2.Stats) -> Stats:
-    return _from_proto(Stats, msg)
-
-
 # -- tensors --------------------------------------------------------------------------------------
 
 _RANKS = {"q": 4, "k": 4, "v": 4, "a": 3, "b": 3}  # batched ranks: [B, T, ...]
 
 
 def batch_inputs(
-    q: TensorLike, k: TensorLike, v: TensorLike, a: TensorLike, b: TensorLike, *, batch: int | None
+    q: TensorLike, k: TensorLike, v: TensorLike, a: TensorLike, b: TensorLike, *, batch: int | None,
+    regions: Sequence[Region] = (),
 ) -> tuple[torch.Tensor, ...]:
-    """Returns q, k, v, a, b as CPU torch tensors of the batched form [B, T, ...].
+    """Returns q, k, v, a, b as torch tensors of the batched form [B, T, ...]: on the CPU, or where
+    they are for those in one of `regions` (they go by reference).
 
     ``batch=None`` means one session: [T, H, K] (or [1, T, H, K]) and so on. Otherwise the leading
     dimension must equal ``batch``. Only ranks and B are checked here; the server checks the rest.
     """
     out = []
     for name, x in zip("qkvab", (q, k, v, a, b)):
-        t = as_torch(x)
+        in_region = isinstance(x, torch.Tensor) and any(r.reference(x) is not None for r in regions)
+        t = x.detach() if in_region else as_torch(x)
         rank = _RANKS[name]
         if batch is None and t.dim() == rank - 1:
             t = t.unsqueeze(0)
@@ -162,12 +75,29 @@ def batch_inputs(
 
 
 def encode_request(
-    layer: int, session_ids: Sequence[str], positions: Sequence[int], tensors: Iterable[torch.Tensor]
-) -> gdn_pb2.DecodeRequest:
+    layer: int, session_ids: Sequence[str], positions: Sequence[int], tensors: Sequence[torch.Tensor],
+    regions: Sequence[Region] = (), out: torch.Tensor | None = None,
+) -> tuple[gdn_pb2.DecodeRequest, tuple[Region, ...]]:
+    """The DecodeRequest of a step, and the regions it refers to: each input in one of `regions`
+    by reference, the others inline; `out` (in a region) as o_ref."""
     req = gdn_pb2.DecodeRequest(layer=layer, session_ids=list(session_ids), positions=list(positions))
-    for name, t in zip("qkvab", tensors):
-        tensor_to_proto(t, getattr(req, name))
-    return req
+    refs = references(regions, [*tensors, out]) if regions else [None] * 6
+    for name, t, ref in zip("qkvab", tensors, refs):
+        msg = getattr(req, name)
+        if ref is None:
+            tensor_to_proto(t, msg)
+        else:
+            if t.dtype not in WIRE_DTYPE_OF:
+                raise TypeError(f"{name}: dtype {t.dtype} is not supported on the wire; use bfloat16, float16 or float32")
+            msg.dtype = WIRE_DTYPE_OF[t.dtype]
+            msg.shape[:] = list(t.shape)
+            msg.ref.region, msg.ref.offset = ref[0].name, ref[1]
+    if out is not None:
+        if refs[5] is None:
+            raise ValueError("out must be a dense bfloat16 tensor of one of the client's shared-memory regions")
+        req.o_ref.region, req.o_ref.offset = refs[5][0].name, refs[5][1]
+    used = tuple(dict.fromkeys(ref[0] for ref in refs if ref is not None))
+    return req, used
 
 
 # -- sessions and steps ---------------------------------------------------------------------------
@@ -246,11 +176,19 @@ class PreparedStep:
     tokens: int
     positions: tuple[int, ...]
     single: bool  # one session, per-session shapes: the output drops the batch dimension
+    regions: tuple[Region, ...] = ()  # the shared-memory regions the request refers to
+    output: torch.Tensor | None = field(default=None, repr=False)  # where o goes ([B, T, HV, V] view), if in a region
 
     def complete(self, response: gdn_pb2.DecodeResponse) -> torch.Tensor:
-        """Parses a successful reply and advances the sessions; returns bf16 o."""
+        """Parses a successful reply and advances the sessions; returns bf16 o (the `out` tensor
+        the server wrote it into, where the step has one)."""
         try:
-            o = tensor_from_proto(response.o, "o")
+            if self.output is not None:
+                if list(response.o.shape) != list(self.output.shape) or response.o.data:
+                    raise WireFormatError(f"o of shape {list(response.o.shape)} for an output in shared memory")
+                o = self.output
+            else:
+                o = tensor_from_proto(response.o, "o")
         except WireFormatError as e:
             self.fail(GdnError(str(e)), in_doubt=True)
             raise GdnError(f"malformed reply: {e}") from None
@@ -268,7 +206,7 @@ class PreparedStep:
                     cur.session_id, self.layer, got, expect,
                 )
             cur._settle(self.layer, got, self)
-        if not _FRESH_BYTES:
+        if not _FRESH_BYTES and self.output is None:
             o = o.clone()  # the view aliases bytes the message still holds
         return o[0] if self.single else o
 
@@ -292,19 +230,28 @@ def prepare_step(
     *,
     single: bool,
     speculative: bool = False,
+    regions: Sequence[Region] = (),
+    out: torch.Tensor | None = None,
 ) -> PreparedStep:
-    """Validates the inputs, reserves positions and builds the DecodeRequest."""
+    """Validates the inputs, reserves positions and builds the DecodeRequest (inputs and `out`
+    in one of `regions` by reference)."""
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
         raise ValueError(f"layer must be a non-negative int, got {layer!r}")
     if not cursors:
         raise ValueError("a decode step needs at least one session")
     if single and len(cursors) != 1:
         raise ValueError("per-session shapes need exactly one session")
-    tensors = batch_inputs(q, k, v, a, b, batch=None if single else len(cursors))
+    tensors = batch_inputs(q, k, v, a, b, batch=None if single else len(cursors), regions=regions)
     tokens = int(tensors[0].shape[1])
     if len({c.session_id for c in cursors}) != len(cursors):
         raise ValueError("a batched step needs distinct sessions")
-    request = encode_request(layer, [c.session_id for c in cursors], (), tensors)
+    output = None
+    if out is not None:
+        output = out.unsqueeze(0) if single and out.dim() == 3 else out
+        want = (len(cursors), tokens)
+        if output.dim() != 4 or tuple(output.shape[:2]) != want or output.dtype != torch.bfloat16:
+            raise ValueError(f"out must be bfloat16 [{want[0]}, {want[1]}, HV, V], got {out.dtype} {list(out.shape)}")
+    request, used = encode_request(layer, [c.session_id for c in cursors], (), tensors, regions, output)
     ordered = sorted(cursors, key=id)  # one lock order, so concurrent batches cannot deadlock
     reserved: list[tuple[SessionCursor, int]] = []
     for cur in ordered:
@@ -322,4 +269,4 @@ def prepare_step(
     positions = tuple(pos for _, pos in reserved)
     request.positions[:] = positions
     request.speculative = speculative
-    return PreparedStep(request, tuple(cursors), layer, tokens, positions, single)
+    return PreparedStep(request, tuple(cursors), layer, tokens, positions, single, used, output)
