@@ -6,16 +6,22 @@ Parts, each against a fresh server process (qwen3-next on one GPU by default):
   big        one client sending B = --batch-sessions sessions per unary request (256);
   unbatched  the stream part again with --max-batch-rows 1 (only with --unbatched): what
              batching buys.
+With --shared-memory system,cuda the stream and big parts run again with the clients' tensors in
+shared memory (gdn-loadtest --shared-memory; parts "stream-system", "big-cuda", ...), against the
+same server (--allow-shared-memory), beside the inline ones.
 `gdn-loadtest --echo` runs the same load against a bytes echo server right after each of our
-runs, in the same call, so each pair sees the host in the same state. A host's echo rate moves
-10-20% from one call to the next: compare the ratios, not absolute figures across calls.
+runs, in the same call, so each pair sees the host in the same state (for a shared-memory run:
+the small messages it sends). A host's echo rate moves 10-20% from one call to the next: compare
+the ratios, not absolute figures across calls.
 
     python bench/serve.py                                    # the H200 figures of bench/RESULTS.md
     python bench/serve.py --clients 64 --rounds 3            # one point, three pairs of runs
     python bench/serve.py --server-tree ../old               # another commit's server, this load
+    python bench/serve.py --shared-memory system,cuda        # inline, host shm and CUDA IPC
     python bench/serve.py --device cpu --model "--layers 4 --q-heads 2 --v-heads 4" \\
         --clients 1,8 --batch-sessions 16 --duration 2       # a smoke run on any machine
 
+Parts with the same server flags share one server process, started afresh for them.
 Prints one table; writes bench/out/serve-<UTC time>.json (every gdn-loadtest document, the
 server and load commands, date, commit and this command line).
 """
@@ -34,12 +40,16 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str], list[str]]]:
     timing = ["--duration", str(args.duration), "--rounds", str(args.rounds), *shlex.split(args.load_flags)]
     stream = ["--mode", "stream", "--tokens", "1", "--clients", args.clients,
               "--processes", str(args.load_processes), *timing]
+    modes = [m for m in args.shared_memory.split(",") if m]
+    server = ["--allow-shared-memory"] if modes else []
     chosen = []
-    if args.clients:
-        chosen.append(("stream", [], [*stream, "--echo"]))
-    if args.batch_sessions > 0:
-        chosen.append(("big", [], ["--mode", "unary", "--tokens", "1", "--clients", "1",
-                                   "--batch", str(args.batch_sessions), "--echo", *timing]))
+    for mode in ["none", *modes]:
+        suffix, where = ("", []) if mode == "none" else (f"-{mode}", ["--shared-memory", mode])
+        if args.clients:
+            chosen.append((f"stream{suffix}", server, [*stream, "--echo", *where]))
+        if args.batch_sessions > 0:
+            chosen.append((f"big{suffix}", server, ["--mode", "unary", "--tokens", "1", "--clients", "1",
+                                                   "--batch", str(args.batch_sessions), "--echo", *timing, *where]))
     if args.unbatched and args.clients:
         chosen.append(("unbatched", ["--max-batch-rows", "1"], stream))
     return chosen
@@ -72,6 +82,8 @@ def main() -> None:
     p.add_argument("--clients", default="1,64,256", help="clients values of the stream part ('' skips it)")
     p.add_argument("--batch-sessions", type=int, default=256, help="B of the big part (0 skips it)")
     p.add_argument("--unbatched", action="store_true", help="also run the stream part with --max-batch-rows 1")
+    p.add_argument("--shared-memory", default="", help="also run the stream and big parts with the tensors in "
+                                                       "shared memory of these kinds: system, cuda (e.g. system,cuda)")
     p.add_argument("--duration", type=float, default=4.0, help="seconds per run")
     p.add_argument("--rounds", type=int, default=1, help="pairs of runs (ours, then the echo's) per point")
     p.add_argument("--load-processes", type=int, default=4,
@@ -90,15 +102,19 @@ def main() -> None:
 
     path = common.out_path("serve", args.out)
     results: list[dict] = []
+    groups: dict[tuple[str, ...], list[tuple[str, list[str]]]] = {}  # server flags -> its parts
+    for name, server_flags, load_flags in parts(args):
+        groups.setdefault(tuple(server_flags), []).append((name, load_flags))
     with tempfile.TemporaryDirectory() as tmp:
-        for name, server_flags, load_flags in parts(args):
+        for server_flags, group in groups.items():
             cmd = common.server_command(args.device, args.model, args.max_sessions,
                                         [*server_flags, *shlex.split(args.server_flags)])
             with common.Server(cmd, cwd=args.server_tree) as server:
-                doc = common.run_loadtest(server.target, Path(tmp) / f"{name}.json", load_flags)
-            results.append({"part": name, "server_command": common.shown(cmd),
-                            "loadtest_flags": shlex.join(load_flags), "loadtest": doc})
-            common.write_json(path, {"args": vars(args), "parts": results})  # what is done survives a failure
+                for name, load_flags in group:
+                    doc = common.run_loadtest(server.target, Path(tmp) / f"{name}.json", load_flags)
+                    results.append({"part": name, "server_command": common.shown(cmd),
+                                    "loadtest_flags": shlex.join(load_flags), "loadtest": doc})
+                    common.write_json(path, {"args": vars(args), "parts": results})  # survives a failure
     print()
     print(table(results))
     print(f"\nwrote {path}")

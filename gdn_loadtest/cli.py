@@ -17,6 +17,7 @@ from gdn_loadtest.config import LoadConfig, RunResult
 from gdn_loadtest.echo import echo_server
 from gdn_loadtest.report import format_table, pct_of_echo, pct_of_echo_by_point, write_plots
 from gdn_loadtest.run import check_capacity, run_echo, run_load
+from gdn_loadtest.shm import MODES
 from gdn_server.tuning import tune_process
 from gdn_loadtest.verify import VerificationError
 from gdn_loadtest.workers import DTYPES
@@ -70,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --verify: the --seed the server was started with (default 0, the server's "
                         "default), whose gate parameters A_log/dt_bias the check recomputes; a server started "
                         "with --weights cannot be verified")
+    p.add_argument("--shared-memory", choices=MODES, default="none",
+                   help="where the clients' tensors live: inline in the messages (none), or in a region of host "
+                        "shared memory (system) or of this host's GPU (cuda) that the requests refer to; the "
+                        "server must be on this host with --allow-shared-memory (default none)")
     p.add_argument("--json", type=Path, default=None, help="write results to this JSON file")
     p.add_argument("--plot", type=Path, default=None, help="write PNG charts into this folder")
     p.add_argument("--no-progress", action="store_true",
@@ -82,6 +87,8 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
         return "--batch, --tokens, --rounds and --processes must be >= 1"
     if args.layers_per_token is not None and args.layers_per_token < 1:
         return "--layers-per-token must be >= 1"
+    if args.verify and args.shared_memory != "none":
+        return "--verify checks outputs that come in the reply: not with --shared-memory"
     if args.requests is not None and args.requests < 1:
         return "--requests must be >= 1"
     if (args.duration is not None and args.duration <= 0) or args.timeout <= 0:
@@ -102,6 +109,7 @@ async def _run_all(args: argparse.Namespace, echo_address: str | None, results: 
                 layers_per_token=args.layers_per_token, requests=args.requests, duration=args.duration,
                 dtype=args.dtype, seed=args.seed, timeout=args.timeout, progress=not args.no_progress,
                 shared_connection=args.shared_connection, verify=args.verify, server_seed=args.server_seed,
+                shared_memory=args.shared_memory,
             )
             ours = dataclasses.replace(await run_load(cfg, args.processes), round=round_index)
             results.append(ours)

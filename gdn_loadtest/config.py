@@ -27,6 +27,7 @@ class LoadConfig:
     shared_connection: bool = False
     verify: bool = False  # check every output against the reference math (gdn_loadtest.verify)
     server_seed: int = 0  # the server's --seed: its gate parameters, for verify
+    shared_memory: str = "none"  # tensors inline, or in a "system" or "cuda" region (gdn_loadtest.shm)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from gdn_loadtest.config import Agreement, LoadConfig
 from gdn_loadtest.drive import ClientTally, Measured, drive, host_cpu_ticks, host_cpu_usage
 from gdn_loadtest.progress import REFRESH_S, ProgressBar
 from gdn_loadtest.verify import VerificationError
-from gdn_loadtest.workers import EchoWorker, GdnWorker, server_view
+from gdn_loadtest.shm import gdn_worker
+from gdn_loadtest.workers import EchoWorker, server_view
 
 __all__ = ["LineProgress", "child_main", "shares", "spread"]
 
@@ -165,7 +166,7 @@ async def _child(spec: dict[str, Any]) -> dict[str, Any]:
     first = spec["first_index"]
     if spec["kind"] == "gdn":
         info, _ = await server_view(cfg.target, cfg.timeout)
-        workers: list[Any] = [GdnWorker(cfg, info, first + i) for i in range(cfg.clients)]
+        workers: list[Any] = [gdn_worker(cfg, info, first + i) for i in range(cfg.clients)]
     else:
         workers = [EchoWorker(cfg, cfg.target, spec["request_bytes"], spec["reply_bytes"])
                    for _ in range(cfg.clients)]

@@ -12,7 +12,8 @@ from gdn_client import GdnError, ModelInfo, Stats
 from gdn_loadtest.config import Agreement, LoadConfig, RunResult
 from gdn_loadtest.drive import drive, run_result
 from gdn_loadtest.processes import spread
-from gdn_loadtest.workers import EchoWorker, GdnWorker, server_view
+from gdn_loadtest.shm import gdn_worker
+from gdn_loadtest.workers import EchoWorker, server_view
 
 __all__ = ["check_capacity", "run_load", "run_echo"]
 
@@ -53,7 +54,7 @@ async def run_load(cfg: LoadConfig, processes: int = 1) -> RunResult:
         layers, request_bytes, reply_bytes = sizes
         _, after = await server_view(cfg.target, cfg.timeout)
     else:
-        workers = [GdnWorker(cfg, info, i) for i in range(cfg.clients)]
+        workers = [gdn_worker(cfg, info, i) for i in range(cfg.clients)]
         try:
             measured = await drive(workers, cfg, label, snapshot)
             _, after = await server_view(cfg.target, cfg.timeout)

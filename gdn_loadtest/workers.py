@@ -131,12 +131,16 @@ class GdnWorker:
             except grpc.RpcError as exc:
                 raise error_from_rpc(exc) from None
             self.session_ids.append(reply.session_id)
-        self.bodies = [_request_body(self.session_ids, x) for x in self.inputs]
+        self.bodies = [self.request_body(i) for i in range(INPUT_SETS)]
         if self.cfg.verify:
             gates = gate_params_from_seed(self.info, self.cfg.server_seed)
             self.verifier = StateVerifier(self.info, gates, self.session_ids, self.layers, self.cfg.server_seed)
         if self.cfg.mode == "stream":
             self.call = self.channel.stream_stream(_DECODE_STREAM)()
+
+    def request_body(self, index: int) -> bytes:
+        """Input set `index` with the session ids, serialized (a step's header goes before)."""
+        return _request_body(self.session_ids, self.inputs[index])
 
     def prepare(self) -> bytes:
         self.layer = layer = self.step_index % self.layers

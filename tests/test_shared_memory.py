@@ -351,3 +351,22 @@ def test_async_client_and_the_region_dropped_by_the_server(shm_server):
                         assert torch.equal(o, await plain.decode(2, *(x[n][0] for n in "qkvab")))
 
     asyncio.run(main())
+
+
+def test_loadtest_through_shared_memory(shm_server, tmp_path):
+    """gdn-loadtest --shared-memory system: its clients' requests refer to their regions; every
+    step answered, and each client's region is unregistered at the end."""
+    import json
+
+    out = tmp_path / "load.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "gdn_loadtest", "--target", shm_server.address, "--clients", "2", "--batch", "2",
+         "--requests", "24", "--shared-memory", "system", "--mode", "unary", "--no-progress", "--json", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    (result,) = json.loads(out.read_text())["runs"]
+    assert result["steps"] == 24 and result["errors"] == 0
+    assert result["request_bytes"] < 1024  # references, not tensors
+    with open(f"/proc/{shm_server.proc.pid}/maps") as maps:
+        assert "/dev/shm/gdn-" not in maps.read()

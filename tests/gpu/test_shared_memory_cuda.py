@@ -1,0 +1,59 @@
+"""Tensors in GPU memory through CUDA IPC between two processes: this test (the client, its
+region from gdn_client) and a real server process on the GPU with --allow-shared-memory. The
+outputs equal those of the same inputs sent inline, bit for bit, in the region and in the reply;
+a host region works on the GPU server too; the server refuses a handle that does not open.
+"""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from gdn_client import Client
+from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
+from servers import start_server
+from util import random_inputs
+
+H, HV, K = 16, 32, 128
+NAMES = "qkvab"
+
+
+@pytest.fixture(scope="module")
+def gpu_server():
+    with start_server("--device", "cuda", "--devices", "0", "--layers", "2", "--q-heads", str(H), "--v-heads",
+                      str(HV), "--max-sessions", "64", "--allow-shared-memory", timeout=600) as server:
+        yield server
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_region_tensors_equal_inline_tensors(gpu_server, device):
+    with Client(gpu_server.address) as client:
+        B = 8
+        inline = [client.create_session() for _ in range(B)]
+        shared = [client.create_session(colocate_with=inline[0]) for _ in range(B)]
+        with client.shared_memory(8 << 20, device=device) as mem:
+            for step in range(3):
+                x = random_inputs(B, 1, H, HV, gen=torch.Generator().manual_seed(step), dtype=torch.bfloat16)
+                t = {n: mem.tensor(x[n].shape) for n in NAMES}
+                for n in NAMES:
+                    t[n].copy_(x[n])
+                out = mem.tensor((B, 1, HV, K))
+                if device == "cuda":
+                    torch.cuda.synchronize()  # the inputs are written before the request goes
+                got = client.decode_batch(step % 2, shared, *t.values(), out=out)
+                want = client.decode_batch(step % 2, inline, *x.values())
+                assert got.device.type == device and torch.equal(got.cpu(), want)
+                mem.reset()
+
+
+def test_a_handle_that_does_not_open_is_invalid_argument(gpu_server):
+    channel = grpc.insecure_channel(gpu_server.address)
+    try:
+        stub = gdn_pb2_grpc.GdnDecodeStub(channel)
+        request = gdn_pb2.RegisterSharedMemoryRequest(
+            name="bogus", byte_size=4096, cuda=gdn_pb2.CudaSharedMemory(ipc_handle=b"\x01" * 64, device=0))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.RegisterSharedMemory(request, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        channel.close()
