@@ -6,19 +6,26 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# a local CPU build of torch installs quickly; a bare `torch` would pull several GB of CUDA wheels.
-# On a GPU host, install the CUDA build of torch you need first and set TORCH_SPEC="".
+# torch, the version the tests and docker/Dockerfile pin, as its CPU build from PyTorch's own index
+# of CPU wheels (~190 MB): on PyPI itself torch for Linux x86_64 is the CUDA 13 build, with several
+# GB of CUDA libraries. Only torch comes from that index (--no-deps); its dependencies come from
+# your usual one with the package's. A GPU host takes the CUDA build from PyPI instead:
+#   make serve TORCH_INDEX=https://pypi.org/simple
+# or installs the torch build it needs into .venv itself and passes TORCH_SPEC= (empty).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 ARGS ?= --preset qwen3-next
 PYTEST_ARGS ?=
 
 .PHONY: serve test proto bench-kernel clean
 
 # the C module is built by the install: a changed source is built again
-$(VENV)/.runtime: pyproject.toml gdn_server/_wire.c
+$(VENV)/.runtime: pyproject.toml setup.py gdn_server/_wire.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
+	$(if $(TORCH_SPEC),@echo "installing $(TORCH_SPEC) from $(TORCH_INDEX)")
+	$(if $(TORCH_SPEC),$(PY) -m pip install -q --no-deps --index-url "$(TORCH_INDEX)" "$(TORCH_SPEC)")
+	@echo "installing gdn-serve (editable) and its dependencies; building gdn_server/_wire.c"
 	$(PY) -m pip install -q -e .
 	touch $@
 
