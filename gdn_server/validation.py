@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gdn_client.proto.checks import (
-    ITEMSIZE_OF, WireFormatError, all_finite, check_layout, describe_shape, first_nonfinite, has_nonfinite, torch_dtypes,
+    ITEMSIZE_OF, WireFormatError, check_layout, describe_shape, first_nonfinite, has_nonfinite, torch_dtypes,
 )
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server import _wire
@@ -157,15 +157,17 @@ def decode_work_from_request(
     for name, dtype, d, data, device in zip(INPUT_NAMES, dtypes, dims, raw, on_device):
         torch_dtype = TORCH_DTYPE[dtype]
         if device:
-            tensor = data.view(torch_dtype).view(d)
-            if not all_finite(tensor):
-                raise nonfinite_input(name)
-        else:
-            if len(data) and has_nonfinite(data, dtype):
-                raise nonfinite_input(name)
-            tensor = (torch.frombuffer(data, dtype=torch_dtype) if len(data) else torch.empty(0, dtype=torch_dtype)).view(d)
-        tensors[name] = tensor
-    digests = device_row_digests(tuple(tensors.values()), B) if any(on_device) else row_digests(raw, B)
+            tensors[name] = data.view(torch_dtype).view(d)
+            continue
+        if len(data) and has_nonfinite(data, dtype):
+            raise nonfinite_input(name)
+        tensors[name] = (torch.frombuffer(data, dtype=torch_dtype) if len(data) else torch.empty(0, dtype=torch_dtype)).view(d)
+    if any(on_device):
+        bad, digests = device_checks(tuple(tensors.values()), B)
+        if bad is not None:
+            raise nonfinite_input(INPUT_NAMES[bad])
+    else:
+        digests = row_digests(raw, B)
     return DecodeWork(**common, **tensors, digests=digests)
 
 
@@ -209,15 +211,19 @@ def _resolve(ref: gdn_pb2.TensorRef, nbytes: int, name: str, resolve: Resolve | 
     return view
 
 
-def device_row_digests(tensors: Sequence[torch.Tensor], rows: int) -> tuple[int, ...]:
-    """Each session's inputs digested on their device (some input lives in CUDA memory): a
-    weighted sum of each row's 16-bit words, the weights a fixed odd sequence, modulo 2^32. What
-    a retry of the step through the same memory must match."""
-    device = next(t.device for t in tensors if t.is_cuda)
-    words = torch.cat([t.to(device).reshape(rows, -1).view(torch.int16).to(torch.int64) & 0xFFFF for t in tensors],
-                      dim=1)
+def device_checks(tensors: Sequence[torch.Tensor], rows: int) -> tuple[int | None, tuple[int, ...]]:
+    """The checks of inputs of which some live in CUDA memory, on that device, with one wait for
+    it: the index of the first input holding a NaN or Inf (None: none does), and each session's
+    digest (a weighted sum of its row's 16-bit words, the weights a fixed odd sequence, modulo
+    2^32), what a retry through the same memory must match."""
+    device = next((t.device for t in tensors if t.is_cuda), torch.device("cpu"))
+    on = [t.to(device) for t in tensors]
+    finite = torch.stack([torch.isfinite(t).all() for t in on]).to(torch.int64)
+    words = torch.cat([t.reshape(rows, -1).view(torch.int16).to(torch.int64) & 0xFFFF for t in on], dim=1)
     weights = torch.arange(words.shape[1], device=device, dtype=torch.int64) * 2 + 1
-    return tuple(int(x) for x in ((words * weights).sum(dim=1) & 0xFFFFFFFF).tolist())
+    answer = torch.cat([finite, (words * weights).sum(dim=1) & 0xFFFFFFFF]).tolist()
+    bad = next((i for i, ok in enumerate(answer[:len(on)]) if not ok), None)
+    return bad, tuple(answer[len(on):])
 
 
 def _malformed_session_id(sid: str) -> InvalidArgument:
