@@ -88,7 +88,7 @@ def test_dockerfile_structure():
     ins = _instructions((DOCKER / "Dockerfile").read_text())
     froms = [rest for word, rest in ins if word == "FROM"]
     args = {rest.split("=", 1)[0]: rest.split("=", 1)[1] for word, rest in ins if word == "ARG" and "=" in rest}
-    assert re.match(r"nvidia/cuda:12\.\d+(\.\d+)?-runtime-ubuntu2[24]\.04$", args["CUDA_IMAGE"])
+    assert re.match(r"nvidia/cuda:\d+\.\d+\.\d+-runtime-ubuntu2[24]\.04$", args["CUDA_IMAGE"])
     assert len(froms) == 2 and all(f.startswith("${CUDA_IMAGE}") for f in froms)
     final = ins[max(i for i, (w, _) in enumerate(ins) if w == "FROM"):]
     user = [rest for word, rest in final if word == "USER"]
@@ -117,11 +117,65 @@ def test_dockerfile_installs_every_package():
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     packages = {p.name for pattern in include for p in ROOT.glob(pattern.rstrip("*")) if (p / "__init__.py").exists()}
     assert packages and packages <= copied, f"not copied: {sorted(packages - copied)}"
-    checks = [m.group(1) for word, rest in build if word == "RUN" for m in re.finditer(r'-c "import ([^"]+)"', rest)]
+    checks = [m.group(1) for word, rest in build if word == "RUN" for m in re.finditer(r'-c "import ([^";]+)"', rest)]
     modules = [name.strip() for check in checks for name in check.split(",")]
     assert {"gdn_server.cli", "gdn_server.healthcheck", "gdn_loadtest.cli"} <= set(modules)
     for name in modules:
         assert importlib.util.find_spec(name) is not None, name
+
+
+def _args(ins: list[tuple[str, str]]) -> dict[str, str]:
+    return {rest.split("=", 1)[0]: rest.split("=", 1)[1] for word, rest in ins if word == "ARG" and "=" in rest}
+
+
+def _project_version() -> str:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def test_image_versions_are_one_pinned_set():
+    """The image's CUDA runtime, torch and CuTe DSL libraries are of one CUDA major; torch is the
+    version the Makefile installs (and the tests run), the CuTe DSL the version pyproject.toml
+    pins; the build checks the image's and torch's CUDA major itself; and every comment and
+    document in docker/ that names a CUDA major names that one."""
+    import tomllib
+
+    ins = _instructions((DOCKER / "Dockerfile").read_text())
+    args = _args(ins)
+    major = args["CUDA_MAJOR"]
+    assert re.match(rf"nvidia/cuda:{major}\.\d+\.\d+-runtime-", args["CUDA_IMAGE"]), args["CUDA_IMAGE"]
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^TORCH_SPEC \?= torch==(\S+)$", makefile, re.M).group(1) == args["TORCH_VERSION"]
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"nvidia-cutlass-dsl=={args['CUTLASS_DSL_VERSION']}" in deps
+    (install,) = [rest for word, rest in ins if word == "RUN" and "pip install" in rest]
+    assert '"torch==${TORCH_VERSION}"' in install
+    assert '"nvidia-cutlass-dsl[cu${CUDA_MAJOR}]==${CUTLASS_DSL_VERSION}"' in install
+    assert 'test "${CUDA_VERSION%%.*}" = "${CUDA_MAJOR}"' in install  # the base image's own CUDA_VERSION
+    assert "torch.version.cuda.split('.')[0] == '${CUDA_MAJOR}'" in install
+    for name in ("Dockerfile", "README.md", "compose.yaml"):
+        text = (DOCKER / name).read_text()
+        assert set(re.findall(r"CUDA (\d+)\b", text)) <= {major}, name
+        assert set(re.findall(r"\bcu(\d+)\b", text)) <= {major}, name
+
+
+def test_images_are_named_by_version_never_latest():
+    """Every image reference in docker/ carries the package's version as its tag; the Kubernetes
+    manifests name a registry (the pushed image), compose the name its build gives."""
+    version = _project_version()
+    texts = {path.relative_to(DOCKER): path.read_text() for path in [DOCKER / "Dockerfile", DOCKER / "README.md",
+                                                                    DOCKER / "compose.yaml", *K8S]}
+    for name, text in texts.items():
+        assert set(re.findall(r"gdn-serve:([\w.-]+)", text)) <= {version}, name
+    (compose,) = _load_yaml(DOCKER / "compose.yaml")
+    assert {s["image"] for s in compose["services"].values()} == {f"gdn-serve:{version}"}
+    for path in K8S:
+        for doc in _load_yaml(path):
+            pod = doc.get("spec", {}).get("template", {}).get("spec")
+            for c in (pod or {}).get("containers", []):
+                registry, _, image = c["image"].partition("/")
+                assert "." in registry and image == f"gdn-serve:{version}", (path, c["image"])
 
 
 def _read_variables() -> set[str]:
