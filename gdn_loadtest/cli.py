@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the clients' tensors live: inline in the messages (none), or in a region of host "
                         "shared memory (system) or of this host's GPU (cuda) that the requests refer to; the "
                         "server must be on this host with --allow-shared-memory (default none)")
+    p.add_argument("--speculative", action="store_true",
+                   help="every step a draft of --tokens tokens; after each pass over the layers, a Commit of a "
+                        "random 0..T of them for each session (speculative decoding)")
     p.add_argument("--json", type=Path, default=None, help="write results to this JSON file")
     p.add_argument("--plot", type=Path, default=None, help="write PNG charts into this folder")
     p.add_argument("--no-progress", action="store_true",
@@ -87,6 +90,8 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
         return "--batch, --tokens, --rounds and --processes must be >= 1"
     if args.layers_per_token is not None and args.layers_per_token < 1:
         return "--layers-per-token must be >= 1"
+    if args.speculative and args.verify:
+        return "--verify follows plain steps only: not with --speculative"
     if args.verify and args.shared_memory != "none":
         return "--verify checks outputs that come in the reply: not with --shared-memory"
     if args.requests is not None and args.requests < 1:
@@ -109,7 +114,7 @@ async def _run_all(args: argparse.Namespace, echo_address: str | None, results: 
                 layers_per_token=args.layers_per_token, requests=args.requests, duration=args.duration,
                 dtype=args.dtype, seed=args.seed, timeout=args.timeout, progress=not args.no_progress,
                 shared_connection=args.shared_connection, verify=args.verify, server_seed=args.server_seed,
-                shared_memory=args.shared_memory,
+                shared_memory=args.shared_memory, speculative=args.speculative,
             )
             ours = dataclasses.replace(await run_load(cfg, args.processes), round=round_index)
             results.append(ours)

@@ -28,6 +28,9 @@ class LoadConfig:
     verify: bool = False  # check every output against the reference math (gdn_loadtest.verify)
     server_seed: int = 0  # the server's --seed: its gate parameters, for verify
     shared_memory: str = "none"  # tensors inline, or in a "system" or "cuda" region (gdn_loadtest.shm)
+    # each step a draft (speculative = true) and, after a pass over the layers, a Commit of a
+    # random 0..T of its tokens for each session, as speculative decoding serves a model
+    speculative: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class RunResult:
     # against host_cpu's busy_cores, what the load took of a host it shares with the server
     load_cores: float | None = None
     verified: bool = False  # every output was checked against the reference math
+    speculative: bool = False  # steps were drafts, each pass over the layers settled by Commit (LoadConfig)
     agreement: Agreement | None = None  # with verified: how close the outputs came to it
 
     def summary(self) -> dict[str, Any]:

@@ -185,4 +185,5 @@ def run_result(kind: str, cfg: LoadConfig, layers: int, measured: Measured, requ
         host_cpu=measured.host_cpu, shared_connection=cfg.shared_connection,
         load_cores=measured.cpu_s / elapsed if elapsed > 0 else None,
         verified=cfg.verify and kind == "gdn", agreement=measured.agreement,
+        speculative=cfg.speculative and kind == "gdn",
     )

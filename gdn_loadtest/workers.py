@@ -86,6 +86,11 @@ class GdnWorker:
     through the model as a decoder would: layer 0..L-1 for one token, then the next token, one
     step in flight at a time (a layer's input depends on the previous layer's output).
 
+    With ``cfg.speculative`` every step is a draft of T tokens, and the step at the last layer
+    also settles the pass: one Commit per session, all with the same number of accepted tokens,
+    drawn uniformly from 0..T, in flight together. Those Commits are part of that step's time;
+    the positions then are the ones the Commit replies name.
+
     The inputs are drawn and encoded before timing: each of INPUT_SETS sets is serialized once
     (session ids and tensors), and a step sends the bytes of its small header fields (layer,
     positions, request_id) followed by those of its set. Protobuf reads concatenated encodings as
@@ -119,6 +124,9 @@ class GdnWorker:
         self.request_bytes = 0
         self.reply_bytes = 0
         self.verifier: StateVerifier | None = None
+        self.accepts = torch.Generator().manual_seed(cfg.seed * 100_003 + index + 1)  # accepted tokens per pass
+        self.accepted = 0  # this pass's accepted tokens (speculative)
+        self.committed: list[int] | None = None  # positions after the last pass's Commit
         # requests go out as bytes we encoded, replies come in as bytes (as the echo client's do):
         # check() parses them after the latency is taken
         self.decode = self.channel.unary_unary(_DECODE)
@@ -145,18 +153,50 @@ class GdnWorker:
     def prepare(self) -> bytes:
         self.layer = layer = self.step_index % self.layers
         header = gdn_pb2.DecodeRequest(
-            layer=layer, positions=[self.positions[layer]] * self.cfg.batch, request_id=str(self.step_index)
+            layer=layer, positions=[self.positions[layer]] * self.cfg.batch, request_id=str(self.step_index),
+            speculative=self.cfg.speculative,
         ).SerializeToString()
+        if self.cfg.speculative and layer == self.layers - 1:
+            self.accepted = int(torch.randint(0, self.cfg.tokens + 1, (1,), generator=self.accepts))
         wire = header + self.bodies[self.step_index % INPUT_SETS]
         self.request_bytes = len(wire)
         return wire
 
     async def send(self, request: bytes) -> bytes:
-        return await _round_trip(self.call, self.decode, request, self.cfg.timeout, "DecodeStream")
+        reply = await _round_trip(self.call, self.decode, request, self.cfg.timeout, "DecodeStream")
+        if self.cfg.speculative and self.layer == self.layers - 1:
+            self.committed = await self.commit(self.accepted)
+        return reply
+
+    async def commit(self, accepted: int) -> list[int]:
+        """Commits `accepted` tokens of every session's open drafts; the positions after it."""
+        calls = [self.stub.Commit(gdn_pb2.CommitRequest(session_id=sid, accepted=accepted), timeout=self.cfg.timeout)
+                 for sid in self.session_ids]
+        try:
+            replies = await asyncio.gather(*calls)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+        return list(replies[0].positions)[: self.layers]
 
     def check(self, reply: bytes) -> None:
         """Parses the reply (a DecodeStream error arrives in it), checks it answers this step
-        (and with verify, its every output number), and advances the positions."""
+        (and with verify, its every output number), and advances the positions: by T at the
+        step's layer, or after a speculative pass's Commit to the positions it named (whatever
+        this step's own answer: the pass is settled)."""
+        committed, self.committed = self.committed, None
+        try:
+            self._check_reply(reply)
+        finally:
+            if committed is not None:
+                self.positions = committed
+                self.step_index += 1
+        if committed is None:
+            self.positions[self.layer] += self.cfg.tokens
+            self.step_index += 1
+        if not self.reply_bytes:
+            self.reply_bytes = len(reply)
+
+    def _check_reply(self, reply: bytes) -> None:
         try:
             msg = gdn_pb2.DecodeResponse.FromString(reply)
         except DecodeError as exc:
@@ -172,10 +212,6 @@ class GdnWorker:
                 raise VerificationError(f"layer {self.layer}: the reply's output is malformed: {exc}") from None
             self.verifier.check(self.layer, self.positions[self.layer], self.inputs[self.step_index % INPUT_SETS],
                                 output)
-        self.positions[self.layer] += self.cfg.tokens
-        self.step_index += 1
-        if not self.reply_bytes:
-            self.reply_bytes = len(reply)
 
     async def exchange(self) -> None:
         self.check(await self.send(self.prepare()))

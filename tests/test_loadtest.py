@@ -208,6 +208,20 @@ def test_unary_console_script(small_server, tmp_path):
     assert run["layers_per_token"] == 2 and run["server"]["requests"] == 30
 
 
+def test_speculative_drafts_commit_each_pass_and_follow_the_committed_positions(small_server, tmp_path):
+    """Drafts of T = 3 through 2 layers, a Commit of a random 0..3 tokens per pass: every step is
+    applied (a position the server does not hold would be FAILED_PRECONDITION), pass after pass."""
+    out = tmp_path / "spec.json"
+    rc = cli.main(["--target", small_server.address, "--clients", "2", "--batch", "2", "--tokens", "3",
+                   "--speculative", "--layers-per-token", "2", "--requests", "24", "--no-progress",
+                   "--json", str(out)])
+    assert rc == 0
+    (run,) = _runs(out)
+    assert run["speculative"] and run["steps"] == 24 and run["errors"] == 0 and run["error_samples"] == []
+    assert "--verify follows plain steps only" in cli._argument_problem(
+        cli.build_parser().parse_args(["--speculative", "--verify"]))
+
+
 def test_too_many_sessions_is_refused_before_any_run(small_server, capsys):
     """The largest clients value is checked against the server's free sessions before the first
     run: no run starts, and the message says what is needed and what the server has."""
