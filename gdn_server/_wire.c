@@ -15,7 +15,9 @@
        num_layers, positions (when given) one per session with position + T below 2^63 (the
        count after the step must stay a signed 64-bit number), not speculative, q, k,
        v, a, b in BF16 with the shapes of B sessions and T tokens (1 <= T <= max_tokens) and the
-       byte lengths those shapes give. Its inputs are checked for NaN/Inf unless they hold
+       byte lengths those shapes give, or by reference (Tensor.ref, no data; and o_ref): then the
+       input is (region, offset) and by_reference is set, and validation resolves, checks and
+       digests the bytes in the region. Inline inputs are checked for NaN/Inf unless they hold
        defer_from bytes or more (finite_checked False: the backend checks them where it stages
        them), and each session's inputs are digested (`row_digests`).
        None for anything else: the caller parses it with protobuf and gdn_server.validation says
@@ -45,8 +47,10 @@
 #define BF16 1 /* gdn.v1.DType.BF16 */
 #define MAX_POSITION ((uint64_t)INT64_MAX)
 /* field numbers of gdn.v1.DecodeRequest and gdn.v1.Tensor this parse reads or writes */
-enum { F_LAYER = 1, F_SESSION_IDS = 2, F_Q = 3, F_B = 7, F_POSITIONS = 8, F_REQUEST_ID = 9, F_SPECULATIVE = 10 };
-enum { F_TENSOR_DTYPE = 1, F_TENSOR_SHAPE = 2, F_TENSOR_DATA = 3 };
+enum { F_LAYER = 1, F_SESSION_IDS = 2, F_Q = 3, F_B = 7, F_POSITIONS = 8, F_REQUEST_ID = 9, F_SPECULATIVE = 10,
+       F_O_REF = 11 };
+enum { F_TENSOR_DTYPE = 1, F_TENSOR_SHAPE = 2, F_TENSOR_DATA = 3, F_TENSOR_REF = 4 };
+enum { F_REF_REGION = 1, F_REF_OFFSET = 2 };
 enum { F_REPLY_O = 1, F_REPLY_POSITIONS = 2, F_REPLY_REQUEST_ID = 3 };
 #define DIGEST_FULL_ROW_BYTES 1024
 #define DIGEST_STRIDE 61
@@ -84,12 +88,40 @@ static int read_len(const uint8_t **pos, const uint8_t *end, const uint8_t **sta
 
 typedef struct {
     int seen; /* the field was in the message */
+    const uint8_t *region; /* UTF-8, not terminated */
+    Py_ssize_t region_len;
+    uint64_t offset;
+} Ref;
+
+typedef struct {
+    int seen; /* the field was in the message */
     uint64_t dtype;
     uint64_t dims[4];
     int ndim;
     const uint8_t *data;
     Py_ssize_t len;
+    Ref ref;
 } Tensor;
+
+/* A TensorRef message in the plain encoding into *ref (seen set); 0 on success, -1 else. */
+static int read_ref(const uint8_t *p, const uint8_t *end, Ref *ref) {
+    int seen_region = 0, seen_offset = 0;
+    ref->seen = 1;
+    while (p < end) {
+        uint64_t key;
+        if (read_varint(&p, end, &key) != 0) return -1;
+        if (key == (F_REF_REGION << 3 | WIRE_LEN) && !seen_region) {
+            seen_region = 1;
+            if (read_len(&p, end, &ref->region, &ref->region_len) != 0) return -1;
+        } else if (key == (F_REF_OFFSET << 3 | WIRE_VARINT) && !seen_offset) {
+            seen_offset = 1;
+            if (read_varint(&p, end, &ref->offset) != 0) return -1;
+        } else {
+            return -1;
+        }
+    }
+    return 0;
+}
 
 /* A Tensor message in the plain encoding; 0 on success, -1 for anything else. */
 static int read_tensor(const uint8_t *p, const uint8_t *end, Tensor *t) {
@@ -113,6 +145,8 @@ static int read_tensor(const uint8_t *p, const uint8_t *end, Tensor *t) {
         } else if (key == (F_TENSOR_DATA << 3 | WIRE_LEN) && !seen_data) {
             seen_data = 1;
             if (read_len(&p, end, &t->data, &t->len) != 0) return -1;
+        } else if (key == (F_TENSOR_REF << 3 | WIRE_LEN) && !t->ref.seen) {
+            if (read_len(&p, end, &start, &len) != 0 || read_ref(start, start + len, &t->ref) != 0) return -1;
         } else {
             return -1;
         }
@@ -268,16 +302,19 @@ static PyStructSequence_Field plain_step_fields[] = {
     {"session_ids", "tuple of str"},
     {"positions", "tuple of int, or None when the request gave none"},
     {"request_id", NULL},
-    {"inputs", "q, k, v, a, b: read-only memoryviews of the message's bf16 bytes"},
+    {"inputs", "q, k, v, a, b: read-only memoryviews of the message's bf16 bytes, or (region, offset) "
+               "for a tensor by reference"},
     {"dims", "the five inputs' shapes"},
-    {"finite_checked", "False: the inputs are big and still to be checked for NaN/Inf"},
-    {"digests", "each session's row_digests"},
+    {"finite_checked", "False: the inputs are big, or some by reference, and still to be checked for NaN/Inf"},
+    {"digests", "each session's row_digests; () where some input is by reference"},
+    {"by_reference", "some input or the output is by reference (a shared-memory region)"},
+    {"o_ref", "(region, offset) where o goes, or None"},
     {NULL, NULL},
 };
 
 static PyStructSequence_Desc plain_step_desc = {
     "gdn_server._wire.PlainStep", "A DecodeRequest that is a valid plain step (parse_plain_step).",
-    plain_step_fields, 8,
+    plain_step_fields, 10,
 };
 
 /* A str of the UTF-8 bytes, or NULL (no error set) where they are not valid UTF-8 or the str
@@ -290,6 +327,17 @@ static PyObject *short_str(const uint8_t *s, Py_ssize_t n, long long max_chars) 
     }
     if (PyUnicode_GET_LENGTH(str) > max_chars) Py_CLEAR(str);
     return str;
+}
+
+/* (region, offset) of a reference; NULL with no error set where the region is not valid UTF-8. */
+static PyObject *ref_tuple(const Ref *ref) {
+    PyObject *region = short_str(ref->region, ref->region_len, PY_SSIZE_T_MAX);
+    if (region == NULL) return NULL;
+    PyObject *offset = PyLong_FromUnsignedLongLong(ref->offset);
+    PyObject *pair = offset != NULL ? PyTuple_Pack(2, region, offset) : NULL;
+    Py_DECREF(region);
+    Py_XDECREF(offset);
+    return pair;
 }
 
 #define NOT_PLAIN goto not_plain
@@ -309,12 +357,13 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
 
     uint64_t layer = 0, speculative = 0;
     int seen_layer = 0, seen_rid = 0, seen_spec = 0, seen_positions = 0;
+    Ref o_ref = {0};
     const uint8_t *rid = NULL, *pos_start = NULL;
     Py_ssize_t rid_len = 0, pos_len = 0;
     Tensor t[N_INPUTS];
     memset(t, 0, sizeof t);
     PyObject *ids = PyList_New(0), *positions = NULL, *str = NULL, *inputs = NULL, *dims = NULL, *view = NULL,
-             *digests = NULL, *result = NULL;
+             *digests = NULL, *result = NULL, *o_ref_obj = NULL;
     if (ids == NULL) return NULL;
 
     while (p < end) {
@@ -343,6 +392,8 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
         } else if (field == F_SPECULATIVE && wire == WIRE_VARINT && !seen_spec) {
             seen_spec = 1;
             if (read_varint(&p, end, &speculative) != 0) NOT_PLAIN;
+        } else if (field == F_O_REF && wire == WIRE_LEN && !o_ref.seen) {
+            if (read_len(&p, end, &start, &len) != 0 || read_ref(start, start + len, &o_ref) != 0) NOT_PLAIN;
         } else {
             NOT_PLAIN; /* an unknown field, a field twice or in another wire type: protobuf decides */
         }
@@ -384,6 +435,7 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
     const int ndims[N_INPUTS] = {4, 4, 4, 3, 3};
     const uint8_t *data[N_INPUTS];
     Py_ssize_t lens[N_INPUTS], total = 0;
+    int by_reference = o_ref.seen;
     for (int i = 0; i < N_INPUTS; i++) {
         if (!t[i].seen || t[i].dtype != BF16 || t[i].ndim != ndims[i]) NOT_PLAIN;
         long long numel = 1;
@@ -391,12 +443,17 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
             if (t[i].dims[d] != (uint64_t)want[i][d]) NOT_PLAIN;
             numel *= want[i][d];
         }
-        if (t[i].len != 2 * numel) NOT_PLAIN;
+        if (t[i].ref.seen) { /* its bytes are in a region: validation resolves, checks and digests them */
+            if (t[i].len != 0) NOT_PLAIN;
+            by_reference = 1;
+        } else if (t[i].len != 2 * numel) {
+            NOT_PLAIN;
+        }
         data[i] = t[i].data;
         lens[i] = t[i].len;
         total += t[i].len;
     }
-    int finite_checked = total < defer_from;
+    int finite_checked = total < defer_from && !by_reference;
     if (finite_checked) {
         for (int i = 0; i < N_INPUTS; i++)
             if (has_nonfinite_bf16(data[i], lens[i])) NOT_PLAIN; /* validation names the input */
@@ -414,31 +471,43 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
     dims = inputs ? PyTuple_New(N_INPUTS) : NULL;
     if (dims == NULL) goto error;
     for (int i = 0; i < N_INPUTS; i++) {
-        Py_ssize_t offset = data[i] - base;
-        PyObject *slice = PySequence_GetSlice(view, offset, offset + lens[i]);
-        if (slice == NULL) goto error;
+        PyObject *slice;
+        if (t[i].ref.seen) {
+            slice = ref_tuple(&t[i].ref);
+            if (slice == NULL) goto not_plain_or_error;
+        } else {
+            Py_ssize_t offset = data[i] - base;
+            slice = PySequence_GetSlice(view, offset, offset + lens[i]);
+            if (slice == NULL) goto error;
+        }
         PyTuple_SET_ITEM(inputs, i, slice);
         PyObject *shape = ndims[i] == 4 ? Py_BuildValue("(LLLL)", want[i][0], want[i][1], want[i][2], want[i][3])
                                         : Py_BuildValue("(LLL)", want[i][0], want[i][1], want[i][2]);
         if (shape == NULL) goto error;
         PyTuple_SET_ITEM(dims, i, shape);
     }
-    digests = digest_tuple(data, lens, B);
+    if (o_ref.seen) {
+        if ((o_ref_obj = ref_tuple(&o_ref)) == NULL) goto not_plain_or_error;
+    } else {
+        o_ref_obj = Py_NewRef(Py_None);
+    }
+    digests = by_reference ? PyTuple_New(0) : digest_tuple(data, lens, B);
     if (digests == NULL) goto error;
     result = PyStructSequence_New(&PlainStepType);
     if (result == NULL) goto error;
     PyObject *id_tuple = PyList_AsTuple(ids);
     if (id_tuple == NULL) goto error;
-    PyObject *fields[8] = {
+    PyObject *fields[10] = {
         PyLong_FromUnsignedLongLong(layer), id_tuple, positions, str, inputs, dims,
-        Py_NewRef(finite_checked ? Py_True : Py_False), digests,
+        Py_NewRef(finite_checked ? Py_True : Py_False), digests, Py_NewRef(by_reference ? Py_True : Py_False),
+        o_ref_obj,
     };
     if (fields[0] == NULL) {
         Py_DECREF(id_tuple);
         goto error;
     }
-    positions = str = inputs = dims = digests = NULL; /* the result holds them now */
-    for (int i = 0; i < 8; i++) PyStructSequence_SET_ITEM(result, i, fields[i]);
+    positions = str = inputs = dims = digests = o_ref_obj = NULL; /* the result holds them now */
+    for (int i = 0; i < 10; i++) PyStructSequence_SET_ITEM(result, i, fields[i]);
     goto done;
 
 not_plain_or_error:
@@ -456,6 +525,7 @@ done:
     Py_XDECREF(dims);
     Py_XDECREF(view);
     Py_XDECREF(digests);
+    Py_XDECREF(o_ref_obj);
     return result;
 }
 
@@ -583,11 +653,12 @@ PyMODINIT_FUNC PyInit__wire(void) {
     }
     /* the field numbers this module reads and writes, by message and field name */
     PyObject *fields = Py_BuildValue(
-        "{s{sisisisisisisisisisi}s{sisisi}s{sisisi}}", "DecodeRequest", "layer", F_LAYER, "session_ids",
+        "{s{sisisisisisisisisisisi}s{sisisisi}s{sisi}s{sisisi}}", "DecodeRequest", "layer", F_LAYER, "session_ids",
         F_SESSION_IDS, "q", F_Q, "k", F_Q + 1, "v", F_Q + 2, "a", F_Q + 3, "b", F_B, "positions", F_POSITIONS,
-        "request_id", F_REQUEST_ID, "speculative", F_SPECULATIVE, "Tensor", "dtype", F_TENSOR_DTYPE, "shape",
-        F_TENSOR_SHAPE, "data", F_TENSOR_DATA, "DecodeResponse", "o", F_REPLY_O, "positions", F_REPLY_POSITIONS,
-        "request_id", F_REPLY_REQUEST_ID);
+        "request_id", F_REQUEST_ID, "speculative", F_SPECULATIVE, "o_ref", F_O_REF, "Tensor", "dtype", F_TENSOR_DTYPE,
+        "shape", F_TENSOR_SHAPE, "data", F_TENSOR_DATA, "ref", F_TENSOR_REF, "TensorRef", "region", F_REF_REGION,
+        "offset", F_REF_OFFSET, "DecodeResponse", "o", F_REPLY_O, "positions", F_REPLY_POSITIONS, "request_id",
+        F_REPLY_REQUEST_ID);
     if (add_new_ref(m, "FIELDS", fields) != 0) {
         Py_DECREF(m);
         return NULL;

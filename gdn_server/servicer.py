@@ -125,7 +125,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         request is answered, and where its output goes (DecodeWork.output, for decode_response).
         Raises GdnError for what validation finds (nothing held then)."""
         regions = self.shared_memory
-        resolve = regions.resolver(owner_key) if regions is not None and type(request) is not PlainStep else None
+        resolve = regions.resolver(owner_key) if regions is not None else None
         work = decode_work(request, self.shape, identity, owner_key, resolve)
         shard = self.placement.shard_for(work.session_ids)
         nbytes = work.nbytes

@@ -74,6 +74,8 @@ def decode_work(request: PlainStep | gdn_pb2.DecodeRequest, shape: ModelShape, o
     `owner_key`), its tensor references resolved by `resolve` (None: the server takes none).
     Raises InvalidArgument with a precise reason (NotFound for an unknown region)."""
     if type(request) is PlainStep:
+        if request.by_reference:
+            return _plain_step_by_reference(request, shape, owner, owner_key, resolve)
         return DecodeWork(
             request.layer, request.session_ids, positions=request.positions, request_id=request.request_id,
             owner=owner, owner_key=owner_key, bf16_bytes=request.inputs, input_dims=request.dims,
@@ -128,25 +130,63 @@ def decode_work_from_request(
             f"position {max(positions)} + T = {T} is out of range: a session's count stays below 2^63"
         )
     dtypes = [m.dtype for m in messages]
-    refs = [m.ref if m.HasField("ref") else None for m in messages]
-    spans: list[tuple[str, int, int, str]] = []  # (region, start, end, tensor) of each reference
-    if any(refs):
-        raw = _resolve_inputs(messages, raw, refs, dtypes, dims, resolve, spans)
-    else:
-        for name, dtype, d, data in zip(INPUT_NAMES, dtypes, dims, raw):
-            try:
-                check_layout(dtype, d, len(data), name)
-            except WireFormatError as e:
-                raise InvalidArgument(str(e)) from None
-    output = None
-    if req.HasField("o_ref"):
-        out_dims = (B, T, shape.num_v_heads, shape.head_dim_v)
-        output = _resolve(req.o_ref, 2 * math.prod(out_dims), "o_ref", resolve, spans)
-    on_device = [type(r) is torch.Tensor for r in raw]
+    refs = [(m.ref.region, m.ref.offset) if m.HasField("ref") else None for m in messages]
+    o_ref = (req.o_ref.region, req.o_ref.offset) if req.HasField("o_ref") else None
+    raw, output = _resolved(raw, refs, o_ref, dtypes, dims, shape, resolve)
     common = dict(
         layer=layer, session_ids=session_ids, positions=positions, request_id=request_id,
         speculative=speculative, owner=owner, owner_key=owner_key, output=output,
     )
+    return _checked_work(common, raw, dtypes, dims, defer_finite_check)
+
+
+def _plain_step_by_reference(step: PlainStep, shape: ModelShape, owner: str | None, owner_key: str | None,
+                             resolve: Resolve | None) -> DecodeWork:
+    """The DecodeWork of a plain step (checked by the C parse) with inputs or o by reference."""
+    refs = [x if type(x) is tuple else None for x in step.inputs]
+    inline = [b"" if ref is not None else x for x, ref in zip(step.inputs, refs)]
+    raw, output = _resolved(inline, refs, step.o_ref, _ALL_BF16, step.dims, shape, resolve)
+    common = dict(
+        layer=step.layer, session_ids=step.session_ids, positions=step.positions, request_id=step.request_id,
+        speculative=False, owner=owner, owner_key=owner_key, output=output,
+    )
+    return _checked_work(common, raw, _ALL_BF16, step.dims, True)
+
+
+def _resolved(raw: Sequence[Any], refs: Sequence[tuple[str, int] | None], o_ref: tuple[str, int] | None,
+              dtypes: Sequence[int], dims: Sequence[tuple[int, ...]], shape: ModelShape,
+              resolve: Resolve | None) -> tuple[tuple, Any]:
+    """The inputs' bytes, each reference (region, offset) resolved to a view of its region (the
+    layout of each checked, by reference or inline), and where o goes (None: in the reply)."""
+    spans: list[tuple[str, int, int, str]] = []  # (region, start, end, tensor) of each reference
+    out = []
+    for name, dtype, d, data, ref in zip(INPUT_NAMES, dtypes, dims, raw, refs):
+        if ref is None:
+            try:
+                check_layout(dtype, d, len(data), name)
+            except WireFormatError as e:
+                raise InvalidArgument(str(e)) from None
+            out.append(data)
+            continue
+        if len(data):
+            raise InvalidArgument(f"tensor {name} has both data and ref: its bytes are in one place")
+        try:
+            check_layout(dtype, d, ITEMSIZE_OF.get(dtype, 0) * math.prod(d), name)
+        except WireFormatError as e:
+            raise InvalidArgument(str(e)) from None
+        out.append(_resolve(ref, ITEMSIZE_OF[dtype] * math.prod(d), name, resolve, spans))
+    output = None
+    if o_ref is not None:
+        B, T = dims[0][0], dims[0][1]
+        output = _resolve(o_ref, 2 * B * T * shape.num_v_heads * shape.head_dim_v, "o_ref", resolve, spans)
+    return tuple(out), output
+
+
+def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequence[tuple[int, ...]],
+                  defer_finite_check: bool) -> DecodeWork:
+    """The DecodeWork of checked, resolved inputs: their NaN/Inf check (or its deferral) and digests."""
+    B = len(common["session_ids"])
+    on_device = [type(r) is torch.Tensor for r in raw]
     if tuple(dtypes) == _ALL_BF16 and not any(on_device):
         finite_checked = not (defer_finite_check and sum(map(len, raw)) >= DEFERRED_CHECK_BYTES)
         if finite_checked:
@@ -171,43 +211,21 @@ def decode_work_from_request(
     return DecodeWork(**common, **tensors, digests=digests)
 
 
-def _resolve_inputs(messages: Sequence[gdn_pb2.Tensor], raw: tuple, refs: list, dtypes: list[int],
-                    dims: Sequence[tuple[int, ...]], resolve: Resolve | None,
-                    spans: list[tuple[str, int, int, str]]) -> tuple:
-    """The inputs' bytes with each reference resolved (a view of its region); checks each
-    tensor's layout, by reference or inline."""
-    out = []
-    for name, dtype, d, data, ref in zip(INPUT_NAMES, dtypes, dims, raw, refs):
-        if ref is None:
-            try:
-                check_layout(dtype, d, len(data), name)
-            except WireFormatError as e:
-                raise InvalidArgument(str(e)) from None
-            out.append(data)
-            continue
-        if len(data):
-            raise InvalidArgument(f"tensor {name} has both data and ref: its bytes are in one place")
-        try:
-            check_layout(dtype, d, ITEMSIZE_OF.get(dtype, 0) * math.prod(d), name)
-        except WireFormatError as e:
-            raise InvalidArgument(str(e)) from None
-        out.append(_resolve(ref, ITEMSIZE_OF[dtype] * math.prod(d), name, resolve, spans))
-    return tuple(out)
-
-
-def _resolve(ref: gdn_pb2.TensorRef, nbytes: int, name: str, resolve: Resolve | None,
+def _resolve(ref: tuple[str, int], nbytes: int, name: str, resolve: Resolve | None,
              spans: list[tuple[str, int, int, str]]) -> Any:
-    """The view of `nbytes` bytes that `ref` names; an output (`o_ref`) must not overlap an input."""
+    """The view of `nbytes` bytes at `ref` (region, offset); an output (`o_ref`) must not overlap
+    an input."""
     if resolve is None:
         raise FailedPrecondition(f"{name} refers to shared memory, which this server does not accept "
                                  "(gdn-server --allow-shared-memory)")
-    view = resolve(ref.region, ref.offset, nbytes)  # NotFound, or InvalidArgument past the region's end
-    start, end = ref.offset, ref.offset + nbytes
+    region, start = ref
+    view = resolve(region, start, nbytes)  # NotFound, or InvalidArgument past the region's end
+    end = start + nbytes
     if name == "o_ref":
-        for region, s, e, other in spans:
-            if region == ref.region and start < e and s < end:
+        for other_region, s, e, other in spans:
+            if other_region == region and start < e and s < end:
                 raise InvalidArgument(f"o_ref overlaps input {other} in region {region!r}: outputs go where no input is")
-    spans.append((ref.region, start, end, name))
+    spans.append((region, start, end, name))
     return view
 
 

@@ -5,6 +5,8 @@ checks it stands in front of.
   protobuf parses them and gdn_server.validation's checks give the same DecodeWork; every plain
   step as protobuf serializes it is accepted. A fixed corpus, then fuzzed bytes (mutations of it,
   derandomized: CI runs the same examples every time).
+- Tensors by reference (Tensor.ref, o_ref) are taken by the C parse too: resolved (here against a
+  stand-in region), they give the DecodeWork protobuf and validation give.
 - row_digests equals the digest written out in Python below (its oracle).
 - encode_reply gives what protobuf's SerializeToString gives, byte for byte.
 """
@@ -20,8 +22,8 @@ from google.protobuf.message import DecodeError
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server import _wire, validation
 from gdn_server.config import ModelShape
-from gdn_server.errors import InvalidArgument
-from gdn_server.validation import decode_work_from_request, parse_decode_request, step_limits
+from gdn_server.errors import GdnError, InvalidArgument, NotFound
+from gdn_server.validation import decode_work, decode_work_from_request, parse_decode_request, step_limits
 from util import decode_request, random_inputs
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -33,21 +35,43 @@ SHAPE = ModelShape(num_layers=3, num_q_heads=2, num_v_heads=4, head_dim_k=8, hea
 LIMITS = step_limits(SHAPE)
 FUZZ = settings(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None,
                 max_examples=400)
-FIELDS = ("layer", "session_ids", "positions", "request_id", "bf16_bytes", "input_dims", "finite_checked", "digests")
+FIELDS = ("layer", "session_ids", "positions", "request_id", "bf16_bytes", "input_dims", "finite_checked", "digests",
+          "output")
+# a stand-in shared-memory region "r" of finite bf16 values, as the servicer's resolve would give it
+REGION = torch.randn(1 << 14, generator=torch.Generator().manual_seed(9)).bfloat16().view(torch.uint8).numpy().tobytes()
 
 
-def plain(B=1, T=1, layer=1, positions=None, request_id="r-1", seed=0, ids=None) -> gdn_pb2.DecodeRequest:
+def resolve(region: str, offset: int, nbytes: int) -> memoryview:
+    if region != "r":
+        raise NotFound(f"no shared-memory region {region!r}")
+    if offset > len(REGION) or nbytes > len(REGION) - offset:
+        raise InvalidArgument("past the region's end")
+    return memoryview(REGION)[offset:offset + nbytes]
+
+
+def plain(B=1, T=1, layer=1, positions=None, request_id="r-1", seed=0, ids=None, refs="",
+          o_ref=None) -> gdn_pb2.DecodeRequest:
+    """A plain step; the inputs named in `refs` by reference into region "r" (64 bytes apart),
+    o to `o_ref` (region, offset) if given."""
     gen = torch.Generator().manual_seed(seed)
     inputs = random_inputs(B, T, SHAPE.num_q_heads, SHAPE.num_v_heads, SHAPE.head_dim_k, gen=gen, dtype=torch.bfloat16)
-    return decode_request(layer, ids or [f"s{i}" for i in range(B)], inputs, positions, request_id)
+    req = decode_request(layer, ids or [f"s{i}" for i in range(B)], inputs, positions, request_id)
+    for i, name in enumerate(refs):
+        tensor = getattr(req, name)
+        tensor.ClearField("data")
+        tensor.ref.region, tensor.ref.offset = "r", 64 * i
+    if o_ref is not None:
+        req.o_ref.region, req.o_ref.offset = o_ref
+    return req
 
 
 def python_work(data: bytes):
     """What protobuf and the Python checks make of `data`: a DecodeWork's fields, or None where
     protobuf or a check refuses it (or it is not a plain step)."""
     try:
-        work = decode_work_from_request(gdn_pb2.DecodeRequest.FromString(data), SHAPE, defer_finite_check=True)
-    except (DecodeError, InvalidArgument):
+        work = decode_work_from_request(gdn_pb2.DecodeRequest.FromString(data), SHAPE, defer_finite_check=True,
+                                        resolve=resolve)
+    except (DecodeError, GdnError):
         return None
     if work.speculative or work.bf16_bytes is None:
         return None
@@ -55,25 +79,39 @@ def python_work(data: bytes):
 
 
 def _fields(work) -> tuple:
-    return tuple(tuple(bytes(b) for b in work.bf16_bytes) if f == "bf16_bytes" else getattr(work, f) for f in FIELDS)
+    return tuple(
+        tuple(bytes(b) for b in work.bf16_bytes) if f == "bf16_bytes"
+        else (None if work.output is None else bytes(work.output)) if f == "output" else getattr(work, f)
+        for f in FIELDS
+    )
 
 
 def c_work(data: bytes):
+    """What the C parse (and, for references, validation's resolution of them) makes of `data`:
+    a DecodeWork's fields, or None where the C declines it or a reference does not resolve."""
     step = _wire.parse_plain_step(data, LIMITS)
     if step is None:
         return None
-    return (step.layer, step.session_ids, step.positions, step.request_id, tuple(bytes(b) for b in step.inputs),
-            step.dims, step.finite_checked, step.digests)
+    try:
+        return _fields(decode_work(step, SHAPE, resolve=resolve))
+    except GdnError:
+        return None
 
 
 def corpus() -> list[bytes]:
     reqs = [
-        plain(), plain(B=3, T=2, layer=2, positions=[0, 5, 2**63 - 1]), plain(request_id=""), plain(T=4),
+        plain(), plain(B=2, T=2, refs="qvb", o_ref=("r", 4096)), plain(B=3, T=2, layer=2, positions=[0, 5, 2**63 - 1]),
+        plain(request_id=""), plain(T=4),
         plain(B=2, ids=["é-ü", "x" * 128], request_id="ü" * 256), plain(layer=0, positions=[7]),
         # what the C declines and Python refuses or takes the long way
         plain(layer=3), plain(T=5), plain(B=2, ids=["a", "a"]), plain(ids=[""]), plain(ids=["x" * 129]),
         plain(request_id="r" * 257), plain(positions=[1, 2]), plain(positions=[2**63]),
+        plain(refs="qkvab"), plain(o_ref=("r", 0)), plain(refs="k", o_ref=("r", 32)),  # o_ref overlaps k: refused
+        plain(refs="a", o_ref=("elsewhere", 0)), plain(refs="v", o_ref=("r", 2**64 - 1)),
     ]
+    both = plain(refs="q")
+    both.q.data = b"\0" * 32  # data and ref: the C declines, validation refuses
+    reqs.append(both)
     spec = plain()
     spec.speculative = True
     f32 = plain()
@@ -243,3 +281,13 @@ def test_device_checks_find_nonfinite_inputs_and_digest_each_row_alone():
     x["v"][2, 1, 0, 3] = float("inf")
     x["a"][0, 0, 1] = float("nan")
     assert validation.device_checks([x[n] for n in "qkvab"], 3)[0] == 2  # v comes before a
+
+
+def test_the_c_parse_takes_steps_by_reference():
+    data = plain(B=2, T=2, refs="qvb", o_ref=("r", 4096)).SerializeToString()
+    step = _wire.parse_plain_step(data, LIMITS)
+    assert step.by_reference and step.o_ref == ("r", 4096) and step.digests == () and not step.finite_checked
+    assert [type(x) for x in step.inputs] == [tuple, memoryview, tuple, memoryview, tuple] and step.inputs[2] == ("r", 64)
+    assert c_work(data) == python_work(data) is not None
+    inline = _wire.parse_plain_step(plain().SerializeToString(), LIMITS)
+    assert not inline.by_reference and inline.o_ref is None
