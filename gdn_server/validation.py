@@ -23,7 +23,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gdn_client.proto.checks import (
-    ITEMSIZE_OF, WireFormatError, check_layout, describe_shape, first_nonfinite, has_nonfinite, torch_dtypes,
+    ITEMSIZE_OF, WireFormatError, check_layout, describe_shape, finite_flags, first_nonfinite, has_nonfinite,
+    torch_dtypes,
 )
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server import _wire
@@ -236,7 +237,7 @@ def device_checks(tensors: Sequence[torch.Tensor], rows: int) -> tuple[int | Non
     2^32), what a retry through the same memory must match."""
     device = next((t.device for t in tensors if t.is_cuda), torch.device("cpu"))
     on = [t.to(device) for t in tensors]
-    finite = torch.stack([torch.isfinite(t).all() for t in on]).to(torch.int64)
+    finite = finite_flags(on)
     words = torch.cat([t.reshape(rows, -1).view(torch.int16).to(torch.int64) & 0xFFFF for t in on], dim=1)
     weights = torch.arange(words.shape[1], device=device, dtype=torch.int64) * 2 + 1
     answer = torch.cat([finite, (words * weights).sum(dim=1) & 0xFFFFFFFF]).tolist()

@@ -291,3 +291,20 @@ def test_the_c_parse_takes_steps_by_reference():
     assert c_work(data) == python_work(data) is not None
     inline = _wire.parse_plain_step(plain().SerializeToString(), LIMITS)
     assert not inline.by_reference and inline.o_ref is None
+
+
+@pytest.mark.parametrize("bits", [0x7FC0, 0xFFC0, 0x7F81, 0xFF81, 0x7FFF, 0xFFFF, 0x7F80, 0xFF80, 0x7F7F, 0xFF7F])
+def test_the_c_nan_rule_is_the_checks_rule(bits):
+    """Every bf16 NaN and Inf pattern (and the largest finite values, 0x7F7F and 0xFF7F), in each
+    input: the C parse refuses a plain step exactly where gdn_client.proto.checks finds one."""
+    from gdn_client.proto.checks import first_nonfinite
+
+    for name in "qkvab":
+        req = plain()
+        data = bytearray(getattr(req, name).data)
+        data[2:4] = bits.to_bytes(2, "little")
+        getattr(req, name).data = bytes(data)
+        raw = [bytes(getattr(req, n).data) for n in "qkvab"]
+        found = first_nonfinite(raw, gdn_pb2.BF16)
+        assert (found is not None) == ((bits & 0x7F80) == 0x7F80)
+        assert (_wire.parse_plain_step(req.SerializeToString(), LIMITS) is None) == (found is not None)
