@@ -66,8 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open speculative steps of a session unused this long are dropped (as if never sent) and "
                         "its accepted scratch states go home, freeing scratch rows (default %(default)s)")
     lim = p.add_argument_group("limits (what clients can make the server hold)")
-    lim.add_argument("--max-concurrent-rpcs", type=int, default=Limits.max_concurrent_rpcs,
-                     help="calls served at once; more get RESOURCE_EXHAUSTED (default %(default)s)")
+    lim.add_argument("--max-calls", type=int, default=Limits.max_calls,
+                     help="calls held at once over all clients; when full, the client holding the most "
+                          "gives way to a newcomer (default %(default)s)")
+    lim.add_argument("--max-calls-per-client", type=int, default=Limits.max_calls_per_client,
+                     help="calls one client (token identity, else connection) may hold at once "
+                          "(default %(default)s)")
+    lim.add_argument("--message-timeout-s", type=float, default=Limits.message_timeout_s,
+                     help="a unary call's request must arrive whole within this, else DEADLINE_EXCEEDED "
+                          "(default %(default)s)")
     lim.add_argument("--max-streams-per-connection", type=int, default=Limits.max_streams_per_connection,
                      help="HTTP/2 streams one connection may have open (default %(default)s)")
     lim.add_argument("--max-connections", type=int, default=Limits.max_connections,
@@ -182,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= args.process_index < len(process_ports) or process_ports[args.process_index] != args.port:
             parser.error("--process-index must name this process's --port in --process-ports")
     try:
-        limits = Limits(args.max_concurrent_rpcs, args.max_streams_per_connection, args.max_connections,
-                        args.idle_connection_timeout_s)
+        limits = Limits(args.max_calls, args.max_calls_per_client, args.message_timeout_s,
+                        args.max_streams_per_connection, args.max_connections, args.idle_connection_timeout_s)
     except ValueError as e:
         parser.error(str(e).replace("_", "-", 3))
     if not args.speculative_timeout_s > 0:
@@ -236,9 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             return runner.run(server.serve(app))
-    except SnapshotError as e:
-        log.error("%s", e)
-        return 1
+    except SnapshotError as e:  # only load_snapshot raises it, before the server serves: a start failure
+        log.error("cannot start: %s", e)
+        return 2
     except (OSError, RuntimeError) as e:
         log.error("cannot serve: %s", e)
         return 2

@@ -72,21 +72,32 @@ class SchedulerConfig:
     max_queue_rows: int = 8192  # rows waiting for the device at most; more is refused with UNAVAILABLE
 
 
+# What one held call costs the server: an idle DecodeStream that has answered one step, measured
+# as RSS over 4096 of them (tests/test_admission.py holds that many). --max-calls defaults to what
+# CALL_MEMORY_BUDGET holds of them.
+CALL_COST_BYTES = 72 << 10
+CALL_MEMORY_BUDGET = 512 << 20
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one client can make the server hold, beyond its state pool. Each is a flag; the
     defaults keep a server's memory for unfinished or unread messages under about 1 GiB
     (docs/operations.md works the figures out)."""
 
-    max_concurrent_rpcs: int = 512  # calls served at once; more get RESOURCE_EXHAUSTED
+    max_calls: int = CALL_MEMORY_BUDGET // CALL_COST_BYTES  # calls held at once over all clients (health aside)
+    max_calls_per_client: int = 1024  # calls one client (identity, else connection) may hold at once
+    message_timeout_s: float = 10.0  # a unary call's request must arrive whole within this
     max_streams_per_connection: int = 128  # HTTP/2 streams one connection may have open
     max_connections: int = 1024  # client connections at once; more are refused
     idle_connection_timeout_s: float = 600.0  # a connection with no call for this long is closed
 
     def __post_init__(self) -> None:
-        for name in ("max_concurrent_rpcs", "max_streams_per_connection", "max_connections"):
+        for name in ("max_calls", "max_calls_per_client", "max_streams_per_connection", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.message_timeout_s > 0:
+            raise ValueError(f"message_timeout_s must be > 0, got {self.message_timeout_s}")
         if not self.idle_connection_timeout_s > 0:
             raise ValueError(f"idle_connection_timeout_s must be > 0, got {self.idle_connection_timeout_s}")
 

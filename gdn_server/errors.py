@@ -1,11 +1,8 @@
-"""Domain errors. Each carries the gRPC status code it maps to; the servicer maps them in one place."""
+"""Domain errors. Each carries the gRPC status code it maps to; gdn_server.calls turns them into
+statuses, in one place for every RPC."""
 from __future__ import annotations
 
 import grpc
-
-# a status code by its number on the wire (grpc-status, the link's reply frames)
-STATUS_CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
-
 
 class GdnError(Exception):
     """A request that cannot be served as sent. Recoverable: the server and all states are unchanged."""
@@ -53,8 +50,14 @@ class Unavailable(GdnError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-class Unimplemented(GdnError):
-    code = grpc.StatusCode.UNIMPLEMENTED
+class DeadlineExceeded(GdnError):
+    """A call that did not send its request in time (--message-timeout-s)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unauthenticated(GdnError):
+    code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class PermissionDenied(GdnError):

@@ -13,12 +13,11 @@ Families (all prefixed `gdn_`):
     gdn_process_cpu_seconds_total            counter    CPU seconds (user + system) of the server process
 
 Each server has its own `CollectorRegistry`, so tests can run several in one process. RPC counts
-come from a server interceptor (`MetricsInterceptor`, outermost, so UNAUTHENTICATED is counted);
+come from gdn_server.calls, which sees every call's end (refused ones too: UNAUTHENTICATED is counted);
 launch and queue figures from the scheduler's `on_launch` / `on_dispatch` hooks.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -28,7 +27,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from gdn_server.rpc_wrap import final_code, wrap_handler
 
 if TYPE_CHECKING:
     from gdn_server.placement import Placement
@@ -96,6 +94,11 @@ class Metrics:
         self.launch_rows.observe(rows)
         self.device_seconds.observe(device_s)
 
+    def observe_rpc(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        """One gdn.v1.GdnDecode call's end (gdn_server.calls reports every call, refused ones too)."""
+        self.rpcs.labels(method, code.name).inc()
+        self.rpc_seconds.labels(method).observe(seconds)
+
     def count_decode(self, method: str, code: grpc.StatusCode) -> None:
         self.decode_requests.labels(method, code.name).inc()
 
@@ -111,33 +114,3 @@ class Metrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
-
-
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Counts and times every gdn.v1.GdnDecode RPC by its final status code."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or not method.startswith(SERVICE_PREFIX):
-            return handler
-        name = method[len(SERVICE_PREFIX):]
-        metrics = self.metrics
-
-        @contextlib.asynccontextmanager
-        async def around(context):
-            started = time.perf_counter()
-            error: BaseException | None = None
-            try:
-                yield
-            except BaseException as e:
-                error = e
-                raise
-            finally:
-                metrics.rpcs.labels(name, final_code(context, error).name).inc()
-                metrics.rpc_seconds.labels(name).observe(time.perf_counter() - started)
-
-        return wrap_handler(handler, around)

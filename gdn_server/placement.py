@@ -50,11 +50,14 @@ class Placement:
     def in_use(self) -> int:
         return sum(len(s.sessions) for s in self.shards)
 
-    def place(self, colocate_with: str | None = None) -> Shard:
+    def place(self, colocate_with: str | None = None, identity: str | None = None) -> Shard:
         """The shard for a new session: that of `colocate_with` when given (so both can share a
-        request), else the one with the most free slots (ties to the lowest index)."""
+        request; it must be a session of `identity`'s, else PermissionDenied), else the one with
+        the most free slots (ties to the lowest index)."""
         if colocate_with:
-            return self.shard_of(colocate_with)
+            shard = self.shard_of(colocate_with)
+            shard.sessions.get(colocate_with).check_owner(identity)
+            return shard
         return max(self.shards, key=lambda s: (s.free, -s.index))
 
     def find(self, session_id: str) -> tuple[Shard, Session] | None:

@@ -20,14 +20,15 @@ from grpc_reflection.v1alpha import reflection
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server.backends import make_backends
+from gdn_server.calls import Admission, CallGate
 from gdn_server.config import (
     GIL_SWITCH_INTERVAL_S, SPECULATIVE_TIMEOUT_S, Limits, ModelShape, SchedulerConfig, SharedMemoryLimits,
 )
 from gdn_server.lifecycle import evict_idle, idle_sessions, release_stale_speculation, stale_speculation
-from gdn_server.metrics import Metrics, MetricsInterceptor
+from gdn_server.metrics import Metrics
 from gdn_server.placement import Placement, Shard
 from gdn_server.scheduler import Scheduler
-from gdn_server.security import AuthInterceptor, RejectMalformed, SecurityConfig, load_tokens, server_credentials
+from gdn_server.security import SecurityConfig, load_tokens, server_credentials
 from gdn_server.servicer import GdnDecodeServicer
 from gdn_server.sessions import OwnerQuota, ProcessHomes, SessionTable
 from gdn_server.shared_memory import SharedMemoryRegistry, cuda_opener
@@ -80,7 +81,7 @@ class GdnApp:
     servicer: GdnDecodeServicer
     background: list[asyncio.Task] = field(default_factory=list)  # cancelled by stop_server
     metrics: Metrics | None = None
-    auth: AuthInterceptor | None = None  # tokens and/or mutual TLS identities
+    gate: CallGate | None = None  # tokens, admission, request reading, error statuses (set by build_app)
     credentials: grpc.ServerCredentials | None = None  # TLS, else a plaintext port
     health: HealthServicer | None = None  # set by start_server
     failure: str | None = None  # why the server stopped serving on its own (a dead scheduler or device)
@@ -110,14 +111,16 @@ def build_app(settings: ServerSettings) -> GdnApp:
         servicer.shared_memory = SharedMemoryRegistry(settings.shared_memory, cuda_opener() if on_gpu else None)
     app = GdnApp(settings, placement, servicer)
     sec = settings.security
-    if sec.auth_token_file or sec.mutual_tls:
-        tokens = load_tokens(sec.auth_token_file) if sec.auth_token_file else None
-        app.auth = AuthInterceptor(tokens, sec.mutual_tls)
+    tokens = load_tokens(sec.auth_token_file) if sec.auth_token_file else None
+    limits = settings.limits
+    app.gate = CallGate(Admission(limits.max_calls, limits.max_calls_per_client), limits.message_timeout_s,
+                        tokens, sec.mutual_tls)
     app.credentials = server_credentials(sec)
     if settings.metrics_port is not None:
         app.metrics = Metrics()
         app.metrics.attach(placement)
         servicer.metrics = app.metrics
+        app.gate.observe_rpc = app.metrics.observe_rpc
     return app
 
 
@@ -129,19 +132,24 @@ def max_message_bytes(shape: ModelShape, max_batch_rows: int) -> int:
     return min(per_token * shape.max_speculative_tokens * rows + (1 << 20), 2**31 - 1)
 
 
-def grpc_server(app: GdnApp, interceptors: list) -> grpc.aio.Server:
+def grpc_server(app: GdnApp) -> grpc.aio.Server:
     """A grpc.aio server with the GdnDecode servicer, health and reflection, bounded by
     `settings.limits`; no port yet."""
     settings = app.settings
     limits = settings.limits
     size = max_message_bytes(settings.shape, settings.scheduler.max_batch_rows)
     server = grpc.aio.server(
-        interceptors=interceptors,
-        maximum_concurrent_rpcs=limits.max_concurrent_rpcs,
+        # calls are admitted by the gate (gdn_server.calls), after their token is checked: grpc's own
+        # maximum_concurrent_rpcs would count tokenless calls too, and lock everyone out
+        interceptors=[app.gate],
         options=[
             ("grpc.max_receive_message_length", size),
             ("grpc.max_send_message_length", size),
             ("grpc.max_concurrent_streams", limits.max_streams_per_connection),
+            # calls that arrived but wait for the event loop to take them: grpc refuses streams
+            # (REFUSED_STREAM) beyond its default of 3000, below what the gate admits in a burst
+            ("grpc.server.max_pending_requests", limits.max_calls),
+            ("grpc.server.max_pending_requests_hard_limit", limits.max_calls),
             ("grpc.max_allowed_incoming_connections", limits.max_connections),
             ("grpc.max_connection_idle_ms", int(limits.idle_connection_timeout_s * 1000)),
             # one port, one process: a second server on the same port is an error, not a share
@@ -167,13 +175,7 @@ async def set_serving(health: HealthServicer, serving: bool) -> None:
 async def start_server(app: GdnApp) -> tuple[grpc.aio.Server, int]:
     """Starts serving on the public port; returns the server and the port it bound (useful with port 0)."""
     settings = app.settings
-    interceptors = []
-    if app.metrics is not None:  # outermost: counts auth failures too
-        interceptors.append(MetricsInterceptor(app.metrics))
-    if app.auth is not None:
-        interceptors.append(app.auth)
-    interceptors.append(RejectMalformed())  # innermost: only authenticated calls get parsed
-    server = grpc_server(app, interceptors)
+    server = grpc_server(app)
     await set_serving(app.health, False)
     address = f"{settings.host}:{settings.port}"
     if app.credentials is not None:

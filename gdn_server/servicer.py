@@ -4,9 +4,10 @@ It stays thin: requests are checked by gdn_server.validation, run by each device
 (decode steps) or as control items between launches (session operations), and answered here.
 The decode RPCs take their messages as bytes, which validation reads (a plain step in C, the
 rest through protobuf), and send results encoded by gdn_server._wire (`add_to_server`).
-Domain errors (`GdnError`) become status codes here and only here. The event loop never waits on
-the device: the scheduler answers each request through a callback (a future's for a unary call,
-the stream's slot for a DecodeStream message).
+Domain errors (`GdnError`) raised here become status codes in gdn_server.calls, for every RPC;
+a DecodeStream answers a bad request in its place with the error's code (`error_response`).
+The event loop never waits on the device: the scheduler answers each request through a callback
+(a future's for a unary call, the stream's slot for a DecodeStream message).
 
 Identity: where auth is on, the caller's identity owns the sessions it creates. Without auth
 every session is open to every caller, and `--max-sessions-per-client` and the speculative
@@ -148,9 +149,9 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
                                                  fut.cancelled)
             result = await fut
             code = grpc.StatusCode.OK
-        except GdnError as e:
+        except GdnError as e:  # its status is set by gdn_server.calls
             code = e.code
-            await context.abort(e.code, e.message)
+            raise
         finally:
             self._release(nbytes)
             self._count("Decode", code)
@@ -252,12 +253,9 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         )
 
     async def CreateSession(self, request, context):
-        try:
-            shard = self.placement.place(request.colocate_with or None)
-            identity = current_identity()
-            session = shard.sessions.create(owner=identity, quota_key=quota_key(identity, context))
-        except GdnError as e:
-            await context.abort(e.code, e.message)
+        identity = current_identity()
+        shard = self.placement.place(request.colocate_with or None, identity)
+        session = shard.sessions.create(owner=identity, quota_key=quota_key(identity, context))
         return gdn_pb2.CreateSessionResponse(session_id=session.id)
 
     async def CloseSession(self, request, context):
@@ -270,47 +268,38 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
             shard.backend.reset_session(session.slot)  # a free slot always holds a zero state
             shard.sessions.free_slot(session.slot)
 
-        try:
-            shard = self.placement.shard_of(sid)
-            await shard.scheduler.control(lambda: close(shard))
-        except GdnError as e:
-            await context.abort(e.code, e.message)
+        shard = self.placement.shard_of(sid)
+        await shard.scheduler.control(lambda: close(shard))
         return gdn_pb2.CloseSessionResponse()
 
     async def Commit(self, request, context):
         identity = current_identity()
-        try:  # after the session's earlier steps (the speculative one included) have run
-            shard = self.placement.shard_of(request.session_id)
-            positions, layers = await shard.scheduler.control(
-                lambda: commit_speculation(
-                    shard.sessions, shard.backend, request.session_id, int(request.accepted), identity
-                ),
-            )
-        except GdnError as e:
-            await context.abort(e.code, e.message)
+        # after the session's earlier steps (the speculative one included) have run
+        shard = self.placement.shard_of(request.session_id)
+        positions, layers = await shard.scheduler.control(
+            lambda: commit_speculation(
+                shard.sessions, shard.backend, request.session_id, int(request.accepted), identity
+            ),
+        )
         return gdn_pb2.CommitResponse(positions=positions, committed_layers=layers)
 
     async def ForkSession(self, request, context):
         identity = current_identity()  # read here: the lambda runs later, outside this call's context
-        try:  # after every earlier step of the source: the copy sees all of them; same device
-            shard = self.placement.shard_of(request.session_id)
-            child = await shard.scheduler.control(
-                lambda: fork_session(
-                    shard.sessions, shard.backend, request.session_id, identity, quota_key(identity, context)
-                ),
-            )
-        except GdnError as e:
-            await context.abort(e.code, e.message)
+        # after every earlier step of the source: the copy sees all of them; same device
+        shard = self.placement.shard_of(request.session_id)
+        child = await shard.scheduler.control(
+            lambda: fork_session(
+                shard.sessions, shard.backend, request.session_id, identity, quota_key(identity, context)
+            ),
+        )
         return gdn_pb2.CreateSessionResponse(session_id=child.id)
 
     async def ExportState(self, request, context):
         identity = current_identity()
-        try:
-            shard = self.placement.shard_of(request.session_id)
-            state = await shard.scheduler.control( lambda: export_session(shard.sessions, shard.backend, request.session_id, identity)
-            )
-        except GdnError as e:
-            await context.abort(e.code, e.message)
+        shard = self.placement.shard_of(request.session_id)
+        state = await shard.scheduler.control(
+            lambda: export_session(shard.sessions, shard.backend, request.session_id, identity)
+        )
         # checksum and chunking off the event loop (tens of MiB for a large model)
         chunks = await asyncio.get_running_loop().run_in_executor(None, lambda: list(encode_state(state)))
         for chunk in chunks:
@@ -319,58 +308,49 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
     async def ImportState(self, request_iterator, context):
         assembler = StateAssembler(self.shape)
         identity = current_identity()
-        try:
-            refused: GdnError | None = None
-            unread = MAX_CHUNKS_READ_AFTER_ERROR
-            async for chunk in request_iterator:
-                if refused is None:
-                    try:
-                        assembler.add(chunk)
-                    except GdnError as e:
-                        refused = e
-                    continue
-                # Read on a little before answering: ending a client stream while the caller is still
-                # writing makes some gRPC clients (grpc.aio among them) report
-                # INTERNAL instead of our status.
-                unread -= 1
-                if unread == 0:
-                    break
-            if refused is not None:
-                raise refused
-            state = assembler.finish()  # the whole stream checks out before anything is created
-            shard = self.placement.place()
-            session = await shard.scheduler.control(
-                lambda: import_session(
-                    shard.sessions, shard.backend, state, owner=identity, quota_key=quota_key(identity, context)
-                ),
-            )
-        except GdnError as e:
-            await context.abort(e.code, e.message)
+        refused: GdnError | None = None
+        unread = MAX_CHUNKS_READ_AFTER_ERROR
+        async for chunk in request_iterator:
+            if refused is None:
+                try:
+                    assembler.add(chunk)
+                except GdnError as e:
+                    refused = e
+                continue
+            # Read on a little before answering: ending a client stream while the caller is still
+            # writing makes some gRPC clients (grpc.aio among them) report
+            # INTERNAL instead of our status.
+            unread -= 1
+            if unread == 0:
+                break
+        if refused is not None:
+            raise refused
+        state = assembler.finish()  # the whole stream checks out before anything is created
+        shard = self.placement.place()
+        session = await shard.scheduler.control(
+            lambda: import_session(
+                shard.sessions, shard.backend, state, owner=identity, quota_key=quota_key(identity, context)
+            ),
+        )
         return gdn_pb2.CreateSessionResponse(session_id=session.id)
 
     # -- shared memory (gdn_server.shared_memory) ----------------------------------------------
     async def RegisterSharedMemory(self, request, context):
-        try:
-            regions = self._regions()
-            owner = quota_key(current_identity(), context)
-            kind = request.WhichOneof("region")
-            if kind == "system":
-                regions.register(owner, request.name, request.byte_size,
-                                 system=(request.system.key, request.system.offset))
-            elif kind == "cuda":
-                regions.register(owner, request.name, request.byte_size,
-                                 cuda=(request.cuda.ipc_handle, request.cuda.device))
-            else:
-                raise InvalidArgument("a region is system or cuda shared memory: set one of them")
-        except GdnError as e:
-            await context.abort(e.code, e.message)
+        regions = self._regions()
+        owner = quota_key(current_identity(), context)
+        kind = request.WhichOneof("region")
+        if kind == "system":
+            regions.register(owner, request.name, request.byte_size,
+                             system=(request.system.key, request.system.offset))
+        elif kind == "cuda":
+            regions.register(owner, request.name, request.byte_size,
+                             cuda=(request.cuda.ipc_handle, request.cuda.device))
+        else:
+            raise InvalidArgument("a region is system or cuda shared memory: set one of them")
         return gdn_pb2.RegisterSharedMemoryResponse()
 
     async def UnregisterSharedMemory(self, request, context):
-        try:
-            self._regions().unregister(quota_key(current_identity(), context), request.name)
-        except GdnError as e:
-            await context.abort(e.code, e.message)
+        self._regions().unregister(quota_key(current_identity(), context), request.name)
         return gdn_pb2.UnregisterSharedMemoryResponse()
 
     def _regions(self) -> SharedMemoryRegistry:

@@ -26,7 +26,9 @@ def test_bad_command_lines_fail_with_a_reason(tmp_path):
         ("--preset", "qwen3-next", "--layers", "3"): "cannot be combined",
         ("--preset", "qwen3-next", "--weights", str(tmp_path / "missing.safetensors")): "--weights",
         ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--max-sessions", "0"): "--max-sessions",
-        ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--max-concurrent-rpcs", "0"): "max-concurrent-rpcs",
+        ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--max-calls", "0"): "max-calls",
+        ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--max-calls-per-client", "0"): "max-calls-per-client",
+        ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--message-timeout-s", "0"): "message-timeout-s",
         ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--idle-connection-timeout-s", "0"):
             "idle-connection-timeout-s",
         ("--layers", "1", "--q-heads", "1", "--v-heads", "1", "--speculative-timeout-s", "0"):
@@ -42,6 +44,13 @@ def test_weights_with_layer_count_mismatch_is_refused(tmp_path):
     result = _run_cli("--device", "cpu", "--port", "0", "--layers", "3", "--q-heads", "2", "--v-heads", "4",
                       "--weights", str(tmp_path / "g.safetensors"))
     assert result.returncode == 2 and "2 GDN layers" in result.stderr
+
+
+def test_a_state_dir_that_cannot_be_written_is_a_start_failure(tmp_path):
+    (tmp_path / "file").write_text("")
+    result = _run_cli("--device", "cpu", "--port", "0", "--layers", "1", "--q-heads", "1", "--v-heads", "1",
+                      "--state-dir", str(tmp_path / "file" / "state"))
+    assert result.returncode == 2 and "not a writable directory" in result.stderr
 
 
 def test_hugging_face_weight_names_are_renumbered(tmp_path):

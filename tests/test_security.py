@@ -182,6 +182,8 @@ def test_sessions_belong_to_their_creator(token_server):
         assert _code(lambda: stub.ForkSession(gdn_pb2.ForkSessionRequest(session_id=sid), metadata=_md(bob))) == denied
         assert _code(lambda: list(stub.ExportState(gdn_pb2.ExportStateRequest(session_id=sid),
                                                    metadata=_md(bob)))) == denied
+        assert _code(lambda: stub.CreateSession(gdn_pb2.CreateSessionRequest(colocate_with=sid),
+                                                metadata=_md(bob))) == denied
         # a request mixing a foreign session with one's own is refused whole
         own = stub.CreateSession(gdn_pb2.CreateSessionRequest(), metadata=_md(bob)).session_id
         inputs = random_inputs(2, 1, H, HV, gen=torch.Generator().manual_seed(2))
