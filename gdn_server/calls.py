@@ -245,8 +245,9 @@ class CallGate(grpc.aio.ServerInterceptor):
             if not unary_request:
                 return ticket, _Requests(context)
             try:
-                message = await asyncio.wait_for(context.read(), timeout)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):  # a timer on this task: no task per call, as wait_for makes
+                    message = await context.read()
+            except TimeoutError:
                 raise DeadlineExceeded(
                     f"no whole request message within {timeout:g} s of the call's start (--message-timeout-s)"
                 ) from None
