@@ -86,7 +86,16 @@ def test_positions_of_2_63_are_refused_where_they_enter_and_nothing_hangs(server
         assert _health(server.address) == health_pb2.HealthCheckResponse.SERVING
         # the largest legal position is taken
         big = stub.ImportState(iter(_zero_state_chunks([2**63 - 1] * L)), timeout=30).session_id
-        stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=big), timeout=30)
+        # a step that would take it to 2^63 is refused where it enters, with nothing applied ...
+        with pytest.raises(grpc.RpcError) as refused:
+            _step(stub, big, position=2**63 - 1)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # ... so what the server exports, it imports again
+        exported = list(stub.ExportState(gdn_pb2.ExportStateRequest(session_id=big), timeout=30))
+        assert list(exported[0].header.positions) == [2**63 - 1] * L
+        again = stub.ImportState(iter(exported), timeout=30).session_id
+        for session_id in (big, again):
+            stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=session_id), timeout=30)
         stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=sid), timeout=30)
 
 
