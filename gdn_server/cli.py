@@ -9,10 +9,8 @@ import sys
 
 # nothing here imports grpc or torch: main() picks gRPC's I/O path and OpenMP's waits before they
 # load (config.GRPC_EXPERIMENTS, config.OMP_WAIT_POLICY)
-from gdn_server.config import (
-    GRPC_EXPERIMENTS, OMP_WAIT_POLICY, PRESETS, SPECULATIVE_TIMEOUT_S, Limits, ModelShape, SchedulerConfig,
-    SharedMemoryLimits,
-)
+from gdn_server.config import GRPC_EXPERIMENTS, OMP_WAIT_POLICY, PRESETS, ModelShape, SchedulerConfig
+from gdn_server.limits import SPECULATIVE_TIMEOUT_S, Limits, SharedMemoryLimits
 
 # the shapes served when the command line names none: the model this service was built for
 DEFAULT_PRESET = "qwen3-next"

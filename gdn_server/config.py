@@ -25,7 +25,6 @@ GRPC_EXPERIMENTS = "-event_engine_listener"
 # sets it before torch is imported; an operator's own value wins. (CPU launches run on one thread
 # and never wake the pool: gdn_server/backends/cpu.py.)
 OMP_WAIT_POLICY = "PASSIVE"
-SPECULATIVE_TIMEOUT_S = 60.0  # open drafts of a session unused this long are dropped (--speculative-timeout-s)
 
 
 @dataclass(frozen=True)
@@ -70,49 +69,3 @@ class SchedulerConfig:
     max_batch_rows: int = 1024  # rows (session x layer) per launch at most
     max_queue_delay_us: int = 0  # extra wait for more work once something is pending
     max_queue_rows: int = 8192  # rows waiting for the device at most; more is refused with UNAVAILABLE
-
-
-# What one held call costs the server: an idle DecodeStream that has answered one step, measured
-# as RSS over 4096 of them (tests/test_admission.py holds that many). --max-calls defaults to what
-# CALL_MEMORY_BUDGET holds of them.
-CALL_COST_BYTES = 72 << 10
-CALL_MEMORY_BUDGET = 512 << 20
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one client can make the server hold, beyond its state pool. Each is a flag; the
-    defaults keep a server's memory for unfinished or unread messages under about 1 GiB
-    (docs/operations.md works the figures out)."""
-
-    max_calls: int = CALL_MEMORY_BUDGET // CALL_COST_BYTES  # calls held at once over all clients (health aside)
-    max_calls_per_client: int = 1024  # calls one client (identity, else connection) may hold at once
-    message_timeout_s: float = 10.0  # a unary call's request must arrive whole within this
-    max_streams_per_connection: int = 128  # HTTP/2 streams one connection may have open
-    max_connections: int = 1024  # client connections at once; more are refused
-    idle_connection_timeout_s: float = 600.0  # a connection with no call for this long is closed
-
-    def __post_init__(self) -> None:
-        for name in ("max_calls", "max_calls_per_client", "max_streams_per_connection", "max_connections"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.message_timeout_s > 0:
-            raise ValueError(f"message_timeout_s must be > 0, got {self.message_timeout_s}")
-        if not self.idle_connection_timeout_s > 0:
-            raise ValueError(f"idle_connection_timeout_s must be > 0, got {self.idle_connection_timeout_s}")
-
-
-@dataclass(frozen=True)
-class SharedMemoryLimits:
-    """What one caller may map through RegisterSharedMemory, where --allow-shared-memory is on
-    (docs/operations.md, limits). Without auth a caller is a connection."""
-
-    max_regions_per_client: int = 16
-    max_bytes_per_client: int = 4 << 30  # bytes registered at once, over the caller's regions
-    idle_s: float = 60.0  # a region no request has used for this long is unmapped (--shared-memory-idle-s)
-
-    def __post_init__(self) -> None:
-        if self.max_regions_per_client < 1 or self.max_bytes_per_client < 1:
-            raise ValueError("shared-memory bounds must be >= 1")
-        if not self.idle_s > 0:
-            raise ValueError(f"idle_s must be > 0, got {self.idle_s}")

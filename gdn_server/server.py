@@ -21,9 +21,8 @@ from grpc_reflection.v1alpha import reflection
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server.backends import make_backends
 from gdn_server.calls import Admission, CallGate
-from gdn_server.config import (
-    GIL_SWITCH_INTERVAL_S, SPECULATIVE_TIMEOUT_S, Limits, ModelShape, SchedulerConfig, SharedMemoryLimits,
-)
+from gdn_server.config import GIL_SWITCH_INTERVAL_S, ModelShape, SchedulerConfig
+from gdn_server.limits import SPECULATIVE_TIMEOUT_S, Limits, SharedMemoryLimits, max_message_bytes
 from gdn_server.lifecycle import evict_idle, idle_sessions, release_stale_speculation, stale_speculation
 from gdn_server.metrics import Metrics
 from gdn_server.placement import Placement, Shard
@@ -122,14 +121,6 @@ def build_app(settings: ServerSettings) -> GdnApp:
         servicer.metrics = app.metrics
         app.gate.observe_rpc = app.metrics.observe_rpc
     return app
-
-
-def max_message_bytes(shape: ModelShape, max_batch_rows: int) -> int:
-    """The largest request a client may send: max(max_batch_rows, 256) rows of float32 inputs at
-    the largest T, plus room for the ids and positions of that many sessions."""
-    per_token = 4 * (2 * shape.num_q_heads * shape.head_dim_k + shape.num_v_heads * (shape.head_dim_v + 2))
-    rows = max(max_batch_rows, 256)
-    return min(per_token * shape.max_speculative_tokens * rows + (1 << 20), 2**31 - 1)
 
 
 def grpc_server(app: GdnApp) -> grpc.aio.Server:

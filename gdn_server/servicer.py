@@ -29,6 +29,9 @@ from gdn_server._wire import PlainStep, encode_reply
 from gdn_server.config import ModelShape
 from gdn_server.errors import FailedPrecondition, GdnError, InvalidArgument, ResourceExhausted
 from gdn_server.lifecycle import commit_speculation, export_session, fork_session, import_session
+from gdn_server.limits import (
+    MAX_CHUNKS_READ_AFTER_ERROR, MAX_HELD_REQUEST_BYTES, MAX_STREAM_HELD_BYTES, MAX_STREAM_IN_FLIGHT,
+)
 from gdn_server.placement import Placement, Shard
 from gdn_server.security import current_identity
 from gdn_server.sessions import ProcessHomes
@@ -40,16 +43,6 @@ from gdn_server.work import DecodeResult
 
 log = logging.getLogger(__name__)
 
-MAX_CHUNKS_READ_AFTER_ERROR = 16  # ImportState: chunks drained after a bad one, before the error reply
-# A DecodeStream reads ahead of its replies (so one stream is pipelined) by at most this many
-# requests and this many input bytes: a client that sends fast and never reads its replies holds
-# a bounded amount of the server's memory.
-MAX_STREAM_IN_FLIGHT = 64
-MAX_STREAM_HELD_BYTES = 16 << 20
-# Decode requests held at once (parsed and waiting for their answer), over all calls: beyond it a
-# request is refused with RESOURCE_EXHAUSTED, so many clients each sending big requests cannot
-# make the server hold more than this (plus what gRPC is still receiving) on top of its pool.
-MAX_HELD_REQUEST_BYTES = 512 << 20
 
 
 def decode_response(result: DecodeResult, output: Any = None) -> bytes:

@@ -28,6 +28,7 @@ import torch
 
 from gdn_client.proto.ids import process_of, process_prefix
 from gdn_server.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, WrongProcess
+from gdn_server.limits import MAX_EVICTED_IDS, MAX_SCRATCH_FRACTION_PER_CLIENT
 
 
 class StepRecord:
@@ -132,9 +133,6 @@ class Session:
         """PermissionDenied unless `identity` created this session (both None where auth is off)."""
         if self.owner != identity:
             raise PermissionDenied(f"session {self.id!r} belongs to another client")
-
-
-MAX_EVICTED_IDS = 65536  # evicted ids remembered (oldest forgotten first), to answer why they are gone
 
 
 def new_session_id() -> str:
@@ -367,11 +365,11 @@ class SessionTable:
 
     @property
     def scratch_share(self) -> int:
-        """Scratch rows one client may hold at once: half of them (at least one speculative
-        session's worth, 2 per layer), so a client that leaves drafts open cannot shut every other
-        client out of speculative steps; stale drafts are released after a while besides
-        (`--speculative-timeout-s`)."""
-        return max(self.scratch_capacity // 2, min(2 * self.num_layers, self.scratch_capacity))
+        """Scratch rows one client may hold at once: MAX_SCRATCH_FRACTION_PER_CLIENT of them, at
+        least one speculative session's worth (2 per layer); stale drafts are released after a
+        while besides (`--speculative-timeout-s`)."""
+        share = int(self.scratch_capacity * MAX_SCRATCH_FRACTION_PER_CLIENT)
+        return max(share, min(2 * self.num_layers, self.scratch_capacity))
 
     def take_scratch_rows(self, n: int, holder: str | None = None) -> list[int]:
         """`n` free scratch rows at once for `holder` (a session's quota key), or

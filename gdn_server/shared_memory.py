@@ -31,15 +31,14 @@ import stat
 import time
 from typing import Any, Callable
 
-from gdn_server.config import SharedMemoryLimits
 from gdn_server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from gdn_server.limits import MAX_REGION_NAME_LEN, SharedMemoryLimits
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"  # where Linux keeps shm_open's objects
 # shm_open's name: one leading '/', then 1..NAME_MAX - 1 characters, none of them '/' or NUL
 SHM_KEY = re.compile(r"/[^/\x00]{1,254}")
-MAX_REGION_NAME_LEN = 128
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 
 # What resolve() returns: a memoryview of system memory, or a CUDA uint8 tensor

@@ -68,7 +68,7 @@ from gdn_server.config import ModelShape
 from gdn_server.lifecycle import drop_speculation
 from gdn_server.placement import Shard
 from gdn_server.sessions import LastStep, Session, StepRecord
-from gdn_server.validation import MAX_SESSION_ID_LEN
+from gdn_server.limits import MAX_SESSION_ID_LEN
 from gdn_server.weights import GateParams
 
 if TYPE_CHECKING:

@@ -26,9 +26,9 @@ import torch
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server.config import ModelShape
 from gdn_server.errors import InvalidArgument
+from gdn_server.limits import MAX_CHUNK_BYTES
 from gdn_server.validation import MAX_POSITION
 
-MAX_CHUNK_BYTES = 1 << 20
 STATE_DTYPE = "bfloat16"
 
 

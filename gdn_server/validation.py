@@ -31,10 +31,9 @@ from gdn_server import _wire
 from gdn_server._wire import PlainStep, StepLimits
 from gdn_server.config import ModelShape
 from gdn_server.errors import FailedPrecondition, InvalidArgument
+from gdn_server.limits import MAX_REQUEST_ID_LEN, MAX_SESSION_ID_LEN
 from gdn_server.work import INPUT_NAMES, DecodeWork
 
-MAX_SESSION_ID_LEN = 128
-MAX_REQUEST_ID_LEN = 256
 MAX_POSITION = _wire.MAX_POSITION  # 2^63 - 1: positions travel as uint64 and are kept as signed 64-bit counts
 # bf16 inputs of at least this many bytes in all leave their NaN/Inf check to the backend, which
 # stages them anyway (a GPU's staging copy, the CPU's step) and checks them before any state

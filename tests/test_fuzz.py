@@ -409,7 +409,7 @@ def test_a_stream_pipelines_past_its_read_ahead_and_answers_in_order():
     """More requests in flight on one DecodeStream than it reads ahead (MAX_STREAM_IN_FLIGHT):
     the reader waits for room, and every reply comes back, in request order, with its position;
     a bad request in the middle is answered in its place without ending the stream."""
-    from gdn_server.servicer import MAX_STREAM_IN_FLIGHT
+    from gdn_server.limits import MAX_STREAM_IN_FLIGHT
 
     n = 2 * MAX_STREAM_IN_FLIGHT + 20
     with start_server(*SMALL_MODEL) as s, grpc.insecure_channel(s.address) as ch:

@@ -20,7 +20,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_server import _wire, validation
+from gdn_server import _wire, limits, validation
 from gdn_server.config import ModelShape
 from gdn_server.errors import GdnError, InvalidArgument, NotFound
 from gdn_server.validation import decode_work, decode_work_from_request, parse_decode_request, step_limits
@@ -223,7 +223,7 @@ def test_encode_reply_is_what_protobuf_serializes(out, shape, positions, request
 
 def test_the_c_constants_are_the_protos_and_validations():
     """The field numbers, the BF16 code and the position bound written into _wire.c are those of
-    gdn_pb2 and gdn_server.validation; StepLimits carries the model and validation's bounds by name."""
+    gdn_pb2 and gdn_server.validation; StepLimits carries the model's and gdn_server.limits' bounds by name."""
     for message, fields in _wire.FIELDS.items():
         descriptor = getattr(gdn_pb2, message).DESCRIPTOR
         for name, number in fields.items():
@@ -233,7 +233,7 @@ def test_the_c_constants_are_the_protos_and_validations():
     assert (LIMITS.num_layers, LIMITS.num_q_heads, LIMITS.num_v_heads, LIMITS.head_dim_k, LIMITS.head_dim_v,
             LIMITS.max_tokens) == (3, 2, 4, 8, 8, 4)
     assert (LIMITS.max_session_id_len, LIMITS.max_request_id_len, LIMITS.defer_check_from) == (
-        validation.MAX_SESSION_ID_LEN, validation.MAX_REQUEST_ID_LEN, validation.DEFERRED_CHECK_BYTES)
+        limits.MAX_SESSION_ID_LEN, limits.MAX_REQUEST_ID_LEN, validation.DEFERRED_CHECK_BYTES)
     with pytest.raises(TypeError):
         _wire.parse_plain_step(plain().SerializeToString(), tuple(range(1, 10)))  # no positional tuple
     with pytest.raises(ValueError, match="max_tokens"):
