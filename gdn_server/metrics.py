@@ -90,7 +90,7 @@ class Metrics:
         self.pool_bytes.set_function(lambda: sum(s.backend.pool_bytes for s in shards))
         self.queue_depth.set_function(lambda: sum(s.scheduler.queue_depth() for s in shards))
 
-    def observe_launch(self, rows: int, queue_wait_s: float, device_s: float) -> None:
+    def observe_launch(self, rows: int, device_s: float) -> None:
         self.launch_rows.observe(rows)
         self.device_seconds.observe(device_s)
 

@@ -74,10 +74,6 @@ class SchedulerStats:
     queue_wait_s: float = 0.0  # total time requests waited between submit and their launch
     device_s: float = 0.0  # total time from launch to result of backend calls
 
-    @property
-    def mean_rows_per_launch(self) -> float:
-        return self.rows_launched / self.launches if self.launches else 0.0
-
 
 class Scheduler:
     def __init__(self, backend: Backend, sessions: SessionTable, config: SchedulerConfig = SchedulerConfig()) -> None:
@@ -91,7 +87,7 @@ class Scheduler:
         self._planner = Planner(sessions, config.max_batch_rows, backend.shape)
         self.stats = SchedulerStats()
         # metrics hooks, called on the event loop's thread
-        self.on_launch: Callable[[int, float, float], None] | None = None  # (rows, longest queue wait s, device s)
+        self.on_launch: Callable[[int, float], None] | None = None  # (rows, device s)
         self.on_dispatch: Callable[[float], None] | None = None  # (queue wait s) per request launched
         # why the device is unusable, once a launch failed and the device does not answer; None while it is fine
         self.device_error: str | None = None
@@ -410,7 +406,7 @@ class Scheduler:
             stats.device_s += device_s
             stats.requests += len(members)  # counted before the answers: a GetStats may follow one
             if self.on_launch is not None:
-                self.on_launch(batch.rows, started - min(m.item.enqueued for m in members), device_s)
+                self.on_launch(batch.rows, device_s)
             for m, result in zip(members, self._planner.finish(launch, whole)):
                 m.item.done(result)
         self._keep_polling()
