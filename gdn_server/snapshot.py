@@ -35,7 +35,7 @@ A session file (safetensors, little-endian):
 (digest: this session's inputs of that step as first sent, so a retry with others is refused.)
 
 The last steps make a request whose reply was lost in the shutdown safe to retry after the
-restart: it is answered again, not applied twice (API.md, positions).
+restart: it is answered again, not applied twice (docs/protocol.md, section 6).
 
 Restore checks everything before it touches the pool: the manifest checksum, the model shape,
 capacity, and every session file's size, sha256 and tensor shapes. A snapshot that fails any check

@@ -1,7 +1,7 @@
 """fp32 reference of one Gated Delta Net decode step, written for clarity, not speed.
 
 This is the oracle every backend is checked against: plain torch on float64/float32, one
-token at a time, no batching tricks. It follows ../shared/design/API.md line by line.
+token at a time, no batching tricks. It follows docs/protocol.md, section 4, line by line.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The command line: flags of API.md, clear errors for bad ones, weights files in both namings."""
+"""The command line: the flags docs/operations.md lists, clear errors for bad ones, weights files in both namings."""
 from __future__ import annotations
 
 import argparse

@@ -1,7 +1,7 @@
 """End-to-end decode semantics against real server processes (CPU backend).
 
 Numerics against the fp64 reference, batching across concurrent clients, every error code of
-API.md leaving all states unchanged, idempotent retries, capacity.
+docs/protocol.md leaving all states unchanged, idempotent retries, capacity.
 """
 from __future__ import annotations
 

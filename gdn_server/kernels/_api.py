@@ -198,7 +198,7 @@ def gdn_decode(
     state, slots, layers, q, k, v, a, b, A_log, dt_bias, out,
     *, scale: float | None = None, softplus_beta: float = 1.0, softplus_threshold: float = 20.0, out_slots=None,
 ):
-    """One GDN decode step (API.md) for B rows, T tokens each, in one launch; returns `out`.
+    """One GDN decode step (docs/protocol.md, section 4) for B rows, T tokens each, in one launch; returns `out`.
 
     state     [num_slots, HV, 128, 128] bf16, read at `slots`, written at `out_slots`
     slots     [B] int32: the slot each row reads its state from; a negative slot marks a padding

@@ -52,8 +52,8 @@ normalised query, a token is
 
 (the inline path uses raw q, k and folds 1/|q|, 1/|k| into the scalars). 3 FMAs per state element
 and token; S = gamma * U is formed once, when the state is written (gamma is folded into U early
-if it falls below RESCALE_BELOW, so 1/gamma stays finite). This is the API.md recurrence (decay,
-delta rule, o = S_new . q) rearranged, in fp32.
+if it falls below RESCALE_BELOW, so 1/gamma stays finite). This is the recurrence of docs/protocol.md,
+section 4 (decay, delta rule, o = S_new . q), rearranged, in fp32.
 """
 from __future__ import annotations
 
