@@ -1,5 +1,5 @@
 """The documents say what the code does: docs/operations.md's Limits table states every bound of
-gdn_server.limits with its default."""
+gdn_server.limits with its default, and docs/README.md lists every page in docs/."""
 from __future__ import annotations
 
 import dataclasses
@@ -97,3 +97,11 @@ def test_message_bound_is_the_formula_stated():
     for batch_rows in (1, 256, 1024):
         expected = token_bytes * tokens * max(batch_rows, min_rows) + room
         assert limits.max_message_bytes(s, batch_rows) == expected
+
+
+def test_docs_index_lists_every_page():
+    index = (DOCS / "README.md").read_text()
+    linked = set(re.findall(r"\]\(([^)#]+\.md)\)", index))
+    pages = {p.name for p in DOCS.glob("*.md")} - {"README.md"}
+    assert pages <= linked, f"docs/README.md does not list {sorted(pages - linked)}"
+    assert all((DOCS / page).is_file() for page in linked if "/" not in page), "docs/README.md links a missing page"
