@@ -8,22 +8,21 @@ MAX_TOKENS_PER_STEP = 4
 MAX_SPECULATIVE_TOKENS = 8  # draft tokens of one speculative step
 # A server process runs several Python threads (gRPC's poller, the event loop, a scheduler
 # thread on the CPU, a device waiter): a thread woken by I/O would otherwise wait up to 5 ms
-# (Python's default) for a busy one to yield the GIL.
+# (Python's default) for a busy one to yield the GIL (bench/DECISIONS.md, entry 10).
 GIL_SWITCH_INTERVAL_S = 0.0002
 # gRPC's I/O for the connections a server accepts: with gRPC's default listener (EventEngine), a
 # message's bytes are read on an EventEngine thread and handed to the thread that polls grpc.aio's
 # completion queue, which wakes the event loop: one thread wake-up more each way than the older
-# path, where the completion-queue thread reads the socket itself. One process on the H200 host
-# answered one client in 0.29-0.33 ms instead of 0.40-0.50 with the older path. gRPC reads the
-# choice from GRPC_EXPERIMENTS when it loads, so `gdn-server`'s entry point sets it before grpc is
-# imported (importing the package sets nothing); an operator's own GRPC_EXPERIMENTS wins.
+# path, where the completion-queue thread reads the socket itself (bench/DECISIONS.md, entry 12).
+# gRPC reads the choice from GRPC_EXPERIMENTS when it loads, so `gdn-server`'s entry point sets it
+# before grpc is imported (importing the package sets nothing); an operator's own GRPC_EXPERIMENTS
+# wins.
 GRPC_EXPERIMENTS = "-event_engine_listener"
 # torch's OpenMP threads (a big request's staging copies and NaN/Inf check, the CPU backend's big
-# launches) spin after each parallel region by default, taking the cores that gRPC's threads and
-# the event loop need: a B=256 step took 12.7 ms with spinning threads and 8.4 ms with passive ones
-# on the H200 host. OpenMP reads OMP_WAIT_POLICY when torch loads, so `gdn-server`'s entry point
-# sets it before torch is imported; an operator's own value wins. (CPU launches run on one thread
-# and never wake the pool: gdn_server/backends/cpu.py.)
+# launches) spin after each parallel region by default, taking the cores that gRPC's threads and the
+# event loop need (bench/DECISIONS.md, entry 11). OpenMP reads OMP_WAIT_POLICY when torch loads, so
+# `gdn-server`'s entry point sets it before torch is imported; an operator's own value wins. (CPU
+# launches run on one thread and never wake the pool: gdn_server/backends/cpu.py.)
 OMP_WAIT_POLICY = "PASSIVE"
 
 

@@ -5,7 +5,7 @@ here reads or changes the environment.
 on the fly as such buffers are freed) gets fresh pages from the kernel. A B=256 decode request
 passes through several multi-MiB buffers (gRPC's receive buffer, the parsed message, the reply),
 so every request paid page faults on each of their pages; serving them from the heap lets the
-next request reuse warm pages (about 1.7x less time per B=256 request on a 2-core box). The trim
+next request reuse warm pages (bench/DECISIONS.md, entry 21). The trim
 threshold bounds what the process keeps: freed heap above it goes back to the kernel, so memory
 that a burst of big or hostile messages took is returned once they are gone.
 
@@ -13,11 +13,11 @@ that a burst of big or hostile messages took is returned once they are gone.
 the last pass; a serving process has more than that in flight (a dozen objects per request from
 its read to its reply), so at 64 clients a pass ran every round or so, walking every live
 request. 20,000 puts a pass every few thousand requests; objects freed by their reference counts
-never wait for one.
+never wait for one (entry 21).
 
 `freeze_startup_objects`, once a process is ready to serve, takes the objects alive then (torch's
 and gRPC's modules, the kernels, ~190k objects) out of the collector's full passes, each of which
-would otherwise walk them all with the event loop stopped (~90 ms every few seconds under load).
+would otherwise walk them all with the event loop stopped, every few seconds under load (entry 21).
 """
 from __future__ import annotations
 

@@ -26,32 +26,21 @@ from gdn_server.work import INPUT_NAMES, StepBatch
 # A launch runs in chunks of rows whose fp32 state fits in this many bytes, each on a StepWorkspace
 # kept per (rows, T) over one shared fp32 buffer: a chunk is then ~25 torch calls that allocate
 # nothing (32 rows of the 4-value-head test model, 4 of qwen3-next), and its state stays in the
-# cache (32 MiB of L3 on the CPU box) across the three passes a token makes over it. One thread,
-# CPU box, T=1: a qwen3-next row took 274-288 us in launches of 16 and 64 rows at 8 MiB chunks,
-# 288-312 at 2 MiB (more calls), 434-477 at 32 MiB or unchunked; the 4-head model's 42.8 us a row
-# at 64 rows became 64 us at 32 MiB.
+# cache across the three passes a token makes over it; smaller chunks pay for more calls
+# (bench/DECISIONS.md, entry 20).
 CHUNK_WORK_BYTES = 8 << 20
 PLANS_KEPT = 64  # (rows, T) shapes; the oldest goes when more come (rows <= a chunk, T <= 8 in use)
 
-# Every launch runs on one thread: no size of launch measured paid for torch's thread pool. On the
-# 2-core CPU box, under the OMP_WAIT_POLICY=PASSIVE that gdn-server's entry point sets (config.py),
-# two threads took 1.2-8x the time of one at every size up to 40 ms launches (the 4-value-head
-# model's one row 65 against 520 us, 64 rows 3.0 against 17.7 ms; qwen3-next's one row 0.28
-# against 0.59 ms, 64 rows of T=4 42 against 54 ms): a step makes dozens of parallel calls and each
-# wakes a sleeping thread. With spinning pool threads (the policy unset) two threads took 0.87x at
-# one small row and 0.55-0.70x from ~1 ms up with the other core idle, but with it busy (the event
-# loop, a client, other processes) a call waiting for a descheduled thread lost a scheduler time
-# slice: one-row steps of 50 us took 40-56 ms at the median, 1-4 ms launches had p90s of 11-100 ms
-# (2-5 ms on one thread), and spinning threads take the core from gRPC's. One thread also leaves
-# the other core to the event loop, which a loaded server needs: at 32 streaming clients the CPU
-# box's two cores are already busy with gRPC and the step.
+# Every launch runs on one thread: a step makes dozens of parallel calls, each of which wakes a
+# passive pool thread (slower at every launch size) or waits for a spinning one that lost its core
+# to the event loop; one thread also leaves the other cores to gRPC and the loop
+# (bench/DECISIONS.md, entry 20).
 
 
 # Launches of at least this much state work (rows x T x HV x V x K values) run on a worker thread
-# instead of the event loop: about 2-3 ms of a step on the CPU box (the 4-value-head model's 64
-# rows, 4 of qwen3-next's), long enough that blocking the loop would delay every other client's
-# messages, and that the thread hand-off (tens of microseconds) is small beside it. A smaller
-# launch is done when submit returns: a lone client's step has no hand-off at all.
+# instead of the event loop: milliseconds of work, long enough that blocking the loop would delay
+# every other client's messages, and that the thread hand-off is small beside it (bench/DECISIONS.md,
+# entry 20). A smaller launch is done when submit returns: a lone client's step has no hand-off.
 OFFLOAD_WORK = 4 << 20
 
 

@@ -46,26 +46,18 @@ POOL_MEMORY_FRACTION = 0.8  # of the free device memory, for the default --max-s
 RING = 8  # staging sets; more than the batches the scheduler keeps in flight
 # Launches of up to this many rows (T=1, in place) replay a CUDA graph of their three device
 # operations, captured per staging set at warm-up: one host call instead of a copy, a kernel
-# launch through tvm-ffi and a copy. On the H200 at one client a step's launch stage took 171 us
-# with the graph against 196 without, and the device time per launch 164 us against 239.
-# 0 turns graphs off.
+# launch through tvm-ffi and a copy (bench/DECISIONS.md, entry 8). 0 turns graphs off.
 GRAPH_MAX_ROWS = 8
-# Bigger in-place T=1 launches are padded to the next of these row counts and replay its graph:
-# a direct launch's host calls (H2D copy, kernel through tvm-ffi, D2H copy) took ~80 us per
-# launch on the H200 host, 5-6% of the event loop at 64 clients
-# (py-spy); a replay takes a few. Padding costs only device time (the rows' H2D
-# bytes; their CTAs read and write no state), which is why the steps are ~1.5x apart and end at
-# 128, where the launch calls are a small share of a launch's host work.
+# Bigger in-place T=1 launches are padded to the next of these row counts and replay its graph,
+# whose one host call replaces a direct launch's three (bench/DECISIONS.md, entry 8). Padding costs
+# only device time (the rows' H2D bytes; their CTAs read and write no state), which is why the steps
+# are ~1.5x apart and end at 128, where the launch calls are a small share of a launch's host work.
 GRAPH_BUCKETS = (12, 16, 24, 32, 48, 64, 96, 128)
 # In-place T=1 launches of up to this many rows (at most GRAPH_MAX_ROWS) have graphs of the kernel
 # alone on the pinned staging and output buffers, mapped into the device's address space, instead
 # of a host-to-device copy, the kernel and a device-to-host copy: one graph node instead of three.
-# One row, because that is where it pays: on the H200 a lone step's launch stage took 9 us mapped
-# against 22 with the copies, the kernel's own time the same. The kernel's reads over PCIe grow with
-# the rows faster than the copies do (submit + wait, one row: 33.5 us mapped against 35.4 copied;
-# eight rows: 60.8 against 50.0), and served, mapping one row ran 8 clients faster than mapping up
-# to 8 did, with one client's latency no worse (bench/DECISIONS.md, entry 7). 0 keeps the copies
-# everywhere.
+# One row, because that is where it pays: the kernel's reads over PCIe grow with the rows faster
+# than the copies do (bench/DECISIONS.md, entry 7). 0 keeps the copies everywhere.
 MAPPED_MAX_ROWS = 1
 
 
@@ -274,7 +266,7 @@ class CudaBackend(Backend):
         # The backend's stream (and its device) becomes the thread's current one and stays so:
         # whatever else runs CUDA work on this thread names its stream itself. Entering and leaving
         # a torch.cuda.stream() context per launch cost about as much host time as the graph's
-        # replay (py-spy on the H200 host at one client: 73 samples against 83).
+        # replay (bench/DECISIONS.md, entry 8).
         torch.cuda.set_stream(self.stream)
         if graph is not None:  # steps 2-4 as captured for this staging set and (rows, T)
             graph.replay()
@@ -323,10 +315,9 @@ class CudaBackend(Backend):
             if staging is None:
                 self._ring[idx] = self._new_staging()
         # and every staging set's views for one-token launches of up to rows_hint rows: building
-        # them on first use (~20 torch calls per (R, T) and set) was 3% of the event loop's
-        # samples over the first seconds of load at 64 clients.
-        # At the default rows_hint that is 2,048 views, ~40k tensor objects: ~36 MB of host
-        # memory and ~0.3 s once (measured for as many views on the CPU box)
+        # them on first use (~20 torch calls per (R, T) and set) would take the event loop's time in
+        # the first seconds of load. At the default rows_hint that is 2,048 views, ~40k tensor
+        # objects: tens of MB of host memory and a fraction of a second, once.
         for staging in self._ring:
             for rows in range(1, self._rows_hint + 1):
                 staging.views_for(self._plan(rows, 1), (rows, 1))

@@ -21,7 +21,7 @@ from gdn_server.work import StepBatch
 ALIGN = 128  # bytes; keeps every carved view 16-byte aligned for the kernel's vector loads
 # A bf16 request input at least this big is copied by torch, whose intra-op thread pool splits
 # the memcpy across cores; smaller ones by one memoryview slice assignment, which costs far less
-# to start. One thread fills pinned memory at a few GB/s: 1.2 ms for a B=256 request on the H200 host.
+# to start (bench/DECISIONS.md, entry 6).
 PARALLEL_COPY_BYTES = 512 << 10
 INPUTS = ("q", "k", "v", "a", "b")
 

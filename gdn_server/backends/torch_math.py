@@ -10,8 +10,8 @@ strength, k and q normalised (q times the scale):
     S_d = d S;  [p, s] = [k, q] S_d^T;  u = beta (v - p);  o = s + u (k.q);  S' = S_d + u k^T
 
 o = S' q written out, so one matmul reads the state for both products. [k, q] S_d^T, the vectors
-on the left, runs 4-5x faster in torch's CPU matmul than S_d [k, q] (measured on the 2-core CPU
-box: 8.8 against 47 us for 4 heads). Value head j reads query/key head j // group: the state is
+on the left, runs several times faster in torch's CPU matmul than S_d [k, q] (bench/DECISIONS.md,
+entry 20). Value head j reads query/key head j // group: the state is
 viewed as [B * H, group * V, K] for the matmul and [B, H, group, V, K] for the update, so q and k
 broadcast over the group without being copied.
 """
