@@ -230,9 +230,8 @@ class CpuBackend(Backend):
                 torch.set_num_threads(threads)
 
     def warmup(self) -> None:
-        """A one-row step on zeros outside the pool: the first request's one-time costs (its plan,
-        the math libraries' first calls, the fp32 buffer's pages) were 1.2 ms with the 4-head model
-        and 3.2 ms with qwen3-next on the CPU box."""
+        """A one-row step on zeros outside the pool, so the first request does not pay the one-time
+        costs (its plan, the math libraries' first calls, the fp32 buffer's pages)."""
         s = self.shape
         H, HV, V, K = s.num_q_heads, s.num_v_heads, s.head_dim_v, s.head_dim_k
         self._work.zero_()

@@ -41,8 +41,8 @@ _lock = threading.Lock()
 
 def default_variant(T: int, H: int, HV: int) -> Variant:
     """The variant `gdn_decode` uses for a (T, H, HV) shape: the fastest of bench/kernel.py's
-    candidates on an H200 (bench/DECISIONS.md, entry 2): T = 1 inline (prep costs 9-11% there), T = 2
-    prep, T >= 3 prep with the reduce-scatter (-3.5% at T = 4, -17% at T = 8)."""
+    candidates on an H200: T = 1 inline, T = 2 prep, T >= 3 prep with the reduce-scatter
+    (bench/DECISIONS.md, entry 2)."""
     return Variant(T, H, HV, prep=T > 1, scatter=T > 2)
 
 
