@@ -103,10 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--max-sessions-per-client", type=int, default=None,
                      help="sessions one identity (token name or client certificate) may hold (default: no limit)")
     host = p.add_argument_group("several processes on one host")
-    host.add_argument("--processes", type=int, default=1, metavar="K",
+    host.add_argument("--processes", type=_processes, default=1, metavar="K|auto",
                       help="server processes per device: each serves its own sessions on its own port (PORT, "
-                           "PORT+1, ...) with 1/K of the device's memory; gdn_client follows each session to its "
-                           "process (default 1)")
+                           "PORT+1, ...) with 1/K of the device's memory, the processes of a GPU sharing it "
+                           "through MPS; gdn_client follows each session to its process. auto: one per two "
+                           "cores, at most 8 per GPU, 1 on the CPU (default 1)")
     # set by the supervisor for each of its processes (or by hand, docs/operations.md): this process's
     # place among every process's ports, e.g. 1 of 50051,50052; hidden from --help as internal
     host.add_argument("--process-index", type=int, default=None, help=argparse.SUPPRESS)
@@ -174,8 +175,6 @@ def main(argv: list[str] | None = None) -> int:
                                   args.max_sessions_per_client)
     except ValueError as e:
         parser.error(str(e))
-    if args.processes < 1:
-        parser.error("--processes must be >= 1")
     process_ports: tuple[int, ...] = ()
     if (args.process_index is None) != (args.process_ports is None):
         parser.error("--process-index and --process-ports go together")
@@ -207,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--weights has {gates.num_layers} GDN layers, the model shape has {shape.num_layers}")
     else:
         gates = random_gate_params(shape, args.seed)
+    if args.processes == AUTO:
+        args.processes = _auto_processes(args, devices)
+        log.info("--processes auto: %d process(es) per device", args.processes)
     if args.processes > 1 and args.process_index is None:
         return _supervise(args, argv, devices)
     settings = server.ServerSettings(
@@ -249,14 +251,43 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _supervise(args: argparse.Namespace, argv: list[str], devices: tuple[int, ...] | None) -> int:
-    """--processes K: K server processes per device, under gdn_server.supervisor."""
-    from gdn_server.supervisor import Supervisor, child_argvs, device_count
+AUTO = "auto"
+
+
+def _processes(value: str) -> int | str:
+    """--processes: a count >= 1, or auto."""
+    if value == AUTO:
+        return AUTO
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"takes a count >= 1 or auto, got {value!r}")
+    return count
+
+
+def _gpus(args: argparse.Namespace, devices: tuple[int, ...] | None) -> list[int] | None:
+    """The GPUs the server's processes use; None on the CPU."""
+    from gdn_server.supervisor import device_count
 
     on_gpu = args.device == "cuda" or (args.device == "auto" and device_count() > 0)
-    gpus = (list(devices) if devices is not None else list(range(device_count()))) if on_gpu else None
+    return (list(devices) if devices is not None else list(range(device_count()))) if on_gpu else None
+
+
+def _auto_processes(args: argparse.Namespace, devices: tuple[int, ...] | None) -> int:
+    from gdn_server.supervisor import auto_processes, host_cores
+
+    return auto_processes(len(_gpus(args, devices) or ()), host_cores())
+
+
+def _supervise(args: argparse.Namespace, argv: list[str], devices: tuple[int, ...] | None) -> int:
+    """--processes K: K server processes per device, under gdn_server.supervisor."""
+    from gdn_server.supervisor import child_argvs, supervise
+
+    gpus = _gpus(args, devices)
     children = child_argvs(argv, args.host, args.port, args.processes, gpus, args.state_dir, args.metrics_port)
-    return Supervisor(children, args.host).run()
+    return supervise(children, args.host, share_gpus=gpus is not None and args.processes > 1)
 
 
 def event_loop_factory():

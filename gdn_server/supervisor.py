@@ -14,6 +14,12 @@ where each listens and then `listening on HOST:PORT` of the first once all of th
 a process that dies (its sessions are lost unless it wrote a snapshot), and forwards SIGTERM and
 SIGINT, so that each process drains and writes its snapshot. It exits with the worst exit status
 of its processes.
+
+Processes that share a GPU do so through NVIDIA's Multi-Process Service (MPS), which the
+supervisor starts for them: without it the GPU runs one process's work at a time and switches
+between them, and K processes each launching a few rows serve fewer steps per second than one
+process (bench/DECISIONS.md, entry 22). An operator who runs MPS already sets
+CUDA_MPS_PIPE_DIRECTORY, and the processes then use that daemon.
 """
 from __future__ import annotations
 
@@ -21,10 +27,12 @@ import ctypes
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,6 +50,9 @@ STABLE_AFTER_S = 60.0  # a process that served this long is fine again: the next
 # the extra flags of each process: its place among its peers, and every peer's port
 CHILD_FLAGS = ("--process-index", "--process-ports")
 _PR_SET_PDEATHSIG = 1  # prctl option of <linux/prctl.h>
+MPS_CONTROL = "nvidia-cuda-mps-control"  # NVIDIA's MPS daemon, installed with the driver's utilities
+MPS_TIMEOUT_S = 30.0  # to start the daemon, or to have it quit
+MAX_AUTO_PROCESSES = 8  # per GPU, for --processes auto
 
 
 @dataclass
@@ -93,11 +104,12 @@ def child_argvs(argv: list[str], host: str, port: int, processes: int, devices: 
     per_device = [None] if devices is None else devices
     count = processes * len(per_device)
     ports = list(range(port, port + count)) if port else free_ports(host, count)
-    base = _without(argv, ("--port", "--devices", "--state-dir", "--metrics-port", *CHILD_FLAGS))
+    # each process is told the count (its share of the device's memory), never auto
+    base = _without(argv, ("--port", "--devices", "--state-dir", "--metrics-port", "--processes", *CHILD_FLAGS))
     children = []
     for index in range(count):
         device = per_device[index // processes]
-        args = [*base, "--port", str(ports[index]), "--process-index", str(index),
+        args = [*base, "--processes", str(processes), "--port", str(ports[index]), "--process-index", str(index),
                 "--process-ports", ",".join(map(str, ports))]
         if device is not None:
             args += ["--devices", str(device)]
@@ -109,10 +121,60 @@ def child_argvs(argv: list[str], host: str, port: int, processes: int, devices: 
     return children
 
 
+class Mps:
+    """An MPS control daemon of the supervisor's own, for its processes on the GPUs: `start`
+    runs it in a fresh private directory (its pipes and logs), `env` is what the processes need
+    to reach it, and `stop` has it quit once they have exited. Its server, which runs the work of
+    every process on the GPU at once, starts with the first process that connects."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(directory, "pipe"),
+                    "CUDA_MPS_LOG_DIRECTORY": os.path.join(directory, "log")}
+
+    @classmethod
+    def start(cls) -> "Mps | None":
+        """The daemon, started; None (logged) where it cannot run here: the processes then share
+        the GPU by time slices."""
+        if os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+            log.info("GPU processes use the MPS daemon of CUDA_MPS_PIPE_DIRECTORY=%s",
+                     os.environ["CUDA_MPS_PIPE_DIRECTORY"])
+            return None
+        control = shutil.which(MPS_CONTROL)
+        if control is None:
+            log.warning("%s is not installed: the GPU runs one process's work at a time, and few clients over "
+                        "many processes serve fewer steps per second (docs/operations.md)", MPS_CONTROL)
+            return None
+        mps = cls(tempfile.mkdtemp(prefix="gdn-mps-"))
+        for path in mps.env.values():
+            os.mkdir(path)
+        try:
+            done = subprocess.run([control, "-d"], env={**os.environ, **mps.env}, capture_output=True, text=True,
+                                  timeout=MPS_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            done = subprocess.CompletedProcess([control], -1, "", str(e))
+        if done.returncode != 0:
+            log.warning("%s -d failed (%s): the GPU runs one process's work at a time (docs/operations.md)",
+                        MPS_CONTROL, (done.stderr or done.stdout).strip() or f"exit status {done.returncode}")
+            shutil.rmtree(mps.directory, ignore_errors=True)
+            return None
+        log.info("GPU processes share the GPU through MPS (pipes in %s)", mps.env["CUDA_MPS_PIPE_DIRECTORY"])
+        return mps
+
+    def stop(self) -> None:
+        try:
+            subprocess.run([MPS_CONTROL], input="quit\n", env={**os.environ, **self.env}, capture_output=True,
+                           text=True, timeout=MPS_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log.warning("the MPS daemon did not quit: %s", e)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
 class Supervisor:
-    def __init__(self, children: list[_Child], host: str) -> None:
+    def __init__(self, children: list[_Child], host: str, env: dict[str, str] | None = None) -> None:
         self.children = children
         self.host = host
+        self.env = {**os.environ, **(env or {})}  # every process's environment (MPS's pipes)
         self.stopping = threading.Event()
         self._lock = threading.Lock()
 
@@ -120,7 +182,7 @@ class Supervisor:
         child.listening.clear()
         child.proc = subprocess.Popen(
             [sys.executable, "-m", "gdn_server", *child.argv],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=self.env,
             preexec_fn=_stop_with_parent,
         )
         child.started = time.monotonic()
@@ -188,6 +250,43 @@ class Supervisor:
                 status = child.proc.wait()
             worst = max(worst, abs(status))
         return worst
+
+
+def auto_processes(gpus: int, cores: int) -> int:
+    """`--processes auto`: processes per GPU for a host of `cores` cores and `gpus` GPUs in use;
+    1 on the CPU (`gpus` = 0), whose backend computes on those cores.
+
+    One process per two cores, leaving the other core to the clients and gRPC's threads, and at
+    most 8 per GPU: 8 processes sharing one GPU through MPS served the most steps per second
+    from 64 clients to 256 (bench/DECISIONS.md, entry 22).
+
+    >>> auto_processes(gpus=1, cores=16), auto_processes(gpus=2, cores=16), auto_processes(gpus=1, cores=2)
+    (8, 4, 1)
+    >>> auto_processes(gpus=0, cores=64)
+    1
+    """
+    if gpus < 1:
+        return 1
+    return max(1, min(MAX_AUTO_PROCESSES, cores // (2 * gpus)))
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's CPU set, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def supervise(children: list[_Child], host: str, share_gpus: bool) -> int:
+    """Runs the processes under a `Supervisor`; with `share_gpus` (several processes per GPU)
+    inside an MPS daemon of their own, stopped once they have exited."""
+    mps = Mps.start() if share_gpus else None
+    try:
+        return Supervisor(children, host, mps.env if mps else None).run()
+    finally:
+        if mps is not None:
+            mps.stop()
 
 
 def _stop_with_parent() -> None:

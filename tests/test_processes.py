@@ -33,6 +33,7 @@ from gdn_client import (
 from gdn_client._routing import process_target
 from gdn_client.proto.ids import process_of
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
+from gdn_server import supervisor
 from servers import ServerProcess, start_server
 from util import cli_refusal, decode_request, random_inputs
 
@@ -143,7 +144,8 @@ def test_supervisor_serves_every_process_and_names_a_sessions_home(host):
 
 
 def test_bad_process_flags_are_refused():
-    assert "--processes must be >= 1" in cli_refusal(*MODEL, "--processes", "0")
+    for bad in ("0", "-2", "many"):
+        assert "takes a count >= 1 or auto" in cli_refusal(*MODEL, "--processes", bad)
     assert "go together" in cli_refusal(*MODEL, "--process-index", "0")
     assert "go together" in cli_refusal(*MODEL, "--process-ports", "50051,50052")
     assert "must name this process" in cli_refusal(*MODEL, "--port", "50051", "--process-index", "2",
@@ -162,6 +164,7 @@ def test_process_targets_keep_the_users_host_spelling():
     import gdn_client.proto.ids
 
     assert doctest.testmod(gdn_client._routing).failed == 0
+    assert doctest.testmod(supervisor).attempted and doctest.testmod(supervisor).failed == 0
     assert doctest.testmod(gdn_client.proto.ids).attempted and doctest.testmod(gdn_client.proto.ids).failed == 0
 
 
@@ -365,3 +368,62 @@ def two_free_ports() -> int:
                     continue
             return port
     raise RuntimeError("no two consecutive free ports")
+
+
+def test_auto_on_the_cpu_is_one_process():
+    """--processes auto on a host without a GPU: one server process (no supervisor, ids unprefixed)."""
+    with start_server(*MODEL, "--processes", "auto") as srv, Client(srv.address) as client:
+        assert not client.model_info().process_ports and "process 0" not in "".join(srv.log)
+        assert process_of(client.create_session().id) is None
+
+
+# A stand-in for NVIDIA's MPS control daemon: logs how it was called, its pipe directory and
+# what it read, and fails when $FAKE_MPS_FAIL is set.
+FAKE_MPS = """#!/bin/sh
+if [ "$1" = "-d" ]; then
+  [ -n "$FAKE_MPS_FAIL" ] && { echo "daemon refused" >&2; exit 1; }
+  echo "start $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY" >> "$FAKE_MPS_LOG"
+else
+  echo "$(cat) $CUDA_MPS_PIPE_DIRECTORY" >> "$FAKE_MPS_LOG"
+fi
+"""
+
+
+@pytest.fixture
+def fake_mps(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    control = bin_dir / supervisor.MPS_CONTROL
+    control.write_text(FAKE_MPS)
+    control.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_MPS_LOG", str(tmp_path / "mps.log"))
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    return tmp_path / "mps.log"
+
+
+def test_processes_sharing_a_gpu_get_an_mps_daemon_of_their_own(fake_mps):
+    mps = supervisor.Mps.start()
+    assert mps is not None
+    pipe, logs = mps.env["CUDA_MPS_PIPE_DIRECTORY"], mps.env["CUDA_MPS_LOG_DIRECTORY"]
+    assert os.path.isdir(pipe) and os.path.isdir(logs)
+    assert fake_mps.read_text().split() == ["start", pipe, logs]
+    mps.stop()
+    assert fake_mps.read_text().splitlines()[1].split() == ["quit", pipe]  # the daemon of those pipes quits
+    assert not os.path.exists(mps.directory)
+
+
+def test_without_an_mps_daemon_the_processes_still_run(fake_mps, monkeypatch, caplog):
+    monkeypatch.setenv("FAKE_MPS_FAIL", "1")
+    assert supervisor.Mps.start() is None
+    assert "daemon refused" in caplog.text
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/run/site-mps")  # the operator's own daemon: used as it is
+    monkeypatch.delenv("FAKE_MPS_FAIL")
+    assert supervisor.Mps.start() is None and not fake_mps.exists()
+
+
+def test_each_process_is_told_the_count_never_auto():
+    children = supervisor.child_argvs(["--processes", "auto", "--layers", "2"], "127.0.0.1", 50051, 3, [0],
+                                      None, None)
+    for child in children:
+        assert child.argv.count("--processes") == 1 and child.argv[child.argv.index("--processes") + 1] == "3"
