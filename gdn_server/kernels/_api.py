@@ -2,7 +2,7 @@
 
 Importing this module is cheap: cutlass (and the kernel module) load on the first compile.
 The launch path is built for a server: after the first call of a variant, `gdn_decode` reads
-four shape entries in Python, looks up the compiled function and calls it through tvm-ffi,
+four shape entries and the state's dtype in Python, looks up the compiled function and calls it through tvm-ffi,
 which checks every tensor's dtype, shape, strides, alignment and device against the compiled
 signature in C before the launch (and raises ValueError on a mismatch). The kernel runs on
 torch's current CUDA stream, allocates nothing and can be captured in a CUDA graph.
@@ -19,6 +19,9 @@ SUPPORTED_T = (1, 2, 3, 4, 5, 6, 7, 8)
 UNROLLED_T = (1, 2, 3, 4)  # the serving fast path; T = 5..8 (speculative decoding) compile on demand
 # (H, HV) pairs compiled by `compile_all_variants` (the CI check): Qwen3-Next and two other ratios.
 CHECKED_HEADS = ((16, 32), (8, 32), (32, 32))
+# The state pool's element types, by the names the server's --state-dtype takes; the kernel is one
+# kernel with the state's dtype as a compile-time parameter.
+STATE_DTYPES = ("bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -32,22 +35,26 @@ class Variant:
     rows_per_thread: int = 4
     prep: bool = True  # q/k norms and gates once per CTA in shared memory (T > 4 needs it)
     scatter: bool = False  # reduce-scatter of the row dots across the row's 8 lanes
+    state_dtype: str = "bfloat16"  # the pool's element type, one of STATE_DTYPES
 
 
 _cache: dict[Variant, Callable[..., Any]] = {}
-_launchers: dict[tuple[int, int, int, int, int], Callable[..., Any]] = {}
+# (T, H, HV, K, V, state torch dtype) -> the bare compiled function
+_launchers: dict[tuple[Any, ...], Callable[..., Any]] = {}
 _lock = threading.Lock()
 
 
-def default_variant(T: int, H: int, HV: int) -> Variant:
-    """The variant `gdn_decode` uses for a (T, H, HV) shape: the fastest of bench/kernel.py's
-    candidates on an H200: T = 1 inline, T = 2 prep, T >= 3 prep with the reduce-scatter
-    (bench/DECISIONS.md, entry 2)."""
-    return Variant(T, H, HV, prep=T > 1, scatter=T > 2)
+def default_variant(T: int, H: int, HV: int, state_dtype: str = "bfloat16") -> Variant:
+    """The variant `gdn_decode` uses for a (T, H, HV) shape and state dtype: the fastest of
+    bench/kernel.py's candidates on an H200: T = 1 inline, T = 2 prep, T >= 3 prep with the
+    reduce-scatter (bench/DECISIONS.md, entry 2)."""
+    return Variant(T, H, HV, prep=T > 1, scatter=T > 2, state_dtype=state_dtype)
 
 
-def check_variant(T: int, H: int, HV: int) -> None:
-    """Raise ValueError unless the kernel supports this (T, H, HV)."""
+def check_variant(T: int, H: int, HV: int, state_dtype: str = "bfloat16") -> None:
+    """Raise ValueError unless the kernel supports this (T, H, HV) and state dtype."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state dtype {state_dtype!r} is not supported: one of {', '.join(STATE_DTYPES)}")
     if T not in SUPPORTED_T:
         raise ValueError(f"T={T} tokens per step is not supported (1..{SUPPORTED_T[-1]})")
     if H < 1 or HV < 1 or HV % H != 0:
@@ -56,20 +63,20 @@ def check_variant(T: int, H: int, HV: int) -> None:
 
 def compile_variant(
     T: int, H: int, HV: int, *, warps: int | None = None, rows_per_thread: int | None = None, prep: bool | None = None,
-    scatter: bool | None = None,
+    scatter: bool | None = None, state_dtype: str = "bfloat16",
 ) -> Callable[..., Any]:
-    """Compile (or fetch from the cache) the kernel for one (T, H, HV); no GPU needed.
+    """Compile (or fetch from the cache) the kernel for one (T, H, HV) and state dtype; no GPU needed.
 
     Unset tiling options take `default_variant`'s. Without a GPU, set CUTE_DSL_ARCH=sm_90a. The
     result takes (state, slots, out_slots, layers, q, k, v, a, b, A_log, dt_bias, out, scale,
     softplus_beta, softplus_threshold) as torch tensors and floats and launches on torch's
     current stream.
     """
-    check_variant(T, H, HV)
-    d = default_variant(T, H, HV)
+    check_variant(T, H, HV, state_dtype)
+    d = default_variant(T, H, HV, state_dtype)
     variant = Variant(
         T, H, HV, d.warps if warps is None else warps, d.rows_per_thread if rows_per_thread is None else rows_per_thread,
-        d.prep if prep is None else prep, d.scatter if scatter is None else scatter,
+        d.prep if prep is None else prep, d.scatter if scatter is None else scatter, state_dtype,
     )
     fn = _cache.get(variant)
     if fn is not None:
@@ -82,13 +89,16 @@ def compile_variant(
     return fn
 
 
-def compile_all_variants(heads: tuple[tuple[int, int], ...] = CHECKED_HEADS) -> dict[Variant, Callable[..., Any]]:
-    """Compile T = 1..4 for every (H, HV) in `heads`, and T = 5..8 for the first (Qwen3-Next);
-    returns {variant: compiled function}."""
+def compile_all_variants(
+    heads: tuple[tuple[int, int], ...] = CHECKED_HEADS, state_dtypes: tuple[str, ...] = STATE_DTYPES,
+) -> dict[Variant, Callable[..., Any]]:
+    """Compile T = 1..4 for every (H, HV) in `heads`, and T = 5..8 for the first (Qwen3-Next),
+    for every state dtype; returns {variant: compiled function}."""
     out = {}
-    for i, (H, HV) in enumerate(heads):
-        for T in SUPPORTED_T if i == 0 else UNROLLED_T:
-            out[default_variant(T, H, HV)] = compile_variant(T, H, HV)
+    for dtype in state_dtypes:
+        for i, (H, HV) in enumerate(heads):
+            for T in SUPPORTED_T if i == 0 else UNROLLED_T:
+                out[default_variant(T, H, HV, dtype)] = compile_variant(T, H, HV, state_dtype=dtype)
     return out
 
 
@@ -97,7 +107,7 @@ def _compile(variant: Variant) -> Callable[..., Any]:
     from cutlass import BFloat16, Float32, Int32
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-    from ._decode_kernel import DecodeConfig, GdnDecodeKernel
+    from ._decode_kernel import STATE_DTYPES as STATE_TYPES, DecodeConfig, GdnDecodeKernel
 
     T, H, HV = variant.T, variant.H, variant.HV
     D = HEAD_DIM
@@ -107,10 +117,11 @@ def _compile(variant: Variant) -> Callable[..., Any]:
         order = tuple(reversed(range(len(shape))))
         return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
 
-    kernel = GdnDecodeKernel(DecodeConfig(T, H, HV, variant.warps, variant.rows_per_thread, variant.prep, variant.scatter))
+    kernel = GdnDecodeKernel(DecodeConfig(T, H, HV, variant.warps, variant.rows_per_thread, variant.prep, variant.scatter,
+                                          variant.state_dtype))
     return cute.compile(
         kernel,
-        fake(BFloat16, (slots, HV, D, D), 16),  # state
+        fake(STATE_TYPES[variant.state_dtype], (slots, HV, D, D), 16),  # state
         fake(Int32, (batch,), 4),  # slots
         fake(Int32, (batch,), 4),  # out_slots
         fake(Int32, (batch,), 4),  # layers
@@ -146,7 +157,10 @@ def validate_decode_args(
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    want_dtype = dict(slots=torch.int32, out_slots=torch.int32, layers=torch.int32, A_log=torch.float32, dt_bias=torch.float32)
+    if state.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"state must be torch.bfloat16 or torch.float32, got {state.dtype}")
+    want_dtype = dict(state=state.dtype, slots=torch.int32, out_slots=torch.int32, layers=torch.int32,
+                      A_log=torch.float32, dt_bias=torch.float32)
     for name, t in named.items():
         dtype = want_dtype.get(name, torch.bfloat16)
         if t.dtype != dtype:
@@ -187,10 +201,10 @@ def _launcher(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out, out_slot
     validate_decode_args(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out, out_slots=out_slots)
     _, T, H, _ = q.shape
     HV = v.shape[2]
-    compiled = compile_variant(T, H, HV)
+    compiled = compile_variant(T, H, HV, state_dtype=str(state.dtype).removeprefix("torch."))
     # Call the bare tvm-ffi function: the DSL's keyword wrapper costs a few microseconds.
     fn = compiled.__tvm_ffi_object__() or compiled
-    _launchers[(T, H, HV, HEAD_DIM, HEAD_DIM)] = fn
+    _launchers[(T, H, HV, HEAD_DIM, HEAD_DIM, state.dtype)] = fn
     return fn
 
 
@@ -200,7 +214,9 @@ def gdn_decode(
 ):
     """One GDN decode step (docs/protocol.md, section 4) for B rows, T tokens each, in one launch; returns `out`.
 
-    state     [num_slots, HV, 128, 128] bf16, read at `slots`, written at `out_slots`
+    state     [num_slots, HV, 128, 128] bf16 or float32 (the variant compiled for its dtype), read at
+              `slots`, written at `out_slots`; the math is fp32 either way, a bf16 state rounded
+              once when written
     slots     [B] int32: the slot each row reads its state from; a negative slot marks a padding
               row (no state read or written, whatever its out_slot; zero outputs).
     out_slots [B] int32 or None (= slots, in-place update): the slot each row writes its new
@@ -220,10 +236,11 @@ def gdn_decode(
     try:
         batch, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
+        state_dtype = state.dtype
     except (AttributeError, TypeError, ValueError, IndexError):
         validate_decode_args(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out, out_slots=out_slots)
         raise  # unreachable: the validator raises first
-    fn = _launchers.get((T, H, HV, K, V))
+    fn = _launchers.get((T, H, HV, K, V, state_dtype))
     if fn is None:
         fn = _launcher(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out, out_slots)
     if batch == 0:

@@ -1,8 +1,8 @@
-"""CuTe DSL kernel: one Gated Delta Net decode step (T = 1..8 tokens) over a BF16 state pool.
+"""CuTe DSL kernel: one Gated Delta Net decode step (T = 1..8 tokens) over a state pool of bf16 or fp32.
 
 Layout contract (all tensors row-major, contiguous, on one CUDA device):
 
-    mS       [N, HV, V, K]  bf16   state pool, K fastest
+    mS       [N, HV, V, K]  bf16 or fp32 (the variant's state dtype)  state pool, K fastest
     mSlot    [B]            int32  slot each row reads its state from; < 0 marks a padding row
     mOutSlot [B]            int32  slot each row writes its new state to (may equal mSlot);
                                    < 0: the new state is not written (outputs only)
@@ -18,11 +18,15 @@ B, N and L are symbolic: one compiled function serves every batch size.
 
 Work split. The rows of one state S[V, K] are independent (o[v] and the update of S[v, :] need
 only S[v, :], k, q and v[v]), so one CTA owns a tile of `rows_per_cta` V-rows of one
-(batch row, value head). Inside a warp, 8 consecutive lanes share one V-row: lane c of the
-group holds K elements [8c, 8c+8) and [64+8c, 64+8c+8) as two 16-byte vectors, so each warp
-load instruction covers 4 rows x 128 contiguous bytes. A thread owns `rows_per_thread` rows,
-spaced 4 * warps apart, and keeps their state in fp32 registers across all T tokens: the state
-is read once and written once per step, whatever T.
+(batch row, value head). Inside a warp, 8 consecutive lanes share one V-row and each lane holds
+16 of its K elements as 16-byte vectors of n = 16 / (state element bytes) elements: lane c holds
+[n*c + 8n*j, n*c + 8n*j + n) for j < 16 / n, i.e. [8c, 8c+8) and [64+8c, 64+8c+8) of a bf16
+state, [4c, 4c+4), [32+4c, ...), [64+4c, ...), [96+4c, ...) of an fp32 one. Each warp load
+instruction then covers 4 rows x 128 contiguous bytes whatever the dtype; q and k are read in the
+same split (8- or 16-byte loads). A thread owns `rows_per_thread` rows, spaced 4 * warps apart,
+and keeps their state in fp32 registers across all T tokens: the state is read once and written
+once per step, whatever T. The state dtype is a compile-time parameter (`state_dtype`): an fp32
+state is loaded into and stored from those registers as it is, a bf16 one converted.
 
 Per-token vectors. Two ways to get each token's q, k and gates to the threads (`prep`):
 - inline (T = 1): every thread loads its 16 elements of raw q and k and three 8-lane butterfly
@@ -53,7 +57,8 @@ normalised query, a token is
 (the inline path uses raw q, k and folds 1/|q|, 1/|k| into the scalars). 3 FMAs per state element
 and token; S = gamma * U is formed once, when the state is written (gamma is folded into U early
 if it falls below RESCALE_BELOW, so 1/gamma stays finite). This is the recurrence of docs/protocol.md,
-section 4 (decay, delta rule, o = S_new . q), rearranged, in fp32.
+section 4 (decay, delta rule, o = S_new . q), rearranged, in fp32; a bf16 state is rounded once,
+when it is written.
 """
 from __future__ import annotations
 
@@ -74,6 +79,7 @@ MAX_T = 8
 MAX_UNROLLED_T = 4  # token loops are unrolled up to this T
 EPS = 1e-6
 RESCALE_BELOW = 1e-20  # lazy decay: fold gamma into the registers below this
+STATE_DTYPES = {"bfloat16": BFloat16, "float32": Float32}  # the pool's element types
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,16 @@ class DecodeConfig:
     rows_per_thread: int = 4  # V-rows held in registers by each thread
     prep: bool = True  # per-token q/k/gates prepared once per CTA in shared memory
     scatter: bool = False  # reduce-scatter the row dots across the 8 lanes (rows_per_thread 4 or 8)
+    state_dtype: str = "bfloat16"  # the pool's element type, a key of STATE_DTYPES
+
+    @property
+    def state_type(self):
+        return STATE_DTYPES[self.state_dtype]
+
+    @property
+    def vec(self) -> int:
+        """State elements per 16-byte access, and so per contiguous run of a lane's K elements."""
+        return 16 // (self.state_type.width // 8)
 
     @property
     def threads(self) -> int:
@@ -129,20 +145,22 @@ def _reduce_scatter8(vals: list, c) -> list:
 
 
 @cute.jit
-def _load_vec(row: cute.Tensor, chunk, dst: cute.Tensor):
-    """16-byte load of elements [8*chunk, 8*chunk+8) of a contiguous row into dst (8 values)."""
-    cute.autovec_copy(cute.flat_divide(row, (VEC,))[None, chunk], dst)
+def _load_vec(row: cute.Tensor, chunk, dst: cute.Tensor, vec: cutlass.Constexpr = VEC):
+    """Load of elements [vec*chunk, vec*chunk+vec) of a contiguous row into dst (vec values)."""
+    cute.autovec_copy(cute.flat_divide(row, (vec,))[None, chunk], dst)
 
 
 @cute.jit
-def _load_qk(mQ: cute.Tensor, mK: cute.Tensor, b, t, qk_head, c, scale: Float32):
-    """Lane c's 16 elements of raw q_t and k_t (fp32) and, summed over the 8-lane group,
-    rq = scale / |q|, rk = 1 / |k| and q^.k^ (with the scale)."""
-    qraw = cute.make_rmem_tensor((VEC, 2), BFloat16)
-    kraw = cute.make_rmem_tensor((VEC, 2), BFloat16)
-    for h in cutlass.range_constexpr(2):
-        _load_vec(mQ[b, t, qk_head, None], c + LANES_PER_ROW * h, qraw[None, h])
-        _load_vec(mK[b, t, qk_head, None], c + LANES_PER_ROW * h, kraw[None, h])
+def _load_qk(mQ: cute.Tensor, mK: cute.Tensor, b, t, qk_head, c, scale: Float32, vec: cutlass.Constexpr = VEC):
+    """Lane c's 16 elements of raw q_t and k_t (fp32), in runs of `vec` (the state's split, module
+    docstring), and, summed over the 8-lane group, rq = scale / |q|, rk = 1 / |k| and q^.k^ (with
+    the scale)."""
+    runs = ELEMS_PER_THREAD // vec
+    qraw = cute.make_rmem_tensor((vec, runs), BFloat16)
+    kraw = cute.make_rmem_tensor((vec, runs), BFloat16)
+    for h in cutlass.range_constexpr(runs):
+        _load_vec(mQ[b, t, qk_head, None], c + LANES_PER_ROW * h, qraw[None, h], vec)
+        _load_vec(mK[b, t, qk_head, None], c + LANES_PER_ROW * h, kraw[None, h], vec)
     qv = qraw.load().to(Float32)
     kv = kraw.load().to(Float32)
     sqq = Float32(0.0)
@@ -189,12 +207,13 @@ class GdnDecodeKernel:
     def __repr__(self) -> str:  # names the compiled kernel
         c = self.cfg
         kind = ("prep" if c.prep else "inline") + ("_rs" if c.scatter else "")
-        return f"GdnDecode_T{c.T}_H{c.H}_HV{c.HV}_w{c.warps}_r{c.rows_per_thread}_{kind}"
+        dtype = "" if c.state_dtype == "bfloat16" else "_f32state"
+        return f"GdnDecode_T{c.T}_H{c.H}_HV{c.HV}_w{c.warps}_r{c.rows_per_thread}_{kind}{dtype}"
 
     @cute.jit
     def __call__(
         self,
-        mS: cute.Tensor,  # [N, HV, V, K] bf16
+        mS: cute.Tensor,  # [N, HV, V, K] bf16 or fp32
         mSlot: cute.Tensor,  # [B] int32
         mOutSlot: cute.Tensor,  # [B] int32
         mLayer: cute.Tensor,  # [B] int32
@@ -221,7 +240,7 @@ class GdnDecodeKernel:
     @cute.kernel
     def kernel(
         self,
-        mS: cute.Tensor,  # [N, HV, V, K] bf16
+        mS: cute.Tensor,  # [N, HV, V, K] bf16 or fp32
         mSlot: cute.Tensor,  # [B] int32
         mOutSlot: cute.Tensor,  # [B] int32
         mLayer: cute.Tensor,  # [B] int32
@@ -241,6 +260,8 @@ class GdnDecodeKernel:
         T, R = cfg.T, cfg.rows_per_thread
         tiles = cfg.tiles_per_head
         row_stride = ROWS_PER_WARP * cfg.warps  # distance between a thread's rows
+        vec = cfg.vec  # a lane's K elements come in runs of vec: 16-byte state accesses
+        runs = ELEMS_PER_THREAD // vec
 
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -264,11 +285,15 @@ class GdnDecodeKernel:
             layer = mLayer[b]
             gS = mS[slot, head, None, None]  # [V, K]
 
-            # Issue every state load of this thread first: 2 x 16 B per row.
-            sraw = cute.make_rmem_tensor((VEC, 2, R), BFloat16)
+            # Issue every state load of this thread first: 16 / vec x 16 B per row, an fp32 state
+            # straight into the registers the tokens work on, a bf16 one into its own to convert.
+            st = cute.make_rmem_tensor((vec, runs, R), Float32)
+            sraw = st
+            if cutlass.const_expr(cfg.state_dtype != "float32"):
+                sraw = cute.make_rmem_tensor((vec, runs, R), cfg.state_type)
             for p in cutlass.range_constexpr(R):
-                for h in cutlass.range_constexpr(2):
-                    _load_vec(gS[row0 + p * row_stride, None], c + LANES_PER_ROW * h, sraw[None, h, p])
+                for h in cutlass.range_constexpr(runs):
+                    _load_vec(gS[row0 + p * row_stride, None], c + LANES_PER_ROW * h, sraw[None, h, p], vec)
             neg_a = -cute.math.exp(mALog[layer, head], fastmath=True)
             dt_bias = mDtBias[layer, head]
 
@@ -279,7 +304,7 @@ class GdnDecodeKernel:
                 for j in cutlass.range_constexpr((T + groups - 1) // groups):
                     if (tidx // 32) * ROWS_PER_WARP + j * groups < T:  # uniform per warp
                         t = cutlass.min(gi + j * groups, T - 1)  # lanes past T redo token T-1
-                        qv, kv, rq, rk, kq = _load_qk(mQ, mK, b, t, qk_head, c, scale)
+                        qv, kv, rq, rk, kq = _load_qk(mQ, mK, b, t, qk_head, c, scale, vec)
                         decay, beta = _gates(mA[b, t, head], mB[b, t, head], neg_a, dt_bias,
                                              softplus_beta, softplus_threshold)
                         if gi + j * groups < T:
@@ -296,8 +321,8 @@ class GdnDecodeKernel:
                                 sGate[2, t] = kq
                 cute.arch.sync_threads()
 
-            st = cute.make_rmem_tensor((VEC, 2, R), Float32)
-            st.store(sraw.load().to(Float32))
+            if cutlass.const_expr(cfg.state_dtype != "float32"):
+                st.store(sraw.load().to(Float32))
 
             # Lazy decay: the state is S = gamma * U with U in registers, so a token costs
             # 3 ops per element (two dot FMAs, one update FMA) instead of 4; gamma is folded
@@ -317,7 +342,7 @@ class GdnDecodeKernel:
                                gamma, gamma, rgate[1], rgate[2], cute.arch.rcp_approx(gamma))
             else:
                 for t in cutlass.range_constexpr(T):
-                    qv, kv, rq, rk, kq = _load_qk(mQ, mK, b, t, qk_head, c, scale)
+                    qv, kv, rq, rk, kq = _load_qk(mQ, mK, b, t, qk_head, c, scale, vec)
                     decay, beta = _gates(mA[b, t, head], mB[b, t, head], neg_a, dt_bias,
                                          softplus_beta, softplus_threshold)
                     gamma = self._rescaled(st, gamma * decay)
@@ -329,12 +354,13 @@ class GdnDecodeKernel:
                 gOut = mS[out_slot, head, None, None]  # [V, K]
                 for i in cutlass.range_constexpr(ELEMS_PER_THREAD * R):
                     st[i] = st[i] * gamma
-                sraw.store(st.load().to(BFloat16))
+                if cutlass.const_expr(cfg.state_dtype != "float32"):
+                    sraw.store(st.load().to(cfg.state_type))
                 for p in cutlass.range_constexpr(R):
-                    for h in cutlass.range_constexpr(2):
+                    for h in cutlass.range_constexpr(runs):
                         cute.autovec_copy(
                             sraw[None, h, p],
-                            cute.flat_divide(gOut[row0 + p * row_stride, None], (VEC,))[None, c + LANES_PER_ROW * h],
+                            cute.flat_divide(gOut[row0 + p * row_stride, None], (vec,))[None, c + LANES_PER_ROW * h],
                         )
         else:
             # Padding row: no state access, zero outputs.
@@ -356,7 +382,7 @@ class GdnDecodeKernel:
               gk: Float32, gq: Float32, beta: Float32, kq: Float32, dk_scale: Float32):
         """One token over the thread's rows: o = gq (U.qv) + delta kq, U += delta dk_scale kv,
         delta = beta (v - gk (U.kv)); lane c < R of each row group writes o of row c."""
-        R = self.cfg.rows_per_thread
+        R, vec = self.cfg.rows_per_thread, self.cfg.vec
         row_stride = ROWS_PER_WARP * self.cfg.warps
         if cutlass.const_expr(self.cfg.scatter):
             self._rows_scatter(mV, mO, st, kv, qv, b, t, head, row0, c, gk, gq, beta, kq, dk_scale)
@@ -366,7 +392,7 @@ class GdnDecodeKernel:
                 sk = Float32(0.0)
                 sq = Float32(0.0)
                 for i in cutlass.range_constexpr(ELEMS_PER_THREAD):
-                    u = st[i % VEC, i // VEC, p]
+                    u = st[i % vec, i // vec, p]
                     sk = sk + u * kv[i]
                     sq = sq + u * qv[i]
                 sk = _sum8(sk)
@@ -376,7 +402,7 @@ class GdnDecodeKernel:
                 o = gq * sq + delta * kq
                 dk = delta * dk_scale
                 for i in cutlass.range_constexpr(ELEMS_PER_THREAD):
-                    st[i % VEC, i // VEC, p] = st[i % VEC, i // VEC, p] + dk * kv[i]
+                    st[i % vec, i // vec, p] = st[i % vec, i // vec, p] + dk * kv[i]
                 if c == p:
                     o_mine = o
             if c < R:
@@ -389,7 +415,7 @@ class GdnDecodeKernel:
         computes delta_p and the others fetch it (R shuffles); 7 + R shuffles per token
         instead of 6R. R = 4: lane 2p holds U_p.k, lane 2p+1 U_p.q and writes o_p; R = 8:
         lane p holds both."""
-        R = self.cfg.rows_per_thread
+        R, vec = self.cfg.rows_per_thread, self.cfg.vec
         row_stride = ROWS_PER_WARP * self.cfg.warps
         per_lane = 2 * R // LANES_PER_ROW  # reduced values per lane: 1 or 2
         dots = []
@@ -397,7 +423,7 @@ class GdnDecodeKernel:
             sk = Float32(0.0)
             sq = Float32(0.0)
             for i in cutlass.range_constexpr(ELEMS_PER_THREAD):
-                u = st[i % VEC, i // VEC, p]
+                u = st[i % vec, i // vec, p]
                 sk = sk + u * kv[i]
                 sq = sq + u * qv[i]
             dots.append(sk)
@@ -414,7 +440,7 @@ class GdnDecodeKernel:
                 delta_row = delta
             dk = delta * dk_scale
             for i in cutlass.range_constexpr(ELEMS_PER_THREAD):
-                st[i % VEC, i // VEC, p] = st[i % VEC, i // VEC, p] + dk * kv[i]
+                st[i % vec, i // vec, p] = st[i % vec, i // vec, p] + dk * kv[i]
         if (c + 1) % (LANES_PER_ROW // R) == 0:  # the lane holding U.q of my_row
             o = gq * mine[per_lane - 1] + delta_row * kq
             mO[b, t, head, row0 + my_row * row_stride] = o.to(BFloat16)
