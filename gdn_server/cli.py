@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
 
 # nothing here imports grpc or torch: main() picks gRPC's I/O path and OpenMP's waits before they
 # load (config.GRPC_EXPERIMENTS, config.OMP_WAIT_POLICY)
-from gdn_server.config import GRPC_EXPERIMENTS, OMP_WAIT_POLICY, PRESETS, ModelShape, SchedulerConfig
+from gdn_server.config import (
+    DEFAULT_STATE_DTYPE, GRPC_EXPERIMENTS, OMP_WAIT_POLICY, PRESETS, STATE_DTYPE_BYTES, ModelShape, SchedulerConfig,
+)
 from gdn_server.limits import SPECULATIVE_TIMEOUT_S, Limits, SharedMemoryLimits
 
 # the shapes served when the command line names none: the model this service was built for
@@ -33,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--q-heads", type=int, help="query/key heads H (no default: give all three sizes)")
     shape.add_argument("--v-heads", type=int, help="value heads HV, a multiple of H (no default: give all three sizes)")
     shape.add_argument("--head-dim", type=int, default=None, help="K = V head size, with the sizes above (default 128)")
+    shape.add_argument("--state-dtype", choices=sorted(STATE_DTYPE_BYTES), default=DEFAULT_STATE_DTYPE,
+                       help="element type of the recurrent states held: float32 as some models' serving configs "
+                            "ask, at twice the memory per session and the device time of a step "
+                            "(default %(default)s)")
     p.add_argument("--weights", help="safetensors file with float32 layers.{i}.A_log / layers.{i}.dt_bias [HV] "
                                      "(default: gates drawn from --seed)")
     p.add_argument("--seed", type=int, default=0, help="seed for A_log/dt_bias when --weights is not given (default 0)")
@@ -117,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def shape_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelShape:
+    return dataclasses.replace(_sizes_from_args(args, parser), state_dtype=args.state_dtype)
+
+
+def _sizes_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelShape:
     explicit = {"--layers": args.layers, "--q-heads": args.q_heads, "--v-heads": args.v_heads}
     sized = any(v is not None for v in explicit.values()) or args.head_dim is not None
     if args.preset:

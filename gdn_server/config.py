@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 MAX_TOKENS_PER_STEP = 4
 MAX_SPECULATIVE_TOKENS = 8  # draft tokens of one speculative step
+# The state pool's element types (--state-dtype) and their bytes. bfloat16 is the default: half the
+# memory and half the device time of a step of float32, which some models' serving configs ask for
+# (docs/operations.md, --state-dtype).
+STATE_DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+DEFAULT_STATE_DTYPE = "bfloat16"
 # A server process runs several Python threads (gRPC's poller, the event loop, a scheduler
 # thread on the CPU, a device waiter): a thread woken by I/O would otherwise wait up to 5 ms
 # (Python's default) for a busy one to yield the GIL (bench/DECISIONS.md, entry 10).
@@ -28,7 +33,8 @@ OMP_WAIT_POLICY = "PASSIVE"
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Shapes of the GDN layers served. Value head j reads query/key head j // (HV // H)."""
+    """Shapes of the GDN layers served and of their states. Value head j reads query/key head
+    j // (HV // H)."""
 
     num_layers: int
     num_q_heads: int  # H
@@ -37,11 +43,14 @@ class ModelShape:
     head_dim_v: int = 128  # V
     max_tokens_per_step: int = MAX_TOKENS_PER_STEP
     max_speculative_tokens: int = MAX_SPECULATIVE_TOKENS
+    state_dtype: str = DEFAULT_STATE_DTYPE  # element type of the states held: a key of STATE_DTYPE_BYTES
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_q_heads", "num_v_heads", "head_dim_k", "head_dim_v"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.state_dtype not in STATE_DTYPE_BYTES:
+            raise ValueError(f"state dtype must be one of {', '.join(STATE_DTYPE_BYTES)}, got {self.state_dtype!r}")
         if self.num_v_heads % self.num_q_heads:
             raise ValueError(
                 f"value heads ({self.num_v_heads}) must be a multiple of query heads ({self.num_q_heads})"
@@ -52,9 +61,13 @@ class ModelShape:
         return 1.0 / math.sqrt(self.head_dim_k)
 
     @property
+    def state_element_bytes(self) -> int:
+        return STATE_DTYPE_BYTES[self.state_dtype]
+
+    @property
     def state_bytes_per_session(self) -> int:
-        """bf16 state of one session over all layers and value heads."""
-        return 2 * self.num_layers * self.num_v_heads * self.head_dim_v * self.head_dim_k
+        """The state of one session over all layers and value heads, in the state dtype."""
+        return self.state_element_bytes * self.num_layers * self.num_v_heads * self.head_dim_v * self.head_dim_k
 
 
 PRESETS: dict[str, ModelShape] = {

@@ -231,7 +231,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
             max_sessions=self.placement.capacity,
             sessions_in_use=self.placement.in_use,
             backend=self.backend_name,
-            state_dtype="bfloat16",
+            state_dtype=s.state_dtype,
             scale=self.placement.shards[0].backend.scale,
             devices=[
                 gdn_pb2.DeviceInfo(

@@ -19,7 +19,7 @@ manifest.json (UTF-8 JSON):
 
     {"format": "gdn-serve-snapshot", "version": 1, "generation": "<hex>", "created": "<UTC ISO>",
      "model": {"num_layers": L, "num_q_heads": H, "num_v_heads": HV, "head_dim_k": K,
-               "head_dim_v": V, "state_dtype": "bfloat16", "scale": s, "gates_sha256": "<hex>"},
+               "head_dim_v": V, "state_dtype": "bfloat16" | "float32", "scale": s, "gates_sha256": "<hex>"},
      "sessions": [{"id": "<session id>", "owner": null | "<identity>",
                    "file": "snapshot-<generation>/000000.safetensors",
                    "bytes": <file size>, "sha256": "<hex of the whole file>"}, ...],
@@ -27,7 +27,8 @@ manifest.json (UTF-8 JSON):
 
 A session file (safetensors, little-endian):
 
-    state          bf16  [L, HV, V, K]  the recurrent state, as `Backend.read_session` returns it
+    state          bf16 or fp32 (the manifest's state_dtype)  [L, HV, V, K]  the recurrent state, as
+                   `Backend.read_session` returns it
     positions      int64 [L]            tokens taken per layer
     last_out.{l}   bf16  [T, HV, V]     this session's output of its last step at layer l
     metadata       {"session_id": id, "last_steps": JSON {"<l>": [count_before, T, digest, speculative], ...}}
@@ -41,7 +42,10 @@ Restore checks everything before it touches the pool: the manifest checksum, the
 capacity, and every session file's size, sha256 and tensor shapes. A snapshot that fails any check
 is refused as a whole, with one ERROR log line saying why, and moved aside: the server then starts
 with no sessions, never with some of them. A snapshot written for other gate parameters or another
-query scale is loaded with a WARNING (outputs will differ from the old server's).
+query scale is loaded with a WARNING (outputs will differ from the old server's). One written with
+the other --state-dtype is loaded converted to this server's, with a WARNING: the operator chose
+the dtype on this command line (bfloat16 -> float32 is exact; float32 -> bfloat16 rounds every
+state once).
 
 A restored snapshot is consumed (manifest removed, then its files): if the server later dies
 without a clean shutdown, the old states are not loaded again under ids that have moved on.
@@ -64,7 +68,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from gdn_server.config import ModelShape
+from gdn_server.config import STATE_DTYPE_BYTES, ModelShape
 from gdn_server.lifecycle import drop_speculation
 from gdn_server.placement import Shard
 from gdn_server.sessions import LastStep, Session, StepRecord
@@ -126,7 +130,7 @@ def _model_entry(shape: ModelShape, backend: "Backend", gates: GateParams) -> di
         "num_v_heads": shape.num_v_heads,
         "head_dim_k": shape.head_dim_k,
         "head_dim_v": shape.head_dim_v,
-        "state_dtype": "bfloat16",
+        "state_dtype": shape.state_dtype,
         "scale": float(backend.scale),
         "gates_sha256": _gates_sha256(gates),
     }
@@ -160,13 +164,14 @@ def encode_session(session: Session, state: torch.Tensor, shape: ModelShape) -> 
 class _Restored:
     id: str
     owner: str | None
-    state: torch.Tensor  # [L, HV, V, K] bf16
+    state: torch.Tensor  # [L, HV, V, K] in the snapshot's state dtype
     positions: list[int]
     last_steps: dict[int, LastStep]
 
 
-def decode_session(data: bytes, entry: dict, shape: ModelShape) -> _Restored:
-    """Parses and checks one session file whose sha256 already matched; raises SnapshotError."""
+def decode_session(data: bytes, entry: dict, shape: ModelShape, state_dtype: str | None = None) -> _Restored:
+    """Parses and checks one session file whose sha256 already matched; raises SnapshotError.
+    `state_dtype` is the snapshot's (its manifest's), by default the shape's."""
     name = entry["file"]
     try:
         tensors = st_load(data)
@@ -178,8 +183,9 @@ def decode_session(data: bytes, entry: dict, shape: ModelShape) -> _Restored:
     if meta.get("session_id") != entry["id"]:
         raise SnapshotError(f"{name}: holds session {meta.get('session_id')!r}, the manifest says {entry['id']!r}")
     state, positions = tensors.get("state"), tensors.get("positions")
-    if state is None or state.dtype != torch.bfloat16 or tuple(state.shape) != (L, HV, V, K):
-        raise SnapshotError(f"{name}: state must be bfloat16 {[L, HV, V, K]}")
+    dtype = state_dtype or shape.state_dtype
+    if state is None or state.dtype != getattr(torch, dtype) or tuple(state.shape) != (L, HV, V, K):
+        raise SnapshotError(f"{name}: state must be {dtype} {[L, HV, V, K]}")
     if positions is None or positions.dtype != torch.int64 or tuple(positions.shape) != (L,):
         raise SnapshotError(f"{name}: positions must be int64 [{L}]")
     pos = [int(p) for p in positions]
@@ -290,8 +296,10 @@ def _read_manifest(root: Path, shape: ModelShape, free: int) -> dict:
     model = manifest["model"]
     want = {k: getattr(shape, k) for k in ("num_layers", "num_q_heads", "num_v_heads", "head_dim_k", "head_dim_v")}
     got = {k: model.get(k) for k in want}
-    if got != want or model.get("state_dtype") != "bfloat16":
+    if got != want:
         raise SnapshotError(f"snapshot is for model {got}, this server serves {want}")
+    if model.get("state_dtype") not in STATE_DTYPE_BYTES:
+        raise SnapshotError(f"snapshot has state dtype {model.get('state_dtype')!r}, not one of {list(STATE_DTYPE_BYTES)}")
     entries = manifest["sessions"]
     if len(entries) > free:
         raise SnapshotError(f"snapshot has {len(entries)} sessions, this server has room for {free} (--max-sessions)")
@@ -305,7 +313,7 @@ def _read_manifest(root: Path, shape: ModelShape, free: int) -> dict:
     return manifest
 
 
-def _read_session_file(root: Path, entry: dict, shape: ModelShape) -> _Restored:
+def _read_session_file(root: Path, entry: dict, shape: ModelShape, state_dtype: str) -> _Restored:
     path = root / entry["file"]
     try:
         data = path.read_bytes()
@@ -315,7 +323,7 @@ def _read_session_file(root: Path, entry: dict, shape: ModelShape) -> _Restored:
         raise SnapshotError(f"{entry['file']}: {len(data)} bytes, the manifest says {entry['bytes']} (truncated?)")
     if _sha256_hex(data) != entry["sha256"]:
         raise SnapshotError(f"{entry['file']}: fails its sha256 checksum (corrupt)")
-    return decode_session(data, entry, shape)
+    return decode_session(data, entry, shape, state_dtype)
 
 
 def _load_verified(root: Path, shards: Sequence[Shard], gates: GateParams) -> int:
@@ -324,8 +332,9 @@ def _load_verified(root: Path, shards: Sequence[Shard], gates: GateParams) -> in
     try:
         manifest = _read_manifest(root, shape, sum(shard.free for shard in shards))
         entries = manifest["sessions"]
+        saved_dtype = manifest["model"]["state_dtype"]
         for entry in entries:  # pass 1: check every file before touching the pool
-            _read_session_file(root, entry, shape)
+            _read_session_file(root, entry, shape, saved_dtype)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise SnapshotError(f"malformed manifest or session file: {e!r}") from None
     model = manifest["model"]
@@ -335,14 +344,20 @@ def _load_verified(root: Path, shards: Sequence[Shard], gates: GateParams) -> in
             "another --scale: sessions are restored, but their outputs will differ from the old server's",
             root,
         )
+    if saved_dtype != shape.state_dtype:
+        log.warning(
+            "the session snapshot in %s holds %s states and this server holds %s (--state-dtype): its %d "
+            "session(s) are converted to %s as they are restored", root, saved_dtype, shape.state_dtype, len(entries),
+            shape.state_dtype,
+        )
     created: list[tuple[Shard, Session]] = []
     try:  # pass 2: load (files are checked again, in case they changed since pass 1)
         for entry in entries:
-            r = _read_session_file(root, entry, shape)
+            r = _read_session_file(root, entry, shape, saved_dtype)
             shard = max(shards, key=lambda s: (s.free, -s.index))  # spread over the devices
             session = shard.sessions.create(owner=r.owner, session_id=r.id, restoring=True)
             created.append((shard, session))
-            shard.backend.write_session(session.slot, r.state)
+            shard.backend.write_session(session.slot, r.state.to(shard.backend.pool_dtype))
             session.positions = r.positions
             session.last_steps = r.last_steps
             session.last_used = time.monotonic()

@@ -3,17 +3,20 @@
 Stream format (what `encode_state` yields and `StateAssembler` accepts):
 
     chunk 0     header only: StateHeader {num_layers L, num_v_heads HV, head_dim_k K, head_dim_v V,
-                dtype "bfloat16", positions [L] (tokens taken per layer), total_bytes = 2*L*HV*V*K,
-                checksum = sha256 hex of the state bytes}; data empty
+                dtype "bfloat16" or "float32" (E = 2 or 4 bytes), positions [L] (tokens taken per
+                layer), total_bytes = E*L*HV*V*K, checksum = sha256 hex of the state bytes}; data empty
     chunk 1..n  data only: the state bytes in order, at most `MAX_CHUNK_BYTES` (1 MiB) each
 
-The state bytes are the bf16 tensor [L, HV, V, K] (K fastest), row-major, little-endian: exactly
-what `Backend.read_session` returns and `Backend.write_session` takes. The receiver refuses
-(InvalidArgument) a stream whose header is missing, repeated or does not match its model shape,
-a position of 2^63 or more, a chunk over 1 MiB, more or fewer bytes than announced, bytes whose
-sha256 differs from the header's, or a state holding NaN or Inf; nothing is created unless the
-whole stream checks out. Memory is bounded: the receiver
-allocates the announced size only after checking it equals its own model's state size.
+The state bytes are the tensor [L, HV, V, K] (K fastest) of the header's dtype, row-major,
+little-endian: exactly what `Backend.read_session` returns and `Backend.write_session` takes. The
+receiver refuses (InvalidArgument) a stream whose header is missing, repeated or does not match its
+model shape, whose dtype is not the server's state dtype (unless the header's `convert_dtype` asks
+for the conversion: then the state is converted to the server's dtype, on purpose, never
+otherwise), a position of 2^63 or more, a chunk over 1 MiB, more or fewer bytes than announced,
+bytes whose sha256 differs from the header's, or a state holding NaN or Inf (after a conversion:
+an fp32 value beyond bf16's range would become Inf); nothing is created unless the whole stream
+checks out. Memory is bounded: the receiver allocates the announced size only after checking it
+equals the size of its model's state in the header's dtype.
 """
 from __future__ import annotations
 
@@ -24,32 +27,35 @@ from typing import Iterator
 import torch
 
 from gdn_client.proto.gdn.v1 import gdn_pb2
-from gdn_server.config import ModelShape
+from gdn_server.config import STATE_DTYPE_BYTES, ModelShape
 from gdn_server.errors import InvalidArgument
 from gdn_server.limits import MAX_CHUNK_BYTES
 from gdn_server.validation import MAX_POSITION
-
-STATE_DTYPE = "bfloat16"
-
 
 @dataclass(frozen=True)
 class SessionState:
     """One session's recurrent state and positions, detached from any pool."""
 
-    state: torch.Tensor  # [L, HV, V, K] bf16, CPU, contiguous
+    state: torch.Tensor  # [L, HV, V, K] bf16 or fp32 (its pool's dtype), CPU, contiguous
     positions: tuple[int, ...]  # tokens taken per layer
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name a StateHeader, ModelInfo and --state-dtype give `dtype`: bfloat16 or float32."""
+    return str(dtype).removeprefix("torch.")
+
+
 def state_bytes(state: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a bf16 state tensor, without copying."""
+    """The raw little-endian bytes of a state tensor, without copying."""
     return memoryview(state.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-def state_from_bytes(data: bytes | bytearray, shape: ModelShape) -> torch.Tensor:
-    """bf16 [L, HV, V, K] from raw bytes (a bytearray is used in place, bytes are copied)."""
+def state_from_bytes(data: bytes | bytearray, shape: ModelShape, dtype: str | None = None) -> torch.Tensor:
+    """[L, HV, V, K] of `dtype` (default: the shape's state dtype) from raw bytes (a bytearray is
+    used in place, bytes are copied)."""
     L, HV, V, K = shape.num_layers, shape.num_v_heads, shape.head_dim_v, shape.head_dim_k
     buf = data if isinstance(data, bytearray) else bytearray(data)
-    return torch.frombuffer(buf, dtype=torch.bfloat16).reshape(L, HV, V, K)
+    return torch.frombuffer(buf, dtype=getattr(torch, dtype or shape.state_dtype)).reshape(L, HV, V, K)
 
 
 def encode_state(session: SessionState, chunk_bytes: int = MAX_CHUNK_BYTES) -> Iterator[gdn_pb2.StateChunk]:
@@ -63,7 +69,7 @@ def encode_state(session: SessionState, chunk_bytes: int = MAX_CHUNK_BYTES) -> I
         num_v_heads=HV,
         head_dim_k=K,
         head_dim_v=V,
-        dtype=STATE_DTYPE,
+        dtype=dtype_name(session.state.dtype),
         positions=list(session.positions),
         total_bytes=len(data),
         checksum=hashlib.sha256(data).hexdigest(),
@@ -116,10 +122,15 @@ class StateAssembler:
             )
         if self._sha.hexdigest() != self._header.checksum.lower():
             raise InvalidArgument("state stream checksum mismatch: the state bytes are corrupt")
-        state = state_from_bytes(self._buf, self.shape)
+        state = state_from_bytes(self._buf, self.shape, self._header.dtype)
         self._buf = None
+        if self._header.dtype != self.shape.state_dtype:  # convert_dtype was set (_check_header)
+            state = state.to(getattr(torch, self.shape.state_dtype))
         if not bool(torch.isfinite(state).all()):  # a session that would answer NaN for ever
-            raise InvalidArgument("state holds NaN or Inf values")
+            raise InvalidArgument(
+                "state holds NaN or Inf values"
+                + (f" once converted to {self.shape.state_dtype}" if self._header.dtype != self.shape.state_dtype else "")
+            )
         return SessionState(state, tuple(int(p) for p in self._header.positions))
 
     def _check_header(self, h: gdn_pb2.StateHeader) -> None:
@@ -130,15 +141,19 @@ class StateAssembler:
             raise InvalidArgument(
                 f"state is for layers/v_heads/K/V = {list(got)}, this server serves {list(want)}"
             )
-        if h.dtype != STATE_DTYPE:
-            raise InvalidArgument(f"state dtype {h.dtype!r} is not {STATE_DTYPE!r}")
+        if h.dtype not in STATE_DTYPE_BYTES:
+            raise InvalidArgument(f"state dtype {h.dtype!r} is not one of {', '.join(map(repr, STATE_DTYPE_BYTES))}")
+        if h.dtype != s.state_dtype and not h.convert_dtype:
+            raise InvalidArgument(
+                f"state dtype {h.dtype!r} is not this server's {s.state_dtype!r}: set the header's convert_dtype "
+                "to have it converted"
+            )
         if len(h.positions) != s.num_layers:
             raise InvalidArgument(f"state header has {len(h.positions)} positions for {s.num_layers} layers")
         if max(h.positions) > MAX_POSITION:
             raise InvalidArgument(f"state header position {max(h.positions)} is out of range: positions are below 2^63")
-        if h.total_bytes != s.state_bytes_per_session:
-            raise InvalidArgument(
-                f"state header announces {h.total_bytes} bytes, the state is {s.state_bytes_per_session} bytes"
-            )
+        size = s.state_bytes_per_session // s.state_element_bytes * STATE_DTYPE_BYTES[h.dtype]
+        if h.total_bytes != size:
+            raise InvalidArgument(f"state header announces {h.total_bytes} bytes, a {h.dtype} state is {size} bytes")
         if len(h.checksum) != 64:
             raise InvalidArgument("state header checksum must be a sha256 hex digest")

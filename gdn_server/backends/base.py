@@ -1,6 +1,7 @@
-"""The backend interface: a pool of bf16 states and the decode step over a StepBatch.
+"""The backend interface: a pool of states and the decode step over a StepBatch.
 
-A backend owns the state pool [num_sessions * L, HV, V, K] (bf16, K fastest) and A_log/dt_bias
+A backend owns the state pool [num_sessions * L, HV, V, K] (K fastest; bf16 or fp32, the shape's
+`state_dtype`, `pool_dtype` as a torch dtype) and A_log/dt_bias
 [L, HV]. `submit` starts one call over a batch of rows that share T and returns a handle whose
 `result()` is the bf16 output [rows, T, HV, V] on the CPU. The scheduler keeps a few handles in
 flight (scheduler.LOOP_MAX_IN_FLIGHT at most), so a backend may overlap the next batches' assembly
@@ -81,6 +82,12 @@ class DoneStep(PendingStep):
         return self._out
 
 
+def check_state_dtype(state: torch.Tensor, pool_dtype: torch.dtype) -> None:
+    """ValueError unless `state` is of the pool's dtype (what `Backend.write_session` takes)."""
+    if state.dtype != pool_dtype:
+        raise ValueError(f"a state of {state.dtype} cannot be written to a pool of {pool_dtype}")
+
+
 class Backend(ABC):
     name: str  # "cpu-torch" or "cuda-cute"
     device_name: str = "cpu"  # what ModelInfo.devices reports
@@ -94,6 +101,7 @@ class Backend(ABC):
                 f"gate params are {list(gates.A_log.shape)}, model needs [{shape.num_layers}, {shape.num_v_heads}]"
             )
         self.shape = shape
+        self.pool_dtype: torch.dtype = getattr(torch, shape.state_dtype)
         self.max_sessions = max_sessions
         self.scale = shape.default_scale if scale is None else float(scale)
         # Rows [0, home_rows) are the sessions' own (session slot * L + layer); the scratch rows
@@ -127,11 +135,12 @@ class Backend(ABC):
 
     @abstractmethod
     def read_session(self, session_slot: int) -> torch.Tensor:
-        """bf16 [L, HV, V, K] copy of a session's state, on the CPU."""
+        """[L, HV, V, K] copy of a session's state in `pool_dtype`, on the CPU."""
 
     @abstractmethod
     def write_session(self, session_slot: int, state: torch.Tensor) -> None:
-        """Overwrites a session's state from bf16 [L, HV, V, K]."""
+        """Overwrites a session's state from [L, HV, V, K] in `pool_dtype` (ValueError for another
+        dtype: a state of another dtype is converted on purpose where it enters, never here)."""
 
     @abstractmethod
     def copy_rows(self, src_rows: list[int], dst_rows: list[int]) -> None:

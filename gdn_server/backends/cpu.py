@@ -1,6 +1,7 @@
 """CPU backend ("cpu-torch"): the reference the GPU backend is checked against, and the default on
-machines without a GPU. The pool's bf16 rows live in host memory; each step reads the rows'
-states from it, runs the fp32 math of `torch_math` and writes them back rounded to bf16 once.
+machines without a GPU. The pool's rows (bf16, or fp32 with --state-dtype float32) live in host
+memory; each step reads the rows' states from it, runs the fp32 math of `torch_math` and writes
+them back once (a bf16 state rounded then).
 
 The pool's memory grows with the sessions in use, not with capacity, so a CPU server can offer
 many sessions and still idle small: rows are stored in blocks of whole session slots (the
@@ -17,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from gdn_server.backends.base import Backend, DoneStep, PendingStep, check_unchecked_inputs
+from gdn_server.backends.base import Backend, DoneStep, PendingStep, check_state_dtype, check_unchecked_inputs
 from gdn_server.backends.torch_math import StepWorkspace, exp_lane_aligned
 from gdn_server.config import ModelShape
 from gdn_server.weights import GateParams
@@ -66,13 +67,13 @@ class _WorkerStep(PendingStep):
 BLOCK_MIN_BYTES = 4 << 20
 
 
-def _mapped_zeros(rows: int, row_shape: tuple[int, ...]) -> torch.Tensor:
-    """bf16 zeros [rows, *row_shape] in an anonymous mapping of their own: the OS maps zero pages
-    on first touch (nothing is written here) and unmaps them when the last tensor on it is freed."""
+def _mapped_zeros(rows: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros [rows, *row_shape] of `dtype` in an anonymous mapping of their own: the OS maps zero
+    pages on first touch (nothing is written here) and unmaps them when the last tensor on it is freed."""
     values = rows
     for n in row_shape:
         values *= n
-    return torch.frombuffer(mmap.mmap(-1, 2 * values), dtype=torch.bfloat16).view(rows, *row_shape)
+    return torch.frombuffer(mmap.mmap(-1, dtype.itemsize * values), dtype=dtype).view(rows, *row_shape)
 
 
 class _Block:
@@ -122,7 +123,7 @@ class CpuBackend(Backend):
         index = row // self._rows_per_block
         block = self._blocks[index]
         if block is None:
-            rows = _mapped_zeros(self._rows_per_block, self._row_shape)
+            rows = _mapped_zeros(self._rows_per_block, self._row_shape, self.pool_dtype)
             block = self._blocks[index] = _Block(rows, rows.view(self._rows_per_block, *self._grouped_shape))
         block.in_use.add(row // self.shape.num_layers)
         return block
@@ -140,8 +141,8 @@ class CpuBackend(Backend):
         return sum(block.rows.nbytes for block in self._blocks if block is not None)
 
     def read_rows(self, rows: Sequence[int]) -> torch.Tensor:
-        """bf16 [len(rows), HV, V, K] copy of pool rows (zeros for a row of a block not made)."""
-        out = torch.zeros(len(rows), *self._row_shape, dtype=torch.bfloat16)
+        """[len(rows), HV, V, K] copy of pool rows (zeros for a row of a block not made)."""
+        out = torch.zeros(len(rows), *self._row_shape, dtype=self.pool_dtype)
         per_block = self._rows_per_block
         for i, row in enumerate(rows):
             block = self._blocks[row // per_block]
@@ -150,8 +151,8 @@ class CpuBackend(Backend):
         return out
 
     def write_rows(self, rows: Sequence[int], states: torch.Tensor) -> None:
-        """Overwrites pool rows from bf16 [len(rows), HV, V, K] (a copy_ per row: index_copy_ of bf16
-        rows ran 5x slower)."""
+        """Overwrites pool rows from [len(rows), HV, V, K] (a copy_ per row: index_copy_ of bf16 rows
+        ran 5x slower)."""
         per_block = self._rows_per_block
         for row, state in zip(rows, states):
             self._block_for_use(row).rows[row % per_block].copy_(state)
@@ -235,7 +236,7 @@ class CpuBackend(Backend):
         s = self.shape
         H, HV, V, K = s.num_q_heads, s.num_v_heads, s.head_dim_v, s.head_dim_k
         self._work.zero_()
-        state = torch.zeros(1, HV, V, K, dtype=torch.bfloat16)
+        state = torch.zeros(1, HV, V, K, dtype=self.pool_dtype)
         qk, v, ab = torch.zeros(1, 1, H, K), torch.zeros(1, 1, HV, V), torch.zeros(1, 1, HV)
         self._plan(1, 1).run(state, state.view(1, H, HV // H, V, K), qk, qk, v, ab, ab, *self._layer_gates[0])
 
@@ -270,6 +271,7 @@ class CpuBackend(Backend):
         return self.read_rows(self._session_rows(session_slot))
 
     def write_session(self, session_slot: int, state: torch.Tensor) -> None:
+        check_state_dtype(state, self.pool_dtype)
         self.write_rows(self._session_rows(session_slot), state)
 
     def copy_rows(self, src_rows: list[int], dst_rows: list[int]) -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gdn_server.backends.base import Backend, NonFiniteInputs, PendingStep
+from gdn_server.backends.base import Backend, NonFiniteInputs, PendingStep, check_state_dtype
 from gdn_server.backends.mapped import device_alias
 from gdn_server.backends.staging import StagingLayout, carve as _carve, fill as _fill_staging, make_layout, nonfinite
 from gdn_server.backends.torch_math import gdn_step_fp32
@@ -197,7 +197,7 @@ class CudaBackend(Backend):
         super().__init__(shape, gates, max_sessions, scale, speculative_sessions)
         self.device_name = torch.cuda.get_device_name(self.device)
         HV, V, K = shape.num_v_heads, shape.head_dim_v, shape.head_dim_k
-        self.state_pool = torch.zeros(self.pool_rows, HV, V, K, dtype=torch.bfloat16, device=self.device)
+        self.state_pool = torch.zeros(self.pool_rows, HV, V, K, dtype=self.pool_dtype, device=self.device)
         self.A_log = gates.A_log.float().contiguous().to(self.device)
         self.dt_bias = gates.dt_bias.float().contiguous().to(self.device)
         self.stream = torch.cuda.Stream(self.device)
@@ -305,7 +305,7 @@ class CudaBackend(Backend):
             state, dev["q"], dev["k"], dev["v"], dev["a"], dev["b"],
             self.A_log.index_select(0, layers), self.dt_bias.index_select(0, layers), self.scale,
         )
-        self.state_pool.index_copy_(0, out_slots, state.to(torch.bfloat16))
+        self.state_pool.index_copy_(0, out_slots, state.to(self.pool_dtype))
         out.copy_(o)
 
     def warmup(self) -> None:
@@ -327,7 +327,7 @@ class CudaBackend(Backend):
 
         s = self.shape
         for T in range(1, s.max_tokens_per_step + 1):  # speculative T > 4 compiles on first use
-            compile_variant(T, s.num_q_heads, s.num_v_heads)
+            compile_variant(T, s.num_q_heads, s.num_v_heads, state_dtype=s.state_dtype)
         try:
             self._capture_graphs()
         except Exception:  # a driver or library that cannot capture: launch directly
@@ -410,8 +410,9 @@ class CudaBackend(Backend):
         return out
 
     def write_session(self, session_slot: int, state: torch.Tensor) -> None:
+        check_state_dtype(state, self.pool_dtype)
         with torch.cuda.stream(self.stream):
-            self.state_pool[self._rows(session_slot)].copy_(state.to(torch.bfloat16), non_blocking=False)
+            self.state_pool[self._rows(session_slot)].copy_(state, non_blocking=False)
         self.stream.synchronize()
 
     def copy_rows(self, src_rows: list[int], dst_rows: list[int]) -> None:

@@ -165,7 +165,7 @@ class ExportStateRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class StateHeader(_message.Message):
-    __slots__ = ("num_layers", "num_v_heads", "head_dim_k", "head_dim_v", "dtype", "positions", "total_bytes", "checksum")
+    __slots__ = ("num_layers", "num_v_heads", "head_dim_k", "head_dim_v", "dtype", "positions", "total_bytes", "checksum", "convert_dtype")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_V_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_K_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,7 @@ class StateHeader(_message.Message):
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CONVERT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_v_heads: int
     head_dim_k: int
@@ -182,7 +183,8 @@ class StateHeader(_message.Message):
     positions: _containers.RepeatedScalarFieldContainer[int]
     total_bytes: int
     checksum: str
-    def __init__(self, num_layers: _Optional[int] = ..., num_v_heads: _Optional[int] = ..., head_dim_k: _Optional[int] = ..., head_dim_v: _Optional[int] = ..., dtype: _Optional[str] = ..., positions: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
+    convert_dtype: bool
+    def __init__(self, num_layers: _Optional[int] = ..., num_v_heads: _Optional[int] = ..., head_dim_k: _Optional[int] = ..., head_dim_v: _Optional[int] = ..., dtype: _Optional[str] = ..., positions: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ..., convert_dtype: _Optional[bool] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("header", "data")
