@@ -3,12 +3,22 @@
     python bench/kernel.py                      # candidate variants, checks, timings, baselines
     python bench/kernel.py --skip-baselines     # the figures of bench/RESULTS.md
     python bench/kernel.py --skip-sweep --skip-baselines --variants 2:2x4:prep,2:2x4:inline
+    python bench/kernel.py --state-dtype float32 --skip-baselines   # the same for an fp32 state pool
+    python bench/kernel.py --drift-steps 4096 --skip-sweep --skip-checks --skip-timing   # the drift alone
+
+`--state-dtype` picks the pool's dtype for everything below (checks, sweep, timings); the state's
+error is held to 5e-3 for bf16 (its rounding) and 2e-5 for fp32.
 
 Checks (against tests/reference.py in float64): T = 1..8 (16:32) and 1..4 (8:32, 32:32), B in
 {1, 7, 64, 513}, rows of mixed layers and padding rows in one launch, slots that no row names
 left bit-for-bit untouched, the output poisoned before the launch; out_slots (read one slot,
 write another; in place; outputs only); 64 consecutive steps against a reference whose state is
-rounded to bf16 once per step; a CUDA-graph replay; every candidate variant at B=64.
+rounded to the pool's dtype once per step; a CUDA-graph replay; every candidate variant at B=64.
+
+Drift (`--drift-steps N`): N consecutive one-token steps of B=32 rows with the server's gate
+distribution (weights.random_gate_params: long memories), run through a bf16 pool and an fp32
+pool on the same inputs, each against one float64 state that is never rounded: the output's
+error at every step and the state's every 64 steps, both dtypes side by side.
 
 Timings (the method by which the reference figures in REFERENCE_US, FlashInfer's kernel and the
 seed kernel on an H200, were measured; the table repeats them): H=16, HV=32, a 4096-slot (4 GiB) pool, random slots, 16 rotated slot sets, device time
@@ -52,6 +62,8 @@ from gdn_server.kernels import (  # noqa: E402
 
 DEV = "cuda"
 D = 128
+STATE = torch.bfloat16  # the pool's dtype (--state-dtype)
+STATE_TOL = {torch.bfloat16: 5e-3, torch.float32: 2e-5}  # the state's error allowed: the dtype's rounding
 # (B, T): (seed us, FlashInfer us, fla us, torch us): reference timings on an H200, by the method above
 REFERENCE_US = {
     (1, 1): (2.5, 2.4, 14.9, 75),
@@ -64,7 +76,24 @@ REFERENCE_US = {
     (1, 4): (7.5, 4.2, 17.2, 260),
 }
 TARGETS = {(512, 1): 270, (512, 4): 300, (128, 1): 72, (128, 2): 72, (128, 3): 72, (128, 4): 72, (1, 1): 2.4}
+# fp32 state pool: FlashInfer's fp32-state kernel (gdn_decode_pretranspose.py, pool-indexed, T = 1,
+# one CUDA-graph replay per call) on an H200 (issue 49); the targets are those, and 530 us at B = 512
+REFERENCE_FP32_US = {(16, 1): 20.3, (128, 1): 141.3, (512, 1): 535.7}
+TARGETS_FP32 = {(16, 1): 20.3, (128, 1): 141.3, (512, 1): 530}
 COPY_CEILING_GBS = 4290.0
+
+
+def state_tol() -> float:
+    return STATE_TOL[STATE]
+
+
+def bits(t):
+    """The raw bits of a state tensor, for bit-for-bit comparisons (NaN-safe)."""
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def random_pool(n, HV, gen):
+    return (torch.randn(n, HV, D, D, device=DEV, generator=gen) * 0.5).to(STATE)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -94,7 +123,7 @@ def reference(state_rows, q, k, v, a, b, A_log, dt_bias, layers, scale=None):
 def check_case(B, T, H, HV, pad_frac, gen, log, fn=None, name=""):
     """One launch of gdn_decode (or of the compiled variant `fn`) against the reference."""
     N = 2 * B + 16
-    pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+    pool = random_pool(N, HV, gen)
     perm = torch.randperm(N, device=DEV, generator=gen)[:B].to(torch.int32)
     slots = perm.clone()
     if B > 1 and pad_frac > 0:
@@ -114,9 +143,9 @@ def check_case(B, T, H, HV, pad_frac, gen, log, fn=None, name=""):
     pad_zero = bool((out[~live] == 0).all().item()) if (~live).any() else True
     untouched = torch.ones(N, dtype=torch.bool, device=DEV)
     untouched[ls] = False
-    poison_ok = bool(torch.equal(pool[untouched].view(torch.int16), before[untouched].view(torch.int16)))
+    poison_ok = bool(torch.equal(bits(pool[untouched]), bits(before[untouched])))
     finite = bool(torch.isfinite(out.float()).all().item())
-    ok = e_out < 5e-3 and e_state < 5e-3 and pad_zero and poison_ok and finite
+    ok = e_out < 5e-3 and e_state < state_tol() and pad_zero and poison_ok and finite
     row = dict(B=B, T=T, H=H, HV=HV, padding=int((~live).sum()), err_out=e_out, err_state=e_state,
                pad_zero=pad_zero, untouched_ok=poison_ok, finite=finite, ok=ok, variant=name)
     log(f"check {name} B={B:4d} T={T} H:HV={H}:{HV} pad={row['padding']:3d} err_out={e_out:.2e} "
@@ -129,7 +158,7 @@ def check_out_slots(B, T, H, HV, gen, log):
     writing nothing (out_slot -1), padding rows; every slot but the live rows' write slots must
     stay bit-for-bit unchanged (the read slots too)."""
     N = 3 * B + 8
-    pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+    pool = random_pool(N, HV, gen)
     perm = torch.randperm(N, device=DEV, generator=gen).to(torch.int32)
     slots, out_slots = perm[:B].clone(), perm[B:2 * B].clone()
     out_slots[1] = slots[1]  # in place
@@ -149,18 +178,18 @@ def check_out_slots(B, T, H, HV, gen, log):
     e_state = ref.rel_err(pool[ws].float(), s_ref[wrote])
     untouched = torch.ones(N, dtype=torch.bool, device=DEV)
     untouched[ws] = False
-    poison_ok = bool(torch.equal(pool[untouched].view(torch.int16), before[untouched].view(torch.int16)))
+    poison_ok = bool(torch.equal(bits(pool[untouched]), bits(before[untouched])))
     pad_zero = bool((out[~live] == 0).all().item())
-    ok = e_out < 5e-3 and e_state < 5e-3 and poison_ok and pad_zero
+    ok = e_out < 5e-3 and e_state < state_tol() and poison_ok and pad_zero
     log(f"out_slots B={B} T={T}: err_out={e_out:.2e} err_state={e_state:.2e} others untouched={poison_ok} "
         f"pad0={pad_zero} {'OK' if ok else 'FAIL'}")
     return dict(B=B, T=T, err_out=e_out, err_state=e_state, untouched_ok=poison_ok, ok=ok)
 
 
 def check_drift(B, T, H, HV, steps, gen, log):
-    """`steps` consecutive steps; the reference state is rounded to bf16 once per step too."""
+    """`steps` consecutive steps; the reference state is rounded to the pool's dtype once per step too."""
     N = B + 8
-    pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+    pool = random_pool(N, HV, gen)
     slots = torch.randperm(N, device=DEV, generator=gen)[:B].to(torch.int32)
     ls = slots.long()
     s_ref = pool[ls].double()
@@ -171,18 +200,92 @@ def check_drift(B, T, H, HV, steps, gen, log):
         out.fill_(float("nan"))
         gdn_decode(pool, slots, layers, q, k, v, a, b, A_log, dt_bias, out)
         o_ref, s_new = reference(s_ref, q, k, v, a, b, A_log, dt_bias, layers)
-        s_ref = s_new.to(torch.bfloat16).double()
+        s_ref = s_new.to(STATE).double()
         worst_out = max(worst_out, ref.rel_err(out.float(), o_ref))
         worst_state = max(worst_state, ref.rel_err(pool[ls].float(), s_new))
-    ok = worst_out < 5e-3 and worst_state < 5e-3
+    ok = worst_out < 5e-3 and worst_state < state_tol()
     log(f"drift B={B} T={T} steps={steps}: worst err_out={worst_out:.2e} err_state={worst_state:.2e} {'OK' if ok else 'FAIL'}")
     return dict(B=B, T=T, H=H, HV=HV, steps=steps, err_out=worst_out, err_state=worst_state, ok=ok)
+
+
+def reference_step64(S, q, k, v, a, b, A_log, dt_bias, scale):
+    """One token of docs/protocol.md section 4 in float64 for every row and head at once: S
+    [B, HV, V, K] float64 is updated in place; q, k [B, H, K], v [B, HV, V], a, b, A_log,
+    dt_bias [B or 1, HV]; returns o [B, HV, V] float64. tests/reference.py's gdn_reference_step,
+    vectorised over the heads for thousands of steps (drift_both checks the two agree)."""
+    group = v.shape[1] // q.shape[1]
+    q, k, v = q.double(), k.double(), v.double()
+    qn = (q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * scale).repeat_interleave(group, 1)
+    kn = (k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(group, 1)
+    x = a.double() + dt_bias.double()
+    softplus = torch.where(x <= 20.0, torch.log1p(torch.exp(x)), x)
+    decay = torch.exp(-torch.exp(A_log.double()) * softplus)
+    beta = torch.sigmoid(b.double())
+    S.mul_(decay[..., None, None])
+    pred = torch.einsum("bjvk,bjk->bjv", S, kn)
+    S.add_((beta[..., None] * (v - pred))[..., None] * kn[..., None, :])
+    return torch.einsum("bjvk,bjk->bjv", S, qn)
+
+
+def drift_both(steps, log, B=32, H=16, HV=32, seed=4321):
+    """`steps` one-token steps of B rows through a bf16 and an fp32 pool on the same inputs, each
+    against one float64 state never rounded; gates from the server's distribution (long memories)."""
+    from gdn_server.config import ModelShape
+    from gdn_server.weights import random_gate_params
+
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    gates = random_gate_params(ModelShape(1, H, HV), seed)
+    A_log, dt_bias = gates.A_log.to(DEV), gates.dt_bias.to(DEV)  # [1, HV]
+    slots = torch.arange(B, device=DEV, dtype=torch.int32)
+    layers = torch.zeros(B, device=DEV, dtype=torch.int32)
+    dtypes = (torch.bfloat16, torch.float32)
+    pools = {dt: torch.zeros(B, HV, D, D, device=DEV, dtype=dt) for dt in dtypes}
+    outs = {dt: torch.empty(B, 1, HV, D, device=DEV, dtype=torch.bfloat16) for dt in dtypes}
+    S = torch.zeros(B, HV, D, D, device=DEV, dtype=torch.float64)
+    scale = 1.0 / math.sqrt(D)
+    err_out = {dt: torch.empty(steps, device=DEV, dtype=torch.float64) for dt in dtypes}
+    err_state = {dt: {} for dt in dtypes}
+    marks = {1, 16, 64, 256, 1024, steps} | set(range(512, steps + 1, 512))
+    t0 = time.time()
+    for n in range(1, steps + 1):
+        bf = torch.bfloat16
+        q, k = (torch.randn(B, 1, H, D, device=DEV, generator=gen).to(bf) for _ in range(2))
+        v = torch.randn(B, 1, HV, D, device=DEV, generator=gen).to(bf)
+        a, b = (torch.randn(B, 1, HV, device=DEV, generator=gen).to(bf) for _ in range(2))
+        for dt in dtypes:
+            gdn_decode(pools[dt], slots, layers, q, k, v, a, b, A_log, dt_bias, outs[dt])
+        S_before = S.clone() if n == 2 else None
+        o = reference_step64(S, q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, scale)
+        if S_before is not None:  # the vectorised reference is tests/reference.py's
+            o_ref, s_ref = reference(S_before, q, k, v, a, b, A_log, dt_bias, layers)
+            agree = max(ref.rel_err(o, o_ref[:, 0]), ref.rel_err(S, s_ref))
+            if agree > 1e-12:
+                raise AssertionError(f"the float64 references disagree: {agree:.2e}")
+        norm = o.norm()
+        for dt in dtypes:
+            err_out[dt][n - 1] = (outs[dt][:, 0].double() - o).norm() / norm
+            if n in marks:
+                err_state[dt][n] = ref.rel_err(pools[dt], S)
+    torch.cuda.synchronize()
+    rows = []
+    for dt in dtypes:
+        e = err_out[dt].cpu()
+        name = str(dt)[6:]
+        rows.append(dict(state_dtype=name, steps=steps, B=B, out_at={m: float(e[m - 1]) for m in sorted(marks)},
+                         state_at=err_state[dt], worst_out=float(e.max()), mean_out=float(e.mean()),
+                         final_state=err_state[dt][steps]))
+        log(f"drift {name}: {steps} steps B={B}: state {err_state[dt][steps]:.2e} at the end "
+            f"(at {sorted(marks)}: {', '.join(f'{err_state[dt][m]:.1e}' for m in sorted(marks))}); "
+            f"output worst {e.max():.2e}, mean {e.mean():.2e}, last {e[-1]:.2e}")
+    log(f"drift took {time.time() - t0:.1f} s; fp32 state / bf16 state at the end: "
+        f"{rows[1]['final_state'] / rows[0]['final_state']:.2e}")
+    return rows
 
 
 def check_graph(B, T, H, HV, gen, log):
     """A captured launch replays to the same result as an eager launch."""
     N = B + 8
-    pool0 = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+    pool0 = random_pool(N, HV, gen)
     slots = torch.randperm(N, device=DEV, generator=gen)[:B].to(torch.int32)
     q, k, v, a, b, A_log, dt_bias, layers = make_inputs(B, T, H, HV, gen=gen)
     pool_e, out_e = pool0.clone(), torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
@@ -208,7 +311,7 @@ def check_graph(B, T, H, HV, gen, log):
 def check_errors(log):
     """Bad arguments raise ValueError before any launch."""
     B, T, H, HV = 4, 1, 16, 32
-    pool = torch.zeros(8, HV, D, D, device=DEV, dtype=torch.bfloat16)
+    pool = torch.zeros(8, HV, D, D, device=DEV, dtype=STATE)
     slots = torch.arange(B, device=DEV, dtype=torch.int32)
     q, k, v, a, b, A_log, dt_bias, layers = make_inputs(B, T, H, HV)
     out = torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
@@ -224,6 +327,7 @@ def check_errors(log):
         "out_slots int64": dict(out_slots=slots.long()),
         "out_slots wrong B": dict(out_slots=slots[:2].contiguous()),
         "out_slots on cpu": dict(out_slots=slots.cpu()),
+        "state float16": dict(state=pool.half()),
     }
     results = {}
     for name, change in bad.items():
@@ -313,7 +417,7 @@ class Rotation:
 
 
 def bytes_moved(B, T, H, HV):
-    state = 2 * B * HV * D * D * 2
+    state = 2 * B * HV * D * D * STATE.itemsize
     io = B * T * (2 * H * D + 2 * HV * D + 2 * HV) * 2
     return state + io
 
@@ -347,12 +451,12 @@ def time_host(fn, n=400, reps=25):
 def host_breakdown(log):
     """Host us per call at B=1, T=1: the bare tvm-ffi function vs gdn_decode."""
     B, T, H, HV = 1, 1, 16, 32
-    pool = torch.zeros(8, HV, D, D, device=DEV, dtype=torch.bfloat16)
+    pool = torch.zeros(8, HV, D, D, device=DEV, dtype=STATE)
     slots = torch.zeros(B, device=DEV, dtype=torch.int32)
     q, k, v, a, b, A_log, dt_bias, layers = make_inputs(B, T, H, HV)
     out = torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
     args = (pool, slots, layers, q, k, v, a, b, A_log, dt_bias, out)
-    raw = compile_variant(T, H, HV).__tvm_ffi_object__()
+    raw = compile_variant(T, H, HV, state_dtype=str(STATE)[6:]).__tvm_ffi_object__()
     scale = 1.0 / math.sqrt(D)
     r = {}
     r["raw_tvm_ffi_us"] = time_host(lambda: raw(pool, slots, slots, *args[2:], scale, 1.0, 20.0))[1]
@@ -367,7 +471,8 @@ def ours(pool, slots, layers, q, k, v, a, b, A_log, dt_bias, out):
 
 def tiled(T, H, HV, warps, rpt, prep, scatter):
     """The compiled variant as a gdn_decode-like callable (in-place update)."""
-    fn = compile_variant(T, H, HV, warps=warps, rows_per_thread=rpt, prep=prep, scatter=scatter).__tvm_ffi_object__()
+    fn = compile_variant(T, H, HV, warps=warps, rows_per_thread=rpt, prep=prep, scatter=scatter,
+                         state_dtype=str(STATE)[6:]).__tvm_ffi_object__()
     scale = 1.0 / math.sqrt(D)
 
     def call(pool, slots, layers, q, k, v, a, b, A_log, dt_bias, out):
@@ -407,11 +512,18 @@ def bench_rows(rows, pool, gen, log, with_baselines=True):
                     r["fla_us"] = None
                     log(f"fla B={B} T={T} failed: {e!r}")
             r["torch_us"] = time_device(rot.call(lambda *x: torch_eager_step(*x, scale)), rep_ms=100)
-        a = REFERENCE_US.get((B, T))
-        if a:
-            r["seed_us"], r["flashinfer_us"], r["fla_anchor_us"], r["torch_anchor_us"] = a
-        if (B, T) in TARGETS:
-            r["target_us"] = TARGETS[(B, T)]
+        r["copy_floor_us"] = bytes_moved(B, T, H, HV) / (COPY_CEILING_GBS * 1e3)
+        if STATE == torch.float32:
+            if (B, T) in REFERENCE_FP32_US:
+                r["flashinfer_us"] = REFERENCE_FP32_US[(B, T)]
+            if (B, T) in TARGETS_FP32:
+                r["target_us"] = TARGETS_FP32[(B, T)]
+        else:
+            a = REFERENCE_US.get((B, T))
+            if a:
+                r["seed_us"], r["flashinfer_us"], r["fla_anchor_us"], r["torch_anchor_us"] = a
+            if (B, T) in TARGETS:
+                r["target_us"] = TARGETS[(B, T)]
         log(f"time {json.dumps(r)}")
         results.append(r)
     return results
@@ -447,7 +559,7 @@ def fla_check(gen, log):
     try:
         step = make_fla_step()
         B, T, H, HV = 7, 2, 16, 32
-        pool = (torch.randn(16, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+        pool = random_pool(16, HV, gen)
         before = pool.clone()
         slots = torch.arange(B, device=DEV, dtype=torch.int32)
         q, k, v, a, b, A_log, dt_bias, layers = make_inputs(B, T, H, HV, gen=gen)
@@ -463,17 +575,19 @@ def fla_check(gen, log):
 
 
 def to_markdown(res):
-    lines = [f"# GDN decode kernel on {res['device']} ({time.strftime('%Y-%m-%d')})", "",
+    lines = [f"# GDN decode kernel on {res['device']} ({time.strftime('%Y-%m-%d')}), {res['state_dtype']} state pool", "",
              "Device time per call, CUDA-graph replay, median; H=16, HV=32, 4096-slot pool, 16 rotated slot sets.",
-             "% = bytes moved (state read+write + q/k/v/a/b/o) over the 4290 GB/s copy ceiling.", "",
-             "| B | T | ours | % | FlashInfer (anchor) | seed (anchor) | fla (here) | torch fp32 (here) | target |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "% = bytes moved (state read+write + q/k/v/a/b/o) over the 4290 GB/s copy ceiling; copy floor = those "
+             "bytes at that ceiling.", "",
+             f"| B | T | ours | % | copy floor | FlashInfer {res['state_dtype']} state (anchor) | seed (anchor) | "
+             "fla (here) | torch fp32 (here) | target |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["timings"]:
         f = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
         host = f" (host {r['ours_host_loop_us']:.1f})" if "ours_host_loop_us" in r else ""
         lines.append(f"| {r['B']} | {r['T']} | {r['ours_us']:.1f}{host} | {r['pct_copy_ceiling']:.0f}% | "
-                     f"{f(r.get('flashinfer_us'))} | {f(r.get('seed_us'))} | {f(r.get('fla_us'))} | "
-                     f"{f(r.get('torch_us'))} | {f(r.get('target_us'))} |")
+                     f"{f(r.get('copy_floor_us'))} | {f(r.get('flashinfer_us'))} | {f(r.get('seed_us'))} | "
+                     f"{f(r.get('fla_us'))} | {f(r.get('torch_us'))} | {f(r.get('target_us'))} |")
     lines += ["", "## Correctness (relative error vs float64 reference)", "",
               "| B | T | H:HV | padding rows | out | state | untouched slots | ok |", "|---|---|---|---|---|---|---|---|"]
     for c in res["checks"]:
@@ -481,6 +595,16 @@ def to_markdown(res):
                      f"{c['err_state']:.2e} | {c['untouched_ok']} | {c['ok']} |")
     for d in res.get("drift", []):
         lines.append(f"\nDrift, {d['steps']} steps B={d['B']} T={d['T']}: worst out {d['err_out']:.2e}, state {d['err_state']:.2e}, ok={d['ok']}")
+    if res.get("drift_both"):
+        bf, fp = res["drift_both"]
+        lines += ["", f"## Drift: {bf['steps']} one-token steps, B={bf['B']}, bf16 and fp32 pools on the same inputs, "
+                  "against float64 never rounded (relative error)", "",
+                  "| step | state, bf16 pool | state, fp32 pool | output, bf16 pool | output, fp32 pool |",
+                  "|---|---|---|---|---|"]
+        for m in sorted(bf["state_at"]):
+            lines.append(f"| {m} | {bf['state_at'][m]:.2e} | {fp['state_at'][m]:.2e} | {bf['out_at'][m]:.2e} | "
+                         f"{fp['out_at'][m]:.2e} |")
+        lines.append(f"| worst output over all steps | | | {bf['worst_out']:.2e} | {fp['worst_out']:.2e} |")
     for d in res.get("out_slots", []):
         lines.append(f"\nout_slots B={d['B']} T={d['T']}: out {d['err_out']:.2e}, written state {d['err_state']:.2e}, "
                      f"other slots untouched={d['untouched_ok']}, ok={d['ok']}")
@@ -524,7 +648,7 @@ def fastest_candidates(sweep, log):
         ranked = sorted((us, key) for key, us in total.items() if us is not None)
         if not ranked:
             continue
-        d = default_variant(T, 16, 32)
+        d = default_variant(T, 16, 32, str(STATE)[6:])
         default_key = (d.warps, d.rows_per_thread, d.prep, d.scatter)
         found[T] = dict(fastest=_name(*ranked[0][1]), fastest_us=ranked[0][0], default=_name(*default_key),
                         default_us=total.get(default_key), default_is_fastest=ranked[0][1] == default_key)
@@ -545,7 +669,13 @@ def main():
                    "8:2x4:prep,8:2x4:prep+rs,8:4x4:prep",
                    help="candidate variants to check and time, T:WARPSxROWS:prep|inline[+rs]")
     p.add_argument("--variant-batches", default="128,512")
+    p.add_argument("--state-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="the state pool's dtype for the sweep, checks and timings")
+    p.add_argument("--drift-steps", type=int, default=0,
+                   help="also run this many steps through a bf16 and an fp32 pool on the same inputs (0: not)")
     args = p.parse_args()
+    global STATE
+    STATE = getattr(torch, args.state_dtype)
     path = common.out_path("kernel", args.out)
 
     def log(msg):
@@ -553,7 +683,7 @@ def main():
 
     gen = torch.Generator(device=DEV)
     gen.manual_seed(1234)
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, state_dtype=args.state_dtype)
     res["checks"], res["drift"], res["out_slots"], res["timings"], res["sweep"] = [], [], [], [], []
 
     def save():
@@ -561,7 +691,7 @@ def main():
 
     pool = None
     if not (args.skip_timing and args.skip_sweep):
-        pool = (torch.randn(4096, 32, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+        pool = random_pool(4096, 32, gen)
     if not args.skip_sweep:
         t0 = time.time()
         variants = [parse_variant(v) for v in args.variants.split(",")]
@@ -573,9 +703,10 @@ def main():
 
     t0 = time.time()
     shapes = [(H, HV, T) for i, (H, HV) in enumerate(CHECKED_HEADS) for T in (SUPPORTED_T if i == 0 else UNROLLED_T)]
-    for H, HV, T in shapes:
-        compile_variant(T, H, HV)
-    log(f"compiled {len(shapes)} variants in {time.time() - t0:.1f} s")
+    if not args.skip_checks:  # timings compile what they run on their first call
+        for H, HV, T in shapes:
+            compile_variant(T, H, HV, state_dtype=args.state_dtype)
+        log(f"compiled {len(shapes)} variants in {time.time() - t0:.1f} s")
 
     if not args.skip_checks:
         for H, HV, T in shapes:
@@ -605,6 +736,9 @@ def main():
                 (128, 8), (512, 8)]
         res["timings"] = bench_rows(rows, pool, gen, log, with_baselines=not args.skip_baselines)
         res["host"] = host_breakdown(log)
+    if args.drift_steps:
+        pool = None  # the timing pool's memory back before the drift's
+        res["drift_both"] = drift_both(args.drift_steps, log)
     save()
     print()
     print(to_markdown(res))
