@@ -1,7 +1,7 @@
 """Client side of ForkSession / ExportState / ImportState: the exported-state value and its codec.
 
 `ExportedState` is what `Session.export()` returns and `Client.import_state()` takes: one session's
-bf16 state [L, HV, V, K] as raw bytes plus its per-layer positions, checked against the header's
+state [L, HV, V, K] (of the exporting server's --state-dtype, bf16 or fp32) as raw bytes plus its per-layer positions, checked against the header's
 sha256 when it is assembled. It round-trips through the StateChunk stream of the server
 (`from_chunks` / `chunks`) and through a single bytes blob (`to_bytes` / `from_bytes`) for callers
 who keep it on disk or send it elsewhere. Shared by the sync and async clients: no I/O here.
@@ -24,7 +24,7 @@ _MAGIC = b"GDNSTATE"  # to_bytes: magic, u32 header length, StateHeader bytes, s
 @dataclass(frozen=True)
 class ExportedState:
     header: gdn_pb2.StateHeader
-    data: bytes  # bf16 [L, HV, V, K], little-endian
+    data: bytes  # the header's dtype (bfloat16 or float32) [L, HV, V, K], little-endian
 
     @property
     def positions(self) -> dict[int, int]:
@@ -37,8 +37,20 @@ class ExportedState:
         return (h.num_layers, h.num_v_heads, h.head_dim_v, h.head_dim_k)
 
     def state(self) -> torch.Tensor:
-        """The state as a bf16 tensor [L, HV, V, K] (a copy)."""
-        return torch.frombuffer(bytearray(self.data), dtype=torch.bfloat16).reshape(self.shape)
+        """The state as a tensor [L, HV, V, K] of the header's dtype (a copy)."""
+        return torch.frombuffer(bytearray(self.data), dtype=getattr(torch, self.header.dtype)).reshape(self.shape)
+
+    def converting(self) -> "ExportedState":
+        """This state, asking the importing server to convert it to its own --state-dtype where the
+        two differ (bf16 -> fp32 is exact, fp32 -> bf16 rounds once); without it such an import is
+        refused with INVALID_ARGUMENT.
+
+        >>> moved = fp32_server.import_state(bf16_session.export().converting())  # doctest: +SKIP
+        """
+        header = gdn_pb2.StateHeader()
+        header.CopyFrom(self.header)
+        header.convert_dtype = True
+        return ExportedState(header, self.data)
 
     # -- the gRPC stream ----------------------------------------------------------------------------
 

@@ -73,7 +73,7 @@ class Metrics:
         )
         self.sessions_in_use = Gauge("gdn_sessions_in_use", "Open sessions", registry=r)
         self.sessions_capacity = Gauge("gdn_sessions_capacity", "Session capacity of the state pool", registry=r)
-        self.pool_bytes = Gauge("gdn_state_pool_bytes", "Bytes of the bf16 state pool", registry=r)
+        self.pool_bytes = Gauge("gdn_state_pool_bytes", "Bytes of the state pool", registry=r)
         self.queue_depth = Gauge("gdn_queue_depth", "Items waiting in the scheduler queue", registry=r)
         r.register(_ProcessCpu())
         self._http: Any = None

@@ -90,7 +90,7 @@ def test_valid_shapes_pass_the_shape_rules(T):
 
 BAD = {
     "q_dtype": lambda a: dict(q=a["q"].float()),
-    "state_dtype": lambda a: dict(state=a["state"].float()),
+    "state_dtype": lambda a: dict(state=a["state"].half()),
     "slots_int64": lambda a: dict(slots=a["slots"].long()),
     "A_log_bf16": lambda a: dict(A_log=a["A_log"].bfloat16()),
     "out_batch": lambda a: dict(out=a["out"][:2]),

@@ -46,6 +46,7 @@ def pair(weights):
     flags = (*MODEL, "--weights", weights, "--max-sessions", "12")
     with start_server(*flags) as bf16, start_server(*flags, "--state-dtype", "float32") as fp32:
         a, b = Conn(bf16.address), Conn(fp32.address)
+        a.address, b.address = bf16.address, fp32.address  # for gdn_client's own tests
         yield a, b
         a.close()
         b.close()
@@ -295,3 +296,24 @@ def test_kernel_arguments_take_either_state_dtype():
     check_variant(1, 16, 32, "float32")
     with pytest.raises(ValueError, match="float16"):
         check_variant(1, 16, 32, "float16")
+
+
+def test_the_client_reads_fp32_exports_and_asks_for_a_conversion(pair):
+    """gdn_client: ExportedState.state() has the export's dtype, and converting() is what lets a
+    server of the other dtype import it."""
+    from gdn_client import Client, InvalidArgumentError
+
+    a, b = pair
+    with Client(a.address) as bf16, Client(b.address) as fp32:
+        src = fp32.create_session()
+        x = random_inputs(1, 1, H, HV, K)
+        src.decode(0, x["q"], x["k"], x["v"], x["a"], x["b"])
+        exported = src.export()
+        assert exported.state().dtype == torch.float32 and exported.state().abs().sum() > 0
+        with pytest.raises(InvalidArgumentError):
+            bf16.import_state(exported)
+        moved = bf16.import_state(exported.converting())
+        assert not exported.header.convert_dtype  # converting() left the original as it was
+        assert torch.equal(moved.export().state(), exported.state().to(torch.bfloat16))
+        moved.close()
+        src.close()

@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 # takes memory only for the sessions in use (gdn_server/backends/cpu.py), so an idle server stays
 # small whatever its capacity, and capacity is bounded by what those sessions may grow to: 256
 # qwen3-next sessions and their scratch rows are 11.25 GiB, so a host of 22.5 GiB or more offers
-# all 256, one of 16 GiB 163 and one of 8 GiB 49. --max-sessions sets any other count.
+# all 256, one of 16 GiB 163 and one of 8 GiB 49 (an fp32 state, --state-dtype float32, halves
+# these). --max-sessions sets any other count.
 DEFAULT_CPU_SESSIONS = 256
 CPU_STATE_MEMORY_SHARE = 0.5
 
