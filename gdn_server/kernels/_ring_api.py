@@ -1,0 +1,216 @@
+"""Host side of the history-ring kernels (`_ring_kernel`): ring allocation, argument checks, the
+compile cache and the launches of the speculative verify and the fold.
+
+Importing this module is cheap: cutlass loads on the first compile. As in `_api`, a launch after
+the first of its shape looks up the compiled function and calls it through tvm-ffi, which checks
+every tensor's dtype, shape, strides, alignment and device in C; the kernels run on torch's
+current stream, allocate nothing and can be captured in a CUDA graph.
+
+The bookkeeping a caller keeps per (session, layer) row is P, the ring's committed entries:
+
+    verify of T tokens:  folds first if P + T > RING (then appends at entry 0); new P is
+                         `folded_base(P, T) + accepted` -- an accept launches nothing
+    fold:                writes the state with the P entries applied; new P is 0
+"""
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Callable
+
+HEAD_DIM = 128
+RING = 16  # entries per (pool row, head); `_ring_kernel.RING`
+MAX_T = 8
+
+_cache: dict[tuple[int, int, int], Callable[..., Any]] = {}
+_lock = threading.Lock()
+
+
+def folded_base(P: int, T: int) -> int:
+    """The ring entries a verify of T tokens keeps before its own: P, or 0 where it folds first."""
+    return 0 if P + T > RING else P
+
+
+def ring_shapes(num_rows: int, H: int, HV: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of a pool's ring tensors: ring_k (bf16), ring_u (fp16), ring_g (fp32)."""
+    return dict(ring_k=(num_rows, H, RING, HEAD_DIM), ring_u=(num_rows, HV, HEAD_DIM, RING), ring_g=(num_rows, HV, RING))
+
+
+def new_ring(num_rows: int, H: int, HV: int, device: Any = "cuda"):
+    """Zeroed ring tensors (ring_k, ring_u, ring_g) for a pool of `num_rows` states."""
+    import torch
+
+    shapes = ring_shapes(num_rows, H, HV)
+    return (torch.zeros(shapes["ring_k"], dtype=torch.bfloat16, device=device),
+            torch.zeros(shapes["ring_u"], dtype=torch.float16, device=device),
+            torch.zeros(shapes["ring_g"], dtype=torch.float32, device=device))
+
+
+def check_ring_variant(T: int, H: int, HV: int) -> None:
+    """Raise ValueError unless the ring kernels support this (T, H, HV); T = 0 is the fold."""
+    if not 0 <= T <= MAX_T:
+        raise ValueError(f"T={T} tokens per verify is not supported (1..{MAX_T})")
+    if H < 1 or HV < 1 or HV % H != 0 or HV // H > 8:
+        raise ValueError(f"HV={HV} must be a multiple of H={H}, at most 8 times it")
+
+
+def compile_ring(T: int, H: int, HV: int) -> Callable[..., Any]:
+    """Compile (or fetch) the verify of T tokens (T = 0: the fold) for (H, HV); no GPU needed
+    (set CUTE_DSL_ARCH=sm_90a without one)."""
+    check_ring_variant(T, H, HV)
+    key = (T, H, HV)
+    fn = _cache.get(key)
+    if fn is None:
+        with _lock:
+            fn = _cache.get(key)
+            if fn is None:
+                fn = _compile(T, H, HV)
+                _cache[key] = fn
+    return fn
+
+
+def _compile(T: int, H: int, HV: int) -> Callable[..., Any]:
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float16, Float32, Int32
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    from ._ring_kernel import RingConfig, RingFoldKernel, RingVerifyKernel
+
+    D = HEAD_DIM
+    batch, rows, layers = cute.sym_int(), cute.sym_int(), cute.sym_int()
+
+    def fake(dtype, shape, align):  # row-major, contiguous, on the GPU
+        order = tuple(reversed(range(len(shape))))
+        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
+
+    state = fake(BFloat16, (rows, HV, D, D), 16)
+    row_idx, hist = fake(Int32, (batch,), 4), fake(Int32, (batch,), 4)
+    ring = (fake(BFloat16, (rows, H, RING, D), 16), fake(Float16, (rows, HV, D, RING), 16), fake(Float32, (rows, HV, RING), 16))
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    cfg = RingConfig(T, H, HV)
+    if T == 0:
+        return cute.compile(RingFoldKernel(cfg), state, row_idx, hist, *ring, stream, options="--enable-tvm-ffi")
+    return cute.compile(
+        RingVerifyKernel(cfg), state, row_idx, hist,
+        fake(Int32, (batch,), 4),  # layers
+        fake(BFloat16, (batch, T, H, D), 16),  # q
+        fake(BFloat16, (batch, T, H, D), 16),  # k
+        fake(BFloat16, (batch, T, HV, D), 16),  # v
+        fake(BFloat16, (batch, T, HV), 2),  # a
+        fake(BFloat16, (batch, T, HV), 2),  # b
+        fake(Float32, (layers, HV), 4),  # A_log
+        fake(Float32, (layers, HV), 4),  # dt_bias
+        *ring,
+        fake(BFloat16, (batch, T, HV, D), 16),  # out
+        Float32(1.0), Float32(1.0), Float32(20.0), stream,
+        options="--enable-tvm-ffi",
+    )
+
+
+def validate_ring_args(state, rows, hist, ring_k, ring_u, ring_g, *, layers=None, q=None, k=None, v=None, a=None,
+                       b=None, A_log=None, dt_bias=None, out=None, require_cuda: bool = True) -> None:
+    """Full check of a verify's (or, without the token tensors, a fold's) arguments; raises
+    ValueError naming the offending argument."""
+    import torch
+
+    named = dict(state=state, rows=rows, hist=hist, ring_k=ring_k, ring_u=ring_u, ring_g=ring_g)
+    tokens = dict(layers=layers, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, out=out)
+    verify = any(t is not None for t in tokens.values())
+    if verify:
+        named.update(tokens)
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    dtypes = dict(rows=torch.int32, hist=torch.int32, layers=torch.int32, A_log=torch.float32, dt_bias=torch.float32,
+                  ring_u=torch.float16, ring_g=torch.float32)
+    for name, t in named.items():
+        want = dtypes.get(name, torch.bfloat16)
+        if t.dtype != want:
+            raise ValueError(f"{name} must be {want}, got {t.dtype}")
+    if state.dim() != 4 or state.shape[2:] != (HEAD_DIM, HEAD_DIM) or state.shape[0] < 1:
+        raise ValueError(f"state must be [rows, HV, {HEAD_DIM}, {HEAD_DIM}], got {tuple(state.shape)}")
+    N, HV = state.shape[0], state.shape[1]
+    if ring_k.dim() != 4:
+        raise ValueError(f"ring_k must be [rows, H, {RING}, {HEAD_DIM}], got {tuple(ring_k.shape)}")
+    H = ring_k.shape[1]
+    B = rows.shape[0] if rows.dim() == 1 else -1
+    want = dict(state=tuple(state.shape), rows=(B,), hist=(B,), **ring_shapes(N, H, HV))
+    if verify:
+        if q is None or q.dim() != 4:
+            raise ValueError("q must be [B, T, H, 128]")
+        T = q.shape[1]
+        L = A_log.shape[0] if A_log.dim() == 2 else -1
+        want.update(layers=(B,), q=(B, T, H, HEAD_DIM), k=(B, T, H, HEAD_DIM), v=(B, T, HV, HEAD_DIM), a=(B, T, HV),
+                    b=(B, T, HV), A_log=(L, HV), dt_bias=(L, HV), out=(B, T, HV, HEAD_DIM))
+        check_ring_variant(T, H, HV)
+        if T < 1 or L < 1:
+            raise ValueError(f"a verify needs T >= 1 tokens and A_log of >= 1 layer, got T={T}, A_log {tuple(A_log.shape)}")
+    else:
+        check_ring_variant(0, H, HV)
+    for name, t in named.items():
+        if tuple(t.shape) != want[name]:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want[name]}")
+    device = state.device
+    for name, t in named.items():
+        if require_cuda and t.device.type != "cuda":
+            raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, state is on {device}: all tensors must share one device")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+        if t.dim() >= 3 and t.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned")
+
+
+_checked: set[tuple] = set()
+
+
+def ring_verify(state, rows, hist, layers, q, k, v, a, b, A_log, dt_bias, ring_k, ring_u, ring_g, out,
+                *, scale: float | None = None, softplus_beta: float = 1.0, softplus_threshold: float = 20.0):
+    """A speculative step of T tokens for B rows over their history rings, in one launch; returns `out`.
+
+    state   [rows, HV, 128, 128] bf16 checkpoints: read; written only by a row that folds
+    rows    [B] int32 pool row of each batch row; < 0 marks padding (nothing read or written but
+            zero outputs). Live rows must be distinct.
+    hist    [B] int32 committed ring entries P (0..16). A row with P + T > 16 folds its P entries
+            into its state first and appends at entry 0 (`folded_base`).
+    layers  [B] int32 layer of each row, indexes A_log and dt_bias [L, HV] fp32
+    q, k    [B, T, H, 128] bf16;  v [B, T, HV, 128] bf16;  a, b [B, T, HV] bf16; T = 1..8
+    ring_k  [rows, H, 16, 128] bf16, ring_u [rows, HV, 128, 16] fp16, ring_g [rows, HV, 16] fp32
+            (`new_ring`): entries [base, base + T) are written
+    out     [B, T, HV, 128] bf16, written in full
+    """
+    T = q.shape[1] if getattr(q, "dim", lambda: 0)() == 4 else -1
+    key = (T, ring_k.shape[1] if getattr(ring_k, "dim", lambda: 0)() == 4 else -1,
+           state.shape[1] if getattr(state, "dim", lambda: 0)() == 4 else -1)
+    if key not in _checked:
+        validate_ring_args(state, rows, hist, ring_k, ring_u, ring_g, layers=layers, q=q, k=k, v=v, a=a, b=b,
+                           A_log=A_log, dt_bias=dt_bias, out=out)
+        _checked.add(key)
+    fn = compile_ring(*key).__tvm_ffi_object__()
+    if q.shape[0] == 0:
+        return out
+    scale = 1.0 / math.sqrt(HEAD_DIM) if scale is None else scale
+    try:
+        fn(state, rows, hist, layers, q, k, v, a, b, A_log, dt_bias, ring_k, ring_u, ring_g, out, scale,
+           softplus_beta, softplus_threshold)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"ring_verify: {e}") from None
+    return out
+
+
+def ring_fold(state, rows, hist, ring_k, ring_u, ring_g) -> None:
+    """Folds each row's first hist[i] ring entries into its state (in place, bf16); the caller's
+    P becomes 0. Rows with rows[i] < 0 or hist[i] == 0 are left untouched."""
+    key = (0, ring_k.shape[1] if getattr(ring_k, "dim", lambda: 0)() == 4 else -1,
+           state.shape[1] if getattr(state, "dim", lambda: 0)() == 4 else -1)
+    if key not in _checked:
+        validate_ring_args(state, rows, hist, ring_k, ring_u, ring_g)
+        _checked.add(key)
+    fn = compile_ring(*key).__tvm_ffi_object__()
+    if rows.shape[0] == 0:
+        return
+    try:
+        fn(state, rows, hist, ring_k, ring_u, ring_g)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"ring_fold: {e}") from None

@@ -1,0 +1,687 @@
+"""CuTe DSL kernels of speculative steps through a history ring: the verify and the fold.
+
+A (session, layer) state S0 (the *checkpoint*) is read, never written, by a speculative step
+(the verify): each of its T tokens appends an entry to the row's ring, and its outputs come from
+S0 and the ring. With k^_j the normalised key, G_j the log-decay summed from the checkpoint
+through entry j and u_j the entry's *correction*, the state after n entries is
+
+    S_n = e^{G_n} S0 + sum_{j < n} e^{G_n - G_j} u_j k^_j^T
+
+and the delta rule S_t = a_t S_{t-1} + beta_t (v_t - a_t S_{t-1} k^_t) k^_t^T gives, for the T
+tokens of a step over a ring of P entries, with y_t = S0 k^_t and z_t = S0 q^_t (vectors over V),
+
+    r_t = e^{G_t} y_t + sum_{j < P} e^{G_t - G_j} (k^_j . k^_t) u_j        (ring part)
+    u_t = beta_t (v_t - r_t - sum_{P <= j < t} e^{G_t - G_j} (k^_j . k^_t) u_j)
+    o_t = e^{G_t} z_t + sum_{j <= t} e^{G_t - G_j} (k^_j . q^_t) u_j
+
+In matrix form over the step's tokens, w = beta (v - r), u = Tm w and o = r_q + M2 w, where
+Tm = (I + diag(beta) L)^-1 (L the strictly lower in-step key Gram, weighted by the decays) and
+M2 = CQ Tm (CQ the in-step key-query Gram, diagonal included): two T x T matrices per head.
+Accepting a of the T tokens is bookkeeping (P += a); the fold writes S_P and empties the ring.
+
+Ring layout (per pool row, i.e. per (session, layer); RING = 16 entries):
+
+    ring_k [N, H, RING, K]   bf16  the tokens' raw keys: exact inputs of the tensor-core products,
+                                   normalised by an fp32 factor where read (a bf16 copy of k^
+                                   would put 2^-9 relative error in every update)
+    ring_u [N, HV, V, RING]  fp16  corrections u, entry index fastest: a V-row's entries are one
+                                   32-byte sector and the A operand of a matrix product as loaded
+                                   (fp16 keeps 3 more bits than bf16 in the same bytes)
+    ring_g [N, HV, RING]     fp32  G_j, the log-decay from the checkpoint through entry j
+
+Work split. One CTA of 8 warps per (batch row, q/k head) handles the HV/H value heads that share
+the head's keys one after another; warp w owns V-rows [16w, 16w + 16) of each. Owning every
+reader and writer of a row's ring keys in one CTA is what lets a verify fold a full ring and
+reuse its slots in the same launch: the ring is read into shared memory before one barrier and
+written after it.
+
+Tensor cores (mma.sync m16n8k16, fp32 accumulate) do the products:
+- S0 [k_1..k_T, q_1..q_T]: A = 16 state rows, B = the raw bf16 tokens (exact inputs), 16 MMAs
+  per warp and head; the 1/|k|, scale/|q| and e^{G} factors scale the fp32 results.
+- the ring part: A = the rows' fp16 corrections (exact), B = the [16 x 2T] coefficients split
+  into fp16 hi + lo parts (two MMAs give ~fp32 accuracy).
+- u = Tm w, o = r_q + M2 w: the fp32 w split into bf16 hi + lo, and Tm, M2 split the same way.
+- the fold: S = e^{G_P} S0 + U (w_j k^_j): A = fp16 corrections, B = hi + lo fp16 weighted keys.
+- per CTA, the Grams of the tokens with the ring's and the step's keys.
+The K dimension is permuted consistently on both operands, so that a thread's state fragment is
+two 16-byte loads per row chunk, identical for the state as the A operand (verify) and as the
+accumulator (fold): lane (g, c) = (lane / 4, lane % 4) holds rows g and g + 8 of its warp's 16,
+K elements [32 s + 8 c, 32 s + 8 c + 8) for s = 0..3. Ring entries are permuted the same way
+(thread c holds entries 4c..4c+3), so a row's corrections are one 8-byte load.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T as _ir
+
+RING = 16  # entries per (pool row, head): one k16 step of the products
+HEAD_DIM = 128
+WARPS = 8
+THREADS = 32 * WARPS
+MAX_T = 8  # the step's tokens are one n8 tile
+EPS = 1e-6
+PADDED = HEAD_DIM + 32  # bf16 row stride of the shared key tables
+# Two CTAs per SM (registers capped at 128): one CTA's barriers and tables overlap the other's
+# state loads. The carveout stays the driver's default (-1); naming it keeps the compile from
+# asking a GPU for its shared memory size, so the kernels also compile where there is none.
+_OCCUPANCY = dict(min_blocks_per_mp=2, preferred_smem_carveout=-1)
+
+
+def _row_major(shape: tuple) -> cute.Layout:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return cute.make_layout(shape, stride=tuple(reversed(stride)))
+
+
+# ----------------------------------------------------------------------------- PTX helpers
+def _asm(types: list, args: list, text: str, constraints: str, side_effects: bool = False):
+    ret = types[0] if len(types) == 1 else llvm.StructType.get_literal(types)
+    return llvm.inline_asm(ret, [x.ir_value() for x in args], text, constraints, has_side_effects=side_effects,
+                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def _f32s(r, n: int) -> list:
+    return [Float32(llvm.extractvalue(_ir.f32(), r, [i])) for i in range(n)]
+
+
+def _i32s(r, n: int) -> list:
+    return [Int32(llvm.extractvalue(_ir.i32(), r, [i])) for i in range(n)]
+
+
+def _mma(kind: str, a: list, b: list, c: list) -> list:
+    """D = A B + C for one m16n8k16 tile; kind 'bf16' or 'f16'; a: 4 Int32, b: 2 Int32 (packed
+    pairs), c: 4 Float32. Fragment layouts are PTX's (lane g = lane / 4, c = lane % 4):
+    a = A[g][2c:2c+2], A[g+8][2c:2c+2], A[g][8+2c:..], A[g+8][8+2c:..]; b = B[2c:2c+2][g],
+    B[8+2c:..][g]; d = D[g][2c], D[g][2c+1], D[g+8][2c], D[g+8][2c+1]."""
+    r = _asm([_ir.f32()] * 4, [*c, *a, *b],
+             f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+             "{$0,$1,$2,$3}, {$8,$9,$10,$11}, {$12,$13}, {$4,$5,$6,$7};",
+             "=f,=f,=f,=f,f,f,f,f,r,r,r,r,r,r")
+    return _f32s(r, 4)
+
+
+def _unpack(x, kind: str) -> list:
+    """(low, high) halves of a packed bf16x2 / f16x2 word as Float32."""
+    r = _asm([_ir.f32()] * 2, [x],
+             f"{{ .reg .b16 _l, _h; mov.b32 {{_l, _h}}, $2; cvt.f32.{kind} $0, _l; cvt.f32.{kind} $1, _h; }}", "=f,=f,r")
+    return _f32s(r, 2)
+
+
+def _pack(lo, hi, kind: str):
+    """Two Float32 rounded to one packed bf16x2 / f16x2 word (lo in the low half)."""
+    return Int32(_asm([_ir.i32()], [lo, hi], f"cvt.rn.{kind}x2.f32 $0, $2, $1;", "=r,f,f"))
+
+
+def _split(lo, hi, kind: str) -> list:
+    """Two Float32 as two packed words (head, tail) with x = head + tail to about 2^-16 (bf16)
+    or 2^-22 (f16) relative: the head rounded, the tail the rounded remainder."""
+    r = _asm([_ir.i32()] * 2, [lo, hi],
+             f"{{ .reg .b32 _p; .reg .b16 _l, _h; .reg .f32 _fl, _fh; cvt.rn.{kind}x2.f32 _p, $3, $2; "
+             f"mov.b32 {{_l, _h}}, _p; cvt.f32.{kind} _fl, _l; cvt.f32.{kind} _fh, _h; sub.f32 _fl, $2, _fl; "
+             f"sub.f32 _fh, $3, _fh; cvt.rn.{kind}x2.f32 $1, _fh, _fl; mov.b32 $0, _p; }}", "=r,=r,f,f")
+    return _i32s(r, 2)
+
+
+# ----------------------------------------------------------------------------- shared pieces
+@cute.jit
+def _load16(row32: cute.Tensor, chunk, dst: cute.Tensor):
+    """16-byte load of Int32 elements [4 chunk, 4 chunk + 4) of a contiguous row into dst."""
+    cute.autovec_copy(cute.flat_divide(row32, (4,))[None, chunk], dst)
+
+
+@cute.jit
+def _load_rows(t32: cute.Tensor, row0, c, dst: cute.Tensor):
+    """Rows row0 and row0 + 8 of a [rows, 64] Int32 (bf16 pairs) matrix, this lane's four 16-byte
+    chunks [32 s + 8 c, +8) of each, into dst[4, s, r] (the A/B fragment layout of the products)."""
+    for r in cutlass.range_constexpr(2):
+        for s in cutlass.range_constexpr(4):
+            _load16(t32[row0 + 8 * r, None], 4 * s + c, dst[None, s, r])
+
+
+@cute.jit
+def _store_rows(src: cute.Tensor, t32: cute.Tensor, row0, c):
+    for r in cutlass.range_constexpr(2):
+        for s in cutlass.range_constexpr(4):
+            cute.autovec_copy(src[None, s, r], cute.flat_divide(t32[row0 + 8 * r, None], (4,))[None, 4 * s + c])
+
+
+@cute.jit
+def _row_products(rA: cute.Tensor, sTok32: cute.Tensor, g, c, acc: cute.Tensor):
+    """acc[:, n] += A B_n over K = 128: A = the two rows of rA (an m16 tile, `_load_rows`' layout),
+    B_0 = the step's keys (rows 0..7 of sTok32), B_1 its queries (rows 8..15), this lane's token g
+    read from shared memory a chunk at a time."""
+    rB = cute.make_rmem_tensor((4, 2), Int32)
+    for s in cutlass.range_constexpr(4):
+        for n in cutlass.range_constexpr(2):
+            _load16(sTok32[8 * n + g, None], 4 * s + c, rB[None, n])
+        for hf in cutlass.range_constexpr(2):
+            a = [rA[2 * hf, s, 0], rA[2 * hf, s, 1], rA[2 * hf + 1, s, 0], rA[2 * hf + 1, s, 1]]
+            for n in cutlass.range_constexpr(2):
+                d = _mma("bf16", a, [rB[2 * hf, n], rB[2 * hf + 1, n]], [acc[i, n] for i in range(4)])
+                for i in cutlass.range_constexpr(4):
+                    acc[i, n] = d[i]
+
+
+@cute.jit
+def _row_norms(rA: cute.Tensor, r: int) -> Float32:
+    """Sum of squares of row r of a `_load_rows` fragment, over the row's 4 lanes."""
+    acc = Float32(0.0)
+    for s in cutlass.range_constexpr(4):
+        for i in cutlass.range_constexpr(4):
+            lo, hi = _unpack(rA[i, s, r], "bf16")
+            acc = acc + lo * lo + hi * hi
+    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
+    return acc + cute.arch.shuffle_sync_bfly(acc, offset=2)
+
+
+@cute.jit
+def _log_gates(a_raw, b_raw, neg_a: Float32, dt_bias: Float32, sp_beta: Float32, sp_threshold: Float32):
+    """(log-decay, beta) of one token: -exp(A_log) * softplus(a + dt_bias), sigmoid(b)."""
+    x = a_raw.to(Float32) + dt_bias
+    bx = sp_beta * x
+    softplus = x
+    if bx <= sp_threshold:
+        softplus = cute.math.log(Float32(1.0) + cute.math.exp(bx, fastmath=True), fastmath=True) / sp_beta
+    beta = cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-b_raw.to(Float32), fastmath=True))
+    return neg_a * softplus, beta
+
+
+@cute.jit
+def _load_ring_u(u32: cute.Tensor, P, row0, c, rU: cute.Tensor):
+    """The rows' corrections of entries 4c..4c+3 (rU[p, r] = entries 4c + 2p, +1 of row r),
+    entries >= P zeroed (a stale slot must not meet a zero weight as inf * 0)."""
+    rU.fill(0)
+    if P > 0:
+        for r in cutlass.range_constexpr(2):
+            cute.autovec_copy(cute.flat_divide(u32[row0 + 8 * r, None], (2,))[None, c], rU[None, r])
+        for p in cutlass.range_constexpr(2):
+            j = 4 * c + 2 * p
+            for r in cutlass.range_constexpr(2):
+                x = rU[p, r]
+                rU[p, r] = cutlass.select_(j + 1 < P, x, cutlass.select_(j < P, x & Int32(0xFFFF), Int32(0)))
+
+
+@cute.jit
+def _fold_rows(rS: cute.Tensor, rU: cute.Tensor, sKw: cute.Tensor, decay: Float32, g, c):
+    """rS (bf16 state rows, `_load_rows` layout) <- e^{G_P} S0 + U (w_j k^_j): 16 n8 tiles, the
+    accumulator of tile 4s + i the thread's own state chunk s, elements [2i, 2i + 2). w_j k^_j is
+    one fp16 operand, not head + tail: its 2^-12 rounding is a quarter of the bf16 rounding of
+    the state that follows, and the tail's operands would cost 32 registers (the occupancy)."""
+    a = [rU[0, 0], rU[0, 1], rU[1, 0], rU[1, 1]]
+    for s in cutlass.range_constexpr(4):
+        for i in cutlass.range_constexpr(4):
+            lo0, hi0 = _unpack(rS[i, s, 0], "bf16")
+            lo1, hi1 = _unpack(rS[i, s, 1], "bf16")
+            d = [lo0 * decay, hi0 * decay, lo1 * decay, hi1 * decay]
+            kp = 32 * s + 8 * (g // 2) + 2 * i + g % 2  # the K element of column g of this tile
+            d = _mma("f16", a, [sKw[kp, 2 * c], sKw[kp, 2 * c + 1]], d)
+            rS[i, s, 0] = _pack(d[0], d[1], "bf16")
+            rS[i, s, 1] = _pack(d[2], d[3], "bf16")
+
+
+@cute.jit
+def _stage_ring_keys(rk32: cute.Tensor, sRK32: cute.Tensor, P, tidx):
+    """Entries < P of the head's raw ring keys into shared memory (zeros past P): one 16-byte
+    chunk per thread."""
+    j = tidx // 16
+    ch = tidx % 16
+    tmp = cute.make_rmem_tensor((4,), Int32)
+    tmp.fill(0)
+    if j < P:
+        _load16(rk32[j, None], ch, tmp)
+    cute.autovec_copy(tmp, cute.flat_divide(sRK32[j, None], (4,))[None, ch])
+
+
+@cute.jit
+def _fold_tables(sRK: cute.Tensor, sRn: cute.Tensor, sGr: cute.Tensor, sKw: cute.Tensor, sDec: cute.Tensor,
+                 P, group: int, tidx):
+    """sKw[h, k, entries] = w_j k^_j in fp16, w_j = e^{G_P - G_j} (0 past P),
+    and sDec[h] = e^{G_P}: thread -> K element tidx % 128, entries 8 (tidx // 128) .. +8."""
+    k = tidx % HEAD_DIM
+    jh = tidx // HEAD_DIM
+    for h in cutlass.range_constexpr(group):
+        gp = sGr[h, P - 1]
+        for e in cutlass.range_constexpr(4):
+            j = 8 * jh + 2 * e
+            x = []
+            for d in cutlass.range_constexpr(2):
+                w = cute.math.exp(gp - sGr[h, j + d], fastmath=True) * sRn[j + d]
+                x.append(cutlass.select_(j + d < P, sRK[j + d, k].to(Float32) * w, Float32(0.0)))
+            sKw[h, k, 4 * jh + e] = _pack(x[0], x[1], "f16")
+        if tidx == h:
+            sDec[h] = cute.math.exp(gp, fastmath=True)
+
+
+# ----------------------------------------------------------------------------- kernels
+@dataclass(frozen=True)
+class RingConfig:
+    """Static configuration of one compiled verify (T > 0) or fold (T = 0)."""
+
+    T: int  # tokens of a verify; 0 for the fold
+    H: int
+    HV: int
+
+
+class RingVerifyKernel:
+    """A speculative step of T tokens over the history ring (module docstring). A row whose
+    P + T > RING first folds its P entries into its state (written in place, rounded to bf16
+    once) and appends at entry 0: the caller's new P is then `accepted`, else P + `accepted`."""
+
+    def __init__(self, cfg: RingConfig):
+        if not 1 <= cfg.T <= MAX_T or cfg.H < 1 or cfg.HV % cfg.H or cfg.HV // cfg.H > WARPS:
+            raise ValueError(f"bad ring verify config {cfg}")
+        self.cfg = cfg
+
+    def __repr__(self) -> str:
+        c = self.cfg
+        return f"GdnRingVerify_T{c.T}_H{c.H}_HV{c.HV}"
+
+    @cute.jit
+    def __call__(
+        self,
+        mS: cute.Tensor,  # [N, HV, V, K] bf16 checkpoint states (written only by a fold)
+        mRow: cute.Tensor,  # [B] int32 pool row; < 0: padding
+        mHist: cute.Tensor,  # [B] int32 committed ring entries P
+        mLayer: cute.Tensor,  # [B] int32
+        mQ: cute.Tensor,  # [B, T, H, K] bf16
+        mK: cute.Tensor,  # [B, T, H, K] bf16
+        mV: cute.Tensor,  # [B, T, HV, V] bf16
+        mA: cute.Tensor,  # [B, T, HV] bf16
+        mB: cute.Tensor,  # [B, T, HV] bf16
+        mALog: cute.Tensor,  # [L, HV] fp32
+        mDtBias: cute.Tensor,  # [L, HV] fp32
+        mRingK: cute.Tensor,  # [N, H, RING, K] bf16
+        mRingU: cute.Tensor,  # [N, HV, V, RING] fp16
+        mRingG: cute.Tensor,  # [N, HV, RING] fp32
+        mO: cute.Tensor,  # [B, T, HV, V] bf16
+        scale: Float32,
+        softplus_beta: Float32,
+        softplus_threshold: Float32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(
+            mS, mRow, mHist, mLayer, mQ, mK, mV, mA, mB, mALog, mDtBias, mRingK, mRingU, mRingG, mO,
+            scale, softplus_beta, softplus_threshold,
+        ).launch(grid=(mRow.shape[0] * self.cfg.H, 1, 1), block=(THREADS, 1, 1), stream=stream, **_OCCUPANCY)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mS: cute.Tensor,
+        mRow: cute.Tensor,
+        mHist: cute.Tensor,
+        mLayer: cute.Tensor,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mALog: cute.Tensor,
+        mDtBias: cute.Tensor,
+        mRingK: cute.Tensor,
+        mRingU: cute.Tensor,
+        mRingG: cute.Tensor,
+        mO: cute.Tensor,
+        scale: Float32,
+        softplus_beta: Float32,
+        softplus_threshold: Float32,
+    ):
+        cfg = self.cfg
+        T = cfg.T
+        group = cfg.HV // cfg.H
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        c = lane % 4
+        b = bidx // cfg.H
+        qh = bidx % cfg.H
+        row0 = 16 * warp + g  # this thread's V-rows: row0, row0 + 8
+
+        smem = cutlass.memory.SmemAllocator()
+        # rows padded to 320 bytes: a quarter warp's 16-byte reads of rows g, g + 1 hit distinct banks
+        sRK = smem.allocate_tensor(BFloat16, cute.make_layout((RING, HEAD_DIM), stride=(PADDED, 1)), byte_alignment=16)
+        sRK32 = cute.recast_tensor(sRK, Int32)
+        sTok = smem.allocate_tensor(BFloat16, cute.make_layout((16, HEAD_DIM), stride=(PADDED, 1)), byte_alignment=16)
+        sTok32 = cute.recast_tensor(sTok, Int32)  # raw k_0..k_7, q_0..q_7 (zeros past T)
+        sGram = smem.allocate_tensor(Float32, _row_major((2, 2, RING, 8)), byte_alignment=16)  # [ring|step, k|q, j, t]
+        sTn = smem.allocate_tensor(Float32, _row_major((2, 8)), byte_alignment=16)  # 1/|k_t|, scale/|q_t|
+        sRn = smem.allocate_tensor(Float32, _row_major((RING,)), byte_alignment=16)  # 1/|ring k_j|
+        sLg = smem.allocate_tensor(Float32, _row_major((group, 8)), byte_alignment=16)  # log-decays
+        sBeta = smem.allocate_tensor(Float32, _row_major((group, 8)), byte_alignment=16)
+        sGr = smem.allocate_tensor(Float32, _row_major((group, RING)), byte_alignment=16)  # ring G_j
+        sSc = smem.allocate_tensor(Float32, _row_major((group, 2, 8)), byte_alignment=16)  # e^{G_t} / |k_t|, .. |q_t|
+        sCR = smem.allocate_tensor(Int32, _row_major((group, 2, 2, 8, RING // 2)), byte_alignment=16)  # [h, hi|lo, k|q, t, j/2]
+        sTM = smem.allocate_tensor(Int32, _row_major((group, 2, 2, 8, 4)), byte_alignment=16)  # [h, hi|lo, Tm|M2, t, j/2]
+        sKw = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, RING // 2)), byte_alignment=16)
+        sDec = smem.allocate_tensor(Float32, _row_major((group,)), byte_alignment=16)
+
+        s32 = cute.recast_tensor(mS, Int32)  # [N, HV, V, 64]
+        u32 = cute.recast_tensor(mRingU, Int32)  # [N, HV, V, 8]
+        rk32 = cute.recast_tensor(mRingK, Int32)  # [N, H, RING, 64]
+        k32 = cute.recast_tensor(mK, Int32)  # [B, T, H, 64]
+        q32 = cute.recast_tensor(mQ, Int32)
+
+        slot = mRow[b]
+        if slot >= 0:  # uniform per CTA
+            P = cutlass.max(cutlass.min(mHist[b], Int32(RING)), Int32(0))
+            fold = P + T > RING
+            peff = cutlass.select_(fold, Int32(0), P)  # ring entries the verify reads
+            layer = mLayer[b]
+
+            # 1. loads: head 0's state rows, the tokens (B fragments), the ring keys and G, the gates
+            rS = cute.make_rmem_tensor((4, 4, 2), Int32)
+            _load_rows(s32[slot, qh * group, None, None], row0, c, rS)
+            tmp = cute.make_rmem_tensor((4,), Int32)  # thread -> (k|q, token, 16-byte chunk)
+            tmp.fill(0)
+            n = tidx // 128
+            t = (tidx // 16) % 8
+            if t < T:
+                if n == 0:
+                    _load16(k32[b, t, qh, None], tidx % 16, tmp)
+                else:
+                    _load16(q32[b, t, qh, None], tidx % 16, tmp)
+            cute.autovec_copy(tmp, cute.flat_divide(sTok32[8 * n + t, None], (4,))[None, tidx % 16])
+            _stage_ring_keys(rk32[slot, qh, None, None], sRK32, P, tidx)
+            if tidx < group * 8:
+                h = tidx // 8
+                t = tidx % 8
+                lg = Float32(0.0)
+                beta = Float32(0.0)
+                if t < T:
+                    head = qh * group + h
+                    lg, beta = _log_gates(mA[b, t, head], mB[b, t, head], -cute.math.exp(mALog[layer, head], fastmath=True),
+                                          mDtBias[layer, head], softplus_beta, softplus_threshold)
+                sLg[h, t] = lg
+                sBeta[h, t] = beta
+            if tidx < group * RING:
+                h = tidx // RING
+                j = tidx % RING
+                gj = mRingG[slot, qh * group + h, j]
+                sGr[h, j] = cutlass.select_(j < P, gj, Float32(0.0))
+            cute.arch.sync_threads()
+
+            # 2. norms and Grams: warp 0 the ring keys with the tokens, warp 1 the step's keys
+            if warp == 0:
+                rA = cute.make_rmem_tensor((4, 4, 2), Int32)
+                _load_rows(sRK32, g, c, rA)
+                for r in cutlass.range_constexpr(2):
+                    ss = _row_norms(rA, r)
+                    if c == 0:
+                        sRn[g + 8 * r] = cute.math.rsqrt(ss + EPS, fastmath=True)
+                acc = cute.make_rmem_tensor((4, 2), Float32)
+                acc.fill(0.0)
+                _row_products(rA, sTok32, g, c, acc)
+                for n in cutlass.range_constexpr(2):
+                    for i in cutlass.range_constexpr(4):
+                        sGram[0, n, g + 8 * (i // 2), 2 * c + i % 2] = acc[i, n]
+            if warp == 1:
+                rA = cute.make_rmem_tensor((4, 4, 2), Int32)
+                _load_rows(sTok32, g, c, rA)  # rows k_g, q_g
+                ssk = _row_norms(rA, 0)
+                ssq = _row_norms(rA, 1)
+                if c == 0:
+                    sTn[0, g] = cute.math.rsqrt(ssk + EPS, fastmath=True)
+                    sTn[1, g] = cute.math.rsqrt(ssq + EPS, fastmath=True) * scale
+                acc = cute.make_rmem_tensor((4, 2), Float32)
+                acc.fill(0.0)
+                _row_products(rA, sTok32, g, c, acc)  # rows g: k_g . (k|q)_t; rows g + 8 (q_g . x) unused
+                for n in cutlass.range_constexpr(2):
+                    for i in cutlass.range_constexpr(2):
+                        sGram[1, n, g, 2 * c + i] = acc[i, n]
+            cute.arch.sync_threads()
+
+            # 3. per-head tables
+            # ring coefficients e^{G_t - G_j} (k^_j . k^_t | q^_t) as fp16 head + tail: (h, k|q, t, j pair)
+            for it in cutlass.range_constexpr((group * 128 + THREADS - 1) // THREADS):
+                idx = tidx + it * THREADS
+                if idx < group * 128:
+                    h = idx // 128
+                    n = (idx // 64) % 2
+                    t = (idx // 8) % 8
+                    jp = idx % 8
+                    gt = self._g_at(sLg, sGr, h, t, peff)
+                    x = []
+                    for d in cutlass.range_constexpr(2):
+                        j = 2 * jp + d
+                        val = cute.math.exp(gt - sGr[h, j], fastmath=True) * sRn[j] * sTn[n, t] * sGram[0, n, j, t]
+                        x.append(cutlass.select_(j < peff, cutlass.select_(t < T, val, Float32(0.0)), Float32(0.0)))
+                    hi, lo = _split(x[0], x[1], "f16")
+                    sCR[h, 0, n, t, jp] = hi
+                    sCR[h, 1, n, t, jp] = lo
+            if tidx < group * 16:
+                h = tidx // 16
+                n = (tidx // 8) % 2
+                t = tidx % 8
+                gt = self._g_at(sLg, sGr, h, t, peff)
+                sSc[h, n, t] = cutlass.select_(t < T, cute.math.exp(gt, fastmath=True) * sTn[n, t], Float32(0.0))
+            if warp < group:
+                self._solve_tables(sLg, sBeta, sGr, sGram, sTn, sTM, warp, lane, peff)
+            if fold:
+                _fold_tables(sRK, sRn, sGr, sKw, sDec, P, group, tidx)
+            # the step's entries join the ring (after the barrier above: nothing reads the ring's
+            # keys or G from memory past it, so a fold's slots can be reused)
+            if tidx < group * T:
+                h = tidx // T
+                t = tidx % T
+                mRingG[slot, qh * group + h, peff + t] = self._g_at(sLg, sGr, h, t, peff)
+            if tidx < T * 16:
+                t = tidx // 16
+                ch = tidx % 16
+                tmp = cute.make_rmem_tensor((4,), Int32)
+                _load16(k32[b, t, qh, None], ch, tmp)
+                cute.autovec_copy(tmp, cute.flat_divide(rk32[slot, qh, peff + t, None], (4,))[None, ch])
+            cute.arch.sync_threads()
+
+            # 4. the value heads, one after another; each warp its 16 rows
+            rU = cute.make_rmem_tensor((2, 2), Int32)
+            rV = cute.make_rmem_tensor((4,), Float32)
+            acc = cute.make_rmem_tensor((4, 2), Float32)
+            for h in cutlass.range_constexpr(group):
+                head = qh * group + h
+                gS = s32[slot, head, None, None]
+                gU = u32[slot, head, None, None]
+                _load_ring_u(gU, P, row0, c, rU)
+                for i in cutlass.range_constexpr(4):
+                    t = 2 * c + i % 2
+                    rV[i] = Float32(0.0)
+                    if t < T:
+                        rV[i] = mV[b, t, head, row0 + 8 * (i // 2)].to(Float32)
+                if fold:
+                    _fold_rows(rS, rU, sKw[h, None, None], sDec[h], g, c)
+                    _store_rows(rS, gS, row0, c)
+                acc.fill(0.0)
+                _row_products(rS, sTok32, g, c, acc)  # [v, t]: S k_t | S q_t, raw
+                if cutlass.const_expr(h + 1 < group):
+                    _load_rows(s32[slot, head + 1, None, None], row0, c, rS)
+                for n in cutlass.range_constexpr(2):
+                    for i in cutlass.range_constexpr(4):
+                        acc[i, n] = acc[i, n] * sSc[h, n, 2 * c + i % 2]
+                if peff > 0:
+                    a = [rU[0, 0], rU[0, 1], rU[1, 0], rU[1, 1]]
+                    for n in cutlass.range_constexpr(2):
+                        for hl in cutlass.range_constexpr(2):
+                            d = _mma("f16", a, [sCR[h, hl, n, g, 2 * c], sCR[h, hl, n, g, 2 * c + 1]],
+                                     [acc[i, n] for i in range(4)])
+                            for i in cutlass.range_constexpr(4):
+                                acc[i, n] = d[i]
+                # w = beta (v - r) as bf16 head + tail: the A operand [v, (j head | j tail)]
+                w = []
+                for i in cutlass.range_constexpr(4):
+                    t = 2 * c + i % 2
+                    w.append(cutlass.select_(t < T, sBeta[h, t] * (rV[i] - acc[i, 0]), Float32(0.0)))
+                w0 = _split(w[0], w[1], "bf16")
+                w1 = _split(w[2], w[3], "bf16")
+                aw = [w0[0], w1[0], w0[1], w1[1]]
+                zero = Int32(0)
+                out = []
+                for m in cutlass.range_constexpr(2):  # Tm (the corrections), M2 (the outputs)
+                    hi = sTM[h, 0, m, g, c]
+                    lo = sTM[h, 1, m, g, c]
+                    d = [Float32(0.0)] * 4
+                    if cutlass.const_expr(m == 1):
+                        d = [acc[i, 1] for i in range(4)]
+                    d = _mma("bf16", aw, [hi, hi], d)
+                    d = _mma("bf16", aw, [lo, zero], d)
+                    out.append(d)
+                for i in cutlass.range_constexpr(4):
+                    t = 2 * c + i % 2
+                    row = row0 + 8 * (i // 2)
+                    if t < T:
+                        mRingU[slot, head, row, peff + t] = out[0][i].to(Float16)
+                        mO[b, t, head, row] = out[1][i].to(BFloat16)
+        else:
+            if tidx < HEAD_DIM:  # padding row: zero outputs
+                for h in cutlass.range_constexpr(group):
+                    for t in cutlass.range_constexpr(T):
+                        mO[b, t, qh * group + h, tidx] = BFloat16(0.0)
+
+    @cute.jit
+    def _g_at(self, sLg: cute.Tensor, sGr: cute.Tensor, h, t, peff) -> Float32:
+        """G of the step's token t (any t < 8): the ring's last G plus the step's log-decays."""
+        acc = cutlass.select_(peff > 0, sGr[h, cutlass.max(peff - 1, Int32(0))], Float32(0.0))
+        for i in cutlass.range_constexpr(self.cfg.T):
+            acc = acc + cutlass.select_(i <= t, sLg[h, i], Float32(0.0))
+        return acc
+
+    @cute.jit
+    def _solve_tables(self, sLg: cute.Tensor, sBeta: cute.Tensor, sGr: cute.Tensor, sGram: cute.Tensor, sTn: cute.Tensor,
+                      sTM: cute.Tensor, h, lane, peff):
+        """Warp h: lane j0 = lane % 8 solves column j0 of Tm = (I + diag(beta) L)^-1 by forward
+        substitution and forms column j0 of M2 = CQ Tm; both stored as bf16 head + tail pairs."""
+        T = self.cfg.T
+        j0 = lane % 8
+        gs = []
+        acc = cutlass.select_(peff > 0, sGr[h, cutlass.max(peff - 1, Int32(0))], Float32(0.0))
+        for t in cutlass.range_constexpr(T):
+            acc = acc + sLg[h, t]
+            gs.append(acc)
+        x = []
+        for t in cutlass.range_constexpr(T):
+            acc = cutlass.select_(j0 == t, Float32(1.0), Float32(0.0))
+            for j in cutlass.range_constexpr(t):
+                ell = cute.math.exp(gs[t] - gs[j], fastmath=True) * sTn[0, j] * sTn[0, t] * sGram[1, 0, j, t]
+                acc = acc - sBeta[h, t] * ell * x[j]
+            x.append(acc)
+        m2 = []
+        for t in cutlass.range_constexpr(T):
+            acc = Float32(0.0)
+            for j in cutlass.range_constexpr(t + 1):
+                cq = cute.math.exp(gs[t] - gs[j], fastmath=True) * sTn[0, j] * sTn[1, t] * sGram[1, 1, j, t]
+                acc = acc + cq * x[j]
+            m2.append(acc)
+        tables = [x + [Float32(0.0)] * (8 - T), m2 + [Float32(0.0)] * (8 - T)]
+        for t in cutlass.range_constexpr(8):
+            for m in cutlass.range_constexpr(2):
+                mine = tables[m][t]
+                other = cute.arch.shuffle_sync_bfly(mine, offset=1)
+                hi, lo = _split(mine, other, "bf16")
+                if lane < 8:
+                    if j0 % 2 == 0:
+                        sTM[h, 0, m, t, j0 // 2] = hi
+                        sTM[h, 1, m, t, j0 // 2] = lo
+
+
+class RingFoldKernel:
+    """Folds each row's first `hist` ring entries into its state, written in place and rounded to
+    bf16 once (module docstring); the caller then sets the row's P to 0."""
+
+    def __init__(self, cfg: RingConfig):
+        if cfg.T != 0 or cfg.H < 1 or cfg.HV % cfg.H:
+            raise ValueError(f"bad ring fold config {cfg}")
+        self.cfg = cfg
+
+    def __repr__(self) -> str:
+        return f"GdnRingFold_H{self.cfg.H}_HV{self.cfg.HV}"
+
+    @cute.jit
+    def __call__(
+        self,
+        mS: cute.Tensor,  # [N, HV, V, K] bf16, updated in place
+        mRow: cute.Tensor,  # [B] int32 pool row; < 0: padding
+        mHist: cute.Tensor,  # [B] int32 entries to fold (0: nothing)
+        mRingK: cute.Tensor,  # [N, H, RING, K] bf16
+        mRingU: cute.Tensor,  # [N, HV, V, RING] fp16
+        mRingG: cute.Tensor,  # [N, HV, RING] fp32
+        stream: cuda.CUstream,
+    ):
+        self.kernel(mS, mRow, mHist, mRingK, mRingU, mRingG).launch(
+            grid=(mRow.shape[0] * self.cfg.H, 1, 1), block=(THREADS, 1, 1), stream=stream, **_OCCUPANCY)
+
+    @cute.kernel
+    def kernel(
+        self,
+        mS: cute.Tensor,
+        mRow: cute.Tensor,
+        mHist: cute.Tensor,
+        mRingK: cute.Tensor,
+        mRingU: cute.Tensor,
+        mRingG: cute.Tensor,
+    ):
+        cfg = self.cfg
+        group = cfg.HV // cfg.H
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        g = lane // 4
+        c = lane % 4
+        b = bidx // cfg.H
+        qh = bidx % cfg.H
+        row0 = 16 * warp + g
+
+        smem = cutlass.memory.SmemAllocator()
+        sRK = smem.allocate_tensor(BFloat16, cute.make_layout((RING, HEAD_DIM), stride=(PADDED, 1)), byte_alignment=16)
+        sRK32 = cute.recast_tensor(sRK, Int32)
+        sRn = smem.allocate_tensor(Float32, _row_major((RING,)), byte_alignment=16)
+        sGr = smem.allocate_tensor(Float32, _row_major((group, RING)), byte_alignment=16)
+        sKw = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, RING // 2)), byte_alignment=16)
+        sDec = smem.allocate_tensor(Float32, _row_major((group,)), byte_alignment=16)
+
+        s32 = cute.recast_tensor(mS, Int32)
+        u32 = cute.recast_tensor(mRingU, Int32)
+        rk32 = cute.recast_tensor(mRingK, Int32)
+
+        slot = mRow[b]
+        P = cutlass.max(cutlass.min(mHist[b], Int32(RING)), Int32(0))
+        if slot < 0:
+            P = Int32(0)
+        if P > 0:  # uniform per CTA
+            rS = cute.make_rmem_tensor((4, 4, 2), Int32)
+            _load_rows(s32[slot, qh * group, None, None], row0, c, rS)
+            _stage_ring_keys(rk32[slot, qh, None, None], sRK32, P, tidx)
+            if tidx < group * RING:
+                h = tidx // RING
+                j = tidx % RING
+                gj = mRingG[slot, qh * group + h, j]
+                sGr[h, j] = cutlass.select_(j < P, gj, Float32(0.0))
+            cute.arch.sync_threads()
+            if warp == 0:
+                rA = cute.make_rmem_tensor((4, 4, 2), Int32)
+                _load_rows(sRK32, g, c, rA)
+                for r in cutlass.range_constexpr(2):
+                    ss = _row_norms(rA, r)
+                    if c == 0:
+                        sRn[g + 8 * r] = cute.math.rsqrt(ss + EPS, fastmath=True)
+            cute.arch.sync_threads()
+            _fold_tables(sRK, sRn, sGr, sKw, sDec, P, group, tidx)
+            cute.arch.sync_threads()
+            rU = cute.make_rmem_tensor((2, 2), Int32)
+            for h in cutlass.range_constexpr(group):
+                head = qh * group + h
+                gS = s32[slot, head, None, None]
+                _load_ring_u(u32[slot, head, None, None], P, row0, c, rU)
+                _fold_rows(rS, rU, sKw[h, None, None], sDec[h], g, c)
+                _store_rows(rS, gS, row0, c)
+                if cutlass.const_expr(h + 1 < group):
+                    _load_rows(s32[slot, head + 1, None, None], row0, c, rS)

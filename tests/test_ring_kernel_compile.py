@@ -1,0 +1,74 @@
+"""CPU checks of the history-ring kernels: they compile for sm_90a with no GPU (CUTE_DSL_ARCH=sm_90a),
+and bad arguments raise ValueError naming the argument."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from gdn_server.kernels._ring_api import (  # noqa: E402
+    RING, check_ring_variant, compile_ring, folded_base, new_ring, ring_shapes, validate_ring_args,
+)
+
+D = 128
+
+
+@pytest.mark.parametrize("T,H,HV", [(1, 16, 32), (4, 16, 32), (8, 16, 32), (0, 16, 32), (4, 8, 32), (4, 32, 32)])
+def test_compiles_for_sm90a(T, H, HV):
+    fn = compile_ring(T, H, HV)
+    assert fn is compile_ring(T, H, HV)  # cached
+    assert fn.__tvm_ffi_object__() is not None
+
+
+@pytest.mark.parametrize("T,H,HV", [(9, 16, 32), (-1, 16, 32), (4, 16, 24), (4, 0, 32), (4, 2, 32)])
+def test_unsupported_shapes_are_value_errors(T, H, HV):
+    with pytest.raises(ValueError):
+        check_ring_variant(T, H, HV)
+
+
+def test_folded_base_is_the_kernels_rule():
+    assert [folded_base(P, 4) for P in (0, 4, 12, 13, 16)] == [0, 4, 12, 0, 0]
+    assert folded_base(RING - 8, 8) == RING - 8 and folded_base(RING - 7, 8) == 0
+
+
+def _args(B=3, T=4, H=16, HV=32, N=5):
+    bf = torch.bfloat16
+    ring_k, ring_u, ring_g = new_ring(N, H, HV, device="cpu")
+    return dict(
+        state=torch.zeros(N, HV, D, D, dtype=bf), rows=torch.arange(B, dtype=torch.int32),
+        hist=torch.zeros(B, dtype=torch.int32), ring_k=ring_k, ring_u=ring_u, ring_g=ring_g,
+        layers=torch.zeros(B, dtype=torch.int32), q=torch.zeros(B, T, H, D, dtype=bf), k=torch.zeros(B, T, H, D, dtype=bf),
+        v=torch.zeros(B, T, HV, D, dtype=bf), a=torch.zeros(B, T, HV, dtype=bf), b=torch.zeros(B, T, HV, dtype=bf),
+        A_log=torch.zeros(2, HV), dt_bias=torch.zeros(2, HV), out=torch.zeros(B, T, HV, D, dtype=bf),
+    )
+
+
+def _check(args):
+    fixed = ("state", "rows", "hist", "ring_k", "ring_u", "ring_g")
+    validate_ring_args(*(args[n] for n in fixed), **{n: v for n, v in args.items() if n not in fixed}, require_cuda=False)
+
+
+def test_good_arguments_pass_and_shapes_agree():
+    _check(_args())
+    assert ring_shapes(5, 16, 32) == dict(ring_k=(5, 16, RING, D), ring_u=(5, 32, D, RING), ring_g=(5, 32, RING))
+
+
+@pytest.mark.parametrize("name,value", [
+    ("q", torch.zeros(3, 4, 16, D)),  # float32
+    ("v", torch.zeros(3, 4, 16, D, dtype=torch.bfloat16)),  # wrong HV
+    ("rows", torch.arange(3)),  # int64
+    ("hist", torch.zeros(2, dtype=torch.int32)),  # wrong B
+    ("ring_u", torch.zeros(5, 32, D, RING, dtype=torch.bfloat16)),  # bf16 corrections
+    ("ring_k", torch.zeros(5, 16, 8, D, dtype=torch.bfloat16)),  # 8 entries
+    ("ring_g", torch.zeros(4, 32, RING)),  # rows of another pool
+    ("out", torch.zeros(3, 4, 32, D, dtype=torch.bfloat16).transpose(0, 1).contiguous().transpose(0, 1)),
+    ("q", torch.zeros(3, 9, 16, D, dtype=torch.bfloat16)),  # T = 9
+])
+def test_bad_argument_is_a_value_error(name, value):
+    args = _args()
+    args[name] = value
+    with pytest.raises(ValueError):
+        _check(args)
