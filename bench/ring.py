@@ -1,0 +1,423 @@
+"""Check and time the history-ring kernels (speculative verify and fold) on one GPU, in one go.
+
+    python bench/ring.py                   # checks, then the timing table
+    python bench/ring.py --skip-checks     # the timing table only
+
+Checks (against tests/reference.py in float64): sequences of verifies with random accepts over
+batches whose rows sit at different ring fills, so that one launch holds rows that fold and rows
+that do not; every output and every folded state within 2e-3 relative error of a float64 model
+that rounds the state to bf16 where the kernel does (at a fold); padding rows zero; pool rows no
+batch row names left bit-for-bit untouched (state and ring); the fold kernel (`ring_fold`) on the
+rings left at the end; H:HV = 16:32, 8:32, 32:32; T = 1..8; a CUDA-graph replay equals an eager
+launch; a long run of one batch (`--drift-steps`).
+
+Timings: qwen3-next heads (H=16, HV=32, K=V=128), a 4096-row bf16 pool with its rings, 16
+disjoint row sets rotated so the state is cold in L2, device time by CUDA-graph replay
+(triton.testing.do_bench_cudagraph, median). Per (B, T):
+- verify: no row folds, the ring holding P entries (P drawn from the fills a verify meets);
+- step, full accepts: rows at the fills of a steady state where every token is accepted, so a
+  fraction T/16 of the rows fold in each launch (the fold every 16/T steps, amortized within one
+  launch as a serving batch of sessions at different fills has it); an accept costs no launch;
+- step, random accepts: fills of a steady state with 1..T accepted tokens, uniform;
+- every row folds; the fold kernel alone (every row a full ring);
+- our plain T-token step into scratch states (the path the ring replaces).
+FlashInfer's ring verify is timed when flashinfer imports on the host; otherwise its figures are
+the ones measured on an H200 in issue 48 (REFERENCE_US), and the output says so.
+
+Writes bench/out/ring-<UTC time>.json (or under --out) with the date, commit and command, and
+prints the tables last.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import random
+import time
+import traceback
+
+import common  # first: it puts this checkout on sys.path
+import torch
+
+REPO = common.REPO
+
+
+def _load_reference():
+    spec = importlib.util.spec_from_file_location("gdn_reference", REPO / "tests" / "reference.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ref = _load_reference()
+from gdn_server.kernels._ring_api import RING, folded_base, new_ring, ring_fold, ring_verify  # noqa: E402
+
+DEV = "cuda"
+D = 128
+TOL = 2e-3
+# (B, T): FlashInfer's ring verify (ring holding P entries, its flush not counted), us on an H200, issue 48
+REFERENCE_US = {(32, 4): 17.7, (32, 8): 18.6, (128, 4): 49.9, (128, 8): 52.5, (512, 4): 169.2, (512, 8): 178.3}
+ROWS = [(32, 4), (32, 8), (128, 4), (128, 8), (512, 4), (512, 8)]
+
+
+# ----------------------------------------------------------------------------- inputs and model
+def make_tokens(B, T, H, HV, L=3, gen=None):
+    bf = torch.bfloat16
+    rnd = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
+    return dict(
+        q=rnd(B, T, H, D).to(bf), k=rnd(B, T, H, D).to(bf), v=rnd(B, T, HV, D).to(bf),
+        a=rnd(B, T, HV).to(bf), b=rnd(B, T, HV).to(bf),
+        A_log=torch.log(torch.empty(L, HV, device=DEV).uniform_(1.0, 16.0, generator=gen)),
+        dt_bias=rnd(L, HV) * 0.5,
+        layers=torch.randint(0, L, (B,), device=DEV, generator=gen, dtype=torch.int32),
+    )
+
+
+def reference_tokens(S, x, live):
+    """float64 states after each token and the outputs, rows `live`: (outs [B, T, HV, V],
+    states [T + 1] of [B, HV, V, K])."""
+    lay = x["layers"][live].long()
+    Al, dt = x["A_log"][lay], x["dt_bias"][lay]
+    T = x["q"].shape[1]
+    states, outs = [S], []
+    for t in range(T):
+        sl = slice(t, t + 1)
+        o, S = ref.gdn_reference_step(S, *(x[n][live][:, sl] for n in ("q", "k", "v", "a", "b")), Al, dt,
+                                      dtype=torch.float64)
+        outs.append(o.to(DEV))
+        states.append(S.to(DEV))
+    return torch.cat(outs, 1), states
+
+
+class RingRun:
+    """B batch rows over a pool: the kernel's state, rings and fills, and a float64 model of
+    every row's committed state (rounded to bf16 where the kernel folds)."""
+
+    def __init__(self, B, H, HV, gen, pad_every=0, spare=8):
+        self.B, self.H, self.HV, self.gen = B, H, HV, gen
+        N = 2 * B + spare
+        self.pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+        self.ring = new_ring(N, H, HV)
+        for r in self.ring:  # stale entries past the fill must never matter: poison them
+            r.copy_(torch.randn(r.shape, device=DEV, generator=gen).to(r.dtype) * 100)
+        self.rows = torch.randperm(N, device=DEV, generator=gen)[:B].to(torch.int32)
+        if pad_every:
+            self.rows[::pad_every] = -1
+        self.live = self.rows >= 0
+        lr = self.rows[self.live].long()
+        self.hist = [0] * B
+        self.model = self.pool[lr].double()
+        self.errs = dict(out=0.0, state=0.0, folds=0, launches=0)
+        self.ok = True
+
+    def step(self, T, accepts=None, log=None):
+        B, live = self.B, self.live
+        x = make_tokens(B, T, self.H, self.HV, gen=self.gen)
+        li = [i for i in range(B) if self.rows[i] >= 0]
+        folds = [folded_base(self.hist[i], T) == 0 and self.hist[i] > 0 for i in li]
+        fold_t = torch.tensor(folds, device=DEV, dtype=torch.bool)
+        pre_round = self.model.clone()
+        if any(folds):
+            self.model[fold_t] = self.model[fold_t].to(torch.bfloat16).double()
+        out = torch.full((B, T, self.HV, D), float("nan"), device=DEV, dtype=torch.bfloat16)
+        hist = torch.tensor(self.hist, device=DEV, dtype=torch.int32)
+        before_pool, before_ring = self.pool.clone(), [r.clone() for r in self.ring]
+        ring_verify(self.pool, self.rows, hist, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"],
+                    x["dt_bias"], *self.ring, out)
+        torch.cuda.synchronize()
+        o_ref, states = reference_tokens(self.model, x, live)
+        e_out = ref.rel_err(out[live].float(), o_ref)
+        self.errs["out"] = max(self.errs["out"], e_out)
+        lr = self.rows[live].long()
+        if any(folds):
+            e_state = ref.rel_err(self.pool[lr][fold_t].float(), pre_round[fold_t])
+            self.errs["state"] = max(self.errs["state"], e_state)
+            self.errs["folds"] += sum(folds)
+        pad_zero = bool((out[~live] == 0).all()) if (~live).any() else True
+        named = torch.zeros(self.pool.shape[0], dtype=torch.bool, device=DEV)
+        named[lr] = True
+        untouched = torch.equal(self.pool[~named].view(torch.int16), before_pool[~named].view(torch.int16))
+        untouched &= all(torch.equal(r[~named].view(torch.int16) if r.dtype != torch.float32 else r[~named],
+                                     b[~named].view(torch.int16) if b.dtype != torch.float32 else b[~named])
+                         for r, b in zip(self.ring, before_ring))
+        no_fold_same = True
+        if not all(folds):  # rows that did not fold keep their checkpoint bit-for-bit
+            keep = lr[~fold_t]
+            no_fold_same = torch.equal(self.pool[keep].view(torch.int16), before_pool[keep].view(torch.int16))
+        finite = bool(torch.isfinite(out[live].float()).all())
+        ok = e_out < TOL and pad_zero and untouched and no_fold_same and finite
+        if any(folds):
+            ok &= self.errs["state"] < TOL
+        self.ok &= ok
+        self.errs["launches"] += 1
+        if log and not ok:
+            log(f"  FAIL step T={T}: err_out={e_out:.2e} state={self.errs['state']:.2e} pad0={pad_zero} "
+                f"untouched={untouched} nofold_same={no_fold_same} finite={finite} hist={self.hist[:8]}")
+        # accept: each live row keeps 1..T tokens
+        for n, i in enumerate(li):
+            a = accepts[i] if accepts is not None else random.randint(1, T)
+            base = folded_base(self.hist[i], T)
+            self.hist[i] = base + a
+            self.model[n] = states[a][n]
+        return ok
+
+    def fold(self):
+        """ring_fold on every row; the pool then equals the model (before its bf16 rounding)."""
+        hist = torch.tensor(self.hist, device=DEV, dtype=torch.int32)
+        ring_fold(self.pool, self.rows, hist, *self.ring)
+        torch.cuda.synchronize()
+        lr = self.rows[self.live].long()
+        e = ref.rel_err(self.pool[lr].float(), self.model)
+        self.model = self.pool[lr].double()
+        self.hist = [0] * self.B
+        return e
+
+
+def check_sequences(gen, log, check_t=tuple(range(1, 9)), other_heads=((8, 32), (32, 32))):
+    """Qwen3-Next's heads at every T in `check_t` (B = 1, 7, 64 at T = 1, 2, 4, 8; B = 5 else),
+    the other head ratios at T = 2, 4, 8 (those in `check_t`)."""
+    rows = []
+    cases = [(B, T, 16, 32) for T in check_t for B in ((1, 7, 64) if T in (1, 2, 4, 8) else (5,))]
+    cases += [(9, T, H, HV) for T in (2, 4, 8) if T in check_t for H, HV in other_heads]
+    for B, T, H, HV in cases:
+        try:
+            run = RingRun(B, H, HV, gen, pad_every=3 if B > 2 else 0)
+            steps = 2 * RING // T + 3  # at least two folds per row
+            for _ in range(steps):
+                run.step(T, log=log)
+            e_fold = run.fold()
+            ok = run.ok and e_fold < TOL
+            r = dict(B=B, T=T, H=H, HV=HV, steps=steps, err_out=run.errs["out"], err_state=run.errs["state"],
+                     folds=run.errs["folds"], err_fold_kernel=e_fold, ok=ok)
+        except Exception as e:  # noqa: BLE001 - reported, the run goes on
+            traceback.print_exc()
+            r = dict(B=B, T=T, H=H, HV=HV, error=repr(e), ok=False)
+        log(f"check {json.dumps(r)}")
+        rows.append(r)
+    return rows
+
+
+def check_graph(gen, log):
+    """A captured verify replays to the eager result (a mix of folding and plain rows)."""
+    B, T, H, HV = 16, 4, 16, 32
+    run = RingRun(B, H, HV, gen)
+    hist = torch.tensor([[0, 5, 12, 16][i % 4] for i in range(B)], device=DEV, dtype=torch.int32)
+    x = make_tokens(B, T, H, HV, gen=gen)
+    pool0, ring0 = run.pool.clone(), [r.clone() for r in run.ring]
+    args = lambda pool, ring, out: (pool, run.rows, hist, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"],  # noqa: E731
+                                    x["A_log"], x["dt_bias"], *ring, out)
+    out_e = torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
+    ring_verify(*args(run.pool, run.ring, out_e))
+    pool_e, ring_e = run.pool.clone(), [r.clone() for r in run.ring]
+    pool_g, ring_g = pool0.clone(), [r.clone() for r in ring0]
+    out_g = torch.zeros_like(out_e)
+    ring_verify(*args(pool0.clone(), [r.clone() for r in ring0], out_g))  # warm up
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph):
+        ring_verify(*args(pool_g, ring_g, out_g))
+    torch.cuda.current_stream().wait_stream(s)
+    pool_g.copy_(pool0)
+    for r, r0 in zip(ring_g, ring0):
+        r.copy_(r0)
+    out_g.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    ok = torch.equal(out_g, out_e) and torch.equal(pool_g, pool_e) and all(torch.equal(a, b) for a, b in zip(ring_g, ring_e))
+    log(f"graph: replay == eager: {ok}")
+    return dict(ok=bool(ok))
+
+
+def check_drift(steps, gen, log):
+    """One batch for `steps` verifies with random accepts: the worst output and folded-state error."""
+    run = RingRun(8, 16, 32, gen)
+    t0 = time.time()
+    for _ in range(steps):
+        run.step(4, log=log)
+    r = dict(steps=steps, B=8, T=4, err_out=run.errs["out"], err_state=run.errs["state"], folds=run.errs["folds"],
+             ok=run.ok, seconds=round(time.time() - t0, 1))
+    log(f"drift {json.dumps(r)}")
+    return r
+
+
+# ----------------------------------------------------------------------------- timing
+def steady_fills(T, full, n=20000, seed=1):
+    """Ring fills P that verifies meet in a steady state: full accepts (every token kept) or 1..T
+    accepted uniformly; returns a sample of n fills."""
+    rnd = random.Random(seed)
+    P, out = 0, []
+    for i in range(n + 1000):
+        if i >= 1000:
+            out.append(P)
+        P = folded_base(P, T) + (T if full else rnd.randint(1, T))
+    return out
+
+
+def fold_rate(fills, T):
+    return sum(folded_base(p, T) == 0 and p > 0 for p in fills) / len(fills)
+
+
+class Sets:
+    """16 disjoint row sets of a pool, each with its tokens, fills and outputs; `call` cycles them
+    (a CUDA graph captures a different set per captured call)."""
+
+    def __init__(self, B, T, H, HV, N, fills, gen, sets=16):
+        self.i, self.sets = 0, []
+        perm = torch.randperm(N, device=DEV, generator=gen)
+        rnd = random.Random(B * 100 + T)
+        for s in range(sets):
+            rows = perm[s * B:(s + 1) * B].to(torch.int32).contiguous()
+            x = make_tokens(B, T, H, HV, L=1, gen=gen)
+            hist = torch.tensor([rnd.choice(fills) for _ in range(B)], device=DEV, dtype=torch.int32)
+            out = torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
+            self.sets.append((rows, hist, x, out))
+
+    def call(self, fn):
+        def run():
+            rows, hist, x, out = self.sets[self.i % len(self.sets)]
+            self.i += 1
+            fn(rows, hist, x, out)
+        return run
+
+
+def time_device(fn, rep_ms=200):
+    import triton.testing as tt
+
+    fn()
+    torch.cuda.synchronize()
+    return 1e3 * tt.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+
+
+def bench(rows, gen, log, N=4096):
+    H, HV = 16, 32
+    pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+    ring = new_ring(N, H, HV)
+    for r in ring:
+        r.copy_(torch.randn(r.shape, device=DEV, generator=gen).to(r.dtype))
+    ring[2].copy_(-torch.rand(ring[2].shape, device=DEV, generator=gen).cumsum(-1))  # G: falling, as log-decays sum
+    try:
+        from gdn_server.kernels import gdn_decode
+    except Exception as e:  # noqa: BLE001
+        gdn_decode = None
+        log(f"plain step unavailable: {e!r}")
+
+    def verify(rows_, hist, x, out):
+        ring_verify(pool, rows_, hist, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"],
+                    *ring, out)
+
+    def fold_only(rows_, hist, x, out):
+        ring_fold(pool, rows_, hist, *ring)
+
+    def plain(rows_, hist, x, out):  # read the row's state, write a scratch slot (the other half of the pool)
+        gdn_decode(pool, rows_, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], out,
+                   out_slots=(rows_ + N // 2) % N)
+
+    res = []
+    for B, T in rows:
+        full, rand = steady_fills(T, True), steady_fills(T, False)
+        no_fold = [p for p in rand if folded_base(p, T) == p or p == 0]
+        r = dict(B=B, T=T, fold_rate_full=fold_rate(full, T), fold_rate_random=fold_rate(rand, T))
+        cases = dict(verify_us=(verify, no_fold), step_full_us=(verify, full), step_random_us=(verify, rand),
+                     fold_all_us=(verify, [RING]), fold_only_us=(fold_only, [RING]))
+        for name, (fn, fills) in cases.items():
+            try:
+                r[name] = time_device(Sets(B, T, H, HV, N, fills, gen).call(fn))
+            except Exception as e:  # noqa: BLE001
+                r[name] = None
+                log(f"time {name} B={B} T={T} failed: {e!r}")
+        if gdn_decode is not None:
+            try:
+                r["plain_scratch_us"] = time_device(Sets(B, T, H, HV, N // 2, [0], gen).call(plain))
+            except Exception as e:  # noqa: BLE001
+                r["plain_scratch_us"] = None
+                log(f"time plain B={B} T={T} failed: {e!r}")
+        r["flashinfer_issue48_us"] = REFERENCE_US.get((B, T))
+        state_mb = B * HV * D * D * 2 / 1e6
+        r["state_read_GBs"] = state_mb / r["verify_us"] * 1e3 if r.get("verify_us") else None
+        log(f"time {json.dumps(r)}")
+        res.append(r)
+    return res
+
+
+def flashinfer_status(log):
+    try:
+        import flashinfer  # noqa: F401
+        from flashinfer.gdn_kernels import gdn_decode_bf16_wy_ucache  # noqa: F401
+        return "importable (not yet timed by this script: figures below are issue 48's)"
+    except Exception as e:  # noqa: BLE001
+        msg = f"not installed on this host ({type(e).__name__}): its figures are issue 48's H200 table"
+        log(f"FlashInfer {msg}")
+        return msg
+
+
+def to_markdown(res):
+    f = lambda x, s=".1f": "-" if x is None else format(x, s)  # noqa: E731
+    lines = [f"# History-ring kernels on {res['device']} ({res['date']}), commit {res['commit']}", "",
+             "Device time per launch, CUDA-graph replay, median; H=16, HV=32, K=V=128, 4096-row bf16 pool, 16 rotated "
+             "row sets. FlashInfer: " + res["flashinfer"] + ".", "",
+             "| B | T | FlashInfer ring verify | ours verify | step, full accepts (folds) | step, random accepts (folds) "
+             "| every row folds | fold kernel | plain T-step to scratch | full-accept step / FlashInfer |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["timings"]:
+        fi, st = r.get("flashinfer_issue48_us"), r.get("step_full_us")
+        ratio = f"{st / fi:.2f}" if fi and st else "-"
+        lines.append(f"| {r['B']} | {r['T']} | {f(fi)} | {f(r.get('verify_us'))} | {f(st)} ({r['fold_rate_full']:.0%}) | "
+                     f"{f(r.get('step_random_us'))} ({r['fold_rate_random']:.0%}) | {f(r.get('fold_all_us'))} | "
+                     f"{f(r.get('fold_only_us'))} | {f(r.get('plain_scratch_us'))} | {ratio} |")
+    if res.get("checks"):
+        lines += ["", "## Correctness (worst relative error vs float64, over the sequence)", "",
+                  "| B | T | H:HV | verifies | folds | out | folded state | fold kernel | ok |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for c in res["checks"]:
+            if "error" in c:
+                lines.append(f"| {c['B']} | {c['T']} | {c['H']}:{c['HV']} | - | - | - | - | - | {c['error'][:60]} |")
+                continue
+            lines.append(f"| {c['B']} | {c['T']} | {c['H']}:{c['HV']} | {c['steps']} | {c['folds']} | {c['err_out']:.2e} | "
+                         f"{c['err_state']:.2e} | {c['err_fold_kernel']:.2e} | {c['ok']} |")
+    for key in ("graph", "drift"):
+        if res.get(key):
+            lines.append(f"\n{key}: {json.dumps(res[key])}")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--skip-timings", action="store_true")
+    ap.add_argument("--drift-steps", type=int, default=256)
+    ap.add_argument("--check-t", default="1,2,3,4,5,6,7,8", help="T values of the sequence checks")
+    ap.add_argument("--rows", default=",".join(f"{b}:{t}" for b, t in ROWS), help="B:T pairs to time")
+    ap.add_argument("--out", default=None, help="folder for the JSON (default bench/out)")
+    args = ap.parse_args()
+    random.seed(0)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    lines = []
+
+    def log(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    res = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=common.git_commit())
+    res["flashinfer"] = flashinfer_status(log)
+    path = common.out_path("ring", args.out)
+    if not args.skip_checks:
+        res["checks"] = check_sequences(gen, log, tuple(int(t) for t in args.check_t.split(",")))
+        for key, fn in (("graph", lambda: check_graph(gen, log)), ("drift", lambda: check_drift(args.drift_steps, gen, log))):
+            try:
+                res[key] = fn()
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                res[key] = dict(error=repr(e), ok=False)
+        common.write_json(path, res)
+    if not args.skip_timings:
+        rows = [tuple(int(v) for v in p.split(":")) for p in args.rows.split(",")]
+        res["timings"] = bench(rows, gen, log)
+    common.write_json(path, dict(res, log=lines))
+    print(to_markdown(res))
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
