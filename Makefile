@@ -15,6 +15,9 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 ARGS ?= --preset qwen3-next
+# two workers, each file's tests on one of them (a file's module-scoped servers are shared by its
+# tests); tests/gpu run alone (`python -m pytest tests/gpu`): each GPU server takes most of the GPU
+PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 
 .PHONY: serve test proto bench-kernel clean
@@ -37,7 +40,7 @@ serve: $(VENV)/.runtime
 	$(VENV)/bin/gdn-server $(ARGS)
 
 test: $(VENV)/.dev
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # regenerate the committed stubs (tests/test_proto_stubs.py fails when they are stale)
 proto: $(VENV)/.dev
