@@ -53,6 +53,24 @@ def random_inputs(B: int, T: int, H: int, HV: int, K: int = 128, gen: torch.Gene
     return {"q": r(B, T, H, K), "k": r(B, T, H, K), "v": r(B, T, HV, K), "a": r(B, T, HV), "b": r(B, T, HV)}
 
 
+def kernel_inputs(B: int, T: int, H: int, HV: int, L: int, gen: torch.Generator, device: str = "cuda",
+                  D: int = 128) -> dict[str, torch.Tensor]:
+    """Random bf16 q, k, v, a, b of B rows and T tokens, float32 gates (A_log, dt_bias) of L
+    layers and a random layer per row (int32): the arguments of a kernel launch, on `device`."""
+    bf = torch.bfloat16
+
+    def rnd(*s):
+        return torch.randn(*s, device=device, generator=gen)
+
+    return dict(
+        q=rnd(B, T, H, D).to(bf), k=rnd(B, T, H, D).to(bf), v=rnd(B, T, HV, D).to(bf),
+        a=rnd(B, T, HV).to(bf), b=rnd(B, T, HV).to(bf),
+        A_log=torch.log(torch.empty(L, HV, device=device).uniform_(1.0, 16.0, generator=gen)),
+        dt_bias=rnd(L, HV) * 0.5,
+        layers=torch.randint(0, L, (B,), device=device, generator=gen, dtype=torch.int32),
+    )
+
+
 def decode_request(layer: int, sessions: list[str], inputs: dict[str, torch.Tensor], positions=None,
                    request_id: str = "") -> gdn_pb2.DecodeRequest:
     req = gdn_pb2.DecodeRequest(layer=layer, session_ids=sessions, request_id=request_id)

@@ -21,23 +21,12 @@ from gdn_server.weights import random_gate_params
 from gdn_server.work import DecodeWork, StepBatch
 from reference import gdn_reference_step, rel_err
 from servers import start_server
-from util import decode_request, random_inputs
+from util import decode_request, kernel_inputs, random_inputs
 
 D = 128
 DEV = "cuda"
 STATE_TOL = 2e-5
 
-
-def _inputs(B, T, H, HV, L, gen):
-    bf = torch.bfloat16
-    rnd = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
-    return dict(
-        q=rnd(B, T, H, D).to(bf), k=rnd(B, T, H, D).to(bf), v=rnd(B, T, HV, D).to(bf),
-        a=rnd(B, T, HV).to(bf), b=rnd(B, T, HV).to(bf),
-        A_log=torch.log(torch.empty(L, HV, device=DEV).uniform_(1.0, 16.0, generator=gen)),
-        dt_bias=rnd(L, HV) * 0.5,
-        layers=torch.randint(0, L, (B,), device=DEV, generator=gen, dtype=torch.int32),
-    )
 
 
 def _run(pool, slots, x, out, **kw):
@@ -69,7 +58,7 @@ def test_fp32_state_matches_float64(B, T, H, HV):
     slots = torch.randperm(N, device=DEV, generator=gen)[:B].to(torch.int32)
     if B > 1:
         slots[::3] = -1
-    x = _inputs(B, T, H, HV, 3, gen)
+    x = kernel_inputs(B, T, H, HV, 3, gen)
     out = torch.full((B, T, HV, D), float("nan"), device=DEV, dtype=torch.bfloat16)
     _run(pool, slots, x, out)
     torch.cuda.synchronize()
@@ -99,7 +88,7 @@ def test_fp32_out_slots(T):
     out_slots[1] = slots[1]
     out_slots[2] = -1
     slots[3::5] = -1
-    x = _inputs(B, T, H, HV, 2, gen)
+    x = kernel_inputs(B, T, H, HV, 2, gen)
     out = torch.full((B, T, HV, D), float("nan"), device=DEV, dtype=torch.bfloat16)
     _run(pool, slots, x, out, out_slots=out_slots)
     torch.cuda.synchronize()
@@ -125,7 +114,7 @@ def test_fp32_state_stays_exact_where_bf16_drifts():
     exact = torch.zeros(B, HV, D, D, device=DEV, dtype=torch.float64)
     out = torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
     for _ in range(steps):
-        x = _inputs(B, T, H, HV, 1, gen)
+        x = kernel_inputs(B, T, H, HV, 1, gen)
         x["A_log"], x["dt_bias"] = gates.A_log.to(DEV), gates.dt_bias.to(DEV)
         for pool in pools.values():
             _run(pool, slots, x, out)
@@ -141,7 +130,7 @@ def test_fp32_graph_replay_matches_eager():
     gen = torch.Generator(device=DEV).manual_seed(4)
     pool0 = torch.randn(B + 4, HV, D, D, device=DEV, generator=gen) * 0.5
     slots = torch.randperm(B + 4, device=DEV, generator=gen)[:B].to(torch.int32)
-    x = _inputs(B, T, H, HV, 2, gen)
+    x = kernel_inputs(B, T, H, HV, 2, gen)
     pool_e, out_e = pool0.clone(), torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
     _run(pool_e, slots, x, out_e)
     pool_g, out_g = pool0.clone(), torch.empty_like(out_e)
@@ -174,7 +163,7 @@ def test_fp32_cuda_backend_matches_the_fp32_cpu_backend():
         R = rng.choice([1, 3, 8, 13, 40]) if T == 1 else rng.choice([2, 5])
         members = rng.sample(range(48), R)
         layer = rng.randrange(shape.num_layers)
-        x = random_inputs(R, T, 16, 32, gen=gen, dtype=torch.bfloat16)
+        x = randomkernel_inputs(R, T, 16, 32, gen=gen, dtype=torch.bfloat16)
         raw = tuple(x[n].contiguous().view(torch.int16).numpy().tobytes() for n in "qkvab")
         speculative = T > 1 and launch % 2 == 1
         outs = []
@@ -212,7 +201,7 @@ def test_fp32_server_on_the_gpu():
         exact = torch.zeros(2, 3, HV, D, D, dtype=torch.float64)
         for step in range(6):
             for layer in range(2):
-                x = random_inputs(3, step % 4 + 1, H, HV, gen=gen, dtype=torch.bfloat16)
+                x = randomkernel_inputs(3, step % 4 + 1, H, HV, gen=gen, dtype=torch.bfloat16)
                 o = tensor_from_proto(stub.Decode(decode_request(layer, sessions, x), timeout=120).o)
                 layers = [layer] * 3
                 o_ref, exact[layer] = gdn_reference_step(exact[layer], **x, A_log=gates.A_log[layers],

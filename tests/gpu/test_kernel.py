@@ -9,22 +9,12 @@ import math
 import pytest
 import torch
 
+from util import kernel_inputs
 from reference import gdn_reference_step, rel_err
 
 D = 128
 DEV = "cuda"
 
-
-def _inputs(B, T, H, HV, L, gen):
-    bf = torch.bfloat16
-    rnd = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
-    return dict(
-        q=rnd(B, T, H, D).to(bf), k=rnd(B, T, H, D).to(bf), v=rnd(B, T, HV, D).to(bf),
-        a=rnd(B, T, HV).to(bf), b=rnd(B, T, HV).to(bf),
-        A_log=torch.log(torch.empty(L, HV, device=DEV).uniform_(1.0, 16.0, generator=gen)),
-        dt_bias=rnd(L, HV) * 0.5,
-        layers=torch.randint(0, L, (B,), device=DEV, generator=gen, dtype=torch.int32),
-    )
 
 
 def _run(pool, slots, x, out, **kw):
@@ -48,7 +38,7 @@ def test_matches_reference(B, T, H, HV):
     slots = torch.randperm(N, device=DEV, generator=gen)[:B].to(torch.int32)
     if B > 1:
         slots[::3] = -1  # padding rows
-    x = _inputs(B, T, H, HV, 3, gen)
+    x = kernel_inputs(B, T, H, HV, 3, gen)
     out = torch.full((B, T, HV, D), float("nan"), device=DEV, dtype=torch.bfloat16)
     _run(pool, slots, x, out)
     torch.cuda.synchronize()
@@ -81,7 +71,7 @@ def test_out_slots_reads_one_slot_and_writes_another(T):
     out_slots[1] = slots[1]
     out_slots[2] = -1
     slots[3::5] = -1
-    x = _inputs(B, T, H, HV, 2, gen)
+    x = kernel_inputs(B, T, H, HV, 2, gen)
     out = torch.full((B, T, HV, D), float("nan"), device=DEV, dtype=torch.bfloat16)
     _run(pool, slots, x, out, out_slots=out_slots)
     torch.cuda.synchronize()
@@ -108,7 +98,7 @@ def test_bad_out_slots_raise_value_error(change):
     gen = torch.Generator(device=DEV).manual_seed(6)
     pool = torch.zeros(8, HV, D, D, device=DEV, dtype=torch.bfloat16)
     slots = torch.arange(B, device=DEV, dtype=torch.int32)
-    x = _inputs(B, T, H, HV, 2, gen)
+    x = kernel_inputs(B, T, H, HV, 2, gen)
     out = torch.zeros(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
     _run(pool, slots, x, out)  # compiled and cached: the fast path checks out_slots too
     bad = dict(int64=(slots + 4).long(), short=(slots + 4)[:2].contiguous(), cpu=(slots + 4).cpu())[change]
@@ -128,7 +118,7 @@ def test_steps_without_drift():
     s_ref = pool[ls].double()
     out = torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
     for _ in range(steps):
-        x = _inputs(B, T, H, HV, 2, gen)
+        x = kernel_inputs(B, T, H, HV, 2, gen)
         _run(pool, slots, x, out)
         lay = x["layers"].long()
         o_ref, s_new = gdn_reference_step(s_ref, x["q"], x["k"], x["v"], x["a"], x["b"],
@@ -143,7 +133,7 @@ def test_cuda_graph_replay_matches_eager():
     gen = torch.Generator(device=DEV).manual_seed(3)
     pool0 = (torch.randn(B + 4, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
     slots = torch.randperm(B + 4, device=DEV, generator=gen)[:B].to(torch.int32)
-    x = _inputs(B, T, H, HV, 2, gen)
+    x = kernel_inputs(B, T, H, HV, 2, gen)
     pool_e, out_e = pool0.clone(), torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
     _run(pool_e, slots, x, out_e)
     pool_g, out_g = pool0.clone(), torch.empty_like(out_e)
@@ -166,7 +156,7 @@ def test_bad_arguments_raise_value_error(change):
     gen = torch.Generator(device=DEV).manual_seed(5)
     pool = torch.zeros(8, HV, D, D, device=DEV, dtype=torch.bfloat16)
     slots = torch.arange(B, device=DEV, dtype=torch.int32)
-    x = _inputs(B, T, H, HV, 2, gen)
+    x = kernel_inputs(B, T, H, HV, 2, gen)
     out = torch.zeros(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
     _run(pool, slots, x, out)  # the variant is compiled and cached: the fast path checks too
     args = dict(state=pool, slots=slots, layers=x["layers"], q=x["q"], k=x["k"], v=x["v"], a=x["a"],
@@ -193,7 +183,7 @@ def test_default_scale_is_inverse_sqrt_k():
     gen = torch.Generator(device=DEV).manual_seed(11)
     pool = (torch.randn(B, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
     slots = torch.arange(B, device=DEV, dtype=torch.int32)
-    x = _inputs(B, T, H, HV, 1, gen)
+    x = kernel_inputs(B, T, H, HV, 1, gen)
     args = (slots, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"])
     p1, o1 = pool.clone(), torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
     p2, o2 = pool.clone(), torch.empty_like(o1)

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from util import kernel_inputs
 from reference import gdn_reference_step, rel_err
 
 D = 128
@@ -24,17 +25,6 @@ def _ring_api():
 
     return _ring_api
 
-
-def _tokens(B, T, H, HV, L, gen):
-    bf = torch.bfloat16
-    rnd = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
-    return dict(
-        q=rnd(B, T, H, D).to(bf), k=rnd(B, T, H, D).to(bf), v=rnd(B, T, HV, D).to(bf),
-        a=rnd(B, T, HV).to(bf), b=rnd(B, T, HV).to(bf),
-        A_log=torch.log(torch.empty(L, HV, device=DEV).uniform_(1.0, 16.0, generator=gen)),
-        dt_bias=rnd(L, HV) * 0.5,
-        layers=torch.randint(0, L, (B,), device=DEV, generator=gen, dtype=torch.int32),
-    )
 
 
 def _reference(S, x, live):
@@ -71,7 +61,7 @@ def _run_sequence(B, T, H, HV, steps, seed):
     worst_out = worst_state = 0.0
     folds = 0
     for _ in range(steps):
-        x = _tokens(B, T, H, HV, 3, gen)
+        x = kernel_inputs(B, T, H, HV, 3, gen)
         fold = torch.tensor([hist[i] + T > api.RING for i in live_idx], device=DEV)
         unrounded = model.clone()
         model[fold] = model[fold].to(torch.bfloat16).double()  # the kernel's fold rounds to bf16
@@ -123,7 +113,7 @@ def test_bad_arguments_raise_value_error():
     ring = api.new_ring(4, H, HV)
     rows = torch.arange(B, device=DEV, dtype=torch.int32)
     hist = torch.zeros(B, device=DEV, dtype=torch.int32)
-    x = _tokens(B, T, H, HV, 1, gen)
+    x = kernel_inputs(B, T, H, HV, 1, gen)
     out = torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
     args = [pool, rows, hist, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], *ring, out]
     api.ring_verify(*args)
