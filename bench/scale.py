@@ -20,6 +20,9 @@ request counters (GetStats) are read, then read again --duration seconds later. 
 --slack seconds longer than the window; "loads throughout" says whether all K were still
 running when the window closed (if not, raise --slack). Latencies are the loads' own.
 
+The K servers of a GPU share it through an MPS daemon this script starts (as `gdn-server
+--processes K` does for its processes), so that they measure what the one command serves.
+
 With --launch one-command it starts one `gdn-server --processes K` (K server processes behind
 one port) and one gdn-loadtest with all N clients against it (its processes start measuring
 together); steps/s is then that load's own figure.
@@ -32,8 +35,10 @@ commands, date, commit and this command line).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import shlex
 import statistics
 import subprocess
@@ -43,6 +48,7 @@ from pathlib import Path
 
 import common
 from gdn_loadtest.processes import shares
+from gdn_server.supervisor import Mps
 
 ONE_COMMAND_FLAG = "--processes"  # gdn-server's flag for K processes on one device
 
@@ -56,7 +62,9 @@ def start_servers(args: argparse.Namespace, k: int) -> list[common.Server]:
     else:
         per_server = args.max_sessions or math.ceil(max(args.clients) / k) + 16
         cmds = [common.server_command(args.device, args.model, per_server, flags) for _ in range(k)]
-    servers = [common.Server(cmd, cwd=args.server_tree).start() for cmd in cmds]  # their warm-ups overlap
+    # K separate servers on one GPU share it as `gdn-server --processes K` does: through MPS
+    env = {**os.environ, **args.mps_env} if args.mps_env and k > 1 else None
+    servers = [common.Server(cmd, env=env, cwd=args.server_tree).start() for cmd in cmds]  # their warm-ups overlap
     try:
         for server in servers:
             server.wait()
@@ -171,7 +179,11 @@ def main() -> None:
 
     path = common.out_path("scale", args.out)
     points: list[dict] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    mps = Mps.start() if args.launch == "separate" and args.device == "cuda" and max(ks) > 1 else None
+    args.mps_env = mps.env if mps is not None else None  # recorded in the JSON with the other arguments
+    with contextlib.ExitStack() as cleanup, tempfile.TemporaryDirectory() as tmp:
+        if mps is not None:
+            cleanup.callback(mps.stop)
         for k in ks:
             servers = start_servers(args, k)
             try:
