@@ -128,10 +128,11 @@ def test_steps_without_drift():
         assert rel_err(pool[ls].float(), s_new) < 5e-3
 
 
-def test_cuda_graph_replay_matches_eager():
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+def test_cuda_graph_replay_matches_eager(state_dtype):
     B, T, H, HV = 32, 3, 16, 32
     gen = torch.Generator(device=DEV).manual_seed(3)
-    pool0 = (torch.randn(B + 4, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+    pool0 = (torch.randn(B + 4, HV, D, D, device=DEV, generator=gen) * 0.5).to(state_dtype)
     slots = torch.randperm(B + 4, device=DEV, generator=gen)[:B].to(torch.int32)
     x = kernel_inputs(B, T, H, HV, 2, gen)
     pool_e, out_e = pool0.clone(), torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
