@@ -257,8 +257,8 @@ def auto_processes(gpus: int, cores: int) -> int:
     1 on the CPU (`gpus` = 0), whose backend computes on those cores.
 
     One process per two cores, leaving the other core to the clients and gRPC's threads, and at
-    most 8 per GPU: 8 processes sharing one GPU through MPS served the most steps per second
-    from 64 clients to 256 (bench/DECISIONS.md, entry 22).
+    most 8 per GPU: 8 processes sharing a GPU through MPS on a 16-core host served 2.5-4x one
+    process from 64 clients to 256 (bench/DECISIONS.md, entry 22); more per GPU were not measured.
 
     >>> auto_processes(gpus=1, cores=16), auto_processes(gpus=2, cores=16), auto_processes(gpus=1, cores=2)
     (8, 4, 1)
