@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
+
+from gdn_server.config import STATE_DTYPE_BYTES
 from typing import Any, Callable
 
 HEAD_DIM = 128
@@ -21,7 +23,7 @@ UNROLLED_T = (1, 2, 3, 4)  # the serving fast path; T = 5..8 (speculative decodi
 CHECKED_HEADS = ((16, 32), (8, 32), (32, 32))
 # The state pool's element types, by the names the server's --state-dtype takes; the kernel is one
 # kernel with the state's dtype as a compile-time parameter.
-STATE_DTYPES = ("bfloat16", "float32")
+STATE_DTYPES = tuple(STATE_DTYPE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -78,14 +80,18 @@ def compile_variant(
         T, H, HV, d.warps if warps is None else warps, d.rows_per_thread if rows_per_thread is None else rows_per_thread,
         d.prep if prep is None else prep, d.scatter if scatter is None else scatter, state_dtype,
     )
-    fn = _cache.get(variant)
+    return cached_compile(_cache, variant, lambda: _compile(variant))
+
+
+def cached_compile(cache: dict, key: Any, build: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+    """`cache[key]`, built once by `build` (under a lock: compiles take seconds, threads may race)."""
+    fn = cache.get(key)
     if fn is not None:
         return fn
     with _lock:
-        fn = _cache.get(variant)
+        fn = cache.get(key)
         if fn is None:
-            fn = _compile(variant)
-            _cache[variant] = fn
+            fn = cache[key] = build()
     return fn
 
 
@@ -102,28 +108,22 @@ def compile_all_variants(
     return out
 
 
-def _compile(variant: Variant) -> Callable[..., Any]:
-    import cutlass.cute as cute
+def fake(dtype: Any, shape: tuple, align: int) -> Any:
+    """A compile-time stand-in of a row-major, contiguous GPU tensor."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    return make_fake_compact_tensor(dtype, shape, stride_order=tuple(reversed(range(len(shape)))),
+                                    assumed_align=align)
+
+
+def fake_step_inputs(batch: Any, T: int, H: int, HV: int, layers: Any) -> tuple:
+    """The compile-time stand-ins of a step's layers [B], q, k [B, T, H, K], v [B, T, HV, V],
+    a, b [B, T, HV] and the gates A_log, dt_bias [L, HV], in that order: the arguments every
+    kernel here takes between its state and pool indices and its other outputs."""
     from cutlass import BFloat16, Float32, Int32
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-    from ._decode_kernel import STATE_DTYPES as STATE_TYPES, DecodeConfig, GdnDecodeKernel
-
-    T, H, HV = variant.T, variant.H, variant.HV
     D = HEAD_DIM
-    batch, slots, layers = cute.sym_int(), cute.sym_int(), cute.sym_int()
-
-    def fake(dtype, shape, align):  # row-major, contiguous, on the GPU
-        order = tuple(reversed(range(len(shape))))
-        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
-
-    kernel = GdnDecodeKernel(DecodeConfig(T, H, HV, variant.warps, variant.rows_per_thread, variant.prep, variant.scatter,
-                                          variant.state_dtype))
-    return cute.compile(
-        kernel,
-        fake(STATE_TYPES[variant.state_dtype], (slots, HV, D, D), 16),  # state
-        fake(Int32, (batch,), 4),  # slots
-        fake(Int32, (batch,), 4),  # out_slots
+    return (
         fake(Int32, (batch,), 4),  # layers
         fake(BFloat16, (batch, T, H, D), 16),  # q
         fake(BFloat16, (batch, T, H, D), 16),  # k
@@ -132,6 +132,28 @@ def _compile(variant: Variant) -> Callable[..., Any]:
         fake(BFloat16, (batch, T, HV), 2),  # b
         fake(Float32, (layers, HV), 4),  # A_log
         fake(Float32, (layers, HV), 4),  # dt_bias
+    )
+
+
+def _compile(variant: Variant) -> Callable[..., Any]:
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+    from cutlass.cute.runtime import make_fake_stream
+
+    from ._decode_kernel import STATE_DTYPES as STATE_TYPES, DecodeConfig, GdnDecodeKernel
+
+    T, H, HV = variant.T, variant.H, variant.HV
+    D = HEAD_DIM
+    batch, slots, layers = cute.sym_int(), cute.sym_int(), cute.sym_int()
+
+    kernel = GdnDecodeKernel(DecodeConfig(T, H, HV, variant.warps, variant.rows_per_thread, variant.prep, variant.scatter,
+                                          variant.state_dtype))
+    return cute.compile(
+        kernel,
+        fake(STATE_TYPES[variant.state_dtype], (slots, HV, D, D), 16),  # state
+        fake(Int32, (batch,), 4),  # slots
+        fake(Int32, (batch,), 4),  # out_slots
+        *fake_step_inputs(batch, T, H, HV, layers),
         fake(BFloat16, (batch, T, HV, D), 16),  # out
         Float32(1.0),
         Float32(1.0),

@@ -15,15 +15,15 @@ The bookkeeping a caller keeps per (session, layer) row is P, the ring's committ
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any, Callable
+
+from ._api import cached_compile, fake, fake_step_inputs
 
 HEAD_DIM = 128
 RING = 16  # entries per (pool row, head); `_ring_kernel.RING`
 MAX_T = 8
 
 _cache: dict[tuple[int, int, int], Callable[..., Any]] = {}
-_lock = threading.Lock()
 
 
 def folded_base(P: int, T: int) -> int:
@@ -58,30 +58,18 @@ def compile_ring(T: int, H: int, HV: int) -> Callable[..., Any]:
     """Compile (or fetch) the verify of T tokens (T = 0: the fold) for (H, HV); no GPU needed
     (set CUTE_DSL_ARCH=sm_90a without one)."""
     check_ring_variant(T, H, HV)
-    key = (T, H, HV)
-    fn = _cache.get(key)
-    if fn is None:
-        with _lock:
-            fn = _cache.get(key)
-            if fn is None:
-                fn = _compile(T, H, HV)
-                _cache[key] = fn
-    return fn
+    return cached_compile(_cache, (T, H, HV), lambda: _compile(T, H, HV))
 
 
 def _compile(T: int, H: int, HV: int) -> Callable[..., Any]:
     import cutlass.cute as cute
     from cutlass import BFloat16, Float16, Float32, Int32
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_stream
 
     from ._ring_kernel import RingConfig, RingFoldKernel, RingVerifyKernel
 
     D = HEAD_DIM
     batch, rows, layers = cute.sym_int(), cute.sym_int(), cute.sym_int()
-
-    def fake(dtype, shape, align):  # row-major, contiguous, on the GPU
-        order = tuple(reversed(range(len(shape))))
-        return make_fake_compact_tensor(dtype, shape, stride_order=order, assumed_align=align)
 
     state = fake(BFloat16, (rows, HV, D, D), 16)
     row_idx, hist = fake(Int32, (batch,), 4), fake(Int32, (batch,), 4)
@@ -92,14 +80,7 @@ def _compile(T: int, H: int, HV: int) -> Callable[..., Any]:
         return cute.compile(RingFoldKernel(cfg), state, row_idx, hist, *ring, stream, options="--enable-tvm-ffi")
     return cute.compile(
         RingVerifyKernel(cfg), state, row_idx, hist,
-        fake(Int32, (batch,), 4),  # layers
-        fake(BFloat16, (batch, T, H, D), 16),  # q
-        fake(BFloat16, (batch, T, H, D), 16),  # k
-        fake(BFloat16, (batch, T, HV, D), 16),  # v
-        fake(BFloat16, (batch, T, HV), 2),  # a
-        fake(BFloat16, (batch, T, HV), 2),  # b
-        fake(Float32, (layers, HV), 4),  # A_log
-        fake(Float32, (layers, HV), 4),  # dt_bias
+        *fake_step_inputs(batch, T, H, HV, layers),
         *ring,
         fake(BFloat16, (batch, T, HV, D), 16),  # out
         Float32(1.0), Float32(1.0), Float32(20.0), stream,
