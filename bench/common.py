@@ -33,6 +33,15 @@ if str(REPO) not in sys.path:
     sys.path.append(str(REPO))
 
 
+def reference() -> Any:
+    """tests/reference.py, the float64 reference math and the kernels' random inputs, which the
+    kernel benchmarks check against (a file of the tests, not of an installed package)."""
+    spec = importlib.util.spec_from_file_location("gdn_reference", REPO / "tests" / "reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # -- a server process ---------------------------------------------------------------------------
 
 def server_command(device: str = "cuda", model: str = "--preset qwen3-next --devices 0",

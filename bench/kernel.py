@@ -36,7 +36,6 @@ stage) and prints the tables last.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import time
@@ -48,14 +47,7 @@ import torch
 REPO = common.REPO
 
 
-def _load_reference():
-    spec = importlib.util.spec_from_file_location("gdn_reference", REPO / "tests" / "reference.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ref = _load_reference()
+ref = common.reference()
 from gdn_server.kernels import (  # noqa: E402
     CHECKED_HEADS, SUPPORTED_T, UNROLLED_T, compile_variant, default_variant, gdn_decode,
 )

@@ -30,7 +30,6 @@ prints the tables last.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import random
@@ -43,14 +42,7 @@ import torch
 REPO = common.REPO
 
 
-def _load_reference():
-    spec = importlib.util.spec_from_file_location("gdn_reference", REPO / "tests" / "reference.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ref = _load_reference()
+ref = common.reference()
 from gdn_server.kernels._ring_api import RING, folded_base, new_ring, ring_fold, ring_verify  # noqa: E402
 
 DEV = "cuda"
@@ -62,18 +54,6 @@ ROWS = [(32, 4), (32, 8), (128, 4), (128, 8), (512, 4), (512, 8)]
 
 
 # ----------------------------------------------------------------------------- inputs and model
-def make_tokens(B, T, H, HV, L=3, gen=None):
-    bf = torch.bfloat16
-    rnd = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
-    return dict(
-        q=rnd(B, T, H, D).to(bf), k=rnd(B, T, H, D).to(bf), v=rnd(B, T, HV, D).to(bf),
-        a=rnd(B, T, HV).to(bf), b=rnd(B, T, HV).to(bf),
-        A_log=torch.log(torch.empty(L, HV, device=DEV).uniform_(1.0, 16.0, generator=gen)),
-        dt_bias=rnd(L, HV) * 0.5,
-        layers=torch.randint(0, L, (B,), device=DEV, generator=gen, dtype=torch.int32),
-    )
-
-
 def reference_tokens(S, x, live):
     """float64 states after each token and the outputs, rows `live`: (outs [B, T, HV, V],
     states [T + 1] of [B, HV, V, K])."""
@@ -113,7 +93,7 @@ class RingRun:
 
     def step(self, T, accepts=None, log=None):
         B, live = self.B, self.live
-        x = make_tokens(B, T, self.H, self.HV, gen=self.gen)
+        x = ref.kernel_inputs(B, T, self.H, self.HV, 3, self.gen, device=DEV)
         li = [i for i in range(B) if self.rows[i] >= 0]
         folds = [folded_base(self.hist[i], T) == 0 and self.hist[i] > 0 for i in li]
         fold_t = torch.tensor(folds, device=DEV, dtype=torch.bool)
@@ -203,7 +183,7 @@ def check_graph(gen, log):
     B, T, H, HV = 16, 4, 16, 32
     run = RingRun(B, H, HV, gen)
     hist = torch.tensor([[0, 5, 12, 16][i % 4] for i in range(B)], device=DEV, dtype=torch.int32)
-    x = make_tokens(B, T, H, HV, gen=gen)
+    x = ref.kernel_inputs(B, T, H, HV, 3, gen, device=DEV)
     pool0, ring0 = run.pool.clone(), [r.clone() for r in run.ring]
     args = lambda pool, ring, out: (pool, run.rows, hist, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"],  # noqa: E731
                                     x["A_log"], x["dt_bias"], *ring, out)
@@ -269,7 +249,7 @@ class Sets:
         rnd = random.Random(B * 100 + T)
         for s in range(sets):
             rows = perm[s * B:(s + 1) * B].to(torch.int32).contiguous()
-            x = make_tokens(B, T, H, HV, L=1, gen=gen)
+            x = ref.kernel_inputs(B, T, H, HV, 1, gen, device=DEV)
             hist = torch.tensor([rnd.choice(fills) for _ in range(B)], device=DEV, dtype=torch.int32)
             out = torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
             self.sets.append((rows, hist, x, out))

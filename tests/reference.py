@@ -2,6 +2,8 @@
 
 This is the oracle every backend is checked against: plain torch on float64/float32, one
 token at a time, no batching tricks. It follows docs/protocol.md, section 4, line by line.
+`kernel_inputs` draws the random arguments of a kernel launch that the GPU tests and the kernel
+benchmarks (bench/, which load this file) check against it.
 """
 from __future__ import annotations
 
@@ -87,3 +89,21 @@ class ReferenceModel:
         for i, s in enumerate(sessions):
             self.states[(s, layer)] = new[i].to(torch.bfloat16).float()
         return out
+
+
+def kernel_inputs(B: int, T: int, H: int, HV: int, L: int, gen: torch.Generator, device: str = "cuda",
+                  D: int = 128) -> dict[str, torch.Tensor]:
+    """Random bf16 q, k, v, a, b of B rows and T tokens, float32 gates (A_log, dt_bias) of L
+    layers and a random layer per row (int32): the arguments of a kernel launch, on `device`."""
+    bf = torch.bfloat16
+
+    def rnd(*s):
+        return torch.randn(*s, device=device, generator=gen)
+
+    return dict(
+        q=rnd(B, T, H, D).to(bf), k=rnd(B, T, H, D).to(bf), v=rnd(B, T, HV, D).to(bf),
+        a=rnd(B, T, HV).to(bf), b=rnd(B, T, HV).to(bf),
+        A_log=torch.log(torch.empty(L, HV, device=device).uniform_(1.0, 16.0, generator=gen)),
+        dt_bias=rnd(L, HV) * 0.5,
+        layers=torch.randint(0, L, (B,), device=device, generator=gen, dtype=torch.int32),
+    )

@@ -53,22 +53,12 @@ def random_inputs(B: int, T: int, H: int, HV: int, K: int = 128, gen: torch.Gene
     return {"q": r(B, T, H, K), "k": r(B, T, H, K), "v": r(B, T, HV, K), "a": r(B, T, HV), "b": r(B, T, HV)}
 
 
-def kernel_inputs(B: int, T: int, H: int, HV: int, L: int, gen: torch.Generator, device: str = "cuda",
-                  D: int = 128) -> dict[str, torch.Tensor]:
-    """Random bf16 q, k, v, a, b of B rows and T tokens, float32 gates (A_log, dt_bias) of L
-    layers and a random layer per row (int32): the arguments of a kernel launch, on `device`."""
-    bf = torch.bfloat16
+def run_kernel(pool: torch.Tensor, slots: torch.Tensor, x: dict[str, torch.Tensor], out: torch.Tensor, **kw):
+    """gdn_decode over the pool with `x` (reference.kernel_inputs) into `out`."""
+    from gdn_server.kernels import gdn_decode
 
-    def rnd(*s):
-        return torch.randn(*s, device=device, generator=gen)
-
-    return dict(
-        q=rnd(B, T, H, D).to(bf), k=rnd(B, T, H, D).to(bf), v=rnd(B, T, HV, D).to(bf),
-        a=rnd(B, T, HV).to(bf), b=rnd(B, T, HV).to(bf),
-        A_log=torch.log(torch.empty(L, HV, device=device).uniform_(1.0, 16.0, generator=gen)),
-        dt_bias=rnd(L, HV) * 0.5,
-        layers=torch.randint(0, L, (B,), device=device, generator=gen, dtype=torch.int32),
-    )
+    return gdn_decode(pool, slots, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"],
+                      out, **kw)
 
 
 def decode_request(layer: int, sessions: list[str], inputs: dict[str, torch.Tensor], positions=None,

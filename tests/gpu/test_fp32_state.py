@@ -19,21 +19,15 @@ from gdn_server.backends.cuda import CudaBackend
 from gdn_server.config import ModelShape
 from gdn_server.weights import random_gate_params
 from gdn_server.work import DecodeWork, StepBatch
-from reference import gdn_reference_step, rel_err
+from reference import gdn_reference_step, kernel_inputs, rel_err
 from servers import start_server
-from util import decode_request, kernel_inputs, random_inputs
+from util import decode_request, random_inputs, run_kernel
 
 D = 128
 DEV = "cuda"
 STATE_TOL = 2e-5
 
 
-
-def _run(pool, slots, x, out, **kw):
-    from gdn_server.kernels import gdn_decode
-
-    return gdn_decode(pool, slots, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"],
-                      x["A_log"], x["dt_bias"], out, **kw)
 
 
 def _reference(state, x, rows):
@@ -60,7 +54,7 @@ def test_fp32_state_matches_float64(B, T, H, HV):
         slots[::3] = -1
     x = kernel_inputs(B, T, H, HV, 3, gen)
     out = torch.full((B, T, HV, D), float("nan"), device=DEV, dtype=torch.bfloat16)
-    _run(pool, slots, x, out)
+    run_kernel(pool, slots, x, out)
     torch.cuda.synchronize()
 
     live = slots >= 0
@@ -90,7 +84,7 @@ def test_fp32_out_slots(T):
     slots[3::5] = -1
     x = kernel_inputs(B, T, H, HV, 2, gen)
     out = torch.full((B, T, HV, D), float("nan"), device=DEV, dtype=torch.bfloat16)
-    _run(pool, slots, x, out, out_slots=out_slots)
+    run_kernel(pool, slots, x, out, out_slots=out_slots)
     torch.cuda.synchronize()
 
     live = slots >= 0
@@ -117,7 +111,7 @@ def test_fp32_state_stays_exact_where_bf16_drifts():
         x = kernel_inputs(B, T, H, HV, 1, gen)
         x["A_log"], x["dt_bias"] = gates.A_log.to(DEV), gates.dt_bias.to(DEV)
         for pool in pools.values():
-            _run(pool, slots, x, out)
+            run_kernel(pool, slots, x, out)
         _, exact = _reference(exact, x, slice(None))
     err32 = rel_err(pools[torch.float32], exact)
     err16 = rel_err(pools[torch.bfloat16], exact)

@@ -9,19 +9,13 @@ import math
 import pytest
 import torch
 
-from util import kernel_inputs
-from reference import gdn_reference_step, rel_err
+from util import run_kernel
+from reference import gdn_reference_step, kernel_inputs, rel_err
 
 D = 128
 DEV = "cuda"
 
 
-
-def _run(pool, slots, x, out, **kw):
-    from gdn_server.kernels import gdn_decode
-
-    return gdn_decode(pool, slots, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"],
-                      x["A_log"], x["dt_bias"], out, **kw)
 
 
 SHAPES = [(T, H, HV) for H, HV in [(16, 32), (8, 32), (32, 32)] for T in (1, 2, 3, 4)]
@@ -40,7 +34,7 @@ def test_matches_reference(B, T, H, HV):
         slots[::3] = -1  # padding rows
     x = kernel_inputs(B, T, H, HV, 3, gen)
     out = torch.full((B, T, HV, D), float("nan"), device=DEV, dtype=torch.bfloat16)
-    _run(pool, slots, x, out)
+    run_kernel(pool, slots, x, out)
     torch.cuda.synchronize()
 
     live = slots >= 0
@@ -73,7 +67,7 @@ def test_out_slots_reads_one_slot_and_writes_another(T):
     slots[3::5] = -1
     x = kernel_inputs(B, T, H, HV, 2, gen)
     out = torch.full((B, T, HV, D), float("nan"), device=DEV, dtype=torch.bfloat16)
-    _run(pool, slots, x, out, out_slots=out_slots)
+    run_kernel(pool, slots, x, out, out_slots=out_slots)
     torch.cuda.synchronize()
 
     live = slots >= 0
@@ -100,11 +94,11 @@ def test_bad_out_slots_raise_value_error(change):
     slots = torch.arange(B, device=DEV, dtype=torch.int32)
     x = kernel_inputs(B, T, H, HV, 2, gen)
     out = torch.zeros(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
-    _run(pool, slots, x, out)  # compiled and cached: the fast path checks out_slots too
+    run_kernel(pool, slots, x, out)  # compiled and cached: the fast path checks out_slots too
     bad = dict(int64=(slots + 4).long(), short=(slots + 4)[:2].contiguous(), cpu=(slots + 4).cpu())[change]
     pool_before = pool.clone()
     with pytest.raises(ValueError):
-        _run(pool, slots, x, out, out_slots=bad)
+        run_kernel(pool, slots, x, out, out_slots=bad)
     torch.cuda.synchronize()
     assert torch.equal(pool, pool_before)
 
@@ -119,7 +113,7 @@ def test_steps_without_drift():
     out = torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
     for _ in range(steps):
         x = kernel_inputs(B, T, H, HV, 2, gen)
-        _run(pool, slots, x, out)
+        run_kernel(pool, slots, x, out)
         lay = x["layers"].long()
         o_ref, s_new = gdn_reference_step(s_ref, x["q"], x["k"], x["v"], x["a"], x["b"],
                                           x["A_log"][lay], x["dt_bias"][lay], dtype=torch.float64)
@@ -136,12 +130,12 @@ def test_cuda_graph_replay_matches_eager(state_dtype):
     slots = torch.randperm(B + 4, device=DEV, generator=gen)[:B].to(torch.int32)
     x = kernel_inputs(B, T, H, HV, 2, gen)
     pool_e, out_e = pool0.clone(), torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
-    _run(pool_e, slots, x, out_e)
+    run_kernel(pool_e, slots, x, out_e)
     pool_g, out_g = pool0.clone(), torch.empty_like(out_e)
-    _run(pool_g.clone(), slots, x, out_g)  # compile outside the capture
+    run_kernel(pool_g.clone(), slots, x, out_g)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _run(pool_g, slots, x, out_g)
+        run_kernel(pool_g, slots, x, out_g)
     pool_g.copy_(pool0)
     out_g.zero_()
     graph.replay()
@@ -159,7 +153,7 @@ def test_bad_arguments_raise_value_error(change):
     slots = torch.arange(B, device=DEV, dtype=torch.int32)
     x = kernel_inputs(B, T, H, HV, 2, gen)
     out = torch.zeros(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
-    _run(pool, slots, x, out)  # the variant is compiled and cached: the fast path checks too
+    run_kernel(pool, slots, x, out)  # the variant is compiled and cached: the fast path checks too
     args = dict(state=pool, slots=slots, layers=x["layers"], q=x["q"], k=x["k"], v=x["v"], a=x["a"],
                 b=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"], out=out)
     bad = dict(
