@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 
 from gdn_server.config import STATE_DTYPE_BYTES
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 HEAD_DIM = 128
 SUPPORTED_T = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -206,7 +206,14 @@ def validate_decode_args(
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want_shape[name]}")
     if state.shape[0] < 1 or L < 1:
         raise ValueError(f"state pool ({state.shape[0]} slots) and A_log ({L} layers) must not be empty")
-    device = state.device
+    check_placement(named, require_cuda, aligned=("state", "q", "k", "v", "out"))
+
+
+def check_placement(named: dict[str, Any], require_cuda: bool, aligned: Iterable[str]) -> None:
+    """ValueError unless every tensor of `named` is contiguous and on the device of
+    `named["state"]` (a CUDA one with `require_cuda`), and those named in `aligned` start on 16
+    bytes: what a kernel here reads with vector loads."""
+    device = named["state"].device
     for name, t in named.items():
         if require_cuda and t.device.type != "cuda":
             raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
@@ -214,7 +221,7 @@ def validate_decode_args(
             raise ValueError(f"{name} is on {t.device}, state is on {device}: all tensors must share one device")
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
-    for name in ("state", "q", "k", "v", "out"):
+    for name in aligned:
         if named[name].data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned")
 

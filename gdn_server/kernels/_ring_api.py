@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from ._api import cached_compile, fake, fake_step_inputs
+from ._api import cached_compile, check_placement, fake, fake_step_inputs
 
 HEAD_DIM = 128
 RING = 16  # entries per (pool row, head); `_ring_kernel.RING`
@@ -131,16 +131,7 @@ def validate_ring_args(state, rows, hist, ring_k, ring_u, ring_g, *, layers=None
     for name, t in named.items():
         if tuple(t.shape) != want[name]:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want[name]}")
-    device = state.device
-    for name, t in named.items():
-        if require_cuda and t.device.type != "cuda":
-            raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, state is on {device}: all tensors must share one device")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
-        if t.dim() >= 3 and t.data_ptr() % 16:
-            raise ValueError(f"{name} must be 16-byte aligned")
+    check_placement(named, require_cuda, aligned=[name for name, t in named.items() if t.dim() >= 3])
 
 
 _checked: set[tuple] = set()
