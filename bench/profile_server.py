@@ -77,7 +77,7 @@ def profile_point(args: argparse.Namespace, py_spy: str, clients: int, out: Path
            *shlex.split(args.spy_flags)]
     load_flags = ["--clients", str(clients), "--duration", str(args.duration),
                   "--processes", str(args.load_processes), *shlex.split(args.load_flags)]
-    server = common.Server(server_cmd).start()
+    server = common.Server(server_cmd, cwd=args.server_tree).start()
     load = wrapped = None
     try:
         target = server.wait()
@@ -94,7 +94,7 @@ def profile_point(args: argparse.Namespace, py_spy: str, clients: int, out: Path
             print(f"py-spy could not attach ({recorded.stderr.strip()[-200:]}); starting the server under it",
                   flush=True)
             server.stop()
-            wrapped = common.Server([*spy, "--", *server_cmd]).start()
+            wrapped = common.Server([*spy, "--", *server_cmd], cwd=args.server_tree).start()
             target = wrapped.wait()
             subprocess.run(common.loadtest_args(target, out / f"load_{clients}.json", load_flags),
                            timeout=args.duration + 120, cwd=common.REPO)
@@ -120,6 +120,8 @@ def main() -> None:
     p.add_argument("--model", default="--preset qwen3-next --devices 0", help="server shape flags")
     p.add_argument("--server-flags", default="",
                    help="more gdn-server flags, e.g. --server-flags='--max-batch-rows 64'")
+    p.add_argument("--server-tree", default=None,
+                   help="profile the server of this source tree instead of this checkout's (e.g. an older commit's)")
     p.add_argument("--clients", default="1,64")
     p.add_argument("--duration", type=float, default=6.0)
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")

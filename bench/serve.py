@@ -17,11 +17,14 @@ the ratios, not absolute figures across calls.
     python bench/serve.py                                    # the H200 figures of bench/RESULTS.md
     python bench/serve.py --clients 64 --rounds 3            # one point, three pairs of runs
     python bench/serve.py --server-tree ../old               # another commit's server, this load
+    python bench/serve.py --server-tree .before --server-tree .   # before and after, one run
     python bench/serve.py --shared-memory system,cuda        # inline, host shm and CUDA IPC
     python bench/serve.py --device cpu --model "--layers 4 --q-heads 2 --v-heads 4" \\
         --clients 1,8 --batch-sessions 16 --duration 2       # a smoke run on any machine
 
-Parts with the same server flags share one server process, started afresh for them.
+Parts with the same server flags share one server process, started afresh for them. With several
+--server-tree, every part runs against each tree in turn (parts named "<tree>:<part>"), so a
+before/after pair sees the host in the same state.
 Prints one table; writes bench/out/serve-<UTC time>.json (every gdn-loadtest document, the
 server and load commands, date, commit and this command line).
 """
@@ -94,9 +97,10 @@ def main() -> None:
                    help="more gdn-server flags for every part, e.g. --server-flags='--max-batch-rows 64'")
     p.add_argument("--load-flags", default="",
                    help="more gdn-loadtest flags for every part, e.g. --load-flags='--dtype f32'")
-    p.add_argument("--server-tree", default=None,
+    p.add_argument("--server-tree", action="append", default=None,
                    help="run the server from this source tree instead of this checkout (e.g. an older "
-                        "commit's, to measure before and after in one session); the load stays this one's")
+                        "commit's; '.' is this checkout); given several times, every part runs against "
+                        "each tree in turn, to measure before and after in one run; the load stays this one's")
     p.add_argument("--out", default=None, help="folder of the result file (default bench/out)")
     args = p.parse_args()
 
@@ -105,15 +109,19 @@ def main() -> None:
     groups: dict[tuple[str, ...], list[tuple[str, list[str]]]] = {}  # server flags -> its parts
     for name, server_flags, load_flags in parts(args):
         groups.setdefault(tuple(server_flags), []).append((name, load_flags))
+    trees = args.server_tree or [None]
     with tempfile.TemporaryDirectory() as tmp:
         for server_flags, group in groups.items():
             cmd = common.server_command(args.device, args.model, args.max_sessions,
                                         [*server_flags, *shlex.split(args.server_flags)])
-            with common.Server(cmd, cwd=args.server_tree) as server:
-                for name, load_flags in group:
-                    doc = common.run_loadtest(server.target, Path(tmp) / f"{name}.json", load_flags)
-                    results.append({"part": name, "server_command": common.shown(cmd),
-                                    "loadtest_flags": shlex.join(load_flags), "loadtest": doc})
+            for tree in trees:
+                label = f"{tree}:" if len(trees) > 1 else ""
+                with common.Server(cmd, cwd=tree if tree not in (None, ".") else None) as server:
+                    for name, load_flags in group:
+                        doc = common.run_loadtest(server.target, Path(tmp) / f"{name}.json", load_flags)
+                        results.append({"part": label + name, "server_tree": tree,
+                                        "server_command": common.shown(cmd),
+                                        "loadtest_flags": shlex.join(load_flags), "loadtest": doc})
                     common.write_json(path, {"args": vars(args), "parts": results})  # survives a failure
     print()
     print(table(results))
