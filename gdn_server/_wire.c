@@ -5,7 +5,7 @@
    (bench/DECISIONS.md, entry 17).
 
    StepLimits(num_layers=, num_q_heads=, num_v_heads=, head_dim_k=, head_dim_v=, max_tokens=,
-              max_session_id_len=, max_request_id_len=, defer_check_from=)
+              max_session_id_len=, max_request_id_len=)
        What parse_plain_step checks a step against, by name (gdn_server.validation.step_limits
        makes it once per server); read-only attributes of the same names.
 
@@ -17,9 +17,8 @@
        v, a, b in BF16 with the shapes of B sessions and T tokens (1 <= T <= max_tokens) and the
        byte lengths those shapes give, or by reference (Tensor.ref, no data; and o_ref): then the
        input is (region, offset) and by_reference is set, and validation resolves, checks and
-       digests the bytes in the region. Inline inputs are checked for NaN/Inf unless they hold
-       defer_from bytes or more (finite_checked False: the backend checks them where it stages
-       them), and each session's inputs are digested (`row_digests`).
+       digests the bytes in the region. Inline inputs are checked for NaN/Inf and each
+       session's inputs digested (`checked_digests`) in the same pass over the bytes.
        None for anything else: the caller parses it with protobuf and gdn_server.validation says
        what is wrong with it, or takes it the long way (other dtypes, speculative steps). So this
        reads only the plain encoding: each known field with its own wire type, a singular field
@@ -28,11 +27,16 @@
        The field numbers and the BF16 code it reads are the module's constants (FIELDS, BF16,
        MAX_POSITION), which tests/test_wire_c.py checks against gdn_pb2.
 
-   row_digests(inputs, rows) -> tuple[int, ...]
-       A CRC-32 of each session's inputs as sent: its row of q, k, v, a and b, in that order, read
-       whole up to DIGEST_FULL_ROW_BYTES and one byte in DIGEST_STRIDE beyond (a prime, so every
-       byte offset of an element is sampled somewhere). The same whatever other sessions shared
-       the request, so a retry may regroup sessions. A retried step must match its first try's.
+   checked_digests(inputs, rows, bf16=True) -> (bad, digests)
+       The NaN/Inf rule of bf16 inputs and their digests, in one pass over the five buffers q, k,
+       v, a, b of `rows` sessions each: `bad` is the index of the first input holding a NaN or
+       Inf (an exponent of all ones; `digests` is then ()), else None (always, for inputs of
+       another dtype: bf16 False, digests only), and `digests` a CRC-32 of
+       each session's inputs as sent: its row of q, k, v, a and b, in that order, read whole up
+       to DIGEST_FULL_ROW_BYTES and one byte in DIGEST_STRIDE beyond (a prime, so every byte
+       offset of an element is sampled somewhere). The same whatever other sessions shared the
+       request, so a retry may regroup sessions. A retried step must match its first try's. The
+       check runs on each row while the digest reads it, so the bytes come from memory once.
 
    encode_reply(out, shape, positions, request_id) -> bytes
        A DecodeResponse with o = the bf16 bytes `out` of `shape`, byte for byte what protobuf's
@@ -156,15 +160,19 @@ static int read_tensor(const uint8_t *p, const uint8_t *end, Tensor *t) {
 
 /* -- checks and digests ---------------------------------------------------------------------- */
 
-/* Whether some bf16 value of data[0:nbytes] is NaN or Inf (its exponent bits all ones). */
-static int has_nonfinite_bf16(const uint8_t *data, Py_ssize_t nbytes) {
-    uint16_t hit = 0;
-    for (Py_ssize_t i = 0; i + 1 < nbytes; i += 2) { /* no early exit: the compiler vectorizes it */
+/* The largest magnitude (bits but the sign) of the bf16 values of data[0:nbytes], at least `top`:
+   a value is NaN or Inf where its exponent bits are all ones, that is where its magnitude is at
+   least NONFINITE_BF16. No early exit: the loop vectorizes to an and and a signed 16-bit max per
+   8 values with baseline x86-64's SSE2. */
+#define NONFINITE_BF16 0x7F80
+static inline int16_t max_magnitude_bf16(const uint8_t *data, Py_ssize_t nbytes, int16_t top) {
+    for (Py_ssize_t i = 0; i + 1 < nbytes; i += 2) {
         uint16_t word;
         memcpy(&word, data + i, 2);
-        hit |= (uint16_t)((word & 0x7F80) == 0x7F80);
+        int16_t magnitude = (int16_t)(word & 0x7FFF);
+        top = magnitude > top ? magnitude : top;
     }
-    return hit != 0;
+    return top;
 }
 
 static uint32_t crc_table[256];
@@ -177,16 +185,32 @@ static void make_crc_table(void) { /* CRC-32 (ISO-HDLC), the one zlib.crc32 comp
     }
 }
 
-/* The CRC-32 `crc` carried on over bytes p[0], p[stride], ... below p + len. */
-static uint32_t crc_update(uint32_t crc, const uint8_t *p, Py_ssize_t len, Py_ssize_t stride) {
+/* Bytes of a row the check reads before the digest reads its samples among them: the check's
+   loads, independent of one another, then run while the digest's chain of table lookups waits,
+   and the digest finds its bytes in L1. */
+#define CHECK_BLOCK 512
+
+/* The CRC-32 `crc` carried on over bytes p[first], p[first + stride], ... below p + len, and the
+   largest bf16 magnitude of p[0:len] folded into *top (when check is set) in the same pass. */
+static uint32_t check_and_crc(uint32_t crc, const uint8_t *p, Py_ssize_t len, Py_ssize_t first, Py_ssize_t stride,
+                              int check, int16_t *top) {
     crc = ~crc;
-    for (Py_ssize_t i = 0; i < len; i += stride) crc = crc_table[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
+    Py_ssize_t i = first;
+    for (Py_ssize_t start = 0; start < len; start += CHECK_BLOCK) {
+        Py_ssize_t end = start + CHECK_BLOCK < len ? start + CHECK_BLOCK : len;
+        if (check) *top = max_magnitude_bf16(p + start, end - start, *top);
+        for (; i < end; i += stride) crc = crc_table[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
+    }
     return ~crc;
 }
 
-/* Each of `rows` rows' digest (see row_digests above) into out; data[i] holds len[i] bytes. */
-static void digest_rows(const uint8_t *const *data, const Py_ssize_t *len, Py_ssize_t rows, uint32_t *out) {
+/* Each of `rows` rows' digest (see checked_digests above) into out, and the index of the first
+   input holding a NaN or Inf (-1: none); data[i] holds len[i] bytes. Row by row, so that the
+   check's read of a row brings it into the cache for the digest's. */
+static int check_and_digest_rows(const uint8_t *const *data, const Py_ssize_t *len, Py_ssize_t rows, int check,
+                                 uint32_t *out) {
     Py_ssize_t row_bytes = 0;
+    int16_t top[N_INPUTS] = {0};
     for (int i = 0; i < N_INPUTS; i++) row_bytes += len[i] / rows;
     Py_ssize_t stride = row_bytes <= DIGEST_FULL_ROW_BYTES ? 1 : DIGEST_STRIDE;
     for (Py_ssize_t r = 0; r < rows; r++) {
@@ -194,36 +218,47 @@ static void digest_rows(const uint8_t *const *data, const Py_ssize_t *len, Py_ss
         Py_ssize_t offset = 0; /* of this input's row in the session's row: the stride runs on */
         for (int i = 0; i < N_INPUTS; i++) {
             Py_ssize_t per_row = len[i] / rows, first = (stride - offset % stride) % stride;
-            if (first < per_row) crc = crc_update(crc, data[i] + r * per_row + first, per_row - first, stride);
+            crc = check_and_crc(crc, data[i] + r * per_row, per_row, first, stride, check, &top[i]);
             offset += per_row;
         }
         out[r] = crc;
     }
+    for (int i = 0; i < N_INPUTS; i++)
+        if (top[i] >= NONFINITE_BF16) return i;
+    return -1;
 }
 
-static PyObject *digest_tuple(const uint8_t *const *data, const Py_ssize_t *len, Py_ssize_t rows) {
+/* The checked_digests of data[i] (len[i] bytes each) as (bad, digests); NULL with an error set
+   only where memory ran out. */
+static PyObject *checked_digest_pair(const uint8_t *const *data, const Py_ssize_t *len, Py_ssize_t rows, int check) {
     uint32_t *crcs = PyMem_Malloc(sizeof(uint32_t) * (size_t)rows);
     if (crcs == NULL) return PyErr_NoMemory();
-    digest_rows(data, len, rows, crcs);
-    PyObject *tuple = PyTuple_New(rows);
-    for (Py_ssize_t r = 0; tuple != NULL && r < rows; r++) {
+    int bad = check_and_digest_rows(data, len, rows, check, crcs);
+    PyObject *tuple = PyTuple_New(bad < 0 ? rows : 0);
+    for (Py_ssize_t r = 0; tuple != NULL && bad < 0 && r < rows; r++) {
         PyObject *n = PyLong_FromUnsignedLong(crcs[r]);
         if (n == NULL) Py_CLEAR(tuple);
         else PyTuple_SET_ITEM(tuple, r, n);
     }
     PyMem_Free(crcs);
-    return tuple;
+    if (tuple == NULL) return NULL;
+    PyObject *index = bad < 0 ? Py_NewRef(Py_None) : PyLong_FromLong(bad);
+    PyObject *pair = index != NULL ? PyTuple_Pack(2, index, tuple) : NULL;
+    Py_XDECREF(index);
+    Py_DECREF(tuple);
+    return pair;
 }
 
-static PyObject *row_digests(PyObject *self, PyObject *args) {
+static PyObject *checked_digests(PyObject *self, PyObject *args) {
     PyObject *inputs;
     Py_ssize_t rows;
-    if (!PyArg_ParseTuple(args, "On", &inputs, &rows)) return NULL;
+    int bf16 = 1;
+    if (!PyArg_ParseTuple(args, "On|p", &inputs, &rows, &bf16)) return NULL;
     PyObject *seq = PySequence_Fast(inputs, "inputs must be a sequence");
     if (seq == NULL) return NULL;
     if (PySequence_Fast_GET_SIZE(seq) != N_INPUTS || rows < 1) {
         Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError, "row_digests takes five inputs and rows >= 1");
+        PyErr_SetString(PyExc_ValueError, "checked_digests takes five inputs and rows >= 1");
         return NULL;
     }
     Py_buffer views[N_INPUTS];
@@ -236,7 +271,7 @@ static PyObject *row_digests(PyObject *self, PyObject *args) {
         data[held] = views[held].buf;
         len[held] = views[held].len;
     }
-    result = digest_tuple(data, len, rows);
+    result = checked_digest_pair(data, len, rows, bf16);
 done:
     for (int i = 0; i < held; i++) PyBuffer_Release(&views[i]);
     Py_DECREF(seq);
@@ -248,7 +283,7 @@ done:
 typedef struct {
     PyObject_HEAD
     long long num_layers, num_q_heads, num_v_heads, head_dim_k, head_dim_v, max_tokens, max_session_id_len,
-        max_request_id_len, defer_check_from;
+        max_request_id_len;
 } StepLimits;
 
 static PyMemberDef step_limits_members[] = {
@@ -260,19 +295,17 @@ static PyMemberDef step_limits_members[] = {
     {"max_tokens", T_LONGLONG, offsetof(StepLimits, max_tokens), READONLY, "T of a plain step at most"},
     {"max_session_id_len", T_LONGLONG, offsetof(StepLimits, max_session_id_len), READONLY, NULL},
     {"max_request_id_len", T_LONGLONG, offsetof(StepLimits, max_request_id_len), READONLY, NULL},
-    {"defer_check_from", T_LONGLONG, offsetof(StepLimits, defer_check_from), READONLY,
-     "input bytes from which the NaN/Inf check is left to the backend"},
     {NULL, 0, 0, 0, NULL},
 };
 
 static PyObject *step_limits_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"num_layers", "num_q_heads", "num_v_heads", "head_dim_k", "head_dim_v", "max_tokens",
-                            "max_session_id_len", "max_request_id_len", "defer_check_from", NULL};
-    long long v[9];
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$LLLLLLLLL:StepLimits", names, &v[0], &v[1], &v[2], &v[3],
-                                     &v[4], &v[5], &v[6], &v[7], &v[8]))
+                            "max_session_id_len", "max_request_id_len", NULL};
+    long long v[8];
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$LLLLLLLL:StepLimits", names, &v[0], &v[1], &v[2], &v[3],
+                                     &v[4], &v[5], &v[6], &v[7]))
         return NULL;
-    for (int i = 0; i < 9; i++) {
+    for (int i = 0; i < 8; i++) {
         if (v[i] < 1) {
             PyErr_Format(PyExc_ValueError, "StepLimits: %s must be >= 1, got %lld", names[i], v[i]);
             return NULL;
@@ -282,7 +315,7 @@ static PyObject *step_limits_new(PyTypeObject *type, PyObject *args, PyObject *k
     if (self == NULL) return NULL;
     self->num_layers = v[0], self->num_q_heads = v[1], self->num_v_heads = v[2], self->head_dim_k = v[3];
     self->head_dim_v = v[4], self->max_tokens = v[5], self->max_session_id_len = v[6];
-    self->max_request_id_len = v[7], self->defer_check_from = v[8];
+    self->max_request_id_len = v[7];
     return (PyObject *)self;
 }
 
@@ -305,8 +338,8 @@ static PyStructSequence_Field plain_step_fields[] = {
     {"inputs", "q, k, v, a, b: read-only memoryviews of the message's bf16 bytes, or (region, offset) "
                "for a tensor by reference"},
     {"dims", "the five inputs' shapes"},
-    {"finite_checked", "False: the inputs are big, or some by reference, and still to be checked for NaN/Inf"},
-    {"digests", "each session's row_digests; () where some input is by reference"},
+    {"digests", "each session's checked_digests; () where some input is by reference (validation checks "
+                "and digests those)"},
     {"by_reference", "some input or the output is by reference (a shared-memory region)"},
     {"o_ref", "(region, offset) where o goes, or None"},
     {NULL, NULL},
@@ -314,7 +347,7 @@ static PyStructSequence_Field plain_step_fields[] = {
 
 static PyStructSequence_Desc plain_step_desc = {
     "gdn_server._wire.PlainStep", "A DecodeRequest that is a valid plain step (parse_plain_step).",
-    plain_step_fields, 10,
+    plain_step_fields, 9,
 };
 
 /* A str of the UTF-8 bytes, or NULL (no error set) where they are not valid UTF-8 or the str
@@ -350,7 +383,7 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
     const StepLimits *lim = (const StepLimits *)args[1];
     const long long L = lim->num_layers, H = lim->num_q_heads, HV = lim->num_v_heads, K = lim->head_dim_k,
                     V = lim->head_dim_v, max_T = lim->max_tokens, max_id = lim->max_session_id_len,
-                    max_rid = lim->max_request_id_len, defer_from = lim->defer_check_from;
+                    max_rid = lim->max_request_id_len;
     PyObject *message = args[0];
     const uint8_t *base = (const uint8_t *)PyBytes_AS_STRING(message), *p = base;
     const uint8_t *end = base + PyBytes_GET_SIZE(message);
@@ -363,7 +396,7 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
     Tensor t[N_INPUTS];
     memset(t, 0, sizeof t);
     PyObject *ids = PyList_New(0), *positions = NULL, *str = NULL, *inputs = NULL, *dims = NULL, *view = NULL,
-             *digests = NULL, *result = NULL, *o_ref_obj = NULL;
+             *checked = NULL, *digests = NULL, *result = NULL, *o_ref_obj = NULL;
     if (ids == NULL) return NULL;
 
     while (p < end) {
@@ -434,7 +467,7 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
     };
     const int ndims[N_INPUTS] = {4, 4, 4, 3, 3};
     const uint8_t *data[N_INPUTS];
-    Py_ssize_t lens[N_INPUTS], total = 0;
+    Py_ssize_t lens[N_INPUTS];
     int by_reference = o_ref.seen;
     for (int i = 0; i < N_INPUTS; i++) {
         if (!t[i].seen || t[i].dtype != BF16 || t[i].ndim != ndims[i]) NOT_PLAIN;
@@ -451,12 +484,10 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
         }
         data[i] = t[i].data;
         lens[i] = t[i].len;
-        total += t[i].len;
     }
-    int finite_checked = total < defer_from && !by_reference;
-    if (finite_checked) {
-        for (int i = 0; i < N_INPUTS; i++)
-            if (has_nonfinite_bf16(data[i], lens[i])) NOT_PLAIN; /* validation names the input */
+    if (!by_reference) {
+        if ((checked = checked_digest_pair(data, lens, B, 1)) == NULL) goto error;
+        if (PyTuple_GET_ITEM(checked, 0) != Py_None) NOT_PLAIN; /* a NaN or Inf: validation names the input */
     }
     if (rid_len > 0) {
         if ((str = short_str(rid, rid_len, max_rid)) == NULL) goto not_plain_or_error;
@@ -491,23 +522,22 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
     } else {
         o_ref_obj = Py_NewRef(Py_None);
     }
-    digests = by_reference ? PyTuple_New(0) : digest_tuple(data, lens, B);
+    digests = by_reference ? PyTuple_New(0) : Py_NewRef(PyTuple_GET_ITEM(checked, 1));
     if (digests == NULL) goto error;
     result = PyStructSequence_New(&PlainStepType);
     if (result == NULL) goto error;
     PyObject *id_tuple = PyList_AsTuple(ids);
     if (id_tuple == NULL) goto error;
-    PyObject *fields[10] = {
-        PyLong_FromUnsignedLongLong(layer), id_tuple, positions, str, inputs, dims,
-        Py_NewRef(finite_checked ? Py_True : Py_False), digests, Py_NewRef(by_reference ? Py_True : Py_False),
-        o_ref_obj,
+    PyObject *fields[9] = {
+        PyLong_FromUnsignedLongLong(layer), id_tuple, positions, str, inputs, dims, digests,
+        Py_NewRef(by_reference ? Py_True : Py_False), o_ref_obj,
     };
     if (fields[0] == NULL) {
         Py_DECREF(id_tuple);
         goto error;
     }
     positions = str = inputs = dims = digests = o_ref_obj = NULL; /* the result holds them now */
-    for (int i = 0; i < 10; i++) PyStructSequence_SET_ITEM(result, i, fields[i]);
+    for (int i = 0; i < 9; i++) PyStructSequence_SET_ITEM(result, i, fields[i]);
     goto done;
 
 not_plain_or_error:
@@ -524,6 +554,7 @@ done:
     Py_XDECREF(inputs);
     Py_XDECREF(dims);
     Py_XDECREF(view);
+    Py_XDECREF(checked);
     Py_XDECREF(digests);
     Py_XDECREF(o_ref_obj);
     return result;
@@ -621,7 +652,9 @@ done:
 static PyMethodDef methods[] = {
     {"parse_plain_step", (PyCFunction)(void (*)(void))parse_plain_step, METH_FASTCALL,
      "parse_plain_step(data, limits) -> PlainStep | None: a serialized DecodeRequest that is a valid plain step"},
-    {"row_digests", row_digests, METH_VARARGS, "row_digests(inputs, rows) -> tuple: each session's inputs' CRC-32"},
+    {"checked_digests", checked_digests, METH_VARARGS,
+     "checked_digests(inputs, rows, bf16=True) -> (bad, digests): the first bf16 input with a NaN or Inf (or None), and "
+     "each session's inputs' CRC-32"},
     {"encode_reply", encode_reply, METH_VARARGS,
      "encode_reply(out, shape, positions, request_id) -> bytes: a serialized DecodeResponse"},
     {NULL, NULL, 0, NULL},

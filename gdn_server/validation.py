@@ -9,6 +9,11 @@ GPU backend copies into its staging buffer as they are. Everything else is parse
 checked here in Python, which also says what is wrong with a request the C declined; f16/f32
 inputs become float tensors here.
 
+Every input leaves here checked for NaN/Inf: bf16 bytes by gdn_server._wire (the parse, or
+`checked_digests` for the rest: one rule, in the same pass as the digests), f16/f32 bytes by
+gdn_client.proto.checks, inputs in device memory on their device (`device_checks`). Nothing
+after validation checks them again.
+
 Tensors by reference (TensorRef, into a shared-memory region the caller registered) become views
 of the region here, through the `resolve` function the servicer passes for the caller
 (gdn_server.shared_memory): host memory as buffers like a message's bytes, device memory as CUDA
@@ -23,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gdn_client.proto.checks import (
-    ITEMSIZE_OF, WireFormatError, check_layout, describe_shape, finite_flags, first_nonfinite, has_nonfinite,
+    ITEMSIZE_OF, WireFormatError, check_layout, describe_shape, finite_flags, has_nonfinite,
     torch_dtypes,
 )
 from gdn_client.proto.gdn.v1 import gdn_pb2
@@ -35,16 +40,13 @@ from gdn_server.limits import MAX_REQUEST_ID_LEN, MAX_SESSION_ID_LEN
 from gdn_server.work import INPUT_NAMES, DecodeWork
 
 MAX_POSITION = _wire.MAX_POSITION  # 2^63 - 1: positions travel as uint64 and are kept as signed 64-bit counts
-# bf16 inputs of at least this many bytes in all leave their NaN/Inf check to the backend, which
-# stages them anyway (a GPU's staging copy, the CPU's step) and checks them before any state
-# changes: one pass over the request's bytes fewer on the event loop. Below it the check is cheap.
-DEFERRED_CHECK_BYTES = 1 << 20
 TORCH_DTYPE = torch_dtypes()
 _ALL_BF16 = (gdn_pb2.BF16,) * 5
 
-# Each session's inputs as sent, digested (CRC-32 of its q, k, v, a, b rows, sampled when long):
-# what a retry of its step must match. gdn_server/_wire.c says how.
-row_digests = _wire.row_digests
+# (inputs, rows, bf16=True) -> (index of the first bf16 input with a NaN or Inf, or None; each
+# session's inputs as sent, digested: a CRC-32 of its q, k, v, a, b rows, sampled when long), in
+# one pass over the bytes; the digest is what a retry of its step must match. gdn_server/_wire.c.
+checked_digests = _wire.checked_digests
 # A tensor reference's resolution (gdn_server.shared_memory.SharedMemoryRegistry.resolver):
 # (region, offset, byte count) -> a buffer of host memory or a CUDA uint8 tensor
 Resolve = Callable[[str, int, int], Any]
@@ -56,7 +58,7 @@ def step_limits(shape: ModelShape) -> StepLimits:
     return StepLimits(
         num_layers=s.num_layers, num_q_heads=s.num_q_heads, num_v_heads=s.num_v_heads, head_dim_k=s.head_dim_k,
         head_dim_v=s.head_dim_v, max_tokens=s.max_tokens_per_step, max_session_id_len=MAX_SESSION_ID_LEN,
-        max_request_id_len=MAX_REQUEST_ID_LEN, defer_check_from=DEFERRED_CHECK_BYTES,
+        max_request_id_len=MAX_REQUEST_ID_LEN,
     )
 
 
@@ -79,21 +81,17 @@ def decode_work(request: PlainStep | gdn_pb2.DecodeRequest, shape: ModelShape, o
         return DecodeWork(
             request.layer, request.session_ids, positions=request.positions, request_id=request.request_id,
             owner=owner, owner_key=owner_key, bf16_bytes=request.inputs, input_dims=request.dims,
-            finite_checked=request.finite_checked, digests=request.digests,
+            digests=request.digests,
         )
-    return decode_work_from_request(request, shape, defer_finite_check=True, owner=owner, owner_key=owner_key,
-                                    resolve=resolve)
+    return decode_work_from_request(request, shape, owner=owner, owner_key=owner_key, resolve=resolve)
 
 
 def decode_work_from_request(
-    req: gdn_pb2.DecodeRequest, shape: ModelShape, defer_finite_check: bool = False,
-    owner: str | None = None, owner_key: str | None = None, resolve: Resolve | None = None,
+    req: gdn_pb2.DecodeRequest, shape: ModelShape, owner: str | None = None, owner_key: str | None = None,
+    resolve: Resolve | None = None,
 ) -> DecodeWork:
     """Checks a DecodeRequest against the model shape; raises InvalidArgument with a precise reason.
-
-    With `defer_finite_check`, bf16 inputs of DEFERRED_CHECK_BYTES or more are not checked for
-    NaN/Inf here: the work says so (`finite_checked=False`) and the backend checks them. Tensor
-    references are resolved with `resolve` (see `Resolve`; None: FailedPrecondition)."""
+    Tensor references are resolved with `resolve` (see `Resolve`; None: FailedPrecondition)."""
     L = shape.num_layers
     layer = req.layer
     if layer >= L:
@@ -137,7 +135,7 @@ def decode_work_from_request(
         layer=layer, session_ids=session_ids, positions=positions, request_id=request_id,
         speculative=speculative, owner=owner, owner_key=owner_key, output=output,
     )
-    return _checked_work(common, raw, dtypes, dims, defer_finite_check)
+    return _checked_work(common, raw, dtypes, dims)
 
 
 def _plain_step_by_reference(step: PlainStep, shape: ModelShape, owner: str | None, owner_key: str | None,
@@ -150,7 +148,7 @@ def _plain_step_by_reference(step: PlainStep, shape: ModelShape, owner: str | No
         layer=step.layer, session_ids=step.session_ids, positions=step.positions, request_id=step.request_id,
         speculative=False, owner=owner, owner_key=owner_key, output=output,
     )
-    return _checked_work(common, raw, _ALL_BF16, step.dims, True)
+    return _checked_work(common, raw, _ALL_BF16, step.dims)
 
 
 def _resolved(raw: Sequence[Any], refs: Sequence[tuple[str, int] | None], o_ref: tuple[str, int] | None,
@@ -182,17 +180,15 @@ def _resolved(raw: Sequence[Any], refs: Sequence[tuple[str, int] | None], o_ref:
     return tuple(out), output
 
 
-def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequence[tuple[int, ...]],
-                  defer_finite_check: bool) -> DecodeWork:
-    """The DecodeWork of checked, resolved inputs: their NaN/Inf check (or its deferral) and digests."""
+def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequence[tuple[int, ...]]) -> DecodeWork:
+    """The DecodeWork of resolved inputs of checked layout: their NaN/Inf check and digests."""
     B = len(common["session_ids"])
     on_device = [type(r) is torch.Tensor for r in raw]
     if tuple(dtypes) == _ALL_BF16 and not any(on_device):
-        finite_checked = not (defer_finite_check and sum(map(len, raw)) >= DEFERRED_CHECK_BYTES)
-        if finite_checked:
-            check_finite(raw)
-        return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), finite_checked=finite_checked,
-                          digests=row_digests(raw, B))
+        bad, digests = checked_digests(raw, B)
+        if bad is not None:
+            raise nonfinite_input(INPUT_NAMES[bad])
+        return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), digests=digests)
     tensors = {}
     for name, dtype, d, data, device in zip(INPUT_NAMES, dtypes, dims, raw, on_device):
         torch_dtype = TORCH_DTYPE[dtype]
@@ -207,7 +203,7 @@ def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequenc
         if bad is not None:
             raise nonfinite_input(INPUT_NAMES[bad])
     else:
-        digests = row_digests(raw, B)
+        digests = checked_digests(raw, B, False)[1]  # f16/f32: checked above
     return DecodeWork(**common, **tensors, digests=digests)
 
 
@@ -272,9 +268,9 @@ def check_shapes(messages: Sequence[gdn_pb2.Tensor], B: int, speculative: bool,
 
 def check_finite(raw: Sequence[Any]) -> None:
     """InvalidArgument naming the first of q, k, v, a, b (their bf16 bytes) with a NaN or Inf."""
-    index = first_nonfinite(raw, gdn_pb2.BF16)
-    if index is not None:
-        raise nonfinite_input(INPUT_NAMES[index])
+    bad = checked_digests(raw, 1)[0]
+    if bad is not None:
+        raise nonfinite_input(INPUT_NAMES[bad])
 
 
 def nonfinite_input(name: str) -> InvalidArgument:

@@ -7,7 +7,8 @@ checks it stands in front of.
   derandomized: CI runs the same examples every time).
 - Tensors by reference (Tensor.ref, o_ref) are taken by the C parse too: resolved (here against a
   stand-in region), they give the DecodeWork protobuf and validation give.
-- row_digests equals the digest written out in Python below (its oracle).
+- checked_digests' digests equal the digest written out in Python below (its oracle), and its
+  NaN/Inf rule is gdn_client.proto.checks' for bf16, in a row of any input, at any size.
 - encode_reply gives what protobuf's SerializeToString gives, byte for byte.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ SHAPE = ModelShape(num_layers=3, num_q_heads=2, num_v_heads=4, head_dim_k=8, hea
 LIMITS = step_limits(SHAPE)
 FUZZ = settings(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None,
                 max_examples=400)
-FIELDS = ("layer", "session_ids", "positions", "request_id", "bf16_bytes", "input_dims", "finite_checked", "digests",
+FIELDS = ("layer", "session_ids", "positions", "request_id", "bf16_bytes", "input_dims", "digests",
           "output")
 # a stand-in shared-memory region "r" of finite bf16 values, as the servicer's resolve would give it
 REGION = torch.randn(1 << 14, generator=torch.Generator().manual_seed(9)).bfloat16().view(torch.uint8).numpy().tobytes()
@@ -69,8 +70,7 @@ def python_work(data: bytes):
     """What protobuf and the Python checks make of `data`: a DecodeWork's fields, or None where
     protobuf or a check refuses it (or it is not a plain step)."""
     try:
-        work = decode_work_from_request(gdn_pb2.DecodeRequest.FromString(data), SHAPE, defer_finite_check=True,
-                                        resolve=resolve)
+        work = decode_work_from_request(gdn_pb2.DecodeRequest.FromString(data), SHAPE, resolve=resolve)
     except (DecodeError, GdnError):
         return None
     if work.speculative or work.bf16_bytes is None:
@@ -138,15 +138,16 @@ def test_corpus_agrees_with_protobuf_and_validation(index):
     assert c_work(data) == want
 
 
-def test_big_inputs_leave_the_nan_check_to_the_backend():
+def test_big_inputs_are_checked_by_the_parse():
     shape = ModelShape(num_layers=1, num_q_heads=16, num_v_heads=32, head_dim_k=128, head_dim_v=128)
     gen = torch.Generator().manual_seed(0)
-    rows = 64  # 64 x 16.5 KB of inputs: above DEFERRED_CHECK_BYTES
+    rows = 64  # 64 x 16.5 KB of inputs
     inputs = random_inputs(rows, 1, 16, 32, 128, gen=gen, dtype=torch.bfloat16)
+    data = decode_request(0, [f"s{i}" for i in range(rows)], inputs).SerializeToString()
+    assert type(_wire.parse_plain_step(data, step_limits(shape))) is _wire.PlainStep
     inputs["q"][5, 0, 3, 7] = float("nan")
     data = decode_request(0, [f"s{i}" for i in range(rows)], inputs).SerializeToString()
-    step = parse_decode_request(data, step_limits(shape))
-    assert type(step) is _wire.PlainStep and step.finite_checked is False  # the backend finds the NaN
+    assert _wire.parse_plain_step(data, step_limits(shape)) is None  # validation names the input
 
 
 def test_other_encodings_go_to_protobuf():
@@ -190,7 +191,7 @@ def test_random_bytes_agree_with_protobuf(data):
 
 
 def digests_in_python(raw, rows: int) -> tuple[int, ...]:
-    """The oracle of _wire.row_digests: each row's q, k, v, a, b bytes joined, every byte of it
+    """The oracle of _wire.checked_digests' digests: each row's q, k, v, a, b bytes joined, every byte of it
     up to 1024 bytes, else one byte in 61, CRC-32."""
     out = []
     for r in range(rows):
@@ -201,11 +202,33 @@ def digests_in_python(raw, rows: int) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("rows,sizes", [(1, (8, 8, 16, 2, 2)), (3, (48, 48, 96, 6, 6)), (1, (4096, 4096, 8192, 64, 64)),
                                         (4, (4096 * 4, 4096 * 4, 8192 * 4, 256, 256)), (2, (0, 0, 0, 0, 0))])
-def test_row_digests_match_the_python_oracle(rows, sizes):
+def test_digests_match_the_python_oracle(rows, sizes):
     rng = np.random.default_rng(rows)
     raw = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
-    assert _wire.row_digests(raw, rows) == digests_in_python(raw, rows)
-    assert _wire.row_digests([memoryview(x) for x in raw], rows) == digests_in_python(raw, rows)
+    assert _wire.checked_digests(raw, rows, False) == (None, digests_in_python(raw, rows))
+    assert _wire.checked_digests([memoryview(x) for x in raw], rows, False) == (None, digests_in_python(raw, rows))
+    finite = [(np.frombuffer(x, dtype=np.uint16) & 0x3FFF).tobytes() for x in raw]  # exponents never all ones
+    assert _wire.checked_digests(finite, rows) == (None, digests_in_python(finite, rows))
+
+
+@pytest.mark.parametrize("rows,per_row", [(1, (8, 8, 16, 2, 2)), (3, (4096, 4096, 8192, 64, 64)),
+                                          (5, (1030, 2, 514, 2, 2))])
+def test_checked_digests_finds_every_nonfinite_bf16_where_the_checks_do(rows, per_row):
+    """A NaN or Inf at each end of each row of each input (blocks of the C loop end there too):
+    the first input holding one is named, as gdn_client.proto.checks names it."""
+    from gdn_client.proto.checks import first_nonfinite
+
+    rng = np.random.default_rng(rows)
+    clean = [(rng.integers(0, 1 << 16, rows * n // 2, dtype=np.uint16) & 0xBF7F) for n in per_row]
+    assert _wire.checked_digests([x.tobytes() for x in clean], rows)[0] is None
+    for index, n in enumerate(per_row):
+        for row in range(rows):
+            for word in (row * n // 2, (row + 1) * n // 2 - 1):
+                for bits in (0x7F80, 0xFFC1):
+                    poisoned = [x.copy() for x in clean]
+                    poisoned[index][word] = bits
+                    raw = [x.tobytes() for x in poisoned]
+                    assert _wire.checked_digests(raw, rows) == (index, ()) == (first_nonfinite(raw, gdn_pb2.BF16), ())
 
 
 @FUZZ
@@ -232,13 +255,13 @@ def test_the_c_constants_are_the_protos_and_validations():
     assert _wire.MAX_POSITION == validation.MAX_POSITION == 2**63 - 1
     assert (LIMITS.num_layers, LIMITS.num_q_heads, LIMITS.num_v_heads, LIMITS.head_dim_k, LIMITS.head_dim_v,
             LIMITS.max_tokens) == (3, 2, 4, 8, 8, 4)
-    assert (LIMITS.max_session_id_len, LIMITS.max_request_id_len, LIMITS.defer_check_from) == (
-        limits.MAX_SESSION_ID_LEN, limits.MAX_REQUEST_ID_LEN, validation.DEFERRED_CHECK_BYTES)
+    assert (LIMITS.max_session_id_len, LIMITS.max_request_id_len) == (limits.MAX_SESSION_ID_LEN,
+                                                                      limits.MAX_REQUEST_ID_LEN)
     with pytest.raises(TypeError):
         _wire.parse_plain_step(plain().SerializeToString(), tuple(range(1, 10)))  # no positional tuple
     with pytest.raises(ValueError, match="max_tokens"):
         _wire.StepLimits(num_layers=1, num_q_heads=1, num_v_heads=1, head_dim_k=1, head_dim_v=1, max_tokens=0,
-                         max_session_id_len=1, max_request_id_len=1, defer_check_from=1)
+                         max_session_id_len=1, max_request_id_len=1)
 
 
 @pytest.mark.parametrize("T", [1, 4])
@@ -286,7 +309,7 @@ def test_device_checks_find_nonfinite_inputs_and_digest_each_row_alone():
 def test_the_c_parse_takes_steps_by_reference():
     data = plain(B=2, T=2, refs="qvb", o_ref=("r", 4096)).SerializeToString()
     step = _wire.parse_plain_step(data, LIMITS)
-    assert step.by_reference and step.o_ref == ("r", 4096) and step.digests == () and not step.finite_checked
+    assert step.by_reference and step.o_ref == ("r", 4096) and step.digests == ()
     assert [type(x) for x in step.inputs] == [tuple, memoryview, tuple, memoryview, tuple] and step.inputs[2] == ("r", 64)
     assert c_work(data) == python_work(data) is not None
     inline = _wire.parse_plain_step(plain().SerializeToString(), LIMITS)

@@ -1,7 +1,8 @@
-"""Big bf16 requests leave their NaN/Inf check to the backend (validation.DEFERRED_CHECK_BYTES):
-the backend checks them before the step runs, the scheduler answers the culprits with
-INVALID_ARGUMENT and runs the rest of the batch, and no state or position moves for them.
-In-process with the CPU backend, and against a real server with a request of over 1 MiB."""
+"""The NaN/Inf rule of bf16 inputs: validation checks every request, whatever its size, in the
+pass that digests it (gdn_server._wire), so no request reaches the scheduler unchecked, and a
+big request with a NaN or Inf is INVALID_ARGUMENT naming the input and changes nothing (against a
+real server, with requests of over 1 MiB). The backends' check of a DecodeWork marked unchecked
+(`finite_checked` False, which validation no longer makes) is tested in-process while it exists."""
 from __future__ import annotations
 
 import grpc
@@ -14,7 +15,7 @@ from gdn_server.config import ModelShape, SchedulerConfig
 from gdn_server.errors import InvalidArgument
 from gdn_server.scheduler import Scheduler
 from gdn_server.sessions import SessionTable
-from gdn_server.validation import DEFERRED_CHECK_BYTES, decode_work_from_request
+from gdn_server.validation import decode_work, decode_work_from_request, parse_decode_request, step_limits
 from gdn_server.weights import random_gate_params
 from gdn_server.work import INPUT_NAMES, DecodeWork
 from servers import start_server
@@ -66,19 +67,27 @@ def test_the_scheduler_answers_unchecked_culprits_and_runs_the_rest_of_their_bat
         assert (1 in s.last_steps) == (i in (0, 3))
 
 
-def test_only_big_bf16_requests_defer_their_check():
+@pytest.mark.parametrize("rows", [1, 64, 300])  # 16.5 KB to 5 MB of inputs
+@pytest.mark.parametrize("culprit", ["q", "k", "v", "a", "b", None])
+def test_validation_checks_every_bf16_request_whatever_its_size(rows, culprit):
     shape = ModelShape(num_layers=1, num_q_heads=16, num_v_heads=32)
-    per_row = 2 * (2 * 16 * 128 + 32 * 128 + 2 * 32)
-    for rows, deferred in ((DEFERRED_CHECK_BYTES // per_row, False), (DEFERRED_CHECK_BYTES // per_row + 1, True)):
-        x = random_inputs(rows, 1, 16, 32, gen=torch.Generator().manual_seed(rows), dtype=torch.bfloat16)
-        req = decode_request(0, [f"s{i}" for i in range(rows)], x)
-        assert decode_work_from_request(req, shape, defer_finite_check=True).finite_checked is not deferred
-        assert decode_work_from_request(req, shape).finite_checked  # never without being asked
+    x = random_inputs(rows, 1, 16, 32, gen=torch.Generator().manual_seed(rows), dtype=torch.bfloat16)
+    if culprit is not None:
+        x[culprit][rows - 1, 0].view(-1)[-1] = float("-inf")
+    data = decode_request(0, [f"s{i}" for i in range(rows)], x).SerializeToString()
+    for make in (lambda: decode_work(parse_decode_request(data, step_limits(shape)), shape),
+                 lambda: decode_work_from_request(gdn_pb2.DecodeRequest.FromString(data), shape)):
+        if culprit is None:
+            work = make()
+            assert work.finite_checked and len(work.digests) == rows
+        else:
+            with pytest.raises(InvalidArgument, match=f"^{culprit} has NaN or Inf values$"):
+                make()
 
 
 @pytest.fixture(scope="module")
 def wide_server():
-    """Qwen3-Next's head counts on one layer: 64 rows of inputs are just over 1 MiB."""
+    """Qwen3-Next's head counts on one layer: 70 rows of inputs are over 1 MiB."""
     with start_server("--layers", "1", "--q-heads", "16", "--v-heads", "32", "--max-sessions", "80") as srv:
         yield srv
 
