@@ -16,11 +16,19 @@ from gdn_server.kernels._ring_api import (  # noqa: E402
 D = 128
 
 
-@pytest.mark.parametrize("T,H,HV", [(1, 16, 32), (4, 16, 32), (8, 16, 32), (0, 16, 32), (4, 8, 32), (4, 32, 32)])
-def test_compiles_for_sm90a(T, H, HV):
-    fn = compile_ring(T, H, HV)
-    assert fn is compile_ring(T, H, HV)  # cached
+COMPILED = [(1, 16, 32), (4, 16, 32), (8, 16, 32), (0, 16, 32), (4, 8, 32), (4, 32, 32)]
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("T,H,HV", COMPILED)
+def test_compiles_for_sm90a(T, H, HV, state_dtype):
+    fn = compile_ring(T, H, HV, state_dtype)
+    assert fn is compile_ring(T, H, HV, state_dtype)  # cached per state dtype
     assert fn.__tvm_ffi_object__() is not None
+
+
+def test_state_dtypes_are_separate_kernels():
+    assert compile_ring(4, 16, 32, "float32") is not compile_ring(4, 16, 32, "bfloat16")
 
 
 @pytest.mark.parametrize("T,H,HV", [(9, 16, 32), (-1, 16, 32), (4, 16, 24), (4, 0, 32), (4, 2, 32)])
@@ -29,16 +37,21 @@ def test_unsupported_shapes_are_value_errors(T, H, HV):
         check_ring_variant(T, H, HV)
 
 
+def test_unsupported_state_dtype_is_a_value_error():
+    with pytest.raises(ValueError, match="float16"):
+        check_ring_variant(4, 16, 32, "float16")
+
+
 def test_folded_base_is_the_kernels_rule():
     assert [folded_base(P, 4) for P in (0, 4, 12, 13, 16)] == [0, 4, 12, 0, 0]
     assert folded_base(RING - 8, 8) == RING - 8 and folded_base(RING - 7, 8) == 0
 
 
-def _args(B=3, T=4, H=16, HV=32, N=5):
+def _args(B=3, T=4, H=16, HV=32, N=5, state_dtype=torch.bfloat16):
     bf = torch.bfloat16
     ring_k, ring_u, ring_g = new_ring(N, H, HV, device="cpu")
     return dict(
-        state=torch.zeros(N, HV, D, D, dtype=bf), rows=torch.arange(B, dtype=torch.int32),
+        state=torch.zeros(N, HV, D, D, dtype=state_dtype), rows=torch.arange(B, dtype=torch.int32),
         hist=torch.zeros(B, dtype=torch.int32), ring_k=ring_k, ring_u=ring_u, ring_g=ring_g,
         layers=torch.zeros(B, dtype=torch.int32), q=torch.zeros(B, T, H, D, dtype=bf), k=torch.zeros(B, T, H, D, dtype=bf),
         v=torch.zeros(B, T, HV, D, dtype=bf), a=torch.zeros(B, T, HV, dtype=bf), b=torch.zeros(B, T, HV, dtype=bf),
@@ -51,8 +64,9 @@ def _check(args):
     validate_ring_args(*(args[n] for n in fixed), **{n: v for n, v in args.items() if n not in fixed}, require_cuda=False)
 
 
-def test_good_arguments_pass_and_shapes_agree():
-    _check(_args())
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+def test_good_arguments_pass_and_shapes_agree(state_dtype):
+    _check(_args(state_dtype=state_dtype))
     assert ring_shapes(5, 16, 32) == dict(ring_k=(5, 16, RING, D), ring_u=(5, 32, D, RING), ring_g=(5, 32, RING))
 
 
@@ -66,6 +80,7 @@ def test_good_arguments_pass_and_shapes_agree():
     ("ring_g", torch.zeros(4, 32, RING)),  # rows of another pool
     ("out", torch.zeros(3, 4, 32, D, dtype=torch.bfloat16).transpose(0, 1).contiguous().transpose(0, 1)),
     ("q", torch.zeros(3, 9, 16, D, dtype=torch.bfloat16)),  # T = 9
+    ("state", torch.zeros(5, 32, D, D, dtype=torch.float16)),  # not a state dtype
 ])
 def test_bad_argument_is_a_value_error(name, value):
     args = _args()

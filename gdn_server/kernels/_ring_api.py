@@ -17,13 +17,13 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from ._api import cached_compile, check_placement, fake, fake_step_inputs
+from ._api import STATE_DTYPES, cached_compile, check_placement, fake, fake_step_inputs
 
 HEAD_DIM = 128
 RING = 16  # entries per (pool row, head); `_ring_kernel.RING`
 MAX_T = 8
 
-_cache: dict[tuple[int, int, int], Callable[..., Any]] = {}
+_cache: dict[tuple[int, int, int, str], Callable[..., Any]] = {}
 
 
 def folded_base(P: int, T: int) -> int:
@@ -46,36 +46,41 @@ def new_ring(num_rows: int, H: int, HV: int, device: Any = "cuda"):
             torch.zeros(shapes["ring_g"], dtype=torch.float32, device=device))
 
 
-def check_ring_variant(T: int, H: int, HV: int) -> None:
-    """Raise ValueError unless the ring kernels support this (T, H, HV); T = 0 is the fold."""
+def check_ring_variant(T: int, H: int, HV: int, state_dtype: str = "bfloat16") -> None:
+    """Raise ValueError unless the ring kernels support this (T, H, HV) and state dtype; T = 0 is
+    the fold."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state dtype {state_dtype!r} is not supported: one of {', '.join(STATE_DTYPES)}")
     if not 0 <= T <= MAX_T:
         raise ValueError(f"T={T} tokens per verify is not supported (1..{MAX_T})")
     if H < 1 or HV < 1 or HV % H != 0 or HV // H > 8:
         raise ValueError(f"HV={HV} must be a multiple of H={H}, at most 8 times it")
 
 
-def compile_ring(T: int, H: int, HV: int) -> Callable[..., Any]:
-    """Compile (or fetch) the verify of T tokens (T = 0: the fold) for (H, HV); no GPU needed
+def compile_ring(T: int, H: int, HV: int, state_dtype: str = "bfloat16") -> Callable[..., Any]:
+    """Compile (or fetch) the verify of T tokens (T = 0: the fold) for (H, HV) over a state pool of
+    `state_dtype` (one of STATE_DTYPES, a compile-time parameter of one kernel); no GPU needed
     (set CUTE_DSL_ARCH=sm_90a without one)."""
-    check_ring_variant(T, H, HV)
-    return cached_compile(_cache, (T, H, HV), lambda: _compile(T, H, HV))
+    check_ring_variant(T, H, HV, state_dtype)
+    return cached_compile(_cache, (T, H, HV, state_dtype), lambda: _compile(T, H, HV, state_dtype))
 
 
-def _compile(T: int, H: int, HV: int) -> Callable[..., Any]:
+def _compile(T: int, H: int, HV: int, state_dtype: str) -> Callable[..., Any]:
     import cutlass.cute as cute
     from cutlass import BFloat16, Float16, Float32, Int32
     from cutlass.cute.runtime import make_fake_stream
 
+    from ._decode_kernel import STATE_DTYPES as STATE_TYPES
     from ._ring_kernel import RingConfig, RingFoldKernel, RingVerifyKernel
 
     D = HEAD_DIM
     batch, rows, layers = cute.sym_int(), cute.sym_int(), cute.sym_int()
 
-    state = fake(BFloat16, (rows, HV, D, D), 16)
+    state = fake(STATE_TYPES[state_dtype], (rows, HV, D, D), 16)
     row_idx, hist = fake(Int32, (batch,), 4), fake(Int32, (batch,), 4)
     ring = (fake(BFloat16, (rows, H, RING, D), 16), fake(Float16, (rows, HV, D, RING), 16), fake(Float32, (rows, HV, RING), 16))
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    cfg = RingConfig(T, H, HV)
+    cfg = RingConfig(T, H, HV, state_dtype)
     if T == 0:
         return cute.compile(RingFoldKernel(cfg), state, row_idx, hist, *ring, stream, options="--enable-tvm-ffi")
     return cute.compile(
@@ -102,7 +107,9 @@ def validate_ring_args(state, rows, hist, ring_k, ring_u, ring_g, *, layers=None
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    dtypes = dict(rows=torch.int32, hist=torch.int32, layers=torch.int32, A_log=torch.float32, dt_bias=torch.float32,
+    if not isinstance(state, torch.Tensor) or state.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"state must be a torch.bfloat16 or torch.float32 tensor, got {getattr(state, 'dtype', type(state).__name__)}")
+    dtypes = dict(state=state.dtype, rows=torch.int32, hist=torch.int32, layers=torch.int32, A_log=torch.float32, dt_bias=torch.float32,
                   ring_u=torch.float16, ring_g=torch.float32)
     for name, t in named.items():
         want = dtypes.get(name, torch.bfloat16)
@@ -137,11 +144,21 @@ def validate_ring_args(state, rows, hist, ring_k, ring_u, ring_g, *, layers=None
 _checked: set[tuple] = set()
 
 
+def _key(T: int, state, ring_k) -> tuple:
+    """The compile key of a launch's arguments (checked in full by `validate_ring_args` on its first
+    launch): (T, H, HV, state dtype name)."""
+    def dim(t, i):
+        return t.shape[i] if getattr(t, "dim", lambda: 0)() == 4 else -1
+
+    return T, dim(ring_k, 1), dim(state, 1), str(getattr(state, "dtype", "")).removeprefix("torch.")
+
+
 def ring_verify(state, rows, hist, layers, q, k, v, a, b, A_log, dt_bias, ring_k, ring_u, ring_g, out,
                 *, scale: float | None = None, softplus_beta: float = 1.0, softplus_threshold: float = 20.0):
     """A speculative step of T tokens for B rows over their history rings, in one launch; returns `out`.
 
-    state   [rows, HV, 128, 128] bf16 checkpoints: read; written only by a row that folds
+    state   [rows, HV, 128, 128] bf16 or fp32 checkpoints (the kernel compiled for its dtype): read;
+            written only by a row that folds
     rows    [B] int32 pool row of each batch row; < 0 marks padding (nothing read or written but
             zero outputs). Live rows must be distinct.
     hist    [B] int32 committed ring entries P (0..16). A row with P + T > 16 folds its P entries
@@ -152,9 +169,7 @@ def ring_verify(state, rows, hist, layers, q, k, v, a, b, A_log, dt_bias, ring_k
             (`new_ring`): entries [base, base + T) are written
     out     [B, T, HV, 128] bf16, written in full
     """
-    T = q.shape[1] if getattr(q, "dim", lambda: 0)() == 4 else -1
-    key = (T, ring_k.shape[1] if getattr(ring_k, "dim", lambda: 0)() == 4 else -1,
-           state.shape[1] if getattr(state, "dim", lambda: 0)() == 4 else -1)
+    key = _key(q.shape[1] if getattr(q, "dim", lambda: 0)() == 4 else -1, state, ring_k)
     if key not in _checked:
         validate_ring_args(state, rows, hist, ring_k, ring_u, ring_g, layers=layers, q=q, k=k, v=v, a=a, b=b,
                            A_log=A_log, dt_bias=dt_bias, out=out)
@@ -172,10 +187,9 @@ def ring_verify(state, rows, hist, layers, q, k, v, a, b, A_log, dt_bias, ring_k
 
 
 def ring_fold(state, rows, hist, ring_k, ring_u, ring_g) -> None:
-    """Folds each row's first hist[i] ring entries into its state (in place, bf16); the caller's
+    """Folds each row's first hist[i] ring entries into its state (in place, bf16 or fp32); the caller's
     P becomes 0. Rows with rows[i] < 0 or hist[i] == 0 are left untouched."""
-    key = (0, ring_k.shape[1] if getattr(ring_k, "dim", lambda: 0)() == 4 else -1,
-           state.shape[1] if getattr(state, "dim", lambda: 0)() == 4 else -1)
+    key = _key(0, state, ring_k)
     if key not in _checked:
         validate_ring_args(state, rows, hist, ring_k, ring_u, ring_g)
         _checked.add(key)

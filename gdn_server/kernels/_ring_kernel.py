@@ -48,6 +48,15 @@ two 16-byte loads per row chunk, identical for the state as the A operand (verif
 accumulator (fold): lane (g, c) = (lane / 4, lane % 4) holds rows g and g + 8 of its warp's 16,
 K elements [32 s + 8 c, 32 s + 8 c + 8) for s = 0..3. Ring entries are permuted the same way
 (thread c holds entries 4c..4c+3), so a row's corrections are one 8-byte load.
+
+The state's dtype is a compile-time parameter (`RingConfig.state_dtype`), as in `_decode_kernel`:
+a bf16 state is the A operand as loaded and a fold rounds it to bf16 once; an fp32 state's
+fragment holds the same K elements as fp32 (two 16-byte loads per chunk), is split into bf16
+head + tail A operands for the products (two MMAs, ~2^-16 relative: a bf16 operand would put
+2^-9 in every correction) and is the fold's accumulator as it is, stored without rounding. The
+ring keeps its dtypes for both: an fp32 state's folds carry the fp16 corrections' 2^-11.
+An fp32 fragment is twice the registers, so that variant runs one CTA per SM instead of two
+(no 128-register cap to spill under).
 """
 from __future__ import annotations
 
@@ -72,6 +81,8 @@ PADDED = HEAD_DIM + 32  # bf16 row stride of the shared key tables
 # state loads. The carveout stays the driver's default (-1); naming it keeps the compile from
 # asking a GPU for its shared memory size, so the kernels also compile where there is none.
 _OCCUPANCY = dict(min_blocks_per_mp=2, preferred_smem_carveout=-1)
+_OCCUPANCY_FP32 = dict(min_blocks_per_mp=1, preferred_smem_carveout=-1)
+STATE_DTYPES = ("bfloat16", "float32")  # the pool's element types; `_api.STATE_DTYPES`
 
 
 def _row_major(shape: tuple) -> cute.Layout:
@@ -154,8 +165,47 @@ def _store_rows(src: cute.Tensor, t32: cute.Tensor, row0, c):
             cute.autovec_copy(src[None, s, r], cute.flat_divide(t32[row0 + 8 * r, None], (4,))[None, 4 * s + c])
 
 
+def _state_fragment(fp32: bool) -> cute.Tensor:
+    """Registers for this lane's two state rows (`_load_rows`' K elements): bf16 pairs as Int32
+    [4 words, 4 chunks, 2 rows], or fp32 [4, 2 halves, 4 chunks, 2 rows] (element e of a chunk at
+    [e % 4, e // 4]: a 16-byte load per half)."""
+    if fp32:
+        return cute.make_rmem_tensor((4, 2, 4, 2), Float32)
+    return cute.make_rmem_tensor((4, 4, 2), Int32)
+
+
 @cute.jit
-def _row_products(rA: cute.Tensor, sTok32: cute.Tensor, g, c, acc: cute.Tensor):
+def _load_state(t: cute.Tensor, row0, c, dst: cute.Tensor, fp32: cutlass.Constexpr):
+    """One value head's state rows row0, row0 + 8 ([V, K] of the state's dtype; bf16 seen as Int32
+    pairs) into `_state_fragment` registers."""
+    if cutlass.const_expr(fp32):
+        for r in cutlass.range_constexpr(2):
+            for s in cutlass.range_constexpr(4):
+                for hf in cutlass.range_constexpr(2):
+                    _load16(t[row0 + 8 * r, None], 8 * s + 2 * c + hf, dst[None, hf, s, r])
+    else:
+        _load_rows(t, row0, c, dst)
+
+
+@cute.jit
+def _store_state(src: cute.Tensor, t: cute.Tensor, row0, c, fp32: cutlass.Constexpr):
+    if cutlass.const_expr(fp32):
+        for r in cutlass.range_constexpr(2):
+            for s in cutlass.range_constexpr(4):
+                for hf in cutlass.range_constexpr(2):
+                    cute.autovec_copy(src[None, hf, s, r], cute.flat_divide(t[row0 + 8 * r, None], (4,))[None, 8 * s + 2 * c + hf])
+    else:
+        _store_rows(src, t, row0, c)
+
+
+@cute.jit
+def _state_at(rS: cute.Tensor, e: int, s: int, r: int) -> Float32:
+    """Element e (0..7) of chunk s of row r of an fp32 state fragment."""
+    return rS[e % 4, e // 4, s, r]
+
+
+@cute.jit
+def _row_products(rA: cute.Tensor, sTok32: cute.Tensor, g, c, acc: cute.Tensor, fp32: cutlass.Constexpr = False):
     """acc[:, n] += A B_n over K = 128: A = the two rows of rA (an m16 tile, `_load_rows`' layout),
     B_0 = the step's keys (rows 0..7 of sTok32), B_1 its queries (rows 8..15), this lane's token g
     read from shared memory a chunk at a time."""
@@ -164,11 +214,21 @@ def _row_products(rA: cute.Tensor, sTok32: cute.Tensor, g, c, acc: cute.Tensor):
         for n in cutlass.range_constexpr(2):
             _load16(sTok32[8 * n + g, None], 4 * s + c, rB[None, n])
         for hf in cutlass.range_constexpr(2):
-            a = [rA[2 * hf, s, 0], rA[2 * hf, s, 1], rA[2 * hf + 1, s, 0], rA[2 * hf + 1, s, 1]]
-            for n in cutlass.range_constexpr(2):
-                d = _mma("bf16", a, [rB[2 * hf, n], rB[2 * hf + 1, n]], [acc[i, n] for i in range(4)])
-                for i in cutlass.range_constexpr(4):
-                    acc[i, n] = d[i]
+            if cutlass.const_expr(fp32):  # head + tail of each fp32 pair: two products
+                parts = [_split(_state_at(rA, 2 * w, s, r), _state_at(rA, 2 * w + 1, s, r), "bf16")
+                         for w in (2 * hf, 2 * hf + 1) for r in (0, 1)]
+                for p in cutlass.range_constexpr(2):
+                    a = [parts[0][p], parts[1][p], parts[2][p], parts[3][p]]
+                    for n in cutlass.range_constexpr(2):
+                        d = _mma("bf16", a, [rB[2 * hf, n], rB[2 * hf + 1, n]], [acc[i, n] for i in range(4)])
+                        for i in cutlass.range_constexpr(4):
+                            acc[i, n] = d[i]
+            else:
+                a = [rA[2 * hf, s, 0], rA[2 * hf, s, 1], rA[2 * hf + 1, s, 0], rA[2 * hf + 1, s, 1]]
+                for n in cutlass.range_constexpr(2):
+                    d = _mma("bf16", a, [rB[2 * hf, n], rB[2 * hf + 1, n]], [acc[i, n] for i in range(4)])
+                    for i in cutlass.range_constexpr(4):
+                        acc[i, n] = d[i]
 
 
 @cute.jit
@@ -211,21 +271,29 @@ def _load_ring_u(u32: cute.Tensor, P, row0, c, rU: cute.Tensor):
 
 
 @cute.jit
-def _fold_rows(rS: cute.Tensor, rU: cute.Tensor, sKw: cute.Tensor, decay: Float32, g, c):
-    """rS (bf16 state rows, `_load_rows` layout) <- e^{G_P} S0 + U (w_j k^_j): 16 n8 tiles, the
+def _fold_rows(rS: cute.Tensor, rU: cute.Tensor, sKw: cute.Tensor, decay: Float32, g, c, fp32: cutlass.Constexpr = False):
+    """rS (`_state_fragment`) <- e^{G_P} S0 + U (w_j k^_j): 16 n8 tiles, the
     accumulator of tile 4s + i the thread's own state chunk s, elements [2i, 2i + 2). w_j k^_j is
     one fp16 operand, not head + tail: its 2^-12 rounding is a quarter of the bf16 rounding of
     the state that follows, and the tail's operands would cost 32 registers (the occupancy)."""
     a = [rU[0, 0], rU[0, 1], rU[1, 0], rU[1, 1]]
     for s in cutlass.range_constexpr(4):
         for i in cutlass.range_constexpr(4):
-            lo0, hi0 = _unpack(rS[i, s, 0], "bf16")
-            lo1, hi1 = _unpack(rS[i, s, 1], "bf16")
-            d = [lo0 * decay, hi0 * decay, lo1 * decay, hi1 * decay]
+            if cutlass.const_expr(fp32):
+                d = [_state_at(rS, 2 * i + e, s, r) * decay for r in (0, 1) for e in (0, 1)]
+            else:
+                lo0, hi0 = _unpack(rS[i, s, 0], "bf16")
+                lo1, hi1 = _unpack(rS[i, s, 1], "bf16")
+                d = [lo0 * decay, hi0 * decay, lo1 * decay, hi1 * decay]
             kp = 32 * s + 8 * (g // 2) + 2 * i + g % 2  # the K element of column g of this tile
             d = _mma("f16", a, [sKw[kp, 2 * c], sKw[kp, 2 * c + 1]], d)
-            rS[i, s, 0] = _pack(d[0], d[1], "bf16")
-            rS[i, s, 1] = _pack(d[2], d[3], "bf16")
+            if cutlass.const_expr(fp32):
+                for r in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(2):
+                        rS[(2 * i + e) % 4, (2 * i + e) // 4, s, r] = d[2 * r + e]
+            else:
+                rS[i, s, 0] = _pack(d[0], d[1], "bf16")
+                rS[i, s, 1] = _pack(d[2], d[3], "bf16")
 
 
 @cute.jit
@@ -269,26 +337,40 @@ class RingConfig:
     T: int  # tokens of a verify; 0 for the fold
     H: int
     HV: int
+    state_dtype: str = "bfloat16"  # the pool's element type, one of STATE_DTYPES
+
+    @property
+    def fp32(self) -> bool:
+        return self.state_dtype == "float32"
+
+    @property
+    def occupancy(self) -> dict:
+        return _OCCUPANCY_FP32 if self.fp32 else _OCCUPANCY
+
+    @property
+    def name_suffix(self) -> str:  # the bf16 kernels keep their names
+        return "_f32state" if self.fp32 else ""
 
 
 class RingVerifyKernel:
     """A speculative step of T tokens over the history ring (module docstring). A row whose
-    P + T > RING first folds its P entries into its state (written in place, rounded to bf16
+    P + T > RING first folds its P entries into its state (written in place; a bf16 state rounded
     once) and appends at entry 0: the caller's new P is then `accepted`, else P + `accepted`."""
 
     def __init__(self, cfg: RingConfig):
-        if not 1 <= cfg.T <= MAX_T or cfg.H < 1 or cfg.HV % cfg.H or cfg.HV // cfg.H > WARPS:
+        if (not 1 <= cfg.T <= MAX_T or cfg.H < 1 or cfg.HV % cfg.H or cfg.HV // cfg.H > WARPS
+                or cfg.state_dtype not in STATE_DTYPES):
             raise ValueError(f"bad ring verify config {cfg}")
         self.cfg = cfg
 
     def __repr__(self) -> str:
         c = self.cfg
-        return f"GdnRingVerify_T{c.T}_H{c.H}_HV{c.HV}"
+        return f"GdnRingVerify_T{c.T}_H{c.H}_HV{c.HV}{c.name_suffix}"
 
     @cute.jit
     def __call__(
         self,
-        mS: cute.Tensor,  # [N, HV, V, K] bf16 checkpoint states (written only by a fold)
+        mS: cute.Tensor,  # [N, HV, V, K] bf16 or fp32 checkpoint states (written only by a fold)
         mRow: cute.Tensor,  # [B] int32 pool row; < 0: padding
         mHist: cute.Tensor,  # [B] int32 committed ring entries P
         mLayer: cute.Tensor,  # [B] int32
@@ -311,7 +393,7 @@ class RingVerifyKernel:
         self.kernel(
             mS, mRow, mHist, mLayer, mQ, mK, mV, mA, mB, mALog, mDtBias, mRingK, mRingU, mRingG, mO,
             scale, softplus_beta, softplus_threshold,
-        ).launch(grid=(mRow.shape[0] * self.cfg.H, 1, 1), block=(THREADS, 1, 1), stream=stream, **_OCCUPANCY)
+        ).launch(grid=(mRow.shape[0] * self.cfg.H, 1, 1), block=(THREADS, 1, 1), stream=stream, **self.cfg.occupancy)
 
     @cute.kernel
     def kernel(
@@ -366,7 +448,8 @@ class RingVerifyKernel:
         sKw = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, RING // 2)), byte_alignment=16)
         sDec = smem.allocate_tensor(Float32, _row_major((group,)), byte_alignment=16)
 
-        s32 = cute.recast_tensor(mS, Int32)  # [N, HV, V, 64]
+        fp32 = cfg.fp32
+        s32 = mS if cutlass.const_expr(fp32) else cute.recast_tensor(mS, Int32)  # [N, HV, V, 128 fp32 | 64 bf16 pairs]
         u32 = cute.recast_tensor(mRingU, Int32)  # [N, HV, V, 8]
         rk32 = cute.recast_tensor(mRingK, Int32)  # [N, H, RING, 64]
         k32 = cute.recast_tensor(mK, Int32)  # [B, T, H, 64]
@@ -380,8 +463,8 @@ class RingVerifyKernel:
             layer = mLayer[b]
 
             # 1. loads: head 0's state rows, the tokens (B fragments), the ring keys and G, the gates
-            rS = cute.make_rmem_tensor((4, 4, 2), Int32)
-            _load_rows(s32[slot, qh * group, None, None], row0, c, rS)
+            rS = _state_fragment(fp32)
+            _load_state(s32[slot, qh * group, None, None], row0, c, rS, fp32)
             tmp = cute.make_rmem_tensor((4,), Int32)  # thread -> (k|q, token, 16-byte chunk)
             tmp.fill(0)
             n = tidx // 128
@@ -498,12 +581,12 @@ class RingVerifyKernel:
                     if t < T:
                         rV[i] = mV[b, t, head, row0 + 8 * (i // 2)].to(Float32)
                 if fold:
-                    _fold_rows(rS, rU, sKw[h, None, None], sDec[h], g, c)
-                    _store_rows(rS, gS, row0, c)
+                    _fold_rows(rS, rU, sKw[h, None, None], sDec[h], g, c, fp32)
+                    _store_state(rS, gS, row0, c, fp32)
                 acc.fill(0.0)
-                _row_products(rS, sTok32, g, c, acc)  # [v, t]: S k_t | S q_t, raw
+                _row_products(rS, sTok32, g, c, acc, fp32)  # [v, t]: S k_t | S q_t, raw
                 if cutlass.const_expr(h + 1 < group):
-                    _load_rows(s32[slot, head + 1, None, None], row0, c, rS)
+                    _load_state(s32[slot, head + 1, None, None], row0, c, rS, fp32)
                 for n in cutlass.range_constexpr(2):
                     for i in cutlass.range_constexpr(4):
                         acc[i, n] = acc[i, n] * sSc[h, n, 2 * c + i % 2]
@@ -593,21 +676,21 @@ class RingVerifyKernel:
 
 
 class RingFoldKernel:
-    """Folds each row's first `hist` ring entries into its state, written in place and rounded to
-    bf16 once (module docstring); the caller then sets the row's P to 0."""
+    """Folds each row's first `hist` ring entries into its state, written in place (a bf16 state
+    rounded once; module docstring); the caller then sets the row's P to 0."""
 
     def __init__(self, cfg: RingConfig):
-        if cfg.T != 0 or cfg.H < 1 or cfg.HV % cfg.H:
+        if cfg.T != 0 or cfg.H < 1 or cfg.HV % cfg.H or cfg.state_dtype not in STATE_DTYPES:
             raise ValueError(f"bad ring fold config {cfg}")
         self.cfg = cfg
 
     def __repr__(self) -> str:
-        return f"GdnRingFold_H{self.cfg.H}_HV{self.cfg.HV}"
+        return f"GdnRingFold_H{self.cfg.H}_HV{self.cfg.HV}{self.cfg.name_suffix}"
 
     @cute.jit
     def __call__(
         self,
-        mS: cute.Tensor,  # [N, HV, V, K] bf16, updated in place
+        mS: cute.Tensor,  # [N, HV, V, K] bf16 or fp32, updated in place
         mRow: cute.Tensor,  # [B] int32 pool row; < 0: padding
         mHist: cute.Tensor,  # [B] int32 entries to fold (0: nothing)
         mRingK: cute.Tensor,  # [N, H, RING, K] bf16
@@ -616,7 +699,7 @@ class RingFoldKernel:
         stream: cuda.CUstream,
     ):
         self.kernel(mS, mRow, mHist, mRingK, mRingU, mRingG).launch(
-            grid=(mRow.shape[0] * self.cfg.H, 1, 1), block=(THREADS, 1, 1), stream=stream, **_OCCUPANCY)
+            grid=(mRow.shape[0] * self.cfg.H, 1, 1), block=(THREADS, 1, 1), stream=stream, **self.cfg.occupancy)
 
     @cute.kernel
     def kernel(
@@ -648,7 +731,8 @@ class RingFoldKernel:
         sKw = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, RING // 2)), byte_alignment=16)
         sDec = smem.allocate_tensor(Float32, _row_major((group,)), byte_alignment=16)
 
-        s32 = cute.recast_tensor(mS, Int32)
+        fp32 = cfg.fp32
+        s32 = mS if cutlass.const_expr(fp32) else cute.recast_tensor(mS, Int32)
         u32 = cute.recast_tensor(mRingU, Int32)
         rk32 = cute.recast_tensor(mRingK, Int32)
 
@@ -657,8 +741,8 @@ class RingFoldKernel:
         if slot < 0:
             P = Int32(0)
         if P > 0:  # uniform per CTA
-            rS = cute.make_rmem_tensor((4, 4, 2), Int32)
-            _load_rows(s32[slot, qh * group, None, None], row0, c, rS)
+            rS = _state_fragment(fp32)
+            _load_state(s32[slot, qh * group, None, None], row0, c, rS, fp32)
             _stage_ring_keys(rk32[slot, qh, None, None], sRK32, P, tidx)
             if tidx < group * RING:
                 h = tidx // RING
@@ -681,7 +765,7 @@ class RingFoldKernel:
                 head = qh * group + h
                 gS = s32[slot, head, None, None]
                 _load_ring_u(u32[slot, head, None, None], P, row0, c, rU)
-                _fold_rows(rS, rU, sKw[h, None, None], sDec[h], g, c)
-                _store_rows(rS, gS, row0, c)
+                _fold_rows(rS, rU, sKw[h, None, None], sDec[h], g, c, fp32)
+                _store_state(rS, gS, row0, c, fp32)
                 if cutlass.const_expr(h + 1 < group):
-                    _load_rows(s32[slot, head + 1, None, None], row0, c, rS)
+                    _load_state(s32[slot, head + 1, None, None], row0, c, rS, fp32)
