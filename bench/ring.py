@@ -2,16 +2,17 @@
 
     python bench/ring.py                   # checks, then the timing table
     python bench/ring.py --skip-checks     # the timing table only
+    python bench/ring.py --state-dtype float32   # the same over an fp32 state pool
 
 Checks (against tests/reference.py in float64): sequences of verifies with random accepts over
 batches whose rows sit at different ring fills, so that one launch holds rows that fold and rows
 that do not; every output and every folded state within 2e-3 relative error of a float64 model
-that rounds the state to bf16 where the kernel does (at a fold); padding rows zero; pool rows no
+that rounds the state to the pool's dtype (--state-dtype, bf16 by default) where the kernel does (at a fold); padding rows zero; pool rows no
 batch row names left bit-for-bit untouched (state and ring); the fold kernel (`ring_fold`) on the
 rings left at the end; H:HV = 16:32, 8:32, 32:32; T = 1..8; a CUDA-graph replay equals an eager
 launch; a long run of one batch (`--drift-steps`).
 
-Timings: qwen3-next heads (H=16, HV=32, K=V=128), a 4096-row bf16 pool with its rings, 16
+Timings: qwen3-next heads (H=16, HV=32, K=V=128), a 4096-row pool of --state-dtype with its rings, 16
 disjoint row sets rotated so the state is cold in L2, device time by CUDA-graph replay
 (triton.testing.do_bench_cudagraph, median). Per (B, T):
 - verify: no row folds, the ring holding P entries (P drawn from the fills a verify meets);
@@ -46,6 +47,7 @@ ref = common.reference()
 from gdn_server.kernels._ring_api import RING, folded_base, new_ring, ring_fold, ring_verify  # noqa: E402
 
 DEV = "cuda"
+STATE_DTYPE = torch.bfloat16  # the pool's dtype: --state-dtype
 D = 128
 TOL = 2e-3
 # (B, T): FlashInfer's ring verify (ring holding P entries, its flush not counted), us on an H200, issue 48
@@ -72,12 +74,12 @@ def reference_tokens(S, x, live):
 
 class RingRun:
     """B batch rows over a pool: the kernel's state, rings and fills, and a float64 model of
-    every row's committed state (rounded to bf16 where the kernel folds)."""
+    every row's committed state (rounded to the pool's dtype, STATE_DTYPE, where the kernel folds)."""
 
     def __init__(self, B, H, HV, gen, pad_every=0, spare=8):
         self.B, self.H, self.HV, self.gen = B, H, HV, gen
         N = 2 * B + spare
-        self.pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+        self.pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(STATE_DTYPE)
         self.ring = new_ring(N, H, HV)
         for r in self.ring:  # stale entries past the fill must never matter: poison them
             r.copy_(torch.randn(r.shape, device=DEV, generator=gen).to(r.dtype) * 100)
@@ -99,7 +101,7 @@ class RingRun:
         fold_t = torch.tensor(folds, device=DEV, dtype=torch.bool)
         pre_round = self.model.clone()
         if any(folds):
-            self.model[fold_t] = self.model[fold_t].to(torch.bfloat16).double()
+            self.model[fold_t] = self.model[fold_t].to(STATE_DTYPE).double()
         out = torch.full((B, T, self.HV, D), float("nan"), device=DEV, dtype=torch.bfloat16)
         hist = torch.tensor(self.hist, device=DEV, dtype=torch.int32)
         before_pool, before_ring = self.pool.clone(), [r.clone() for r in self.ring]
@@ -143,7 +145,7 @@ class RingRun:
         return ok
 
     def fold(self):
-        """ring_fold on every row; the pool then equals the model (before its bf16 rounding)."""
+        """ring_fold on every row; the pool then equals the model (before its rounding to the pool's dtype)."""
         hist = torch.tensor(self.hist, device=DEV, dtype=torch.int32)
         ring_fold(self.pool, self.rows, hist, *self.ring)
         torch.cuda.synchronize()
@@ -272,7 +274,7 @@ def time_device(fn, rep_ms=200):
 
 def bench(rows, gen, log, N=4096):
     H, HV = 16, 32
-    pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+    pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(STATE_DTYPE)
     ring = new_ring(N, H, HV)
     for r in ring:
         r.copy_(torch.randn(r.shape, device=DEV, generator=gen).to(r.dtype))
@@ -314,7 +316,7 @@ def bench(rows, gen, log, N=4096):
                 r["plain_scratch_us"] = None
                 log(f"time plain B={B} T={T} failed: {e!r}")
         r["flashinfer_issue48_us"] = REFERENCE_US.get((B, T))
-        state_mb = B * HV * D * D * 2 / 1e6
+        state_mb = B * HV * D * D * pool.element_size() / 1e6
         r["state_read_GBs"] = state_mb / r["verify_us"] * 1e3 if r.get("verify_us") else None
         log(f"time {json.dumps(r)}")
         res.append(r)
@@ -335,7 +337,7 @@ def flashinfer_status(log):
 def to_markdown(res):
     f = lambda x, s=".1f": "-" if x is None else format(x, s)  # noqa: E731
     lines = [f"# History-ring kernels on {res['device']} ({res['date']}), commit {res['commit']}", "",
-             "Device time per launch, CUDA-graph replay, median; H=16, HV=32, K=V=128, 4096-row bf16 pool, 16 rotated "
+             f"Device time per launch, CUDA-graph replay, median; H=16, HV=32, K=V=128, 4096-row {res['state_dtype']} pool, 16 rotated "
              "row sets. FlashInfer: " + res["flashinfer"] + ".", "",
              "| B | T | FlashInfer ring verify | ours verify | step, full accepts (folds) | step, random accepts (folds) "
              "| every row folds | fold kernel | plain T-step to scratch | full-accept step / FlashInfer |",
@@ -370,7 +372,11 @@ def main():
     ap.add_argument("--check-t", default="1,2,3,4,5,6,7,8", help="T values of the sequence checks")
     ap.add_argument("--rows", default=",".join(f"{b}:{t}" for b, t in ROWS), help="B:T pairs to time")
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/out)")
+    ap.add_argument("--state-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="the state pool's dtype (each its own compiled kernel)")
     args = ap.parse_args()
+    global STATE_DTYPE
+    STATE_DTYPE = getattr(torch, args.state_dtype)
     random.seed(0)
     gen = torch.Generator(device=DEV).manual_seed(0)
     lines = []
@@ -379,7 +385,8 @@ def main():
         print(msg, flush=True)
         lines.append(msg)
 
-    res = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=common.git_commit())
+    res = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=common.git_commit(),
+               state_dtype=args.state_dtype)
     res["flashinfer"] = flashinfer_status(log)
     path = common.out_path("ring", args.out)
     if not args.skip_checks:

@@ -1,26 +1,38 @@
-"""CUDA backend ("cuda-cute"): the state pool on the GPU, one CuTe DSL launch per batch.
+"""CUDA backend ("cuda-cute"): the state pool and its history rings on the GPU, one CuTe DSL launch per batch.
+
+Every pool row (a session's state at one layer) has a history ring beside it (`kernels.new_ring`):
+a speculative (verify) batch runs `ring_verify`, which reads the states and writes only ring
+entries (folding first a row whose P + T entries would overflow its ring); an accept is the
+caller's bookkeeping (`StepBatch.hist`, each row's committed entries P). A plain batch folds the
+rows with P > 0 (`ring_fold`, on the same stream right before the step) and then runs `gdn_decode`,
+which writes the states in place. `fold` folds rows on demand (before a fork, export, snapshot or
+read of a session).
 
 Per batch, on the backend's own stream:
   1. the requests' inputs are copied into one pinned host staging buffer (a memcpy per request
-     and input; no per-row Python work), slot and layer indices included (layout:
-     gdn_server/backends/staging.py); requests validation left unchecked for NaN/Inf are checked
-     there, on their staged copies, before anything is queued;
+     and input; no per-row Python work), row, layer and P indices included (layout:
+     gdn_server/backends/staging.py, and `hist` here); requests validation left unchecked for
+     NaN/Inf are checked there, on their staged copies, before anything is queued;
   2. one host-to-device copy of that buffer;
-  3. one `gdn_decode` launch over all rows (mixed sessions, clients and layers);
+  3. one launch over all rows (mixed sessions, clients and layers): `gdn_decode` (after a
+     `ring_fold` where some row has P > 0), or `ring_verify`;
   4. one device-to-host copy of the outputs into pinned memory, and an event.
 `submit` returns at once; `result()` waits for the event. A ring of staging sets lets the scheduler
 assemble batch n+1 while batch n runs: a set is reused only after its previous event completed.
-Small in-place launches (GRAPH_MAX_ROWS rows, T=1) replay steps 2-4 as a CUDA graph captured per
-staging set at warm-up; bigger ones up to the largest of GRAPH_BUCKETS are padded to the next
-bucket's rows (padding rows touch no state) and replay that bucket's graph. Graphs by bucket, not
+Small launches (GRAPH_MAX_ROWS rows; plain T=1 steps and verifies of every T) replay steps 2-4
+as a CUDA graph captured per staging set at warm-up; bigger ones up to the largest of GRAPH_BUCKETS
+are padded to the next bucket's rows (padding rows touch no state or ring) and replay that
+bucket's graph. A plain launch with a fold launches directly: plain steps of rows with ring
+entries follow a draft only, and their graphs would double the captures. Graphs by bucket, not
 one per row count: a replay is one host call where a direct launch makes three (copy, kernel,
 copy), and a few buckets keep the captures (per staging set) few, at the cost of padding rows'
 device time. The graphs of up to MAPPED_MAX_ROWS rows hold the kernel alone: it reads the pinned
 staging buffer and writes the pinned outputs in place (gdn_server/backends/mapped.py), with no
 copy before or after it.
 
-Shapes the kernel does not cover (head dims other than 128) run the same pipeline through the
-torch math on the GPU instead.
+The backend takes only shapes its kernels cover (K = V = 128, HV a multiple of H and at most 8
+times it): others are served by the CPU backend, the one torch implementation of the math and of
+the ring, rather than by a torch copy of both on the GPU.
 """
 from __future__ import annotations
 
@@ -28,13 +40,17 @@ import functools
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gdn_server.backends.base import Backend, NonFiniteInputs, PendingStep, check_state_dtype
 from gdn_server.backends.mapped import device_alias
-from gdn_server.backends.staging import StagingLayout, carve as _carve, fill as _fill_staging, make_layout, nonfinite
-from gdn_server.backends.torch_math import gdn_step_fp32
+from gdn_server.backends.staging import (
+    ALIGN, StagingLayout, carve as _carve, fill as _fill_staging, make_layout, nonfinite,
+)
 from gdn_server.config import ModelShape
+from gdn_server.kernels import HEAD_DIM, check_variant, ring_bytes_per_row
+from gdn_server.kernels._ring_api import check_ring_variant
 from gdn_server.validation import nonfinite_input
 from gdn_server.weights import GateParams
 from gdn_server.work import StepBatch
@@ -59,6 +75,23 @@ GRAPH_BUCKETS = (12, 16, 24, 32, 48, 64, 96, 128)
 # One row, because that is where it pays: the kernel's reads over PCIe grow with the rows faster
 # than the copies do (bench/DECISIONS.md, entry 7). 0 keeps the copies everywhere.
 MAPPED_MAX_ROWS = 1
+
+# What a launch runs (its graphs are keyed by it too)
+PLAIN = "plain"  # gdn_decode, in place
+FOLD_PLAIN = "fold+plain"  # ring_fold of the rows with P > 0, then gdn_decode
+VERIFY = "verify"  # ring_verify
+
+
+def check_kernel_shape(shape: ModelShape) -> None:
+    """ValueError unless the backend's kernels cover `shape` (the CPU backend serves any shape)."""
+    if shape.head_dim_k != HEAD_DIM or shape.head_dim_v != HEAD_DIM:
+        raise ValueError(f"the CUDA backend's kernels need head dims K = V = {HEAD_DIM}, got K = {shape.head_dim_k}, "
+                         f"V = {shape.head_dim_v}: serve this shape with --device cpu")
+    try:
+        check_variant(1, shape.num_q_heads, shape.num_v_heads, shape.state_dtype)
+        check_ring_variant(1, shape.num_q_heads, shape.num_v_heads, shape.state_dtype)
+    except ValueError as e:
+        raise ValueError(f"the CUDA backend's kernels do not cover this shape ({e}): serve it with --device cpu") from None
 
 
 def padded_rows(rows: int) -> int:
@@ -85,7 +118,7 @@ class _Staging:
         self.done = torch.cuda.Event()
         self.used = False
         self._views: dict[tuple[int, int], _Views] = {}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (R, T) -> in-place launch
+        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}  # (kind, R, T) -> launch
         # `host` and `out_host` as tensors on the device (MAPPED_MAX_ROWS), made on first use
         self._mapped: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -178,36 +211,31 @@ class CudaBackend(Backend):
         scale: float | None = None,
         device: str | torch.device = "cuda",
         rows_hint: int = 256,
-        speculative_sessions: int | None = None,
         memory_share: float = 1.0,
     ) -> None:
+        check_kernel_shape(shape)
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        H, HV, V, K = shape.num_q_heads, shape.num_v_heads, shape.head_dim_v, shape.head_dim_k
         if max_sessions is None:
-            # sessions plus their share of speculative scratch rows fit in a fraction of free memory
+            # every session's states and their history rings fit in a fraction of free memory
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * POOL_MEMORY_FRACTION * memory_share)
-            per_session = shape.state_bytes_per_session
-            if speculative_sessions is None:  # the default scratch is 2 sessions' worth for each of 32
-                budget -= 2 * 32 * per_session
-            else:
-                budget -= 2 * speculative_sessions * per_session
+            per_session = shape.state_bytes_per_session + shape.num_layers * ring_bytes_per_row(H, HV)
             max_sessions = max(1, min(MAX_DEFAULT_SESSIONS, budget // per_session))
-        super().__init__(shape, gates, max_sessions, scale, speculative_sessions)
+        super().__init__(shape, gates, max_sessions, scale)
         self.device_name = torch.cuda.get_device_name(self.device)
-        HV, V, K = shape.num_v_heads, shape.head_dim_v, shape.head_dim_k
+        from gdn_server.kernels import gdn_decode, new_ring, ring_fold, ring_verify  # each compiles on first use
+
+        self._decode, self._ring_verify, self._ring_fold = gdn_decode, ring_verify, ring_fold
         self.state_pool = torch.zeros(self.pool_rows, HV, V, K, dtype=self.pool_dtype, device=self.device)
+        # (ring_k, ring_u, ring_g), one ring per pool row; entries past a row's P are never read
+        # (the kernels mask them), so the rings need no clearing when a row is reset or reused
+        self.rings = new_ring(self.pool_rows, H, HV, device=self.device)
         self.A_log = gates.A_log.float().contiguous().to(self.device)
         self.dt_bias = gates.dt_bias.float().contiguous().to(self.device)
         self.stream = torch.cuda.Stream(self.device)
-        self.use_kernel = K == V == 128
-        if self.use_kernel:
-            from gdn_server.kernels import gdn_decode  # compiles lazily per (T, H, HV)
-
-            self._kernel = gdn_decode
-        else:
-            log.warning("head dims K=%d V=%d: the CuTe kernel needs 128; using torch on the GPU", K, V)
         self._ring: list[_Staging | None] = [None] * RING
         self._plans: dict[tuple[int, int], StagingLayout] = {}
         self._next = 0
@@ -219,11 +247,16 @@ class CudaBackend(Backend):
 
     # -- staging plans: where each input of a launch of R rows and T tokens sits ----------------
     def _plan(self, rows: int, tokens: int) -> StagingLayout:
-        """The byte layout of a launch's inputs in a staging buffer, computed once per (R, T)."""
+        """The byte layout of a launch's inputs in a staging buffer, computed once per (R, T):
+        staging's, and each row's ring entries P (`hist`, int32 [R]) after it, which the fold and
+        the verify read on the device."""
         plan = self._plans.get((rows, tokens))
         if plan is not None:
             return plan
         plan = make_layout(self.shape, rows, tokens)
+        nbytes = 4 * rows
+        plan = StagingLayout({**plan.entries, "hist": (plan.total, (rows,), torch.int32, nbytes)},
+                             plan.total + (nbytes + ALIGN - 1) // ALIGN * ALIGN, plan.out_shape, plan.out_bytes)
         self._plans[(rows, tokens)] = plan
         return plan
 
@@ -240,17 +273,23 @@ class CudaBackend(Backend):
         return staging
 
     def _new_staging(self, plan: "StagingLayout | None" = None) -> _Staging:
-        """A staging set for `plan`, and at least for rows_hint rows of the longest step."""
-        hint = self._plan(self._rows_hint, self.shape.max_tokens_per_step)
-        total = hint.total if plan is None else max(plan.total, hint.total)
-        out_bytes = hint.out_bytes if plan is None else max(plan.out_bytes, hint.out_bytes)
-        return _Staging(self.device, total, out_bytes)
+        """A staging set for `plan`, and at least for rows_hint rows of the longest plain step and
+        the biggest verify a graph covers (a set replaced by a bigger one loses its graphs)."""
+        s = self.shape
+        hints = [self._plan(self._rows_hint, s.max_tokens_per_step),
+                 self._plan(min(self._rows_hint, max(GRAPH_MAX_ROWS, *GRAPH_BUCKETS)), s.max_speculative_tokens)]
+        hints += [] if plan is None else [plan]
+        return _Staging(self.device, max(h.total for h in hints), max(h.out_bytes for h in hints))
 
     def submit(self, batch: StepBatch) -> PendingStep:
-        R, T = batch.rows, batch.tokens
-        in_place = batch.in_place
+        R, T = len(batch.rows), batch.tokens
+        if batch.speculative:
+            kind = VERIFY
+        else:
+            kind = FOLD_PLAIN if any(batch.hist) else PLAIN
         # a launch a graph bucket covers runs as that bucket's rows (see GRAPH_BUCKETS)
-        rows = padded_rows(R) if in_place and T == 1 and R <= self._bucket_max else R
+        graphed = kind == VERIFY or (kind == PLAIN and T == 1)
+        rows = padded_rows(R) if graphed and R <= self._bucket_max else R
         plan = self._plan(rows, T)
         staging = self._staging_for(plan)
         views = staging.views_for(plan, (rows, T))
@@ -258,55 +297,49 @@ class CudaBackend(Backend):
         # 1. requests -> pinned staging: a memcpy per request and input for bf16 requests, a
         #    casting copy for f16/f32 ones; no per-row work
         _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
+        if kind != PLAIN:  # each row's P (0 for padding rows), which only the ring kernels read
+            offset, _, _, nbytes = plan.entries["hist"]
+            column = staging.host_bytes[offset : offset + nbytes].view(np.int32)
+            column[:R] = batch.hist
+            column[R:] = 0
         if not all(w.finite_checked for w in batch.works):
             found = nonfinite(batch, views.host)
             if found:  # before anything is queued on the device
                 raise NonFiniteInputs({index: nonfinite_input(name) for index, name in found.items()})
-        graph = staging.graphs.get((rows, T)) if in_place else None
+        graph = staging.graphs.get((kind, rows, T))
         # The backend's stream (and its device) becomes the thread's current one and stays so:
         # whatever else runs CUDA work on this thread names its stream itself. Entering and leaving
         # a torch.cuda.stream() context per launch cost about as much host time as the graph's
         # replay (bench/DECISIONS.md, entry 8).
         torch.cuda.set_stream(self.stream)
-        if graph is not None:  # steps 2-4 as captured for this staging set and (rows, T)
+        if graph is not None:  # steps 2-4 as captured for this staging set, kind and (rows, T)
             graph.replay()
         else:
-            self._device_steps(views, in_place)
+            self._device_steps(views, kind)
         staging.done.record(self.stream)
         return _CudaStep(staging, views, self.device, R)
 
-    def _device_steps(self, views: _Views, in_place: bool) -> None:
+    def _device_steps(self, views: _Views, kind: str) -> None:
         """A launch's device work, on the current stream, from a filled staging set."""
-        dev = views.dev
         # 2. one host-to-device copy
         views.dev_all.copy_(views.host_all, non_blocking=True)
-        # 3. one launch over every row
-        if self.use_kernel:
-            self._launch_kernel(dev, views.out_dev, in_place)
-        else:
-            self._torch_step(dev, views.out_dev, in_place)
+        # 3. one launch over every row (two with a fold)
+        self._launch_kernel(views.dev, views.out_dev, kind)
         # 4. one device-to-host copy of the outputs
         views.out_host.copy_(views.out_dev, non_blocking=True)
 
-    def _launch_kernel(self, inputs: dict[str, torch.Tensor], out: torch.Tensor, in_place: bool) -> None:
-        """The kernel over every row of `inputs` (device tensors, or the mapped staging buffer)."""
-        self._kernel(
-            self.state_pool, inputs["slots"], inputs["layers"], inputs["q"], inputs["k"], inputs["v"], inputs["a"],
-            inputs["b"], self.A_log, self.dt_bias, out, scale=self.scale,
-            **({} if in_place else {"out_slots": inputs["out_slots"]}),
-        )
-
-    def _torch_step(self, dev: dict[str, torch.Tensor], out: torch.Tensor, in_place: bool) -> None:
-        slots = dev["slots"].long()
-        out_slots = slots if in_place else dev["out_slots"].long()
-        layers = dev["layers"].long()
-        state = self.state_pool.index_select(0, slots).float()
-        o = gdn_step_fp32(
-            state, dev["q"], dev["k"], dev["v"], dev["a"], dev["b"],
-            self.A_log.index_select(0, layers), self.dt_bias.index_select(0, layers), self.scale,
-        )
-        self.state_pool.index_copy_(0, out_slots, state.to(self.pool_dtype))
-        out.copy_(o)
+    def _launch_kernel(self, inputs: dict[str, torch.Tensor], out: torch.Tensor, kind: str) -> None:
+        """The kernels of a launch of `kind` over every row of `inputs` (device tensors, or the
+        mapped staging buffer). The staged `slots` are the rows' pool rows, read and written."""
+        rows, layers = inputs["slots"], inputs["layers"]
+        q, k, v, a, b = inputs["q"], inputs["k"], inputs["v"], inputs["a"], inputs["b"]
+        if kind == VERIFY:
+            self._ring_verify(self.state_pool, rows, inputs["hist"], layers, q, k, v, a, b, self.A_log, self.dt_bias,
+                              *self.rings, out, scale=self.scale)
+            return
+        if kind == FOLD_PLAIN:
+            self._ring_fold(self.state_pool, rows, inputs["hist"], *self.rings)
+        self._decode(self.state_pool, rows, layers, q, k, v, a, b, self.A_log, self.dt_bias, out, scale=self.scale)
 
     def warmup(self) -> None:
         # the whole ring now: pinned allocations take milliseconds each, a stall of the first
@@ -321,13 +354,13 @@ class CudaBackend(Backend):
         for staging in self._ring:
             for rows in range(1, self._rows_hint + 1):
                 staging.views_for(self._plan(rows, 1), (rows, 1))
-        if not self.use_kernel:
-            return
-        from gdn_server.kernels import compile_variant
+        from gdn_server.kernels import compile_ring, compile_variant
 
         s = self.shape
-        for T in range(1, s.max_tokens_per_step + 1):  # speculative T > 4 compiles on first use
+        for T in range(1, s.max_tokens_per_step + 1):  # plain steps longer than this are refused upstream
             compile_variant(T, s.num_q_heads, s.num_v_heads, state_dtype=s.state_dtype)
+        for T in range(s.max_speculative_tokens + 1):  # T = 0: the fold
+            compile_ring(T, s.num_q_heads, s.num_v_heads, s.state_dtype)
         try:
             self._capture_graphs()
         except Exception:  # a driver or library that cannot capture: launch directly
@@ -336,31 +369,33 @@ class CudaBackend(Backend):
                 staging.graphs.clear()
         torch.cuda.synchronize(self.device)
 
-    def _capture_graphs(self, tokens: int = 1) -> None:
-        """A graph of each staging set's in-place launch for every row count up to GRAPH_MAX_ROWS
-        and every bucket up to rows_hint: `_device_steps`, or for up to MAPPED_MAX_ROWS rows the
-        kernel alone on the mapped buffers.
+    def _capture_graphs(self) -> None:
+        """A graph of each staging set's plain T=1 launch and verify of every T for every row count
+        up to GRAPH_MAX_ROWS and every bucket up to rows_hint: `_device_steps`, or for up to
+        MAPPED_MAX_ROWS rows the kernel alone on the mapped buffers.
 
-        Rows are padding (slot -1: no state read or written) while anything runs here: one eager
-        launch per row count (the launcher's first call sets itself up, which a capture must not
-        see), then the captures, which record and run nothing."""
+        Rows are padding (row -1: no state or ring read or written) while anything runs here: one
+        eager launch per (kind, R, T) (the launcher's first call sets itself up, which a capture
+        must not see), then the captures, which record and run nothing."""
         if GRAPH_MAX_ROWS < 1:
             return
-        buckets = tuple(b for b in GRAPH_BUCKETS if b <= self._rows_hint) if tokens == 1 else ()
-        mapped_rows = min(MAPPED_MAX_ROWS, GRAPH_MAX_ROWS) if self.use_kernel else 0
+        buckets = tuple(b for b in GRAPH_BUCKETS if b <= self._rows_hint)
+        mapped_rows = min(MAPPED_MAX_ROWS, GRAPH_MAX_ROWS)
         mapped = mapped_rows > 0 and self._mapped_staging_works(mapped_rows)
+        launches = [(PLAIN, 1)] + [(VERIFY, T) for T in range(1, self.shape.max_speculative_tokens + 1)]
         with torch.cuda.device(self.device):  # a capture records on the current device
             side = torch.cuda.Stream(self.device)
-            for R in (*range(1, GRAPH_MAX_ROWS + 1), *buckets):
+            for (kind, tokens), R in ((launch, R) for launch in launches for R in (*range(1, GRAPH_MAX_ROWS + 1), *buckets)):
                 plan = self._plan(R, tokens)
                 for i, staging in enumerate(self._ring):
                     views = staging.views_for(plan, (R, tokens))
                     views.host["slots"].fill_(-1)
                     views.host["layers"].zero_()
+                    views.host["hist"].zero_()
                     if mapped and R <= mapped_rows:  # the kernel alone, on the pinned buffers
-                        steps = functools.partial(self._launch_kernel, *staging.mapped_views(plan, views), True)
+                        steps = functools.partial(self._launch_kernel, *staging.mapped_views(plan, views), kind)
                     else:
-                        steps = functools.partial(self._device_steps, views, True)
+                        steps = functools.partial(self._device_steps, views, kind)
                     if i == 0:
                         with torch.cuda.stream(self.stream):
                             steps()
@@ -374,7 +409,7 @@ class CudaBackend(Backend):
                             steps()
                         finally:
                             graph.capture_end()
-                    staging.graphs[(R, tokens)] = graph
+                    staging.graphs[(kind, R, tokens)] = graph
         if buckets:
             self._bucket_max = buckets[-1]
 
@@ -414,6 +449,15 @@ class CudaBackend(Backend):
         with torch.cuda.stream(self.stream):
             self.state_pool[self._rows(session_slot)].copy_(state, non_blocking=False)
         self.stream.synchronize()
+
+    def fold(self, rows: list[int], hist: list[int]) -> None:
+        """Folds each row's `hist` ring entries into its state (rows with none are skipped)."""
+        live = [(row, p) for row, p in zip(rows, hist) if p > 0]
+        if not live:
+            return
+        with torch.cuda.stream(self.stream):
+            pairs = torch.tensor(live, dtype=torch.int32).t().contiguous().to(self.device)
+            self._ring_fold(self.state_pool, pairs[0], pairs[1], *self.rings)
 
     def copy_rows(self, src_rows: list[int], dst_rows: list[int]) -> None:
         with torch.cuda.stream(self.stream):

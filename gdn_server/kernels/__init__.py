@@ -1,7 +1,9 @@
 """CuTe DSL kernels for Hopper (sm_90a).
 
 `gdn_decode` runs one Gated Delta Net decode step over a bf16 or fp32 state pool (docs/protocol.md,
-section 4, for the math; `_decode_kernel` for the layout contract). Importing this
+section 4, for the math; `_decode_kernel` for the layout contract). `ring_verify` runs a speculative
+step that writes only the rows' history rings (folding a full one first), `ring_fold` folds rings
+into their states (`_ring_kernel`, `_ring_api`). Importing this
 package is cheap and needs no GPU: cutlass loads on the first compile. On a machine without
 a GPU, `compile_variant` / `compile_all_variants` compile for CUTE_DSL_ARCH=sm_90a.
 """
@@ -18,6 +20,7 @@ from ._api import (
     gdn_decode,
     validate_decode_args,
 )
+from ._ring_api import compile_ring, folded_base, new_ring, ring_bytes_per_row, ring_fold, ring_verify
 
 __all__ = [
     "CHECKED_HEADS",
@@ -26,9 +29,15 @@ __all__ = [
     "UNROLLED_T",
     "Variant",
     "check_variant",
+    "compile_ring",
     "compile_all_variants",
     "compile_variant",
     "default_variant",
+    "folded_base",
     "gdn_decode",
+    "new_ring",
+    "ring_bytes_per_row",
+    "ring_fold",
+    "ring_verify",
     "validate_decode_args",
 ]

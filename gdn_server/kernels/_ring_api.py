@@ -36,6 +36,14 @@ def ring_shapes(num_rows: int, H: int, HV: int) -> dict[str, tuple[int, ...]]:
     return dict(ring_k=(num_rows, H, RING, HEAD_DIM), ring_u=(num_rows, HV, HEAD_DIM, RING), ring_g=(num_rows, HV, RING))
 
 
+RING_DTYPE_BYTES = dict(ring_k=2, ring_u=2, ring_g=4)  # bf16, fp16, fp32
+
+
+def ring_bytes_per_row(H: int, HV: int) -> int:
+    """Device bytes of one pool row's ring tensors (what a pool's memory budget counts beside its state)."""
+    return sum(math.prod(shape) * RING_DTYPE_BYTES[name] for name, shape in ring_shapes(1, H, HV).items())
+
+
 def new_ring(num_rows: int, H: int, HV: int, device: Any = "cuda"):
     """Zeroed ring tensors (ring_k, ring_u, ring_g) for a pool of `num_rows` states."""
     import torch

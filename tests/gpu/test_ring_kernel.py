@@ -2,7 +2,8 @@
 
 A batch of rows runs a sequence of verifies with random accepts, so that its rows sit at different
 ring fills and one launch holds rows that fold and rows that do not; the model advances every
-row's committed state in float64 and rounds it to bf16 where the kernel folds. bench/ring.py has
+row's committed state in float64 and rounds it to the pool's dtype (bf16 or fp32, each its own
+compiled kernel) where the kernel folds. bench/ring.py has
 the longer sweep and the timings.
 """
 from __future__ import annotations
@@ -25,7 +26,6 @@ def _ring_api():
     return _ring_api
 
 
-
 def _reference(S, x, live):
     """float64 outputs [B, T, HV, V] and the states after 0..T tokens, rows `live`."""
     lay = x["layers"][live].long()
@@ -38,12 +38,12 @@ def _reference(S, x, live):
     return torch.cat(outs, 1), states
 
 
-def _run_sequence(B, T, H, HV, steps, seed):
+def _run_sequence(B, T, H, HV, steps, seed, state_dtype=torch.bfloat16):
     api = _ring_api()
     gen = torch.Generator(device=DEV).manual_seed(seed)
     rnd = random.Random(seed)
     N = 2 * B + 4
-    pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(torch.bfloat16)
+    pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(state_dtype)
     ring = api.new_ring(N, H, HV)
     for r in ring:  # entries past a row's fill are stale: poison them
         r.copy_(torch.randn(r.shape, device=DEV, generator=gen).to(r.dtype) * 100)
@@ -63,7 +63,7 @@ def _run_sequence(B, T, H, HV, steps, seed):
         x = kernel_inputs(B, T, H, HV, 3, gen)
         fold = torch.tensor([hist[i] + T > api.RING for i in live_idx], device=DEV)
         unrounded = model.clone()
-        model[fold] = model[fold].to(torch.bfloat16).double()  # the kernel's fold rounds to bf16
+        model[fold] = model[fold].to(state_dtype).double()  # the kernel's fold rounds to the pool's dtype
         before = pool.clone(), [r.clone() for r in ring]
         out = torch.full((B, T, HV, D), float("nan"), device=DEV, dtype=torch.bfloat16)
         api.ring_verify(pool, rows, torch.tensor(hist, device=DEV, dtype=torch.int32), x["layers"], x["q"], x["k"],
@@ -93,11 +93,15 @@ def _run_sequence(B, T, H, HV, steps, seed):
 CASES = [(T, 16, 32) for T in range(1, 9)] + [(T, H, HV) for H, HV in ((8, 32), (32, 32)) for T in (2, 4, 8)]
 
 
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("T,H,HV", CASES)
 @pytest.mark.parametrize("B", [1, 7, 40])
-def test_verify_sequence_matches_reference(B, T, H, HV):
+def test_verify_sequence_matches_reference(B, T, H, HV, state_dtype):
     steps = 2 * 16 // T + 3  # every row folds at least once
-    worst_out, worst_state, folds, e_fold = _run_sequence(B, T, H, HV, steps, seed=B * 100 + T * 10 + H)
+    worst_out, worst_state, folds, e_fold = _run_sequence(B, T, H, HV, steps, seed=B * 100 + T * 10 + H,
+                                                          state_dtype=state_dtype)
+    print(f"ring {state_dtype} B={B} T={T} H={H} HV={HV}: outputs {worst_out:.2e}, folded states {worst_state:.2e}, "
+          f"ring_fold {e_fold:.2e}")
     assert folds > 0
     assert worst_out < TOL, f"outputs: {worst_out:.2e}"
     assert worst_state < TOL, f"folded states: {worst_state:.2e}"
@@ -123,3 +127,5 @@ def test_bad_arguments_raise_value_error():
             api.ring_verify(*(value if j == i else arg for j, arg in enumerate(args)))
     with pytest.raises(ValueError):
         api.ring_fold(pool, rows, hist.long(), *ring)
+    with pytest.raises(ValueError):  # a state of no supported dtype
+        api.ring_fold(pool.half(), rows, hist, *ring)
