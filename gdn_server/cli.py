@@ -50,11 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "that many CPU shards (for testing multi-device serving without a GPU)")
     p.add_argument("--max-sessions", type=int, default=None,
                    help="session capacity per device (default: on the CPU 256, fewer where their states and "
-                        "scratch would pass half the host's memory, held only while in use; on a GPU, what fits "
-                        "in 80%% of its free memory, at most 4096)")
-    p.add_argument("--speculative-sessions", type=int, default=None,
-                   help="sessions that may hold uncommitted speculative steps at once; each uses up to 2 scratch "
-                        "states per layer (default: min(max sessions, 32); 0 turns speculative steps off)")
+                        "history rings would pass half the host's memory, held only while in use; on a GPU, what "
+                        "fits in 80%% of its free memory, at most 4096)")
     p.add_argument("--max-batch-rows", type=int, default=SchedulerConfig.max_batch_rows,
                    help="rows (session x layer) per kernel launch at most (default %(default)s)")
     p.add_argument("--max-queue-delay-us", type=int, default=SchedulerConfig.max_queue_delay_us,
@@ -68,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows waiting for the device at most; requests beyond get UNAVAILABLE, which clients "
                         "retry (default %(default)s)")
     p.add_argument("--speculative-timeout-s", type=float, default=SPECULATIVE_TIMEOUT_S,
-                   help="open speculative steps of a session unused this long are dropped (as if never sent) and "
-                        "its accepted scratch states go home, freeing scratch rows (default %(default)s)")
+                   help="open speculative steps of a session unused this long are dropped, as if never sent "
+                        "(default %(default)s)")
     lim = p.add_argument_group("limits (what clients can make the server hold)")
     lim.add_argument("--max-calls", type=int, default=Limits.max_calls,
                      help="calls held at once over all clients; when full, the client holding the most "
@@ -167,8 +164,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.max_queue_delay_us < 0:
         parser.error("--max-queue-delay-us must be >= 0")
-    if args.speculative_sessions is not None and args.speculative_sessions < 0:
-        parser.error("--speculative-sessions must be >= 0")
     devices = None
     if args.devices is not None:
         try:
@@ -230,7 +225,6 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         devices=devices,
         max_sessions=args.max_sessions,
-        speculative_sessions=args.speculative_sessions,
         scheduler=SchedulerConfig(args.max_batch_rows, args.max_queue_delay_us, args.max_queue_rows),
         limits=limits,
         scale=args.scale,

@@ -15,7 +15,6 @@ import time
 from gdn_server.backends import Backend
 from gdn_server.errors import FailedPrecondition, InvalidArgument
 from gdn_server.sessions import Session, SessionTable
-from gdn_server.work import DecodeWork, StepBatch
 from gdn_server.state_transfer import SessionState
 
 log = logging.getLogger(__name__)
@@ -28,53 +27,42 @@ def _discard(sessions: SessionTable, backend: Backend, session: Session) -> None
     sessions.free_slot(session.slot)
 
 
-def bring_home(sessions: SessionTable, backend: Backend, session: Session) -> None:
-    """Moves accepted speculative states from scratch rows back to the session's home rows, so
-    `slot`-wide operations (copy, read) see every layer's committed state."""
-    if not session.accepted_rows:
-        return
-    backend.copy_rows(*sessions.rows_away(session))
-    sessions.came_home(session)
+def fold_session(sessions: SessionTable, backend: Backend, session: Session) -> None:
+    """Folds every layer's committed ring entries into the session's state, so that slot-wide
+    operations (copy, read) see them: the export and snapshot formats hold a state alone, and a
+    fold is one small launch (bench/DECISIONS.md, entry 4)."""
+    if any(session.hist):
+        backend.fold(*sessions.hist_rows(session))
+        sessions.folded(session)
 
 
 def settled(sessions: SessionTable, backend: Backend, session: Session) -> Session:
-    """The session with every state home; FailedPrecondition while a draft is open."""
+    """The session with its rings folded; FailedPrecondition while a draft is open."""
     if session.drafts:
         raise FailedPrecondition(
             f"session {session.id!r} has an uncommitted speculative step at layer(s) "
             f"{sorted(session.drafts)}: Commit it first"
         )
-    bring_home(sessions, backend, session)
+    fold_session(sessions, backend, session)
     return session
 
 
 def drop_speculation(sessions: SessionTable, backend: Backend, session: Session) -> None:
-    """Forgets open drafts (as if never sent) and brings states home: what a snapshot saves, so
-    a restart never resumes a half-committed session."""
+    """Forgets open drafts (as if never sent) and folds the rings: what a snapshot saves, so a
+    restart never resumes a half-committed session."""
     sessions.drop_drafts(session)
-    bring_home(sessions, backend, session)
+    fold_session(sessions, backend, session)
 
 
 def commit_speculation(
     sessions: SessionTable, backend: Backend, session_id: str, accepted: int, identity: str | None = None
 ) -> tuple[list[int], list[int]]:
-    """Settles every open draft of a session to its first `accepted` tokens.
-
-    Fully accepted: the scratch row the draft wrote is the committed state (no copy). Partly
-    accepted: the scratch row is dropped and the first `accepted` tokens are replayed from the
-    untouched starting state, all layers in one backend call (one extra plain step at most).
-    Returns (positions per layer, the layers settled). Atomic: a bad `accepted` changes nothing.
-    """
+    """Settles every open draft of a session to its first `accepted` tokens: bookkeeping of the
+    session's rings, no launch (`backend` is not touched). Returns (positions per layer, the
+    layers settled). Atomic: a bad `accepted` changes nothing."""
     session = sessions.get(session_id)
     session.check_owner(identity)
-    layers = sorted(session.drafts)
-    replay = StepBatch(accepted)
-    for layer, draft in sessions.commit(session, accepted, time.monotonic()):
-        q, k, v, a, b = (t[:, :accepted] for t in draft.inputs)
-        work = DecodeWork(layer, (session.id,), q=q, k=k, v=v, a=a, b=b, positions=None)
-        replay.add(work, [draft.read_row])
-    if replay.rows:
-        backend.submit(replay).result()  # writes the replayed states in place, at their read rows
+    layers = sessions.commit(session, accepted, time.monotonic())
     return list(session.positions), layers
 
 
@@ -135,23 +123,24 @@ def idle_sessions(sessions: SessionTable, timeout_s: float, now: float | None = 
 
 
 def stale_speculation(sessions: SessionTable, timeout_s: float) -> list[Session]:
-    """Sessions holding scratch rows (open drafts, or accepted states not yet home) and unused for
-    longer than `timeout_s` (a read-only look; safe from any thread)."""
+    """Sessions with an open draft and unused for longer than `timeout_s` (a read-only look; safe
+    from any thread)."""
     now = time.monotonic()
-    return [s for s in sessions.sessions() if (s.drafts or s.accepted_rows) and now - s.last_used > timeout_s]
+    return [s for s in sessions.with_drafts() if now - s.last_used > timeout_s]
 
 
-def release_stale_speculation(sessions: SessionTable, backend: Backend, timeout_s: float) -> list[str]:
-    """Settles the scratch rows of every `stale_speculation` session: its open speculative steps
-    are dropped, as if never sent (their positions go back), and accepted states go home, so a
-    client that leaves drafts open does not hold scratch rows for ever. Returns their ids."""
-    settled_ids = []
+def release_stale_speculation(sessions: SessionTable, timeout_s: float) -> list[str]:
+    """Drops the open drafts of every `stale_speculation` session, as if never sent (their
+    positions go back, P to the draft's base): a client that leaves a draft open cannot keep its
+    session from being forked or exported, nor a retry of the draft answered, for ever. Returns
+    their ids."""
+    dropped = []
     for session in stale_speculation(sessions, timeout_s):
-        drop_speculation(sessions, backend, session)
-        settled_ids.append(session.id)
-    if settled_ids:
-        log.info("released the speculative scratch rows of %d session(s) unused for %g s", len(settled_ids), timeout_s)
-    return settled_ids
+        sessions.drop_drafts(session)
+        dropped.append(session.id)
+    if dropped:
+        log.info("dropped the open speculative steps of %d session(s) unused for %g s", len(dropped), timeout_s)
+    return dropped
 
 
 def evict_idle(sessions: SessionTable, backend: Backend, timeout_s: float) -> list[str]:
@@ -159,7 +148,6 @@ def evict_idle(sessions: SessionTable, backend: Backend, timeout_s: float) -> li
     evicted = []
     for sid in idle_sessions(sessions, timeout_s):
         session = sessions.evict(sid, f"it was idle for more than {timeout_s:g} s (--session-idle-timeout-s)")
-        # evict() returned its scratch rows; its own rows are zeroed below
         backend.reset_session(session.slot)
         sessions.free_slot(session.slot)
         evicted.append(sid)

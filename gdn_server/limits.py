@@ -27,8 +27,6 @@ MAX_EVICTED_IDS = 65536  # evicted ids remembered (oldest forgotten first), to a
 MAX_SESSION_ID_LEN = 128
 MAX_REQUEST_ID_LEN = 256
 MAX_REGION_NAME_LEN = 128  # a shared-memory region's name (a POSIX shm name or a CUDA IPC label)
-# a client that leaves drafts open cannot shut every other client out of speculative steps
-MAX_SCRATCH_FRACTION_PER_CLIENT = 0.5
 SPECULATIVE_TIMEOUT_S = 60.0  # open drafts of a session unused this long are dropped (--speculative-timeout-s)
 # A message's room beyond its largest inputs, for the ids and positions of the sessions it names.
 MESSAGE_ROOM_BYTES = 1 << 20

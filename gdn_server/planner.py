@@ -5,20 +5,24 @@ runs on plain objects.
 
 Glossary (the names the scheduler, the session table and the backends share):
 - *session slot*: a session's index in the table (`Session.slot`); never a pool row.
-- *pool row*: one (session, layer) state in the backend's state pool. A session's *home row* at
-  layer l is `slot * L + l`; *scratch rows*, after every home row, hold speculative states.
-- *read row* / *write row*: the pool rows one row of a launch reads its state from and writes
-  its new state to (`StepBatch.read_rows`, `StepBatch.write_rows`); the CuTe kernel calls them
-  `slots` and `out_slots`, the entries of its state pool.
-- *draft*: an uncommitted speculative step of a session at a layer (`sessions.Draft`).
+- *pool row*: one (session, layer) state in the backend's state pool, `slot * L + l`
+  (`Session.home_row`); a launch reads and writes its rows in place (`StepBatch.rows`; the CuTe
+  kernels call them `slots` / `rows`).
+- *ring*: each pool row's history of RING entries beside its state, terms of tokens not yet
+  folded into it (gdn_server/backends/base.py).
+- *P* / *committed entries*: the ring entries that are part of a session's state at a layer
+  (`Session.hist`; a launch's `StepBatch.hist` is each row's P at launch time).
+- *draft*: an uncommitted speculative step of a session at a layer (`sessions.Draft`), its ring
+  entries after the committed ones; a *verify* is the launch that runs drafts.
 - *round plan* (`RoundPlan`): what one scheduler round launches and what waits; a *launch*
-  (`Launch`) is one backend call of it, one T, its batch and members (`Admitted`, one per request).
-  (The backends' own per-shape layouts are `staging.StagingLayout` and `torch_math.StepWorkspace`.)
+  (`Launch`) is one backend call of it, one T and kind (plain or verify), its batch and members
+  (`Admitted`, one per request). (The backends' own per-shape layouts are
+  `staging.StagingLayout` and `torch_math.StepWorkspace`.)
 
-A round plan holds one launch per T, at most `max_batch_rows` rows in all (a single bigger request
-still goes alone). A session has at most one row in a plan; a request whose session is already in
-it, or behind an earlier deferred request, is deferred, so each session's requests apply in arrival
-order. Checks that depend on session state run here, when the session's earlier steps are known to
+A round plan holds one launch per (T, speculative), at most `max_batch_rows` rows in all (a single
+bigger request still goes alone). A session has at most one row in a plan; a request whose session
+is already in it, or behind an earlier deferred request, is deferred, so each session's requests
+apply in arrival order. Checks that depend on session state run here, when the session's earlier steps are known to
 be applied. Requests are atomic: every session of one is checked before any row is added.
 
 - Answers decided while planning (errors, retries answered from kept outputs) are returned as
@@ -27,10 +31,10 @@ be applied. Requests are atomic: every session of one is checked before any row 
 - A control item that may run at once (nothing in flight, batched or deferred before it) ends the
   plan (`RoundPlan.first`): later requests may name the session it closes, forks or imports, so they
   are planned once it has run.
-- Planning reads session records and changes none: it computes each step's read and write rows
-  (and reserves the scratch rows a draft writes). `launched` applies a queued launch to the
-  records through the session table's methods; `roll_back` undoes it where the launch then
-  fails, and `not_launched` gives back what a launch that never ran reserved.
+- Planning reads session records and changes none: it computes each step's rows and their P.
+  `launched` applies a queued launch to the records through the session table's methods (P, the
+  open draft, positions); `roll_back` undoes it where the launch then fails. A launch the
+  backend refused before it ran (NonFiniteInputs, a failed submit) changed nothing to undo.
 """
 from __future__ import annotations
 
@@ -76,20 +80,20 @@ Item = DecodeItem | ControlItem
 class Admitted:
     """A request in a batch: its sessions and where its rows sit in the launch."""
 
-    __slots__ = ("item", "sessions", "first_row", "read_rows", "write_rows", "record", "positions")
+    __slots__ = ("item", "sessions", "first_row", "rows", "hist", "record", "positions")
 
-    def __init__(self, item: DecodeItem, sessions: list[Session]) -> None:
+    def __init__(self, item: DecodeItem, sessions: list[Session], rows: list[int], hist: list[int]) -> None:
         self.item = item
         self.sessions = sessions
         self.first_row = 0
-        self.read_rows: list[int] = []  # pool row each session's state is read from
-        self.write_rows: list[int] = []  # pool row each session's new state goes to
+        self.rows = rows  # each session's pool row at the layer
+        self.hist = hist  # each session's committed ring entries there at launch (Session.launch_hist)
         self.record: StepRecord | None = None  # set when launched: what each session's LastStep points at
         self.positions: tuple[int, ...] = ()  # each session's count at the layer after this step
 
 
 class Launch:
-    """One backend call of a round plan: a batch of one T and its members in row order; once
+    """One backend call of a round plan: a batch of one T and kind and its members in row order; once
     submitted, the backend's handle and when it was submitted (the driver's in-flight record)."""
 
     __slots__ = ("batch", "members", "pending", "started")
@@ -101,9 +105,9 @@ class Launch:
         self.started = 0.0  # time.monotonic() at submit
 
     def add(self, member: Admitted) -> None:
-        member.first_row = self.batch.rows
+        member.first_row = self.batch.num_rows
         self.members.append(member)
-        self.batch.add(member.item.work, member.read_rows, member.write_rows)
+        self.batch.add(member.item.work, member.rows, member.hist)
 
 
 class RoundPlan:
@@ -112,7 +116,7 @@ class RoundPlan:
     __slots__ = ("launches", "deferred", "barrier", "first", "answers")
 
     def __init__(self) -> None:
-        self.launches: dict[int, Launch] = {}  # T -> the launch of that T
+        self.launches: dict[tuple[int, bool], Launch] = {}  # (T, speculative) -> its launch
         self.deferred: list[Item] = []  # to plan later (once `first` has run, else in a later round)
         self.barrier: ControlItem | None = None  # to run once these launches are done, before `deferred`
         self.first: ControlItem | None = None  # to run before anything else (there are no batches)
@@ -169,14 +173,11 @@ class Planner:
             if type(admitted) is not list:
                 answers.append((item, admitted))  # an error, or a retry's answer
                 continue
-            try:
-                member = self.route(item, admitted)
-            except GdnError as e:
-                answers.append((item, e))
-                continue
-            launch = batches.get(work.tokens)
+            member = self.route(item, admitted)
+            key = (work.tokens, work.speculative)
+            launch = batches.get(key)
             if launch is None:
-                launch = batches[work.tokens] = Launch(StepBatch(work.tokens))
+                launch = batches[key] = Launch(StepBatch(work.tokens, speculative=work.speculative))
             launch.add(member)
             busy.update(ids)
             rows += n
@@ -226,22 +227,10 @@ class Planner:
             return e
 
     def route(self, item: DecodeItem, sessions: list[Session]) -> Admitted:
-        """Each session's read and write rows for an admitted step; changes no record.
-
-        A step reads the state after every token its session has taken at the layer, an open
-        draft's included (a next step accepts it whole: `SessionTable.step_queued`). A plain step
-        writes the session's home row; a draft writes a scratch row, reserved here (RESOURCE_EXHAUSTED
-        when none is free), so the state it started from survives until Commit.
-        """
-        work = item.work
-        layer = work.layer
-        member = Admitted(item, sessions)
-        member.read_rows = [s.committed_row(layer) for s in sessions]
-        if work.speculative:
-            member.write_rows = self.sessions.take_scratch_rows(len(sessions), work.owner_key)
-        else:
-            member.write_rows = [s.home_row(layer) for s in sessions]
-        return member
+        """Each session's pool row and committed ring entries for an admitted step; changes no
+        record. An open draft at the layer counts as committed (a next step accepts it whole)."""
+        layer = item.work.layer
+        return Admitted(item, sessions, [s.home_row(layer) for s in sessions], [s.launch_hist(layer) for s in sessions])
 
     def replay(self, work: DecodeWork, sessions: list[Session]) -> DecodeResult:
         """Answers a retried step from the outputs kept when it was first applied."""
@@ -258,7 +247,7 @@ class Planner:
         """The answers of a finished launch, one per member in order, from its output `whole`
         (the backend's buffer: copied here, never kept); keeps each step's output for retries."""
         batch = launch.batch
-        row_bytes = len(whole) // batch.rows
+        row_bytes = len(whole) // batch.num_rows
         tokens, heads, head_dim = batch.tokens, self._heads, self._head_dim
         results = []
         for m in launch.members:
@@ -271,32 +260,21 @@ class Planner:
 
 def launched(launch: Launch, now: float, table: SessionTable) -> None:
     """`launch` is queued on the device: each session's record moves (`SessionTable.step_queued`),
-    so later requests see the new positions, drafts and rows."""
+    so later requests see the new positions, drafts and P."""
     tokens = launch.batch.tokens
     for m in launch.members:
         work = m.item.work
         layer = work.layer
         m.record = record = StepRecord(tokens, len(m.sessions), work.speculative)
         digests = work.digests
-        after = []
-        for row, s in enumerate(m.sessions):
-            inputs = tuple(t[row : row + 1] for t in (work.q, work.k, work.v, work.a, work.b)) if work.speculative else ()
-            after.append(table.step_queued(
-                s, layer, record, row, digests[row] if digests else None, now, m.read_rows[row], m.write_rows[row], inputs,
-            ))
-        m.positions = tuple(after)
+        m.positions = tuple(
+            table.step_queued(s, layer, record, row, digests[row] if digests else None, now, hist)
+            for row, (s, hist) in enumerate(zip(m.sessions, m.hist))
+        )
 
 
 def roll_back(member: Admitted, table: SessionTable) -> None:
     """Undoes `launched` for a step whose launch failed after it was queued."""
     layer = member.item.work.layer
-    for s, write_row in zip(member.sessions, member.write_rows):
-        table.step_failed(s, layer, member.record, write_row)
-
-
-def not_launched(member: Admitted, table: SessionTable) -> None:
-    """Gives back what routing reserved for a step that never ran (its launch was refused): a
-    draft's scratch rows."""
-    if member.item.work.speculative:
-        for row in member.write_rows:
-            table.give_scratch(row)
+    for s, hist in zip(member.sessions, member.hist):
+        table.step_failed(s, layer, member.record, hist)

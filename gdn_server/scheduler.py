@@ -33,7 +33,7 @@ from gdn_server.backends.base import Backend, NonFiniteInputs
 from gdn_server.config import SchedulerConfig
 from gdn_server.errors import GdnError, Unavailable
 from gdn_server.planner import (
-    ControlItem, DecodeItem, Done, Item, Launch, Planner, launched, not_launched, roll_back,
+    ControlItem, DecodeItem, Done, Item, Launch, Planner, launched, roll_back,
 )
 from gdn_server.sessions import SessionTable
 from gdn_server.work import DecodeWork, StepBatch
@@ -359,21 +359,19 @@ class Scheduler:
         try:
             launch.pending = self.backend.submit(batch)
         except NonFiniteInputs as e:  # nothing ran: answer the culprits, launch the others again
-            rest = Launch(StepBatch(batch.tokens))
+            rest = Launch(StepBatch(batch.tokens, speculative=batch.speculative))
             for index, m in enumerate(members):
                 error = e.errors.get(index)
                 if error is None:
                     rest.add(m)
                 else:
-                    not_launched(m, self.sessions)
                     m.item.done(error)
             if rest.members:
                 self._submit(rest, in_flight)
             return
         except Exception as e:  # a backend failure fails this batch; the server stays up if the device does
-            self._backend_failed(e, batch.rows)
+            self._backend_failed(e, batch.num_rows)
             for m in members:
-                not_launched(m, self.sessions)
                 m.item.done(GdnError(f"backend failure: {e}"))
             return
         launched(launch, time.monotonic(), self.sessions)  # later requests see the new positions
@@ -393,7 +391,7 @@ class Scheduler:
             try:
                 whole = launch.pending.result_bytes()  # the backend's buffer, reused later: read here, never kept
             except Exception as e:
-                self._backend_failed(e, batch.rows)
+                self._backend_failed(e, batch.num_rows)
                 for m in members:
                     roll_back(m, self.sessions)
                     m.item.done(GdnError(f"backend failure: {e}"))
@@ -401,12 +399,12 @@ class Scheduler:
             device_s = time.monotonic() - started
             stats = self.stats
             stats.launches += 1
-            stats.rows_launched += batch.rows
+            stats.rows_launched += batch.num_rows
             stats.batches += 1
             stats.device_s += device_s
             stats.requests += len(members)  # counted before the answers: a GetStats may follow one
             if self.on_launch is not None:
-                self.on_launch(batch.rows, device_s)
+                self.on_launch(batch.num_rows, device_s)
             for m, result in zip(members, self._planner.finish(launch, whole)):
                 m.item.done(result)
         self._keep_polling()

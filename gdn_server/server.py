@@ -54,7 +54,6 @@ class ServerSettings:
     device: str = "auto"
     devices: tuple[int, ...] | None = None  # CUDA devices to serve from (None: every visible one)
     max_sessions: int | None = None  # per device; None: the backend's default
-    speculative_sessions: int | None = None  # sessions with open speculative steps at once (None: default)
     scheduler: SchedulerConfig = SchedulerConfig()
     limits: Limits = Limits()
     scale: float | None = None
@@ -64,7 +63,7 @@ class ServerSettings:
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: a free port
     state_dir: str | None = None  # sessions are saved here on shutdown and restored on start
     session_idle_timeout_s: float | None = None  # evict sessions unused this long (None: never)
-    speculative_timeout_s: float = SPECULATIVE_TIMEOUT_S  # settle open drafts of sessions unused this long
+    speculative_timeout_s: float = SPECULATIVE_TIMEOUT_S  # drop open drafts of sessions unused this long
     processes: int = 1  # server processes per device on this host (gdn_server.supervisor)
     process_index: int = 0  # this process's place among `process_ports`
     process_ports: tuple[int, ...] = ()  # every process's port, where there are several
@@ -91,17 +90,14 @@ def build_app(settings: ServerSettings) -> GdnApp:
     """The server's parts, with every device's kernels compiled."""
     backends = make_backends(
         settings.device, settings.devices, settings.shape, settings.gates, settings.max_sessions, settings.scale,
-        speculative_sessions=settings.speculative_sessions, memory_share=1 / settings.processes,
+        memory_share=1 / settings.processes,
     )
     homes = ProcessHomes(settings.process_index, settings.process_ports) if settings.process_ports else None
     shards = []
     quota = OwnerQuota(settings.security.max_sessions_per_client)  # one count over every device
     for index, backend in backends:
         backend.warmup()  # compile kernels before `listening on`, not on the first request
-        sessions = SessionTable(
-            backend.max_sessions, settings.shape.num_layers, range(backend.home_rows, backend.pool_rows), quota,
-            homes=homes,
-        )
+        sessions = SessionTable(backend.max_sessions, settings.shape.num_layers, quota, homes=homes)
         shards.append(Shard(index, backend, sessions, Scheduler(backend, sessions, settings.scheduler)))
     placement = Placement(shards)
     servicer = GdnDecodeServicer(settings.shape, placement, shards[0].backend.name, homes)
@@ -192,9 +188,8 @@ async def start_server(app: GdnApp) -> tuple[grpc.aio.Server, int]:
 
 
 async def _housekeeping(app: GdnApp) -> None:
-    """Every so often: evicts idle sessions (--session-idle-timeout-s) and settles the speculative
-    scratch rows of sessions left with open drafts (--speculative-timeout-s), each as a scheduler
-    control item."""
+    """Every so often: evicts idle sessions (--session-idle-timeout-s) and drops the drafts of
+    sessions that left them open (--speculative-timeout-s), each as a scheduler control item."""
     settings = app.settings
     timeouts = [t for t in (settings.session_idle_timeout_s, settings.speculative_timeout_s) if t]
     interval = max(0.05, min(min(timeouts) / 4, 5.0))
@@ -205,10 +200,8 @@ async def _housekeeping(app: GdnApp) -> None:
             if idle and idle_sessions(shard.sessions, idle):  # a cheap look first: no barrier when none is
                 await shard.scheduler.control(lambda shard=shard: evict_idle(shard.sessions, shard.backend, idle))
             stale = settings.speculative_timeout_s
-            if shard.sessions.scratch_in_use() and stale_speculation(shard.sessions, stale):
-                await shard.scheduler.control(
-                    lambda shard=shard: release_stale_speculation(shard.sessions, shard.backend, stale)
-                )
+            if stale_speculation(shard.sessions, stale):
+                await shard.scheduler.control(lambda shard=shard: release_stale_speculation(shard.sessions, stale))
 
 
 async def _unmap_idle_regions(regions: SharedMemoryRegistry) -> None:

@@ -1,20 +1,27 @@
-"""The session table: ids, session slots, pool rows and per-layer positions.
+"""The session table: ids, session slots, pool rows, positions and the history rings' bookkeeping.
 
 A session owns one *session slot*; its state for layer l lives at *pool row*
-`slot * num_layers + l`, its *home row* (`Session.home_row`). Positions count the tokens a session
-has taken at each layer. `LastStep` remembers the previous step per layer so a retried request
-(same positions, T, speculative flag and inputs) is answered again without being applied twice.
+`slot * num_layers + l` (`Session.home_row`), beside that row's *history ring* of RING entries
+(gdn_server/backends/base.py: what an entry holds). Positions count the tokens a session has
+taken at each layer. `LastStep` remembers the previous step per layer so a retried request (same
+positions, T, speculative flag and inputs) is answered again without being applied twice.
 
-Speculative steps (drafts) write into *scratch rows* after the sessions' home rows, so the state
-before the step survives until `Commit`: a `Draft` records such a step per layer. A fully
-accepted draft leaves the committed state in its scratch row (`Session.accepted_rows`) until the
-next plain step at that layer writes it back home, so acceptance costs no extra copy.
+The ring, per (session, layer): P (`Session.hist`) is how many entries are committed, i.e. part
+of the session's state though not yet folded into the pool row. A speculative step (a *draft*,
+`Draft`) of T tokens writes entries [base, base + T), base = folded_base(P, T): P, or 0 where
+P + T would overflow the ring and the backend folds the P entries into the state first. Then:
+
+    Commit(n)            P = base + n (bookkeeping only: no launch)
+    a next step there    accepts the open draft whole first: P = base + T
+    the draft dropped    P = base (--speculative-timeout-s; entries past P are garbage)
+    a plain step         the backend folds P entries into the state first; P = 0
+    fork, export, read   `Backend.fold` first (`hist_rows` / `folded`), then the state as it is
 
 Every change of a session's record is a method of `SessionTable` (creation, removal, a step
-queued or failed, a Commit, drafts dropped, states brought home): the planner only reads records
-to compute a step's rows, and applies them through the table once the backend has queued the
-step. Only the scheduler's rounds call those methods; `create`/`remove` take the table lock
-because they are also called from the gRPC event loop.
+queued or failed, a Commit, drafts dropped, rings folded): the planner only reads records to
+compute a step's rows and each row's P, and applies them through the table once the backend has
+queued the step. Only the scheduler's rounds call those methods; `create`/`remove` take the table
+lock because they are also called from the gRPC event loop.
 """
 from __future__ import annotations
 
@@ -24,11 +31,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import torch
-
 from gdn_client.proto.ids import process_of, process_prefix
 from gdn_server.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, WrongProcess
-from gdn_server.limits import MAX_EVICTED_IDS, MAX_SCRATCH_FRACTION_PER_CLIENT
+from gdn_server.kernels import folded_base
+from gdn_server.limits import MAX_EVICTED_IDS
 
 
 class StepRecord:
@@ -72,13 +78,12 @@ class LastStep:
 
 @dataclass
 class Draft:
-    """An uncommitted speculative step of one session at one layer."""
+    """An uncommitted speculative step of one session at one layer: its ring entries
+    [base, base + tokens)."""
 
-    row: int  # scratch row holding the state after all T tokens
-    read_row: int  # row holding the committed state the step started from (left untouched)
+    base: int  # committed entries the step kept before its own (folded_base of P at launch)
     tokens: int  # T
     count_before: int  # position at that layer before the step
-    inputs: tuple[torch.Tensor, ...]  # this session's q, k, v, a, b of the step, each [1, T, ...]
 
 
 @dataclass
@@ -91,43 +96,25 @@ class Session:
     positions: list[int] = field(default_factory=list)
     last_steps: dict[int, LastStep] = field(default_factory=dict)
     last_used: float = field(default_factory=time.monotonic)
-    accepted_rows: dict[int, int] = field(default_factory=dict)  # layer -> scratch row holding its committed state
+    # committed ring entries P per layer; while a draft is open there, its base
+    hist: list[int] = field(default_factory=list)
     drafts: dict[int, Draft] = field(default_factory=dict)  # layer -> uncommitted speculative step
 
     def __post_init__(self) -> None:
         if not self.positions:
             self.positions = [0] * self.num_layers
+        if not self.hist:
+            self.hist = [0] * self.num_layers
 
     def home_row(self, layer: int) -> int:
-        """The pool row of the session's own state at `layer`."""
+        """The pool row of the session's state at `layer`."""
         return self.slot * self.num_layers + layer
 
-    def committed_row(self, layer: int) -> int:
-        """The pool row a next step at `layer` reads: where the state after every token taken at
-        that layer lives (an open draft counts as accepted, as a next step accepts it)."""
-        if self.drafts and layer in self.drafts:
-            return self.drafts[layer].row
-        home = self.slot * self.num_layers + layer
-        return self.accepted_rows.get(layer, home) if self.accepted_rows else home
-
-    def superseded_rows(self, layer: int, speculative: bool) -> list[int]:
-        """The scratch rows a next step at `layer` frees once it is queued: the row an open draft
-        started from (its state is replaced by the draft's, accepted), and for a plain step the
-        row holding the committed state, which the step writes home."""
-        rows = []
-        home = self.slot * self.num_layers + layer
+    def launch_hist(self, layer: int) -> int:
+        """The ring entries a next step at `layer` reads as committed: P, and an open draft's
+        tokens (a next step accepts it whole: `SessionTable.step_queued`)."""
         draft = self.drafts.get(layer) if self.drafts else None
-        if draft is not None and draft.read_row != home:
-            rows.append(draft.read_row)
-        if not speculative:
-            current = self.committed_row(layer)
-            if current != home:
-                rows.append(current)
-        return rows
-
-    def scratch_rows(self) -> list[int]:
-        """Every scratch row this session holds."""
-        return list(self.accepted_rows.values()) + [d.row for d in self.drafts.values()]
+        return self.hist[layer] if draft is None else draft.base + draft.tokens
 
     def check_owner(self, identity: str | None) -> None:
         """PermissionDenied unless `identity` created this session (both None where auth is off)."""
@@ -188,8 +175,7 @@ class SessionTable:
     """Live sessions by id, and the free session slots of the state pool."""
 
     def __init__(
-        self, capacity: int, num_layers: int, scratch_rows: range = range(0), quota: OwnerQuota | None = None,
-        homes: ProcessHomes | None = None,
+        self, capacity: int, num_layers: int, quota: OwnerQuota | None = None, homes: ProcessHomes | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -201,10 +187,6 @@ class SessionTable:
         self._evicted: OrderedDict[str, str] = OrderedDict()  # id -> why it was evicted
         # lowest slots first keeps a lightly used pool compact (friendlier to caches)
         self._free = list(range(capacity - 1, -1, -1))
-        self._scratch_free = list(reversed(scratch_rows))
-        self.scratch_capacity = len(scratch_rows)
-        self._scratch_holder: dict[int, str | None] = {}  # scratch row -> who took it
-        self._scratch_held: dict[str | None, int] = {}  # who -> scratch rows held
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -272,140 +254,81 @@ class SessionTable:
                 self.quota.give(session.quota_key)
         if session is None:
             raise self._not_found(session_id)
-        for row in session.scratch_rows():  # a dropped speculative state is never read again
-            self.give_scratch(row)
-        session.accepted_rows.clear()
-        session.drafts.clear()
         return session
 
     # -- a session's record changes as its steps are queued, fail or are settled ----------------
     def step_queued(
-        self, session: Session, layer: int, record: StepRecord, row: int, digest: int | None, now: float,
-        read_row: int, write_row: int, inputs: tuple[torch.Tensor, ...] = (),
+        self, session: Session, layer: int, record: StepRecord, row: int, digest: int | None, now: float, hist: int,
     ) -> int:
-        """A step of `session` at `layer` (row `row` of `record`), reading `read_row` and writing
-        `write_row`, is queued on the device: an open draft at the layer is accepted whole, the
-        position moves by the step's tokens, the step becomes the one a retry is answered from, a
-        draft (`record.speculative`, with its `inputs`) is open until Commit, and the scratch rows
-        the step supersedes are free again. Returns the new position."""
-        freed = session.superseded_rows(layer, record.speculative)
-        draft = session.drafts.pop(layer, None)
-        if draft is not None:  # the step reads the draft's state: accepted, as if committed whole
-            session.accepted_rows[layer] = draft.row
+        """A step of `session` at `layer` (row `row` of `record`), launched with `hist` committed
+        ring entries (`Session.launch_hist`), is queued on the device: an open draft at the layer
+        is accepted whole, the position moves by the step's tokens, the step becomes the one a
+        retry is answered from; a plain step leaves the ring folded (P = 0), a draft
+        (`record.speculative`) is open until Commit, its entries after folded_base(hist, T).
+        Returns the new position."""
         before = session.positions[layer]
         after = session.positions[layer] = before + record.tokens
         session.last_steps[layer] = LastStep(before, record, row, digest)
         session.last_used = now
         if record.speculative:
-            session.drafts[layer] = Draft(write_row, read_row, record.tokens, before, inputs)
-        else:  # a plain step writes the state home
-            session.accepted_rows.pop(layer, None)
-        for scratch in freed:  # superseded by this step: a later launch may write them again
-            self.give_scratch(scratch)
+            base = folded_base(hist, record.tokens)
+            session.drafts[layer] = Draft(base, record.tokens, before)
+            session.hist[layer] = base
+        else:
+            session.drafts.pop(layer, None)
+            session.hist[layer] = 0
         return after
 
-    def step_failed(self, session: Session, layer: int, record: StepRecord, write_row: int) -> None:
-        """Undoes the position, last step and draft of `step_queued` for a step whose launch failed
-        after it was queued; its scratch row is free again. (An accepted draft stays accepted:
-        its state was written by an earlier launch.)"""
+    def step_failed(self, session: Session, layer: int, record: StepRecord, hist: int) -> None:
+        """Undoes `step_queued` for a step whose launch failed after it was queued: position, last
+        step and its draft; P is what the step was launched with (an open draft it accepted stays
+        accepted: an earlier launch wrote its entries)."""
         last = session.last_steps.get(layer)
         if last is not None and last.record is record:
             session.positions[layer] = last.count_before
             del session.last_steps[layer]
-        draft = session.drafts.get(layer)
-        if draft is not None and draft.row == write_row:
-            del session.drafts[layer]
-            self.give_scratch(draft.row)
+            session.drafts.pop(layer, None)
+            session.hist[layer] = hist
 
-    def commit(self, session: Session, accepted: int, now: float) -> list[tuple[int, Draft]]:
+    def commit(self, session: Session, accepted: int, now: float) -> list[int]:
         """Settles every open draft of `session` to its first `accepted` tokens (InvalidArgument,
-        and nothing changed, when a draft has fewer). A fully accepted draft's scratch row becomes
-        the committed state; a partly accepted one is dropped, its position set to the accepted
-        prefix. Returns (layer, dropped draft) for each partly accepted draft with accepted > 0:
-        the caller replays those tokens in place at the draft's `read_row`."""
+        and nothing changed, when a draft has fewer): P = base + accepted, the position that of
+        the accepted prefix. Bookkeeping only: the accepted entries are in the ring already, the
+        others are past P. Returns the layers settled."""
         drafts = dict(sorted(session.drafts.items()))
         too_many = {layer: d.tokens for layer, d in drafts.items() if accepted > d.tokens}
         if too_many:
             raise InvalidArgument(f"accepted = {accepted} is more than the speculative step's T at layer(s) {too_many}")
-        replay = []
         for layer, draft in drafts.items():
             del session.drafts[layer]
-            if accepted == draft.tokens:
-                session.accepted_rows[layer] = draft.row
-                if draft.read_row != session.home_row(layer):
-                    self.give_scratch(draft.read_row)
-                continue
-            self.give_scratch(draft.row)
-            session.positions[layer] = draft.count_before + accepted
-            session.last_steps.pop(layer, None)  # that step's output no longer describes the state
-            if accepted:
-                replay.append((layer, draft))
+            session.hist[layer] = draft.base + accepted
+            if accepted < draft.tokens:
+                session.positions[layer] = draft.count_before + accepted
+                session.last_steps.pop(layer, None)  # that step's output no longer describes the state
         session.last_used = now
-        return replay
+        return list(drafts)
 
     def drop_drafts(self, session: Session) -> None:
         """Forgets every open draft of `session`, as if it had never been sent: positions go back,
-        the drafts' scratch rows are free."""
+        P to the draft's base."""
         for layer, draft in list(session.drafts.items()):
-            self.give_scratch(draft.row)
+            session.hist[layer] = draft.base
             session.positions[layer] = draft.count_before
             session.last_steps.pop(layer, None)
             del session.drafts[layer]
 
-    def rows_away(self, session: Session) -> tuple[list[int], list[int]]:
-        """(scratch rows, home rows) of the committed states `session` holds away from home, by
-        layer: what `came_home` expects the caller to have copied."""
-        layers = sorted(session.accepted_rows)
-        return [session.accepted_rows[l] for l in layers], [session.home_row(l) for l in layers]
+    def hist_rows(self, session: Session) -> tuple[list[int], list[int]]:
+        """(pool rows, committed entries P) of every layer of `session`: what `Backend.fold`
+        takes before the session's state is read or copied as a whole; then `folded`."""
+        return [session.home_row(layer) for layer in range(session.num_layers)], list(session.hist)
 
-    def came_home(self, session: Session) -> None:
-        """The committed states of `rows_away` have been copied home: their scratch rows are free."""
-        for layer in list(session.accepted_rows):
-            self.give_scratch(session.accepted_rows.pop(layer))
+    def folded(self, session: Session) -> None:
+        """Every layer's committed entries are in the state now (`Backend.fold`): P = 0."""
+        session.hist = [0] * session.num_layers
 
-    @property
-    def scratch_share(self) -> int:
-        """Scratch rows one client may hold at once: MAX_SCRATCH_FRACTION_PER_CLIENT of them, at
-        least one speculative session's worth (2 per layer); stale drafts are released after a
-        while besides (`--speculative-timeout-s`)."""
-        share = int(self.scratch_capacity * MAX_SCRATCH_FRACTION_PER_CLIENT)
-        return max(share, min(2 * self.num_layers, self.scratch_capacity))
-
-    def take_scratch_rows(self, n: int, holder: str | None = None) -> list[int]:
-        """`n` free scratch rows at once for `holder` (a session's quota key), or
-        ResourceExhausted and none."""
-        with self._lock:
-            if len(self._scratch_free) < n:
-                raise ResourceExhausted(
-                    f"no free speculative capacity: {len(self._scratch_free)} of {self.scratch_capacity} scratch rows "
-                    f"free, {n} needed (--speculative-sessions)"
-                )
-            held = self._scratch_held.get(holder, 0)
-            if held + n > self.scratch_share:
-                raise ResourceExhausted(
-                    f"this client holds {held} of the {self.scratch_capacity} speculative scratch rows and may hold "
-                    f"{self.scratch_share}: Commit its open speculative steps first"
-                )
-            rows = [self._scratch_free.pop() for _ in range(n)]
-            self._scratch_held[holder] = held + n
-            for row in rows:
-                self._scratch_holder[row] = holder
-            return rows
-
-    def scratch_in_use(self) -> int:
-        """Scratch rows taken (open drafts, and accepted states not yet home)."""
-        return self.scratch_capacity - len(self._scratch_free)
-
-    def give_scratch(self, row: int) -> None:
-        with self._lock:
-            self._scratch_free.append(row)
-            if row in self._scratch_holder:
-                holder = self._scratch_holder.pop(row)
-                left = self._scratch_held[holder] - 1
-                if left:
-                    self._scratch_held[holder] = left
-                else:
-                    del self._scratch_held[holder]
+    def with_drafts(self) -> list[Session]:
+        """Sessions with an open draft (a read-only look; safe from any thread)."""
+        return [s for s in self.sessions() if s.drafts]
 
     def free_slot(self, slot: int) -> None:
         with self._lock:

@@ -237,7 +237,7 @@ def save_snapshot(state_dir: str | os.PathLike, shards: Sequence[Shard], gates: 
         skipped = []
         for n, (shard, session) in enumerate(every):
             try:
-                drop_speculation(shard.sessions, shard.backend, session)  # save committed states only
+                drop_speculation(shard.sessions, shard.backend, session)  # committed states only, rings folded
                 data = encode_session(session, shard.backend.read_session(session.slot), shape)
             except Exception:
                 log.exception("session %r cannot be saved: left out of the snapshot", session.id)

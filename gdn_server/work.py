@@ -63,7 +63,7 @@ class DecodeWork:
             positions=positions,  # tokens each session has taken at `layer`, when given
             request_id=request_id,
             owner=owner,  # the caller's identity where auth is on; must own every session
-            # whose share of speculative scratch rows the step draws on: the owner, or the peer
+            # whose quotas the caller draws on: the owner, or without auth the peer
             owner_key=owner_key,
             speculative=speculative,  # a draft step: provisional until Commit or the next step at the layer
             # q, k, v, a, b as the request's raw bf16 bytes, when all five came as BF16: a GPU
@@ -122,8 +122,13 @@ class DecodeResult:
 
 @dataclass
 class StepBatch:
-    """Rows of one backend call: all rows share T; each row is one (session, layer) state, read
-    from its read row and written to its write row of the state pool, and appears once.
+    """Rows of one backend call: all rows share T; each row is one (session, layer) state, a pool
+    row the launch reads and writes, and appears once.
+
+    `hist` is each row's committed ring entries P at launch time (gdn_server.sessions: the ring).
+    A plain batch folds the rows with P > 0 into their states first, then writes the states; a
+    verify batch (`speculative`) reads the states and writes only ring entries [base, base + T),
+    base = folded_base(P, T) (a row whose P + T entries would overflow its ring folds first).
 
     Inputs stay in the requests they arrived in (`works`); the backend copies them into its own
     staging buffer (bf16 bytes with memcpys, or one concatenation per input), so the scheduler does
@@ -131,27 +136,23 @@ class StepBatch:
     """
 
     tokens: int  # T
-    read_rows: list[int] = field(default_factory=list)  # pool row each row reads its state from
-    write_rows: list[int] = field(default_factory=list)  # pool row each row writes its new state to
+    rows: list[int] = field(default_factory=list)  # pool row of each row, read and written
     layers: list[int] = field(default_factory=list)  # layer per row
     works: list[DecodeWork] = field(default_factory=list)  # the requests, in row order
+    hist: list[int] = field(default_factory=list)  # committed ring entries P per row, at launch
+    speculative: bool = False  # a verify batch: every row is a draft
 
     @property
-    def rows(self) -> int:
-        return len(self.read_rows)
-
-    @property
-    def in_place(self) -> bool:
-        """Every row writes back to the pool row it read (no speculative rows)."""
-        return self.read_rows == self.write_rows
+    def num_rows(self) -> int:
+        return len(self.rows)
 
     def inputs(self, name: str) -> list[torch.Tensor]:
         """Each request's tensor `name` (q, k, v, a or b; [B_r, T, ...]), for backends that
         compute on the host (built from a bf16 request's bytes on first read)."""
         return [getattr(w, name) for w in self.works]
 
-    def add(self, work: DecodeWork, read_rows: list[int], write_rows: list[int] | None = None) -> None:
-        self.read_rows.extend(read_rows)
-        self.write_rows.extend(read_rows if write_rows is None else write_rows)
-        self.layers.extend([work.layer] * len(read_rows))
+    def add(self, work: DecodeWork, rows: list[int], hist: list[int]) -> None:
+        self.rows.extend(rows)
+        self.hist.extend(hist)
+        self.layers.extend([work.layer] * len(rows))
         self.works.append(work)

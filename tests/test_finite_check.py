@@ -40,7 +40,7 @@ def _bf16_work(session_ids: tuple[str, ...], layer: int, seed: int, nan_in: str 
 
 def test_the_scheduler_answers_unchecked_culprits_and_runs_the_rest_of_their_batch():
     backend = CpuBackend(SHAPE, random_gate_params(SHAPE, 0), 8)
-    sessions = SessionTable(8, SHAPE.num_layers, range(backend.home_rows, backend.pool_rows))
+    sessions = SessionTable(8, SHAPE.num_layers)
     ids = [sessions.create().id for _ in range(5)]
     scheduler = Scheduler(backend, sessions, SchedulerConfig())
     before = backend.read_rows(range(backend.pool_rows))

@@ -62,8 +62,7 @@ def _zero_state_chunks(positions: list[int]) -> list[gdn_pb2.StateChunk]:
 
 @pytest.fixture(scope="module")
 def server():
-    with start_server(*SMALL_MODEL, "--max-sessions", "16", "--speculative-sessions", "4",
-                      "--max-sessions-per-client", "3", "--speculative-timeout-s", "1.5",
+    with start_server(*SMALL_MODEL, "--max-sessions", "16", "--max-sessions-per-client", "3", "--speculative-timeout-s", "1.5",
                       "--metrics-port", "0") as srv:
         yield srv
 
@@ -336,34 +335,38 @@ def test_without_auth_the_session_quota_is_per_client_connection(server):
             s.close()
 
 
-def test_speculative_scratch_is_shared_and_stale_drafts_are_released(server):
-    # 4 speculative sessions x 3 layers x 2 rows = 24 scratch rows; one client may hold half. A
-    # draft takes a row; a second draft at the same layer keeps the first's state in its row
-    # (accepted) and takes another: two drafts per layer hold two rows, never committed
-    hog = Client(server.address, ClientOptions(own_connection=True))
-    other = Client(server.address, ClientOptions(own_connection=True))
+def test_drafts_hold_nothing_shared_and_stale_drafts_are_dropped(server):
+    """Every session has its own history ring: a client's open drafts at every layer of every one
+    of its sessions take nothing from another client's. A draft left open past
+    --speculative-timeout-s is dropped, as if never sent: its positions go back, and the session
+    may be exported again."""
+    own = [("grpc.use_local_subchannel_pool", 1)]  # a connection each: two clients
+    hog, other = (grpc.insecure_channel(server.address, options=own) for _ in range(2))
+    hog, other = (hog, gdn_pb2_grpc.GdnDecodeStub(hog)), (other, gdn_pb2_grpc.GdnDecodeStub(other))
+    with hog[0], other[0]:
+        def draft(stub, sid: str, layer: int) -> None:
+            req = decode_request(layer, [sid], random_inputs(1, 2, H, HV))
+            req.speculative = True
+            stub.Decode(req, timeout=30)
 
-    def draft(session, layer: int) -> None:
-        inputs = random_inputs(1, 2, H, HV)
-        session.decode(layer, *(inputs[n][0] for n in "qkvab"), speculative=True)
-
-    with hog, other:
-        hogged = [hog.create_session() for _ in range(3)]
-        held = 0
-        with pytest.raises(GdnError) as refused:
-            for s in hogged:
-                for layer in range(L):
-                    for _ in range(2):
-                        draft(s, layer)
-                        held += 1
-        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and held == 12
-        mine = other.create_session()
-        draft(mine, 0)  # the other client still gets scratch rows
-        time.sleep(3.5)  # past --speculative-timeout-s: the hog's drafts are dropped, as if never sent
-        for layer in range(L):
-            draft(hogged[2], layer)  # rows free again for the hog too
-        for s in hogged + [mine]:
-            s.close()
+        hogged = [_create(hog[1]) for _ in range(3)]
+        for sid in hogged:
+            for layer in range(L):
+                for _ in range(2):  # the second accepts the first whole and stays open
+                    draft(hog[1], sid, layer)
+        mine = _create(other[1])
+        draft(other[1], mine, 0)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(hog[1].ExportState(gdn_pb2.ExportStateRequest(session_id=hogged[0]), timeout=30))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        time.sleep(3.5)  # past --speculative-timeout-s
+        for sid in hogged:
+            reply = hog[1].Commit(gdn_pb2.CommitRequest(session_id=sid, accepted=0), timeout=30)
+            assert list(reply.positions) == [2] * L and not reply.committed_layers
+        chunks = list(hog[1].ExportState(gdn_pb2.ExportStateRequest(session_id=hogged[0]), timeout=30))
+        assert list(chunks[0].header.positions) == [2] * L
+        for stub, sid in [(hog[1], s) for s in hogged] + [(other[1], mine)]:
+            stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=sid), timeout=30)
 
 
 def test_an_unfinished_snapshot_write_is_an_error_at_the_next_start(tmp_path: Path):

@@ -119,8 +119,9 @@ def test_metrics(server):
         assert _value(m["gdn_device_seconds"], "gdn_device_seconds_count") >= 4
         m = _scrape_until(server, lambda m: _value(m["gdn_sessions_in_use"], "gdn_sessions_in_use") >= 1)
         assert _value(m["gdn_sessions_capacity"], "gdn_sessions_capacity") == 256
-        # 256 sessions' own states plus speculative scratch: 2 per layer for min(256, 32) sessions
-        assert _value(m["gdn_state_pool_bytes"], "gdn_state_pool_bytes") == (256 + 2 * 32) * 2 * 3 * 4 * 128 * 128
+        # 256 sessions x 3 layers, each a bf16 state and a float32 ring of 16 entries (k, u, G)
+        ring = 4 * 16 * (2 * 128 + 4 * 128 + 4)
+        assert _value(m["gdn_state_pool_bytes"], "gdn_state_pool_bytes") == 256 * 3 * (2 * 4 * 128 * 128 + ring)
         assert "gdn_queue_depth" in m
         assert _value(m["gdn_process_cpu_seconds"], "gdn_process_cpu_seconds_total") > 0  # the process's own CPU
         stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=sid), timeout=10)

@@ -17,7 +17,7 @@ def _placement(capacities: list[int]) -> Placement:
     shards = []
     for index, capacity in enumerate(capacities):
         backend = CpuBackend(shape, random_gate_params(shape, 0), capacity)
-        sessions = SessionTable(capacity, shape.num_layers, range(backend.home_rows, backend.pool_rows))
+        sessions = SessionTable(capacity, shape.num_layers)
         shards.append(Shard(index, backend, sessions, Scheduler(backend, sessions, SchedulerConfig())))
     return Placement(shards)
 

@@ -6,17 +6,16 @@ import pytest
 import torch
 
 from gdn_server.config import ModelShape
-from gdn_server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from gdn_server.planner import ControlItem, DecodeItem, Launch, Planner, launched, not_launched, roll_back
+from gdn_server.errors import FailedPrecondition, InvalidArgument
+from gdn_server.planner import Admitted, ControlItem, DecodeItem, Launch, Planner, launched, roll_back
 from gdn_server.sessions import SessionTable
-from gdn_server.work import DecodeResult, DecodeWork
+from gdn_server.work import DecodeResult, DecodeWork, StepBatch
 
 SHAPE = ModelShape(num_layers=2, num_q_heads=1, num_v_heads=2, head_dim_k=8, head_dim_v=8)
-HOME_ROWS = 8 * SHAPE.num_layers
 
 
-def _table(scratch: int = 4) -> SessionTable:
-    return SessionTable(8, SHAPE.num_layers, range(HOME_ROWS, HOME_ROWS + scratch))
+def _table() -> SessionTable:
+    return SessionTable(8, SHAPE.num_layers)
 
 
 def _work(ids, layer=0, T=1, positions=None, speculative=False, seed=0, digests=None) -> DecodeWork:
@@ -35,7 +34,7 @@ def _work(ids, layer=0, T=1, positions=None, speculative=False, seed=0, digests=
 def _run(planner: Planner, launch: Launch, table: SessionTable) -> list[DecodeResult]:
     """`launch` queued and finished with an output of its row indices, as a backend would answer."""
     launched(launch, 0.0, table)
-    rows, T = launch.batch.rows, launch.batch.tokens
+    rows, T = launch.batch.num_rows, launch.batch.tokens
     out = torch.arange(rows, dtype=torch.bfloat16)[:, None, None, None].expand(rows, T, SHAPE.num_v_heads, SHAPE.head_dim_v)
     return planner.finish(launch, out.contiguous().view(torch.uint8).numpy().tobytes())
 
@@ -44,19 +43,20 @@ def _planner(table: SessionTable, max_rows: int = 16) -> Planner:
     return Planner(table, max_rows, SHAPE)
 
 
-def test_one_launch_per_T_up_to_the_row_cap_and_each_session_once_in_arrival_order():
+def test_one_launch_per_T_and_kind_up_to_the_row_cap_and_each_session_once_in_arrival_order():
     table = _table()
-    a, b, c, d = (table.create().id for _ in range(4))
-    items = [DecodeItem(_work(ids, T=T), print) for ids, T in
-             (([a, b], 1), ([c], 2), ([a], 1), ([d], 1), ([b, c], 2))]
-    plan = _planner(table, max_rows=4).plan(items, quiet=True)
-    assert {T: [m.item for m in launch.members] for T, launch in plan.launches.items()} == {
-        1: [items[0], items[3]], 2: [items[1]]}
-    # items[2] names a session already in the plan; items[4] too (and the row cap is reached)
-    assert plan.deferred == [items[2], items[4]] and plan.answers == []
-    launch = plan.launches[1]
+    a, b, c, d, e = (table.create().id for _ in range(5))
+    items = [DecodeItem(_work(ids, T=T, speculative=spec), print) for ids, T, spec in
+             (([a, b], 1, False), ([c], 2, False), ([a], 1, False), ([d], 1, False), ([e], 1, True), ([b, c], 2, False))]
+    plan = _planner(table, max_rows=5).plan(items, quiet=True)
+    assert {key: [m.item for m in launch.members] for key, launch in plan.launches.items()} == {
+        (1, False): [items[0], items[3]], (2, False): [items[1]], (1, True): [items[4]]}
+    # items[2] names a session already in the plan; items[5] too (and the row cap is reached)
+    assert plan.deferred == [items[2], items[5]] and plan.answers == []
+    launch = plan.launches[1, False]
     assert [m.first_row for m in launch.members] == [0, 2]
-    assert launch.batch.read_rows == launch.batch.write_rows == [table.get(s).home_row(0) for s in (a, b, d)]
+    assert launch.batch.rows == [table.get(s).home_row(0) for s in (a, b, d)] and launch.batch.hist == [0, 0, 0]
+    assert not launch.batch.speculative and plan.launches[1, True].batch.speculative
 
 
 def test_a_control_item_runs_first_when_quiet_else_it_is_a_barrier_for_what_follows():
@@ -69,32 +69,71 @@ def test_a_control_item_runs_first_when_quiet_else_it_is_a_barrier_for_what_foll
     busy = _planner(table).plan([control, step], quiet=False)
     assert busy.barrier is control and busy.deferred == [step] and not busy.launches
     behind = _planner(table).plan([step, control, later], quiet=True)
-    assert behind.barrier is control and behind.deferred == [later] and list(behind.launches) == [1]
+    assert behind.barrier is control and behind.deferred == [later] and list(behind.launches) == [(1, False)]
+
+
+def _step(planner, table, s, T, speculative=False, layer=0, seed=0):
+    """One step of session `s` planned and run; returns its member."""
+    plan = planner.plan([DecodeItem(_work([s.id], layer=layer, T=T, speculative=speculative, seed=seed), print)],
+                        quiet=True)
+    launch = plan.launches[T, speculative]
+    _run(planner, launch, table)
+    return launch.members[0]
 
 
 def test_planning_changes_no_record_and_launched_applies_the_step():
     table = _table()
     s = table.create()
     planner = _planner(table)
-    draft = DecodeItem(_work([s.id], T=3, speculative=True), print)
-    plan = planner.plan([draft], quiet=True)
-    (member,) = plan.launches[3].members
-    assert member.read_rows == [s.home_row(0)] and member.write_rows == [HOME_ROWS]  # the first scratch row
+    plan = planner.plan([DecodeItem(_work([s.id], T=3, speculative=True), print)], quiet=True)
+    (member,) = plan.launches[3, True].members
+    assert member.rows == [s.home_row(0)] and member.hist == [0]
     assert s.positions == [0, 0] and not s.drafts and not s.last_steps  # nothing applied yet
-    _run(planner, plan.launches[3], table)
-    assert s.positions == [3, 0] and s.drafts[0].row == HOME_ROWS and s.drafts[0].read_row == s.home_row(0)
-    # a second draft reads the first's state (accepted whole) and writes another scratch row
-    plan = planner.plan([DecodeItem(_work([s.id], T=2, speculative=True, seed=1), print)], quiet=True)
-    assert plan.launches[2].members[0].read_rows == [HOME_ROWS] and table.scratch_in_use() == 2
-    _run(planner, plan.launches[2], table)
-    assert s.positions == [5, 0] and s.accepted_rows == {0: HOME_ROWS} and s.drafts[0].read_row == HOME_ROWS
-    # a plain step reads the open draft's row, writes home and frees both scratch rows
-    plan = planner.plan([DecodeItem(_work([s.id], seed=2), print)], quiet=True)
-    (member,) = plan.launches[1].members
-    assert member.read_rows == [s.drafts[0].row] and member.write_rows == [s.home_row(0)]
-    assert table.scratch_in_use() == 2
-    _run(planner, plan.launches[1], table)
-    assert s.positions == [6, 0] and not s.drafts and not s.accepted_rows and table.scratch_in_use() == 0
+    _run(planner, plan.launches[3, True], table)
+    assert s.positions == [3, 0] and s.drafts[0].base == 0 and s.drafts[0].tokens == 3 and s.hist == [0, 0]
+    # a second draft accepts the first whole: it is launched with P = 3 and appends after it
+    member = _step(planner, table, s, 2, speculative=True, seed=1)
+    assert member.hist == [3] and s.positions == [5, 0] and s.drafts[0].base == 3 and s.hist == [3, 0]
+    # a plain step accepts the open draft too and folds every entry (the backend does): P = 0
+    member = _step(planner, table, s, 1, seed=2)
+    assert member.rows == [s.home_row(0)] and member.hist == [5]
+    assert s.positions == [6, 0] and not s.drafts and s.hist == [0, 0]
+
+
+def test_the_ring_folds_where_a_draft_would_overflow_it_and_commit_is_bookkeeping():
+    table = _table()
+    s = table.create()
+    planner = _planner(table)
+    for i in range(3):  # 3 drafts of 5, each fully accepted by the next: P = 0, 5, 10
+        assert _step(planner, table, s, 5, speculative=True, seed=i).hist == [5 * i]
+    assert s.drafts[0].base == 10 and s.positions[0] == 15
+    # 15 committed entries and 4 more overflow the ring of 16: the verify folds first, base 0
+    member = _step(planner, table, s, 4, speculative=True, seed=3)
+    assert member.hist == [15] and s.drafts[0].base == 0 and s.hist[0] == 0
+    assert table.commit(s, 2, 0.0) == [0]
+    assert s.hist[0] == 2 and s.positions[0] == 17 and not s.drafts and 0 not in s.last_steps
+    assert _step(planner, table, s, 8, speculative=True, seed=4).hist == [2]
+    table.drop_drafts(s)  # a draft dropped leaves its base committed
+    assert s.hist[0] == 2 and s.positions[0] == 17 and not s.drafts
+    assert table.hist_rows(s) == ([s.home_row(0), s.home_row(1)], [2, 0])
+    table.folded(s)
+    assert s.hist == [0, 0]
+
+
+def test_a_launch_record_built_directly_applies_and_rolls_back():
+    table = _table()
+    s, t = table.create(), table.create()
+    planner = _planner(table)
+    _step(planner, table, s, 3, speculative=True)  # s has an open draft of 3 at layer 0
+    work = _work([s.id, t.id], T=2, speculative=True, seed=5)
+    launch = Launch(StepBatch(2, speculative=True))
+    launch.add(Admitted(DecodeItem(work, print), [s, t], [s.home_row(0), t.home_row(0)], [3, 0]))
+    assert launch.batch.rows == [s.home_row(0), t.home_row(0)] and launch.batch.hist == [3, 0]
+    launched(launch, 0.0, table)
+    assert s.positions[0] == 5 and t.positions[0] == 2 and s.drafts[0].base == 3 and t.drafts[0].base == 0
+    roll_back(launch.members[0], table)  # the launch failed after it was queued
+    # the draft it accepted stays accepted (an earlier launch wrote it); its own is gone
+    assert s.positions[0] == 3 and t.positions[0] == 0 and s.hist[0] == 3 and not s.drafts and not t.drafts
 
 
 def test_a_retry_waits_for_its_step_then_is_answered_from_the_kept_output():
@@ -103,10 +142,10 @@ def test_a_retry_waits_for_its_step_then_is_answered_from_the_kept_output():
     planner = _planner(table)
     first = DecodeItem(_work([a.id, b.id], positions=(0, 0)), print)
     plan = planner.plan([first], quiet=True)
-    launched(plan.launches[1], 0.0, table)
+    launched(plan.launches[1, False], 0.0, table)
     again = DecodeItem(_work([b.id], positions=(0,), digests=(1,)), print)  # b's row of the first request
     assert planner.plan([again], quiet=True).deferred == [again]  # its output is not there yet
-    planner.finish(plan.launches[1], torch.arange(2, dtype=torch.bfloat16).repeat_interleave(16)
+    planner.finish(plan.launches[1, False], torch.arange(2, dtype=torch.bfloat16).repeat_interleave(16)
                    .view(torch.uint8).numpy().tobytes())
     ((item, answer),) = planner.plan([again], quiet=True).answers
     assert item is again and isinstance(answer, DecodeResult)
@@ -118,33 +157,17 @@ def test_a_retry_waits_for_its_step_then_is_answered_from_the_kept_output():
     assert b.positions == [1, 0] and not b.drafts
 
 
-def test_a_failed_launch_rolls_back_and_a_refused_one_gives_its_scratch_rows_back():
-    table = _table(scratch=2)
-    s, t = table.create(), table.create()
-    planner = _planner(table)
-    plan = planner.plan([DecodeItem(_work([s.id], T=2, speculative=True), print)], quiet=True)
-    launch = plan.launches[2]
-    launched(launch, 0.0, table)
-    roll_back(launch.members[0], table)  # the launch failed after it was queued
-    assert s.positions == [0, 0] and not s.drafts and not s.last_steps and table.scratch_in_use() == 0
-    plan = planner.plan([DecodeItem(_work([s.id, t.id], T=2, speculative=True), print)], quiet=True)
-    assert table.scratch_in_use() == 2
-    (answer,) = planner.plan([DecodeItem(_work([s.id], T=2, speculative=True, seed=4), print)], quiet=True).answers
-    assert isinstance(answer[1], ResourceExhausted)  # every scratch row is reserved
-    not_launched(plan.launches[2].members[0], table)  # the backend refused the launch: nothing ran
-    assert table.scratch_in_use() == 0 and s.positions == t.positions == [0, 0]
-
-
 def test_commit_settles_drafts_in_the_table():
     table = _table()
     s = table.create()
     planner = _planner(table)
     for layer in (0, 1):
-        plan = planner.plan([DecodeItem(_work([s.id], layer=layer, T=3, speculative=True), print)], quiet=True)
-        _run(planner, plan.launches[3], table)
+        _step(planner, table, s, 3, speculative=True, layer=layer)
     with pytest.raises(InvalidArgument, match="more than"):
         table.commit(s, 4, 0.0)
     assert sorted(s.drafts) == [0, 1] and s.positions == [3, 3]  # a refused Commit changed nothing
-    replay = table.commit(s, 2, 0.0)
-    assert [(layer, d.read_row) for layer, d in replay] == [(0, s.home_row(0)), (1, s.home_row(1))]
-    assert s.positions == [2, 2] and not s.drafts and not s.last_steps and table.scratch_in_use() == 0
+    assert table.commit(s, 2, 0.0) == [0, 1]
+    assert s.positions == [2, 2] and s.hist == [2, 2] and not s.drafts and not s.last_steps
+    _step(planner, table, s, 3, speculative=True)
+    assert table.commit(s, 3, 0.0) == [0]  # a full accept keeps the step a retry is answered from
+    assert s.positions == [5, 2] and s.hist == [5, 2] and s.last_steps[0].count_before == 2

@@ -52,7 +52,7 @@ class _DeviceLikeBackend(CpuBackend):
 def _scheduler(backend_type: type = CpuBackend, config: SchedulerConfig = SchedulerConfig(),
                sessions_n: int = 3) -> tuple[Scheduler, list[str]]:
     backend = backend_type(SHAPE, random_gate_params(SHAPE, 0), max(4, sessions_n))
-    sessions = SessionTable(max(4, sessions_n), SHAPE.num_layers, range(backend.home_rows, backend.pool_rows))
+    sessions = SessionTable(max(4, sessions_n), SHAPE.num_layers)
     ids = [sessions.create().id for _ in range(sessions_n)]
     return Scheduler(backend, sessions, config), ids
 

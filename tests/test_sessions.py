@@ -103,7 +103,7 @@ class Replay:
             step = script_step(self.shape, seed, n)
             batch = StepBatch(step.tokens)
             work = DecodeWork(step.layer, ("s",), positions=None, **step.inputs)
-            batch.add(work, [step.layer])  # session slot 0
+            batch.add(work, [step.layer], [0])  # session slot 0
             outs.append(self.backend.submit(batch).result().view(torch.int16).numpy().tobytes())
         return outs
 

@@ -1,11 +1,14 @@
-"""Speculative steps and Commit: rollback to the accepted prefix, exactly.
+"""Speculative steps and Commit over the history ring: rollback to the accepted prefix.
 
-The check is bit-for-bit: a session that drafts T tokens and commits n must hold the state (and
-positions) of a twin session that was sent only the first n tokens as a plain step. States are
-compared through ExportState, at every layer.
+A draft's outputs are bit-for-bit those of its prefix sent as a plain step; a session that drafts
+T tokens and commits n holds, once its ring is folded (ExportState folds first), the positions of
+a twin session that was sent only the first n tokens as a plain step, and a state within the
+rounding of the twin's (the ring defers the state's bf16 rounding to the fold, where plain steps
+round after every step).
 """
 from __future__ import annotations
 
+import random
 import signal
 
 import grpc
@@ -33,7 +36,7 @@ def gates(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(gates):
     with start_server("--layers", str(LAYERS), "--q-heads", str(H), "--v-heads", str(HV), "--weights", str(gates[0]),
-                      "--max-sessions", "48", "--speculative-sessions", "16") as srv:
+                      "--max-sessions", "48") as srv:
         yield srv
 
 
@@ -58,6 +61,19 @@ def _slice(x, rows):
 
 def _prefix(x, n):
     return {k: v[:, :n] for k, v in x.items()}
+
+
+def _state(stub, sid):
+    """(positions, the exported state as float32 [L, HV, V, K])."""
+    positions, data = _export(stub, sid)
+    return positions, torch.frombuffer(bytearray(data), dtype=torch.bfloat16).float().view(LAYERS, HV, 128, 128)
+
+
+def _same_state(stub, a, b, tol=5e-3):
+    """Same positions, and states within the bf16 rounding of each other."""
+    (pa, sa), (pb, sb) = _state(stub, a), _state(stub, b)
+    assert pa == pb
+    assert rel_err(sa, sb) < tol
 
 
 def _spec(req: gdn_pb2.DecodeRequest) -> gdn_pb2.DecodeRequest:
@@ -100,7 +116,7 @@ def test_commit_n_equals_a_plain_step_of_the_first_n_tokens(stub, T):
                 assert torch.equal(spec_out[layer][i : i + 1, :n], twin_out)
             if n > 4:
                 stub.Commit(gdn_pb2.CommitRequest(session_id=twins[i], accepted=n), timeout=TIMEOUT)
-        assert _export(stub, drafters[i]) == _export(stub, twins[i]), f"n={n}: state differs from the plain prefix"
+        _same_state(stub, drafters[i], twins[i])
 
 
 def test_draft_outputs_match_the_reference(stub, gates):
@@ -127,11 +143,13 @@ def test_a_next_step_commits_all_tokens_and_retries_still_work(stub):
     # a plain step at the same layer implies commit of all 3 draft tokens
     out_a = stub.Decode(decode_request(1, [a], nxt, positions=[3]), timeout=TIMEOUT)
     out_b = stub.Decode(decode_request(1, [b], nxt, positions=[3]), timeout=TIMEOUT)
-    assert out_a.o.data == out_b.o.data and list(out_a.positions) == [5]
+    # the same numbers but for rounding: b's state was rounded to bf16 after its step, a's draft
+    # entries are folded into its state unrounded by this step
+    assert rel_err(tensor_from_proto(out_a.o), tensor_from_proto(out_b.o)) < 5e-3 and list(out_a.positions) == [5]
     # nothing is left to commit: Commit answers the positions and changes nothing
     reply = stub.Commit(gdn_pb2.CommitRequest(session_id=a, accepted=0), timeout=TIMEOUT)
     assert list(reply.positions) == [0, 5, 0] and list(reply.committed_layers) == []
-    assert _export(stub, a) == _export(stub, b)
+    _same_state(stub, a, b)
 
 
 def test_a_retry_must_repeat_the_speculative_flag(stub):
@@ -174,20 +192,68 @@ def test_speculative_errors_change_nothing(stub):
     assert list(reply.positions) == [0, 0, 2]
 
 
-def test_scratch_capacity_is_resource_exhausted_and_freed_on_close():
-    with start_server("--layers", "2", "--q-heads", "1", "--v-heads", "2", "--max-sessions", "4",
-                      "--speculative-sessions", "1") as srv, grpc.insecure_channel(srv.address) as channel:
+def test_every_session_may_hold_a_draft_at_every_layer_at_once():
+    """No shared scratch states: every session's rings hold a draft at every layer at once."""
+    gen = torch.Generator().manual_seed(7)
+    with start_server("--layers", "2", "--q-heads", "1", "--v-heads", "2", "--head-dim", "32",
+                      "--max-sessions", "40") as srv, grpc.insecure_channel(srv.address) as channel:
         stub = gdn_pb2_grpc.GdnDecodeStub(channel)
-        gen = torch.Generator().manual_seed(7)
-        a, b, c = _create(stub, 3)  # 2 layers x 2 x 1 session = 4 scratch rows
-        for sid in (a, b):
-            for layer in range(2):
-                stub.Decode(_spec(decode_request(layer, [sid], random_inputs(1, 2, 1, 2, gen=gen))), timeout=TIMEOUT)
-        with pytest.raises(grpc.RpcError) as info:
-            stub.Decode(_spec(decode_request(0, [c], random_inputs(1, 2, 1, 2, gen=gen))), timeout=TIMEOUT)
-        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=a), timeout=TIMEOUT)
-        stub.Decode(_spec(decode_request(0, [c], random_inputs(1, 2, 1, 2, gen=gen))), timeout=TIMEOUT)
+        sids = _create(stub, 40)
+        for layer in range(2):
+            x = random_inputs(len(sids), 8, 1, 2, K=32, gen=gen)
+            stub.Decode(_spec(decode_request(layer, sids, x)), timeout=TIMEOUT)
+        for sid in sids:
+            reply = stub.Commit(gdn_pb2.CommitRequest(session_id=sid, accepted=8), timeout=TIMEOUT)
+            assert list(reply.positions) == [8, 8]
+
+
+def test_fork_and_export_after_commit_see_the_committed_tokens(stub):
+    """Refused while a draft is open; after Commit, the fork and the export hold the state of the
+    accepted tokens (the ring folded first), and the fork goes on as its source does."""
+    gen = torch.Generator().manual_seed(12)
+    a, twin = _create(stub, 2)
+    x = random_inputs(1, 6, H, HV, gen=gen)
+    stub.Decode(_spec(decode_request(0, [a], x)), timeout=TIMEOUT)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ForkSession(gdn_pb2.ForkSessionRequest(session_id=a), timeout=TIMEOUT)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    stub.Commit(gdn_pb2.CommitRequest(session_id=a, accepted=4), timeout=TIMEOUT)
+    stub.Decode(decode_request(0, [twin], _prefix(x, 4)), timeout=TIMEOUT)
+    child = stub.ForkSession(gdn_pb2.ForkSessionRequest(session_id=a), timeout=TIMEOUT).session_id
+    _same_state(stub, a, twin)
+    assert _export(stub, child) == _export(stub, a)
+    nxt = random_inputs(1, 3, H, HV, gen=gen)
+    outs = [stub.Decode(decode_request(0, [s], nxt), timeout=TIMEOUT).o.data for s in (a, child)]
+    assert outs[0] == outs[1]
+
+
+def test_a_ring_that_overflows_many_times_stays_with_plain_steps():
+    """400 drafts of 1..8 tokens with random accepts at one layer (the 16-entry ring folds every
+    few drafts), against a twin sent the accepted tokens as plain steps: outputs and the state
+    stay within the bf16 rounding of each other (the twin rounds its state after every step, the
+    drafter only at its folds)."""
+    pick = random.Random(3)
+    gen = torch.Generator().manual_seed(3)
+    with start_server("--layers", "1", "--q-heads", "1", "--v-heads", "2", "--head-dim", "32") as srv, \
+            grpc.insecure_channel(srv.address) as channel:
+        stub = gdn_pb2_grpc.GdnDecodeStub(channel)
+        drafter, twin = _create(stub, 2)
+        worst = 0.0
+        for _ in range(400):
+            T = pick.randint(1, 8)
+            x = random_inputs(1, T, 1, 2, K=32, gen=gen)
+            spec = tensor_from_proto(stub.Decode(_spec(decode_request(0, [drafter], x)), timeout=TIMEOUT).o)
+            n = pick.randint(0, T)
+            stub.Commit(gdn_pb2.CommitRequest(session_id=drafter, accepted=n), timeout=TIMEOUT)
+            for first in range(0, n, 4):  # plain steps take up to 4 tokens
+                part = {k: v[:, first : min(n, first + 4)] for k, v in x.items()}
+                plain = tensor_from_proto(stub.Decode(decode_request(0, [twin], part), timeout=TIMEOUT).o)
+                worst = max(worst, rel_err(spec[:, first : min(n, first + 4)], plain))
+        assert worst < 2e-2
+        (pd, sd), (pt, st) = (_export(stub, s) for s in (drafter, twin))
+        assert pd == pt
+        sd, st = (torch.frombuffer(bytearray(d), dtype=torch.bfloat16).float() for d in (sd, st))
+        assert rel_err(sd, st) < 2e-2
 
 
 def test_client_speculate_draft_and_verify_loop(server, gates):
@@ -236,4 +302,29 @@ def test_shutdown_between_step_and_commit_never_leaves_a_half_committed_session(
             stub.Decode(_spec(decode_request(layer, [sid], drafts[layer], positions=[2])), timeout=TIMEOUT)
             stub.Decode(decode_request(layer, [twin], _prefix(drafts[layer], 3), positions=[2]), timeout=TIMEOUT)
         stub.Commit(gdn_pb2.CommitRequest(session_id=sid, accepted=3), timeout=TIMEOUT)
-        assert _export(stub, sid) == _export(stub, twin)
+        _same_state(stub, sid, twin)
+
+
+def test_a_snapshot_keeps_committed_ring_entries(tmp_path, gates):
+    """SIGTERM with committed entries in the rings (and a draft open at one layer): the snapshot
+    folds them into the state it saves and drops the draft; after the restart the session goes on
+    as a twin that took the same tokens as plain steps."""
+    gen = torch.Generator().manual_seed(13)
+    base = ("--layers", str(LAYERS), "--q-heads", str(H), "--v-heads", str(HV), "--weights", str(gates[0]),
+            "--state-dir", str(tmp_path / "state"))
+    drafts = [random_inputs(1, 5, H, HV, gen=gen) for _ in range(LAYERS)]
+    with start_server(*base) as srv, grpc.insecure_channel(srv.address) as channel:
+        stub = gdn_pb2_grpc.GdnDecodeStub(channel)
+        sid, twin = _create(stub, 2)
+        for layer in range(LAYERS):
+            stub.Decode(_spec(decode_request(layer, [sid], drafts[layer])), timeout=TIMEOUT)
+            stub.Decode(decode_request(layer, [twin], _prefix(drafts[layer], 2)), timeout=TIMEOUT)
+        stub.Commit(gdn_pb2.CommitRequest(session_id=sid, accepted=2), timeout=TIMEOUT)
+        stub.Decode(_spec(decode_request(0, [sid], random_inputs(1, 3, H, HV, gen=gen))), timeout=TIMEOUT)
+        assert srv.stop(signal.SIGTERM) == 0
+    with start_server(*base) as srv, grpc.insecure_channel(srv.address) as channel:
+        stub = gdn_pb2_grpc.GdnDecodeStub(channel)
+        _same_state(stub, sid, twin)
+        nxt = random_inputs(1, 2, H, HV, gen=gen)
+        outs = [tensor_from_proto(stub.Decode(decode_request(1, [s], nxt), timeout=TIMEOUT).o) for s in (sid, twin)]
+        assert rel_err(outs[0], outs[1]) < 5e-3

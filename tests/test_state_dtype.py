@@ -204,7 +204,8 @@ def test_fork_and_speculative_steps_keep_fp32_states(pair, gates):
     assert parent.run(b, SHAPE, 5, range(4, 8)) == replay.run(5, range(4, 8))
     assert child.run(b, SHAPE, 6, range(4, 8)) == branch.run(6, range(4, 8))
 
-    # a draft of 3 tokens committed to 2 leaves the state of a plain step of the first 2 (scratch rows are fp32 too)
+    # a draft of 3 tokens committed to 2 leaves the state of a plain step of the first 2 (the export
+    # folds its ring into the fp32 state: the same to fp32 rounding)
     gen = torch.Generator().manual_seed(9)
     drafter, twin = b.create(), b.create()
     x = random_inputs(1, 3, H, HV, K, gen=gen)
@@ -215,7 +216,9 @@ def test_fork_and_speculative_steps_keep_fp32_states(pair, gates):
         b.stub.Decode(decode_request(layer, [twin], {k: v[:, :2] for k, v in x.items()}), timeout=RPC_TIMEOUT)
     reply = b.stub.Commit(gdn_pb2.CommitRequest(session_id=drafter, accepted=2), timeout=RPC_TIMEOUT)
     assert list(reply.positions) == [2] * L
-    assert export(b, drafter)[1:] == export(b, twin)[1:]
+    drafted, plain = export(b, drafter), export(b, twin)
+    assert drafted[0].header.positions == plain[0].header.positions
+    assert rel_err(exported_state(drafted), exported_state(plain)) < 1e-5
     close(b, parent.sid, child.sid, drafter, twin)
 
 
@@ -257,14 +260,15 @@ def test_capacity_counts_four_bytes_an_element():
     gates = make_gates(shape, seed=1)
     b16, b32 = CpuBackend(shape, gates, 6), CpuBackend(wide, gates, 6)
     assert b32.pool_dtype == torch.float32 and b16.pool_dtype == torch.bfloat16
-    assert b32.pool_bytes == 2 * b16.pool_bytes
+    assert b32.pool_bytes - b16.pool_bytes == 6 * shape.state_bytes_per_session  # the rings are the same
     assert b32.read_session(0).dtype == torch.float32
     with pytest.raises(ValueError, match="bfloat16"):
         b32.write_session(0, torch.zeros(2, 4, 128, 128, dtype=torch.bfloat16))
     qwen = ModelShape(36, 16, 32)
     host = 16 << 30
-    assert default_cpu_sessions(dataclasses.replace(qwen, state_dtype="float32"), memory_bytes=host) \
-        < default_cpu_sessions(qwen, memory_bytes=host) // 2 + 2
+    # twice the state and the same ring per row: 95 sessions where bf16 states offer 165
+    wide_sessions = default_cpu_sessions(dataclasses.replace(qwen, state_dtype="float32"), memory_bytes=host)
+    assert default_cpu_sessions(qwen, memory_bytes=host) // 2 < wide_sessions < default_cpu_sessions(qwen, memory_bytes=host)
     with pytest.raises(ValueError, match="state dtype"):
         ModelShape(2, 2, 4, state_dtype="float16")
 

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from gdn_server.backends.base import Backend, DoneStep, PendingStep, default_speculative_sessions
+from gdn_server.backends.base import Backend, DoneStep, PendingStep
 from gdn_server.config import ModelShape
 from gdn_server.weights import GateParams
 
@@ -15,13 +15,13 @@ __all__ = ["Backend", "DoneStep", "PendingStep", "default_cpu_sessions", "make_b
 log = logging.getLogger(__name__)
 
 # The CPU backend's default session count: DEFAULT_CPU_SESSIONS, or fewer where the pool in full
-# use (every session and the speculative scratch rows) would not fit in CPU_STATE_MEMORY_SHARE of
+# use (every session's states and their history rings) would not fit in CPU_STATE_MEMORY_SHARE of
 # the host's memory (a container's memory limit counts as the host's), at least 1. The CPU pool
 # takes memory only for the sessions in use (gdn_server/backends/cpu.py), so an idle server stays
 # small whatever its capacity, and capacity is bounded by what those sessions may grow to: 256
-# qwen3-next sessions and their scratch rows are 11.25 GiB, so a host of 22.5 GiB or more offers
-# all 256, one of 16 GiB 163 and one of 8 GiB 49 (an fp32 state, --state-dtype float32, halves
-# these). --max-sessions sets any other count.
+# qwen3-next sessions with their fp32 rings are 12.4 GiB, so a host of 24.8 GiB or more offers all
+# 256, one of 16 GiB 165 and one of 8 GiB 82 (an fp32 state, --state-dtype float32, offers fewer).
+# --max-sessions sets any other count.
 DEFAULT_CPU_SESSIONS = 256
 CPU_STATE_MEMORY_SHARE = 0.5
 
@@ -40,21 +40,14 @@ def host_memory_bytes() -> int:
     return memory
 
 
-def default_cpu_sessions(shape: ModelShape, speculative_sessions: int | None = None,
-                         memory_bytes: int | None = None) -> int:
+def default_cpu_sessions(shape: ModelShape, memory_bytes: int | None = None) -> int:
     """The CPU backend's session count when none is configured (see DEFAULT_CPU_SESSIONS), for a
     host of `memory_bytes` (default: this one's, host_memory_bytes)."""
     budget = CPU_STATE_MEMORY_SHARE * (host_memory_bytes() if memory_bytes is None else memory_bytes)
-    row_bytes = shape.state_bytes_per_session // shape.num_layers
+    from gdn_server.backends.cpu import cpu_ring_bytes_per_row
 
-    def pool_bytes(sessions: int) -> int:  # Backend.pool_bytes of a backend of `sessions`
-        spec = default_speculative_sessions(sessions) if speculative_sessions is None else speculative_sessions
-        return (sessions + 2 * min(spec, sessions)) * shape.num_layers * row_bytes
-
-    sessions = DEFAULT_CPU_SESSIONS
-    while sessions > 1 and pool_bytes(sessions) > budget:
-        sessions -= 1
-    return sessions
+    per_session = shape.state_bytes_per_session + shape.num_layers * cpu_ring_bytes_per_row(shape)  # Backend.pool_bytes
+    return max(1, min(DEFAULT_CPU_SESSIONS, int(budget // per_session)))
 
 
 def resolve_device(device: str) -> str:
@@ -70,11 +63,11 @@ def resolve_device(device: str) -> str:
 
 def make_backends(
     device: str, devices: tuple[int, ...] | None, shape: ModelShape, gates: GateParams, max_sessions: int | None,
-    scale: float | None = None, speculative_sessions: int | None = None, memory_share: float = 1.0,
+    scale: float | None = None, memory_share: float = 1.0,
 ) -> list[tuple[int, Backend]]:
     """One backend per device: every visible GPU (or those in `devices`), or the CPU alone.
 
-    `max_sessions` and `speculative_sessions` are per device; without `max_sessions`, a GPU's
+    `max_sessions` is per device; without `max_sessions`, a GPU's
     pool takes `memory_share` of what one process would (several processes share the device).
     Returns (device index, backend).
     """
@@ -87,11 +80,8 @@ def make_backends(
             raise ValueError(f"--devices {list(indices)}: device numbers must be >= 0, each named once")
         from gdn_server.backends.cpu import CpuBackend
 
-        sessions = default_cpu_sessions(shape, speculative_sessions)
-        return [
-            (i, CpuBackend(shape, gates, max_sessions or sessions, scale, speculative_sessions))
-            for i in indices
-        ]
+        sessions = max_sessions or default_cpu_sessions(shape)
+        return [(i, CpuBackend(shape, gates, sessions, scale)) for i in indices]
     count = torch.cuda.device_count()
     indices = tuple(range(count)) if devices is None else devices
     bad = [i for i in indices if not 0 <= i < count]
@@ -100,7 +90,6 @@ def make_backends(
     from gdn_server.backends.cuda import CudaBackend
 
     return [
-        (i, CudaBackend(shape, gates, max_sessions, scale, device=f"cuda:{i}", speculative_sessions=speculative_sessions,
-                        memory_share=memory_share))
+        (i, CudaBackend(shape, gates, max_sessions, scale, device=f"cuda:{i}", memory_share=memory_share))
         for i in indices
     ]

@@ -1,13 +1,23 @@
-"""The backend interface: a pool of states and the decode step over a StepBatch.
+"""The backend interface: a pool of states with their history rings, and the decode step over a StepBatch.
 
 A backend owns the state pool [num_sessions * L, HV, V, K] (K fastest; bf16 or fp32, the shape's
-`state_dtype`, `pool_dtype` as a torch dtype) and A_log/dt_bias
-[L, HV]. `submit` starts one call over a batch of rows that share T and returns a handle whose
-`result()` is the bf16 output [rows, T, HV, V] on the CPU. The scheduler keeps a few handles in
+`state_dtype`, `pool_dtype` as a torch dtype), a history ring of RING entries per pool row, and
+A_log/dt_bias [L, HV]. `submit` starts one call over a batch of rows that share T and returns a
+handle whose `result()` is the bf16 output [rows, T, HV, V] on the CPU.
+
+The ring (the bookkeeping is the session table's, gdn_server.sessions): entry i of a row holds
+k_i (the normalized k of token i), u_i = beta_i (v_i - e^{g_i} S_{i-1} k_i) and G_i, the log-decay
+summed since the ring's start, so that the state with a row's first P entries applied is
+
+    S_P = e^{G_P} S_0 + sum_{i<P} e^{G_P - G_i} u_i k_i^T
+
+A verify batch (`StepBatch.speculative`) answers from that state without writing it and appends
+its T tokens' entries at base = folded_base(P, T); a fold writes S_P into the state (rounded to
+the pool dtype then, and only then). The scheduler keeps a few handles in
 flight (scheduler.LOOP_MAX_IN_FLIGHT at most), so a backend may overlap the next batches' assembly
 with this one's run.
-State-changing session operations (`reset`, `copy`, `read`, `write`) are only called when no
-step is in flight.
+State-changing session operations (`reset`, `copy`, `read`, `write`, `fold`) are only called
+when no step is in flight.
 """
 from __future__ import annotations
 
@@ -44,11 +54,6 @@ def check_unchecked_inputs(batch: StepBatch) -> None:
                 errors[index] = e
     if errors:
         raise NonFiniteInputs(errors)
-
-
-def default_speculative_sessions(max_sessions: int) -> int:
-    """Sessions that may hold uncommitted speculative steps at once, unless configured."""
-    return min(max_sessions, 32)
 
 
 class PendingStep(ABC):
@@ -92,10 +97,7 @@ class Backend(ABC):
     name: str  # "cpu-torch" or "cuda-cute"
     device_name: str = "cpu"  # what ModelInfo.devices reports
 
-    def __init__(
-        self, shape: ModelShape, gates: GateParams, max_sessions: int, scale: float | None,
-        speculative_sessions: int | None = None,
-    ) -> None:
+    def __init__(self, shape: ModelShape, gates: GateParams, max_sessions: int, scale: float | None) -> None:
         if gates.A_log.shape != (shape.num_layers, shape.num_v_heads):
             raise ValueError(
                 f"gate params are {list(gates.A_log.shape)}, model needs [{shape.num_layers}, {shape.num_v_heads}]"
@@ -104,26 +106,37 @@ class Backend(ABC):
         self.pool_dtype: torch.dtype = getattr(torch, shape.state_dtype)
         self.max_sessions = max_sessions
         self.scale = shape.default_scale if scale is None else float(scale)
-        # Rows [0, home_rows) are the sessions' own (session slot * L + layer); the scratch rows
-        # after them hold speculative states: a speculating session uses up to 2 per layer.
-        spec = default_speculative_sessions(max_sessions) if speculative_sessions is None else speculative_sessions
-        self.home_rows = max_sessions * shape.num_layers
-        self.scratch_rows = 2 * shape.num_layers * min(spec, max_sessions)
+        # one pool row per (session slot, layer): row slot * L + layer, each with its ring
+        self.pool_rows = max_sessions * shape.num_layers
 
-    @property
-    def pool_rows(self) -> int:
-        return self.home_rows + self.scratch_rows
+    def ring_bytes_per_row(self) -> int:
+        """Bytes of one pool row's history ring: the device ring's (bf16 k, fp16 u, fp32 G), unless
+        a backend stores its ring otherwise."""
+        from gdn_server.kernels import ring_bytes_per_row
+
+        return ring_bytes_per_row(self.shape.num_q_heads, self.shape.num_v_heads)
 
     @property
     def pool_bytes(self) -> int:
-        return self.pool_rows * self.shape.state_bytes_per_session // self.shape.num_layers
+        """The pool's bytes in full use: every row's state and ring."""
+        return self.pool_rows * (self.shape.state_bytes_per_session // self.shape.num_layers + self.ring_bytes_per_row())
 
     @abstractmethod
     def submit(self, batch: StepBatch) -> PendingStep:
-        """Starts one decode step over all rows of `batch` (distinct pool slots, one T).
+        """Starts one call over all rows of `batch` (distinct pool rows, one T). A plain batch
+        folds each row's `hist` entries into its state first (rows with none are read as they
+        are), then runs the step, which writes the states. A verify batch (`batch.speculative`)
+        answers from each state with its `hist` entries applied and writes only ring entries
+        [base, base + T), base = folded_base(P, T): a row whose P + T entries would overflow its
+        ring folds them into its state first, in the same call.
 
         Requests whose inputs validation did not check (`DecodeWork.finite_checked` False) are
         checked first: any NaN or Inf raises NonFiniteInputs, and nothing has run."""
+
+    @abstractmethod
+    def fold(self, rows: list[int], hist: list[int]) -> None:
+        """Folds each row's first hist[i] ring entries into its state (rows with hist 0 are left
+        untouched), before anything submitted later runs; a read of the state that follows sees them."""
 
     @abstractmethod
     def reset_session(self, session_slot: int) -> None:
@@ -141,10 +154,6 @@ class Backend(ABC):
     def write_session(self, session_slot: int, state: torch.Tensor) -> None:
         """Overwrites a session's state from [L, HV, V, K] in `pool_dtype` (ValueError for another
         dtype: a state of another dtype is converted on purpose where it enters, never here)."""
-
-    @abstractmethod
-    def copy_rows(self, src_rows: list[int], dst_rows: list[int]) -> None:
-        """Copies pool rows (one (session, layer) state each) on the device."""
 
     def warmup(self) -> None:
         """Prepares everything a first step would otherwise pay for (kernel compiles)."""

@@ -1,12 +1,15 @@
 """CPU backend ("cpu-torch"): the reference the GPU backend is checked against, and the default on
-machines without a GPU. The pool's rows (bf16, or fp32 with --state-dtype float32) live in host
-memory; each step reads the rows' states from it, runs the fp32 math of `torch_math` and writes
-them back once (a bf16 state rounded then).
+machines without a GPU. The pool's rows (bf16, or fp32 with --state-dtype float32) and their
+history rings (float32: the CPU has no use for narrower terms) live in host memory; a plain step
+reads the rows' states, folds a row's committed ring entries into its fp32 copy, runs the fp32
+math of `torch_math` and writes the states back once (a bf16 state rounded then). A verify runs
+the same math from the folded fp32 state, writes no state and appends its tokens' ring terms; a
+row whose ring would overflow has its entries folded and written (rounded) first, and the verify
+starts from that stored state, as a plain step after the fold would.
 
 The pool's memory grows with the sessions in use, not with capacity, so a CPU server can offer
-many sessions and still idle small: rows are stored in blocks of whole session slots (the
-speculative scratch rows after the sessions' count as slots of L rows too), each an anonymous
-memory mapping made when one of its slots is first used. The OS hands it out as zero pages on
+many sessions and still idle small: rows and their rings are stored in blocks of whole session
+slots, each an anonymous memory mapping made when one of its slots is first used. The OS hands it out as zero pages on
 first touch, and takes it back whole when the block's last slot in use is reset, whatever malloc
 would keep. A row of a block not made reads as zeros, so a free slot holds a zero state as before.
 """
@@ -19,8 +22,10 @@ from typing import Sequence
 import torch
 
 from gdn_server.backends.base import Backend, DoneStep, PendingStep, check_state_dtype, check_unchecked_inputs
-from gdn_server.backends.torch_math import StepWorkspace, exp_lane_aligned
+from gdn_server.backends.torch_math import StepWorkspace, exp_lane_aligned, fold_ring
 from gdn_server.config import ModelShape
+from gdn_server.kernels import folded_base
+from gdn_server.kernels._ring_api import RING
 from gdn_server.weights import GateParams
 from gdn_server.work import INPUT_NAMES, StepBatch
 
@@ -76,33 +81,37 @@ def _mapped_zeros(rows: int, row_shape: tuple[int, ...], dtype: torch.dtype) -> 
     return torch.frombuffer(mmap.mmap(-1, dtype.itemsize * values), dtype=dtype).view(rows, *row_shape)
 
 
+def cpu_ring_bytes_per_row(shape: ModelShape) -> int:
+    """Bytes of one pool row's float32 ring: k [H, RING, K], u [HV, V, RING], G [HV, RING]."""
+    s = shape
+    return 4 * RING * (s.num_q_heads * s.head_dim_k + s.num_v_heads * s.head_dim_v + s.num_v_heads)
+
+
 class _Block:
-    """One mapping of `slots` whole slots' rows, and which of those slots may hold a state."""
+    """One mapping of `slots` whole slots' rows and rings, and which of those slots may hold a state."""
 
-    __slots__ = ("rows", "grouped", "in_use")
+    __slots__ = ("rows", "grouped", "ring_k", "ring_u", "ring_g", "in_use")
 
-    def __init__(self, rows: torch.Tensor, grouped: torch.Tensor) -> None:
+    def __init__(self, rows: torch.Tensor, grouped: torch.Tensor, ring: tuple[torch.Tensor, ...]) -> None:
         self.rows = rows  # [slots * L, HV, V, K]
         self.grouped = grouped  # the same rows as StepWorkspace.run writes them: [slots * L, H, HV // H, V, K]
+        # [slots * L, H, RING, K], [slots * L, HV, V, RING], [slots * L, HV, RING]; entries past a
+        # row's committed ones are never read, so a reset or reused row's ring needs no clearing
+        self.ring_k, self.ring_u, self.ring_g = ring
         self.in_use: set[int] = set()  # slots (pool-wide numbers) whose rows were handed out since their reset
 
 
 class CpuBackend(Backend):
     name = "cpu-torch"
 
-    def __init__(
-        self, shape: ModelShape, gates: GateParams, max_sessions: int, scale: float | None = None,
-        speculative_sessions: int | None = None,
-    ) -> None:
-        super().__init__(shape, gates, max_sessions, scale, speculative_sessions)
+    def __init__(self, shape: ModelShape, gates: GateParams, max_sessions: int, scale: float | None = None) -> None:
+        super().__init__(shape, gates, max_sessions, scale)
         H, HV, V, K = shape.num_q_heads, shape.num_v_heads, shape.head_dim_v, shape.head_dim_k
         L = shape.num_layers
         slot_bytes = shape.state_bytes_per_session
         self._slots_per_block = max(1, -(-BLOCK_MIN_BYTES // slot_bytes))
         self._rows_per_block = self._slots_per_block * L
-        # slots of L rows over the whole pool: the sessions' own, then the scratch rows' (pool_rows is
-        # a multiple of L); a block is made on its first use and dropped when none of its slots is
-        # in use (scratch slots stay in use: their rows are taken and given back without a reset)
+        # a block is made on its first use and dropped when none of its slots is in use
         self._blocks: list[_Block | None] = [None] * -(-(self.pool_rows // L) // self._slots_per_block)
         self._row_shape = (HV, V, K)
         self._grouped_shape = (H, HV // H, V, K)
@@ -117,14 +126,22 @@ class CpuBackend(Backend):
         self._worker: ThreadPoolExecutor | None = None  # big launches' thread, started on first use
         self._last_offloaded: Future | None = None
         self._row_views: dict[int, torch.Tensor] = {}
+        self._ring_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def ring_bytes_per_row(self) -> int:
+        return cpu_ring_bytes_per_row(self.shape)
 
     def _block_for_use(self, row: int) -> _Block:
         """The block of pool row `row`, made if need be, with the row's slot marked in use."""
         index = row // self._rows_per_block
         block = self._blocks[index]
         if block is None:
-            rows = _mapped_zeros(self._rows_per_block, self._row_shape, self.pool_dtype)
-            block = self._blocks[index] = _Block(rows, rows.view(self._rows_per_block, *self._grouped_shape))
+            n, s = self._rows_per_block, self.shape
+            H, HV, V, K = s.num_q_heads, s.num_v_heads, s.head_dim_v, s.head_dim_k
+            rows = _mapped_zeros(n, self._row_shape, self.pool_dtype)
+            ring = (_mapped_zeros(n, (H, RING, K), torch.float32), _mapped_zeros(n, (HV, V, RING), torch.float32),
+                    _mapped_zeros(n, (HV, RING), torch.float32))
+            block = self._blocks[index] = _Block(rows, rows.view(n, *self._grouped_shape), ring)
         block.in_use.add(row // self.shape.num_layers)
         return block
 
@@ -135,10 +152,20 @@ class CpuBackend(Backend):
         view = self._row_views[row] = block.grouped[row % self._rows_per_block]
         return view
 
+    def _ring_view(self, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pool row `row`'s ring (k, u, G), kept until its slot is reset."""
+        view = self._ring_views.get(row)
+        if view is None:
+            block = self._block_for_use(row)
+            i = row % self._rows_per_block
+            view = self._ring_views[row] = (block.ring_k[i], block.ring_u[i], block.ring_g[i])
+        return view
+
     def state_bytes_in_use(self) -> int:
-        """Bytes of the blocks made: what the pool can hold in memory now (at most pool_bytes plus a
-        block's rounding)."""
-        return sum(block.rows.nbytes for block in self._blocks if block is not None)
+        """Bytes of the blocks made, states and rings: what the pool can hold in memory now (at most
+        pool_bytes plus a block's rounding)."""
+        return sum(block.rows.nbytes + sum(t.nbytes for t in (block.ring_k, block.ring_u, block.ring_g))
+                   for block in self._blocks if block is not None)
 
     def read_rows(self, rows: Sequence[int]) -> torch.Tensor:
         """[len(rows), HV, V, K] copy of pool rows (zeros for a row of a block not made)."""
@@ -174,7 +201,7 @@ class CpuBackend(Backend):
         so the event loop that launched it keeps serving gRPC meanwhile."""
         check_unchecked_inputs(batch)  # before anything runs: NonFiniteInputs changes nothing
         s = self.shape
-        work = batch.rows * batch.tokens * s.num_v_heads * s.head_dim_v * s.head_dim_k
+        work = batch.num_rows * batch.tokens * s.num_v_heads * s.head_dim_v * s.head_dim_k
         behind = self._last_offloaded is not None and not self._last_offloaded.done()
         if work < OFFLOAD_WORK and not behind:
             return self._step(batch)
@@ -192,7 +219,7 @@ class CpuBackend(Backend):
             self._worker.shutdown(wait=True)
 
     def _step(self, batch: StepBatch) -> PendingStep:
-        R, T = batch.rows, batch.tokens
+        R, T = batch.num_rows, batch.tokens
         q, k, v, a, b = (xs[0] if len(xs) == 1 else torch.cat(xs) for xs in map(batch.inputs, INPUT_NAMES))
         if R == 1:
             neg_A, dt_bias = self._layer_gates[batch.layers[0]]
@@ -202,8 +229,9 @@ class CpuBackend(Backend):
         # the pool's rows themselves, read and written one call per row: no gather or scatter pass
         # (index_copy_ of bf16 rows ran 5x slower than a copy_ per row)
         views = self._row_views
-        state = [views[slot] if slot in views else self._row_view(slot) for slot in batch.read_rows]
-        new_state = [views[slot] if slot in views else self._row_view(slot) for slot in batch.write_rows]
+        state = [views[row] if row in views else self._row_view(row) for row in batch.rows]
+        verify, hist = batch.speculative, batch.hist
+        rings = [self._ring_view(row) if verify or p else None for row, p in zip(batch.rows, hist)]
         chunk = self._chunk_rows
         # every buffer the launch needs exists before the first state is written (StepWorkspace.run
         # writes a chunk's states in its last calls), so a failure leaves every state unchanged
@@ -217,18 +245,60 @@ class CpuBackend(Backend):
         if threads > 1:
             torch.set_num_threads(1)
         try:
-            if out is None:
-                o = plans[0].run(state, new_state, q, k, v, a, b, neg_A, dt_bias)
-                return DoneStep(o.to(torch.bfloat16))
             for first, plan in zip(range(0, R, chunk), plans):
                 rows = slice(first, first + plan.rows)
-                o = plan.run(state[rows], new_state[rows], q[rows], k[rows], v[rows], a[rows], b[rows],
+                start = self._start_states(plan, state[rows], rings[rows], hist[rows], T if verify else 0)
+                o = plan.run(start, None if verify else state[rows], q[rows], k[rows], v[rows], a[rows], b[rows],
                              neg_A[rows], dt_bias[rows])
+                if verify:
+                    self._append(plan, rings[rows], hist[rows])
+                if out is None:
+                    return DoneStep(o.to(torch.bfloat16))
                 out[rows].copy_(o)
             return DoneStep(out)
         finally:
             if threads > 1:
                 torch.set_num_threads(threads)
+
+    def _start_states(self, plan: StepWorkspace, state: list[torch.Tensor], rings: list, hist: list[int],
+                      verify_tokens: int) -> list[torch.Tensor]:
+        """The states a chunk's tokens start from: a row's pool state, or for a row with committed
+        entries that state with them folded, in float32 in the plan's work row (which the step's
+        first call then reads in place). A verify whose entries would overflow the ring
+        (`verify_tokens` > 0, folded_base 0) writes the fold to the pool first, rounded, and starts
+        from what it stored."""
+        start = list(state)
+        for r, (P, ring) in enumerate(zip(hist, rings)):
+            if not P:
+                continue
+            work = plan.S5[r]
+            fold_ring(state[r], *ring, P, work)
+            if verify_tokens and folded_base(P, verify_tokens) == 0:
+                state[r].copy_(work)
+                work.copy_(state[r])
+            start[r] = work
+        return start
+
+    def _append(self, plan: StepWorkspace, rings: list, hist: list[int]) -> None:
+        """A verify chunk's ring terms into its rows' rings: entries [base, base + T), base =
+        folded_base(P, T), G continuing from entry base - 1."""
+        T = plan.tokens
+        G = plan.g.cumsum(1)  # [R, T, HV]: log-decay summed over the verify's tokens
+        for r, (P, (ring_k, ring_u, ring_g)) in enumerate(zip(hist, rings)):
+            base = folded_base(P, T)
+            ring_k[:, base : base + T].copy_(plan.k_in[r].transpose(0, 1))
+            ring_u[:, :, base : base + T].copy_(plan.u[:, r].permute(1, 2, 0))
+            if base:
+                torch.add(G[r].t(), ring_g[:, base - 1 : base], out=ring_g[:, base : base + T])
+            else:
+                ring_g[:, :T].copy_(G[r].t())
+
+    def fold(self, rows: list[int], hist: list[int]) -> None:
+        work = torch.empty(self._grouped_shape, dtype=torch.float32)
+        for row, P in zip(rows, hist):
+            if P:
+                state = self._row_view(row)
+                state.copy_(fold_ring(state, *self._ring_view(row), P, work))
 
     def warmup(self) -> None:
         """A one-row step on zeros outside the pool, so the first request does not pay the one-time
@@ -252,6 +322,7 @@ class CpuBackend(Backend):
             return  # never handed out since its last reset: already zero
         for row in rows:
             self._row_views.pop(row, None)
+            self._ring_views.pop(row, None)
         block.in_use.discard(session_slot)
         if block.in_use:
             first = rows[0] % self._rows_per_block
@@ -273,7 +344,3 @@ class CpuBackend(Backend):
     def write_session(self, session_slot: int, state: torch.Tensor) -> None:
         check_state_dtype(state, self.pool_dtype)
         self.write_rows(self._session_rows(session_slot), state)
-
-    def copy_rows(self, src_rows: list[int], dst_rows: list[int]) -> None:
-        # gathered first, so a row that is both copied and overwritten is copied as it was
-        self.write_rows(dst_rows, self.read_rows(src_rows))

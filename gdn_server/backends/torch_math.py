@@ -9,7 +9,10 @@ strength, k and q normalised (q times the scale):
 
     S_d = d S;  [p, s] = [k, q] S_d^T;  u = beta (v - p);  o = s + u (k.q);  S' = S_d + u k^T
 
-o = S' q written out, so one matmul reads the state for both products. [k, q] S_d^T, the vectors
+o = S' q written out, so one matmul reads the state for both products. A verify (a speculative
+step, `run` without a new state) writes no state and keeps each token's ring terms instead: the
+normalised k, u and the log-decay g = log d (gdn_server/backends/base.py: the history ring; `fold_ring`
+applies them to a state). [k, q] S_d^T, the vectors
 on the left, runs several times faster in torch's CPU matmul than S_d [k, q] (bench/DECISIONS.md,
 entry 20). Value head j reads query/key head j // group: the state is
 viewed as [B * H, group * V, K] for the matmul and [B, H, group, V, K] for the update, so q and k
@@ -85,24 +88,27 @@ class StepWorkspace:
         self.beta_b = self.beta[..., None]
         self.ps = torch.empty(R * H, 2, G * V, **f32)  # p, s of the token at hand
         p, s = self.ps[:, 0].view(R, H, G, V), self.ps[:, 1].view(R, H, G, V)
-        self.u = torch.empty(R, HV, V, **f32)
-        u4, u5 = self.u.view(R, H, G, V), self.u.view(R, H, G, V, 1)
+        # u of every token, token-major (each token's [R, HV, V] contiguous): a verify's ring terms
+        self.u = torch.empty(T, R, HV, V, **f32)
+        self.g = torch.empty(R, T, HV, **f32)  # log-decay of every token, kept by a verify
         self.o = torch.empty(R, T, HV, V, **f32)
         work_t = self.work.view(R * H, G * V, K).transpose(1, 2)
         self.steps = [
             (decay[:, t, :, None, None], self.qk[t].view(R * H, 2, K), work_t, self.bv[:, t].view(R, H, G, V),
-             self.beta[:, t].view(R, H, G, 1), p, s, u4, kq[t, :, :, None, None], self.o[:, t].view(R, H, G, V),
-             S5, u5, self.qk[t, :, :, None, None, 0, :])
+             self.beta[:, t].view(R, H, G, 1), p, s, self.u[t].view(R, H, G, V), kq[t, :, :, None, None],
+             self.o[:, t].view(R, H, G, V), S5, self.u[t].view(R, H, G, V, 1), self.qk[t, :, :, None, None, 0, :])
             for t in range(T)
         ]
         # the first read and the last write one row at a time, for states held as separate rows
         self.first_rows = list(zip(decay[:, 0].view(R, H, G, 1, 1).unbind(0), S5.unbind(0)))
-        self.last_rows = list(zip(S5.unbind(0), u5.unbind(0), self.qk[T - 1, :, :, None, None, 0, :].unbind(0)))
+        self.last_rows = list(zip(S5.unbind(0), self.u[T - 1].view(R, H, G, V, 1).unbind(0),
+                                  self.qk[T - 1, :, :, None, None, 0, :].unbind(0)))
 
     def run(
         self,
         state: torch.Tensor | Sequence[torch.Tensor],  # [R, HV, V, K] or R rows [H, G, V, K]; any float dtype
-        new_state: torch.Tensor | Sequence[torch.Tensor],  # [R, H, G, V, K] or R rows [H, G, V, K]; may be `state`
+        # [R, H, G, V, K] or R rows [H, G, V, K]; may be `state`; None: a verify
+        new_state: torch.Tensor | Sequence[torch.Tensor] | None,
         q: torch.Tensor,  # [R, T, H, K] any float dtype
         k: torch.Tensor,  # [R, T, H, K]
         v: torch.Tensor,  # [R, T, HV, V]
@@ -112,13 +118,17 @@ class StepWorkspace:
         dt_bias: torch.Tensor,  # [R, 1, HV] float32
     ) -> torch.Tensor:
         """Applies T tokens: reads `state`, keeps it fp32 between tokens, writes `new_state`
-        (rounded to its dtype once) in the step's last calls, after everything else. Returns o
-        [R, T, HV, V] float32, the plan's buffer (valid until its next run)."""
+        (rounded to its dtype once) in the step's last calls, after everything else. Without a
+        `new_state` (a verify) no state is written, and the tokens' ring terms stay in the plan's
+        buffers until its next run: `k_in` [R, T, H, K] (normalised), `u` [T, R, HV, V] and `g`
+        [R, T, HV]. Returns o [R, T, HV, V] float32, the plan's buffer (valid until its next run)."""
         # gates: decay = exp(-exp(A_log) softplus(a + dt_bias)), beta = sigmoid(b)
         torch.add(a, dt_bias, out=self.x)
         self.beta.copy_(b)
         torch._C._nn.softplus(self.gate_x, self.softplus_beta, self.softplus_threshold, out=self.softplus)
         self.decay.mul_(neg_A)
+        if new_state is None:
+            self.g.copy_(self.decay)
         self.softplus.exp_()
         self.gate_b.sigmoid_()
         # k / |k| and q scale / |q|; then their product, from the normalised vectors
@@ -143,12 +153,34 @@ class StepWorkspace:
             torch.addcmul(s, u4, kq, out=o)
             if t < T - 1:
                 torch.addcmul(S5, u5, k_t, out=S5)
+            elif new_state is None:
+                pass  # a verify: o of the last token needs no state after it
             elif isinstance(new_state, torch.Tensor):
                 torch.addcmul(S5, u5, k_t, out=new_state)
             else:
                 for row, (S_r, u_r, k_r) in zip(new_state, self.last_rows):
                     torch.addcmul(S_r, u_r, k_r, out=row)
         return self.o
+
+
+def fold_ring(
+    state: torch.Tensor,  # [HV, V, K] (any view, e.g. [H, G, V, K]) of any float dtype: S_0
+    ring_k: torch.Tensor,  # [H, RING, K] float32: normalised k per entry
+    ring_u: torch.Tensor,  # [HV, V, RING] float32: u per entry
+    ring_g: torch.Tensor,  # [HV, RING] float32: G, the log-decay summed from the ring's start
+    entries: int,  # P > 0: how many entries to apply
+    out: torch.Tensor,  # [HV, V, K] float32 (may be `state`'s memory when state is float32)
+) -> torch.Tensor:
+    """S_P = e^{G_P} S_0 + sum_{i<P} e^{G_P - G_i} u_i k_i^T into `out` (float32), one matmul per
+    query/key head over its group of value heads."""
+    H, K = ring_k.shape[0], ring_k.shape[2]
+    HV, V = ring_u.shape[0], ring_u.shape[1]
+    P = entries
+    G_P = ring_g[:, P - 1 : P]  # [HV, 1]
+    torch.mul(state.view(HV, V, K), G_P.exp()[:, :, None], out=out.view(HV, V, K))
+    weighted = ring_u[:, :, :P] * (G_P - ring_g[:, :P]).exp_()[:, None, :]  # [HV, V, P]
+    out.view(H, HV // H * V, K).baddbmm_(weighted.view(H, HV // H * V, P), ring_k[:, :P])
+    return out
 
 
 def gdn_step_fp32(
