@@ -39,10 +39,9 @@ class ClientOptions:
         own_connection: open a TCP connection of this client's own (one per server process).
             By default grpc gives the clients of one process that have the same target and
             options one shared connection (their calls are HTTP/2 streams on it). Where auth is
-            off, the server counts ``--max-sessions-per-client`` and the speculative scratch
-            share per connection: clients that share one also share those limits. Give each
-            client its own connection to count it on its own (a load generator's simulated
-            users, say).
+            off, the server counts ``--max-sessions-per-client`` per connection: clients that
+            share one also share that limit. Give each client its own connection to count it on
+            its own (a load generator's simulated users, say).
 
     >>> opts = ClientOptions(timeout=5.0, token="s3cret", max_attempts=5)
     >>> opts.call_metadata()
