@@ -193,7 +193,7 @@ def test_speculative_errors_change_nothing(stub):
 
 
 def test_every_session_may_hold_a_draft_at_every_layer_at_once():
-    """No shared scratch states: every session's rings hold a draft at every layer at once."""
+    """Every session has its own rings: all of them hold a draft at every layer at once."""
     gen = torch.Generator().manual_seed(7)
     with start_server("--layers", "2", "--q-heads", "1", "--v-heads", "2", "--head-dim", "32",
                       "--max-sessions", "40") as srv, grpc.insecure_channel(srv.address) as channel:
