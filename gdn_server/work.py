@@ -12,9 +12,9 @@ INPUT_NAMES = ("q", "k", "v", "a", "b")
 class _Input:
     """A DecodeWork input (q, k, v, a or b), built from the request's raw bf16 bytes on first use.
 
-    On a GPU the bytes are all a bf16 step needs (they are copied into the staging buffer as they
-    are); the tensors cost microseconds a request to build and are wanted only by the CPU backend
-    and speculative steps. A non-data descriptor: once built (or given), the tensor sits in the
+    On a GPU the bytes are all a bf16 step needs, a speculative one too (they are copied into the
+    staging buffer as they are); the tensors cost microseconds a request to build and are wanted
+    only by the CPU backend. A non-data descriptor: once built (or given), the tensor sits in the
     instance's __dict__ and is read like any attribute.
     """
 
