@@ -247,6 +247,9 @@ class Sets:
 
     def __init__(self, B, T, H, HV, N, fills, gen, sets=16):
         self.i, self.sets = 0, []
+        # disjoint sets need sets * B pool rows: fewer sets at large B (8 of 512 rows are still
+        # far more state than L2 holds)
+        sets = min(sets, N // B)
         perm = torch.randperm(N, device=DEV, generator=gen)
         rnd = random.Random(B * 100 + T)
         for s in range(sets):

@@ -80,13 +80,13 @@ def fill(
     more), a casting copy for the others, then the int32 index arrays. A plan with more rows than
     the batch (a padded launch) gets padding rows after the batch's: slot and out_slot -1 (the
     kernel reads and writes no state for them), layer 0, inputs left as they are (unread).
-    out_slots is written only for a batch that is not in place (the in-place kernel ignores it).
+    Every row writes the pool row it reads, so out_slots is never written (the kernel ignores it).
 
     `host_mem` and `host_bytes` are the buffer as a memoryview and a uint8 numpy array (slice
     assignment into a memoryview is the cheapest copy Python has); `host_views` the plan's tensor
     views of it, used by requests that did not come as bf16 and by `nonfinite`.
     """
-    R = batch.rows
+    R = batch.num_rows
     room = plan.rows
     if R > room:
         raise ValueError(f"a batch of {R} rows does not fit a plan of {room}")
@@ -109,9 +109,7 @@ def fill(
             for name, part in zip(INPUTS, (work.q, work.k, work.v, work.a, work.b)):
                 host_views[name][row : row + n].copy_(part)
         row += n
-    for name, values, padding in (("slots", batch.read_rows, -1), ("layers", batch.layers, 0)) + (
-        () if batch.in_place else (("out_slots", batch.write_rows, -1),)
-    ):
+    for name, values, padding in (("slots", batch.rows, -1), ("layers", batch.layers, 0)):
         offset, _, _, nbytes = entries[name]
         column = host_bytes[offset : offset + nbytes].view(np.int32)
         if R == room:

@@ -31,7 +31,9 @@ STATE_DTYPES = ["bfloat16", "float32"]
 # against the CPU backend / float64: outputs are bf16 either way; a bf16 state is held to its
 # rounding, an fp32 one to fp32 arithmetic (plain steps) or to the ring's fp16 corrections (folds)
 OUT_TOL = 1e-2
-STATE_TOL = {"bfloat16": 1e-2, "float32": 2e-5}
+# f16 and f32 wire inputs are rounded to bf16 on the GPU (the kernels' input dtype) and used as
+# sent on the CPU: with an fp32 state that input rounding (2^-9), not the state's, bounds agreement
+STATE_TOL = {"bfloat16": 1e-2, "float32": 4e-3}
 RING_STATE_TOL = {"bfloat16": 5e-3, "float32": 2e-3}
 
 
