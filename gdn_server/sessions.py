@@ -61,7 +61,7 @@ class LastStep:
         self.count_before = count_before  # the session's position at that layer before the step
         self.record = record
         self.row = row  # this session's row in the record's output
-        self.digest = digest  # this session's inputs of the step, as first sent (validation.row_digests)
+        self.digest = digest  # this session's inputs of the step, as first sent (validation.checked_digests)
 
     @property
     def tokens(self) -> int:

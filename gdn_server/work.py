@@ -70,10 +70,10 @@ class DecodeWork:
             # backend copies them into its pinned staging buffer as they are
             bf16_bytes=bf16_bytes,
             input_dims=input_dims,  # their shapes, to build the tensors from the bytes
-            # False: validation left the NaN/Inf check of the inputs to the backend, which does it
-            # before the step touches any state (big bf16 requests: validation.DEFERRED_CHECK_BYTES)
+            # False: the NaN/Inf check of the inputs is left to the backend, before the step
+            # touches any state (validation checks every request it builds: always True there)
             finite_checked=finite_checked,
-            # each session's inputs as sent, digested (validation.row_digests): a retry must match
+            # each session's inputs as sent, digested (validation.checked_digests): a retry must match
             digests=digests,
             # where the reply's o goes: a view of a shared-memory region the client named (o_ref),
             # which the servicer fills when it answers; None: o travels in the reply
