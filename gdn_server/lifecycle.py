@@ -55,10 +55,10 @@ def drop_speculation(sessions: SessionTable, backend: Backend, session: Session)
 
 
 def commit_speculation(
-    sessions: SessionTable, backend: Backend, session_id: str, accepted: int, identity: str | None = None
+    sessions: SessionTable, session_id: str, accepted: int, identity: str | None = None
 ) -> tuple[list[int], list[int]]:
     """Settles every open draft of a session to its first `accepted` tokens: bookkeeping of the
-    session's rings, no launch (`backend` is not touched). Returns (positions per layer, the
+    session's rings, no launch. Returns (positions per layer, the
     layers settled). Atomic: a bad `accepted` changes nothing."""
     session = sessions.get(session_id)
     session.check_owner(identity)

@@ -10,8 +10,8 @@ The event loop never waits on the device: the scheduler answers each request thr
 (a future's for a unary call, the stream's slot for a DecodeStream message).
 
 Identity: where auth is on, the caller's identity owns the sessions it creates. Without auth
-every session is open to every caller, and `--max-sessions-per-client` and the speculative
-scratch share count per peer (connection) instead.
+every session is open to every caller, and `--max-sessions-per-client` counts per peer
+(connection) instead.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def error_response(request_id: str, error: GdnError) -> gdn_pb2.DecodeResponse:
 
 
 def quota_key(identity: str | None, context) -> str:
-    """Whose session quota and speculative share a call draws on: its identity where auth is on,
+    """Whose session quota a call draws on: its identity where auth is on,
     else its peer (one per connection: a fairness bound between well-behaved clients; auth is
     what bounds a hostile one)."""
     return identity if identity is not None else f"peer {context.peer()}"
@@ -276,9 +276,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         # after the session's earlier steps (the speculative one included) have run
         shard = self.placement.shard_of(request.session_id)
         positions, layers = await shard.scheduler.control(
-            lambda: commit_speculation(
-                shard.sessions, shard.backend, request.session_id, int(request.accepted), identity
-            ),
+            lambda: commit_speculation(shard.sessions, request.session_id, int(request.accepted), identity),
         )
         return gdn_pb2.CommitResponse(positions=positions, committed_layers=layers)
 

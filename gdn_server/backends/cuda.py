@@ -459,12 +459,6 @@ class CudaBackend(Backend):
             pairs = torch.tensor(live, dtype=torch.int32).t().contiguous().to(self.device)
             self._ring_fold(self.state_pool, pairs[0], pairs[1], *self.rings)
 
-    def copy_rows(self, src_rows: list[int], dst_rows: list[int]) -> None:
-        with torch.cuda.stream(self.stream):
-            src = torch.tensor(src_rows, dtype=torch.long).to(self.device)
-            dst = torch.tensor(dst_rows, dtype=torch.long).to(self.device)
-            self.state_pool.index_copy_(0, dst, self.state_pool.index_select(0, src))
-
     def synchronize(self) -> None:
         self.stream.synchronize()
 
