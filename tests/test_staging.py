@@ -40,7 +40,7 @@ def _staged(works: list[DecodeWork], room: int | None = None, speculative: bool 
     slot = 10
     for w in works:
         slots = list(range(slot, slot + w.rows))
-        batch.add(w, slots, [0] * w.rows)
+        batch.add(w, slots, [(slot + i) % 17 for i in range(w.rows)])  # each row's ring entries P
         slot += w.rows
     plan = make_layout(SHAPE, room or batch.num_rows, 1)
     buf = torch.full((plan.total,), 0xAB, dtype=torch.uint8)
@@ -61,16 +61,18 @@ def test_fill_places_small_big_and_f32_requests_row_by_row():
         assert torch.equal(views[name].view(torch.int16), want.view(torch.int16)), name
     assert views["slots"].tolist() == list(range(10, 10 + batch.num_rows))
     assert views["layers"].tolist() == [2] * 3 + [1] * big_rows + [2] * 2
+    assert views["hist"].tolist() == batch.hist
     assert nonfinite(batch, views) == {}
 
 
 def test_fill_pads_a_launch_with_rows_that_touch_no_state():
     """A padded launch (its plan has room for more rows than the batch has): the batch's rows
-    first, then slot -1, layer 0; the padding rows' inputs are not written."""
+    first, then slot -1, layer 0, P 0; the padding rows' inputs are not written."""
     works = [_work(2, torch.bfloat16, 1), _work(1, torch.float16, 2)]
     batch, plan, _, views = _staged(works, room=8, speculative=True)
     assert views["slots"].tolist() == [10, 11, 12] + [-1] * 5
     assert views["layers"].tolist() == [2, 2, 1] + [0] * 5
+    assert views["hist"].tolist() == [10, 11, 12] + [0] * 5
     for name in INPUTS:
         want = torch.cat([getattr(w, name).to(torch.bfloat16) for w in works])
         assert torch.equal(views[name][:3].view(torch.int16), want.view(torch.int16)), name

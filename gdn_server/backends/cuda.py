@@ -11,7 +11,7 @@ read of a session).
 Per batch, on the backend's own stream:
   1. the requests' inputs are copied into one pinned host staging buffer (a memcpy per request
      and input; no per-row Python work), row, layer and P indices included (layout:
-     gdn_server/backends/staging.py, and `hist` here); requests validation left unchecked for
+     gdn_server/backends/staging.py); requests validation left unchecked for
      NaN/Inf are checked there, on their staged copies, before anything is queued;
   2. one host-to-device copy of that buffer;
   3. one launch over all rows (mixed sessions, clients and layers): `gdn_decode` (after a
@@ -40,14 +40,11 @@ import functools
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from gdn_server.backends.base import Backend, NonFiniteInputs, PendingStep, check_state_dtype
 from gdn_server.backends.mapped import device_alias
-from gdn_server.backends.staging import (
-    ALIGN, StagingLayout, carve as _carve, fill as _fill_staging, make_layout, nonfinite,
-)
+from gdn_server.backends.staging import StagingLayout, carve as _carve, fill as _fill_staging, make_layout, nonfinite
 from gdn_server.config import ModelShape
 from gdn_server.kernels import HEAD_DIM, check_variant, ring_bytes_per_row
 from gdn_server.kernels._ring_api import check_ring_variant
@@ -247,16 +244,11 @@ class CudaBackend(Backend):
 
     # -- staging plans: where each input of a launch of R rows and T tokens sits ----------------
     def _plan(self, rows: int, tokens: int) -> StagingLayout:
-        """The byte layout of a launch's inputs in a staging buffer, computed once per (R, T):
-        staging's, and each row's ring entries P (`hist`, int32 [R]) after it, which the fold and
-        the verify read on the device."""
+        """The byte layout of a launch's inputs in a staging buffer, computed once per (R, T)."""
         plan = self._plans.get((rows, tokens))
         if plan is not None:
             return plan
         plan = make_layout(self.shape, rows, tokens)
-        nbytes = 4 * rows
-        plan = StagingLayout({**plan.entries, "hist": (plan.total, (rows,), torch.int32, nbytes)},
-                             plan.total + (nbytes + ALIGN - 1) // ALIGN * ALIGN, plan.out_shape, plan.out_bytes)
         self._plans[(rows, tokens)] = plan
         return plan
 
@@ -297,11 +289,6 @@ class CudaBackend(Backend):
         # 1. requests -> pinned staging: a memcpy per request and input for bf16 requests, a
         #    casting copy for f16/f32 ones; no per-row work
         _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
-        if kind != PLAIN:  # each row's P (0 for padding rows), which only the ring kernels read
-            offset, _, _, nbytes = plan.entries["hist"]
-            column = staging.host_bytes[offset : offset + nbytes].view(np.int32)
-            column[:R] = batch.hist
-            column[R:] = 0
         if not all(w.finite_checked for w in batch.works):
             found = nonfinite(batch, views.host)
             if found:  # before anything is queued on the device

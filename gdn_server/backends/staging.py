@@ -1,8 +1,8 @@
 """Host staging of one launch: where a batch's inputs and indices sit in one flat buffer, the host
 work that fills it, and the NaN/Inf check of the inputs validation left to the backend.
 
-The layout (`make_layout`): q, k, v, a, b as bf16 [rows, T, ...], then the int32 slots, out_slots
-and layers [rows], each entry at a multiple of ALIGN bytes. The CUDA backend fills a pinned
+The layout (`make_layout`): q, k, v, a, b as bf16 [rows, T, ...], then the int32 slots (pool
+rows, read and written), layers and hist (each row's committed ring entries P) [rows], each entry at a multiple of ALIGN bytes. The CUDA backend fills a pinned
 buffer with this and copies it to the device in one transfer (or lets the kernel read it in
 place). Nothing here needs a GPU, so the tests check the layout and the fill on any machine.
 """
@@ -54,8 +54,8 @@ def make_layout(shape: ModelShape, rows: int, tokens: int) -> StagingLayout:
         "a": ((rows, tokens, HV), torch.bfloat16, 2),
         "b": ((rows, tokens, HV), torch.bfloat16, 2),
         "slots": ((rows,), torch.int32, 4),
-        "out_slots": ((rows,), torch.int32, 4),
         "layers": ((rows,), torch.int32, 4),
+        "hist": ((rows,), torch.int32, 4),
     }
     entries, offset = {}, 0
     for name, (shp, dtype, size) in shapes.items():
@@ -79,8 +79,8 @@ def fill(
     bf16 requests (their raw bytes; torch's parallel copy for inputs of PARALLEL_COPY_BYTES or
     more), a casting copy for the others, then the int32 index arrays. A plan with more rows than
     the batch (a padded launch) gets padding rows after the batch's: slot and out_slot -1 (the
-    kernel reads and writes no state for them), layer 0, inputs left as they are (unread).
-    Every row writes the pool row it reads, so out_slots is never written (the kernel ignores it).
+    kernel reads and writes no state or ring for them), layer 0, P 0, inputs left as they are
+    (unread).
 
     `host_mem` and `host_bytes` are the buffer as a memoryview and a uint8 numpy array (slice
     assignment into a memoryview is the cheapest copy Python has); `host_views` the plan's tensor
@@ -109,7 +109,7 @@ def fill(
             for name, part in zip(INPUTS, (work.q, work.k, work.v, work.a, work.b)):
                 host_views[name][row : row + n].copy_(part)
         row += n
-    for name, values, padding in (("slots", batch.rows, -1), ("layers", batch.layers, 0)):
+    for name, values, padding in (("slots", batch.rows, -1), ("layers", batch.layers, 0), ("hist", batch.hist, 0)):
         offset, _, _, nbytes = entries[name]
         column = host_bytes[offset : offset + nbytes].view(np.int32)
         if R == room:
