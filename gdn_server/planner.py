@@ -34,7 +34,7 @@ be applied. Requests are atomic: every session of one is checked before any row 
 - Planning reads session records and changes none: it computes each step's rows and their P.
   `launched` applies a queued launch to the records through the session table's methods (P, the
   open draft, positions); `roll_back` undoes it where the launch then fails. A launch the
-  backend refused before it ran (NonFiniteInputs, a failed submit) changed nothing to undo.
+  backend refused before it ran (a failed submit) changed nothing to undo.
 """
 from __future__ import annotations
 
@@ -44,7 +44,6 @@ from typing import Any, Callable
 from gdn_server.config import ModelShape
 from gdn_server.errors import FailedPrecondition, GdnError
 from gdn_server.sessions import Session, SessionTable, StepRecord
-from gdn_server.validation import check_finite
 from gdn_server.work import DecodeResult, DecodeWork, StepBatch
 
 Done = Callable[[Any], None]  # called once, on the event loop's thread, with a result or an exception
@@ -220,8 +219,6 @@ class Planner:
                 return sessions
             if retries != len(sessions):
                 raise FailedPrecondition("positions mix a retry of the last step with a new step in one request")
-            if not work.finite_checked:  # a retry is refused for bad inputs as a first try would be
-                check_finite(work.bf16_bytes)
             return self.replay(work, sessions)
         except GdnError as e:
             return e

@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from gdn_server.backends.base import Backend, NonFiniteInputs
+from gdn_server.backends.base import Backend
 from gdn_server.config import SchedulerConfig
 from gdn_server.errors import GdnError, Unavailable
 from gdn_server.planner import (
@@ -358,17 +358,6 @@ class Scheduler:
         launch.started = started = time.monotonic()
         try:
             launch.pending = self.backend.submit(batch)
-        except NonFiniteInputs as e:  # nothing ran: answer the culprits, launch the others again
-            rest = Launch(StepBatch(batch.tokens, speculative=batch.speculative))
-            for index, m in enumerate(members):
-                error = e.errors.get(index)
-                if error is None:
-                    rest.add(m)
-                else:
-                    m.item.done(error)
-            if rest.members:
-                self._submit(rest, in_flight)
-            return
         except Exception as e:  # a backend failure fails this batch; the server stays up if the device does
             self._backend_failed(e, batch.num_rows)
             for m in members:

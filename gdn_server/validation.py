@@ -266,13 +266,6 @@ def check_shapes(messages: Sequence[gdn_pb2.Tensor], B: int, speculative: bool,
     return tuple(map(tuple, expected))
 
 
-def check_finite(raw: Sequence[Any]) -> None:
-    """InvalidArgument naming the first of q, k, v, a, b (their bf16 bytes) with a NaN or Inf."""
-    bad = checked_digests(raw, 1)[0]
-    if bad is not None:
-        raise nonfinite_input(INPUT_NAMES[bad])
-
-
 def nonfinite_input(name: str) -> InvalidArgument:
     """The error for input `name` (q, k, v, a or b) holding a NaN or Inf, wherever it is found."""
     return InvalidArgument(f"{name} has NaN or Inf values")

@@ -54,7 +54,7 @@ class DecodeWork:
         positions: tuple[int, ...] | None = None, request_id: str = "", owner: str | None = None,
         owner_key: str | None = None, speculative: bool = False,
         bf16_bytes: tuple[bytes | memoryview, ...] | None = None,
-        input_dims: tuple[tuple[int, ...], ...] | None = None, finite_checked: bool = True,
+        input_dims: tuple[tuple[int, ...], ...] | None = None,
         digests: tuple[int, ...] = (), output: "memoryview | torch.Tensor | None" = None,
     ) -> None:
         d = self.__dict__
@@ -70,9 +70,6 @@ class DecodeWork:
             # backend copies them into its pinned staging buffer as they are
             bf16_bytes=bf16_bytes,
             input_dims=input_dims,  # their shapes, to build the tensors from the bytes
-            # False: the NaN/Inf check of the inputs is left to the backend, before the step
-            # touches any state (validation checks every request it builds: always True there)
-            finite_checked=finite_checked,
             # each session's inputs as sent, digested (validation.checked_digests): a retry must match
             digests=digests,
             # where the reply's o goes: a view of a shared-memory region the client named (o_ref),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gdn_server.backends.staging import PARALLEL_COPY_BYTES, carve, fill, make_layout, nonfinite
+from gdn_server.backends.staging import PARALLEL_COPY_BYTES, carve, fill, make_layout
 from gdn_server.config import ModelShape
 from gdn_server.work import DecodeWork, StepBatch
 
@@ -16,20 +16,16 @@ SHAPE = ModelShape(num_layers=3, num_q_heads=2, num_v_heads=4)  # K = V = 128
 INPUTS = ("q", "k", "v", "a", "b")
 
 
-def _work(rows: int, dtype: torch.dtype, seed: int, finite_checked: bool = True,
-          poison: dict[str, float] | None = None) -> DecodeWork:
-    """A request of `rows` sessions; `poison` puts its value at the last element of each named input."""
+def _work(rows: int, dtype: torch.dtype, seed: int) -> DecodeWork:
+    """A request of `rows` sessions."""
     g = torch.Generator().manual_seed(seed)
     H, HV, K, V = SHAPE.num_q_heads, SHAPE.num_v_heads, SHAPE.head_dim_k, SHAPE.head_dim_v
     shapes = {"q": (rows, 1, H, K), "k": (rows, 1, H, K), "v": (rows, 1, HV, V), "a": (rows, 1, HV), "b": (rows, 1, HV)}
     tensors = {n: torch.randn(*s, generator=g).to(dtype) for n, s in shapes.items()}
-    for name, value in (poison or {}).items():
-        tensors[name].view(-1)[-1] = value
     ids = tuple(f"s{seed}-{i}" for i in range(rows))
     if dtype == torch.bfloat16:  # as validation makes them: raw bytes, tensors built on demand
         raw = tuple(tensors[n].view(torch.int16).numpy().tobytes() for n in INPUTS)
-        return DecodeWork(1 + seed % 2, ids, bf16_bytes=raw, input_dims=tuple(shapes[n] for n in INPUTS),
-                          finite_checked=finite_checked)
+        return DecodeWork(1 + seed % 2, ids, bf16_bytes=raw, input_dims=tuple(shapes[n] for n in INPUTS))
     return DecodeWork(1 + seed % 2, ids, **tensors)
 
 
@@ -62,7 +58,6 @@ def test_fill_places_small_big_and_f32_requests_row_by_row():
     assert views["slots"].tolist() == list(range(10, 10 + batch.num_rows))
     assert views["layers"].tolist() == [2] * 3 + [1] * big_rows + [2] * 2
     assert views["hist"].tolist() == batch.hist
-    assert nonfinite(batch, views) == {}
 
 
 def test_fill_pads_a_launch_with_rows_that_touch_no_state():
@@ -79,40 +74,6 @@ def test_fill_pads_a_launch_with_rows_that_touch_no_state():
         assert torch.all(views[name][3:].view(torch.uint8) == 0xAB), name
     with pytest.raises(ValueError, match="does not fit"):
         _staged(works, room=2)
-
-
-def test_nonfinite_names_each_unchecked_culprit_and_its_first_bad_input():
-    """Only requests validation left unchecked are looked at (a checked one was checked before);
-    each culprit is named with the first of q, k, v, a, b holding a NaN or Inf, by its index in
-    batch.works; padding rows (whatever they hold) are not read."""
-    nan, inf = float("nan"), float("inf")
-    works = [
-        _work(2, torch.bfloat16, 1, finite_checked=False, poison={"k": nan}),
-        _work(3, torch.bfloat16, 2),  # checked: clean
-        _work(1, torch.bfloat16, 3, finite_checked=False),  # unchecked, clean
-        _work(2, torch.bfloat16, 4, finite_checked=False, poison={"b": -inf, "v": nan}),  # v is named, not b
-        _work(1, torch.float32, 5),
-        _work(4, torch.bfloat16, 6, finite_checked=False, poison={"a": inf}),
-    ]
-    batch, _, _, views = _staged(works, room=16)
-    for name in INPUTS:  # padding rows full of NaN (0xFFFF) must not count
-        views[name][batch.num_rows:].view(torch.int16).fill_(-1)
-    assert nonfinite(batch, views) == {0: "k", 3: "v", 5: "a"}
-
-    # the same culprits once validation has checked them: nothing for the backend to find
-    checked = [_work(2, torch.bfloat16, 1, poison={"k": nan}), _work(1, torch.bfloat16, 3, finite_checked=False)]
-    batch, _, _, views = _staged(checked)
-    assert nonfinite(batch, views) == {}
-
-
-def test_nonfinite_reads_the_staged_copy_of_a_big_request():
-    """A big request (torch's parallel copy) with one Inf in its last row's v is found in staging."""
-    big_rows = PARALLEL_COPY_BYTES // (SHAPE.num_v_heads * SHAPE.head_dim_v * 2) + 1
-    works = [_work(1, torch.bfloat16, 1, finite_checked=False),
-             _work(big_rows, torch.bfloat16, 2, finite_checked=False, poison={"v": float("-inf")})]
-    batch, _, _, views = _staged(works)
-    assert torch.isinf(views["v"][-1]).any()
-    assert nonfinite(batch, views) == {1: "v"}
 
 
 def test_launches_pad_to_the_next_graph_bucket():

@@ -26,34 +26,8 @@ from abc import ABC, abstractmethod
 import torch
 
 from gdn_server.config import ModelShape
-from gdn_server.errors import InvalidArgument
-from gdn_server.validation import check_finite
 from gdn_server.weights import GateParams
 from gdn_server.work import StepBatch
-
-
-class NonFiniteInputs(Exception):
-    """Raised by `Backend.submit` before it changes any state: requests of the batch whose inputs
-    were left unchecked (`DecodeWork.finite_checked`) hold a NaN or Inf. `errors` maps the index
-    of each such request in `batch.works` to its InvalidArgument."""
-
-    def __init__(self, errors: dict[int, InvalidArgument]) -> None:
-        super().__init__(f"{len(errors)} request(s) with NaN or Inf inputs")
-        self.errors = errors
-
-
-def check_unchecked_inputs(batch: StepBatch) -> None:
-    """The NaN/Inf check of a batch's unchecked requests, on their bytes as they came: raises
-    NonFiniteInputs naming each culprit (nothing to do when validation checked them all)."""
-    errors = {}
-    for index, work in enumerate(batch.works):
-        if not work.finite_checked:
-            try:
-                check_finite(work.bf16_bytes)
-            except InvalidArgument as e:
-                errors[index] = e
-    if errors:
-        raise NonFiniteInputs(errors)
 
 
 class PendingStep(ABC):
@@ -128,10 +102,8 @@ class Backend(ABC):
         are), then runs the step, which writes the states. A verify batch (`batch.speculative`)
         answers from each state with its `hist` entries applied and writes only ring entries
         [base, base + T), base = folded_base(P, T): a row whose P + T entries would overflow its
-        ring folds them into its state first, in the same call.
-
-        Requests whose inputs validation did not check (`DecodeWork.finite_checked` False) are
-        checked first: any NaN or Inf raises NonFiniteInputs, and nothing has run."""
+        ring folds them into its state first, in the same call. Inputs come checked for NaN/Inf
+        (gdn_server.validation, where they enter)."""
 
     @abstractmethod
     def fold(self, rows: list[int], hist: list[int]) -> None:

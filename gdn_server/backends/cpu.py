@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from gdn_server.backends.base import Backend, DoneStep, PendingStep, check_state_dtype, check_unchecked_inputs
+from gdn_server.backends.base import Backend, DoneStep, PendingStep, check_state_dtype
 from gdn_server.backends.torch_math import StepWorkspace, exp_lane_aligned, fold_ring
 from gdn_server.config import ModelShape
 from gdn_server.kernels import folded_base
@@ -199,7 +199,6 @@ class CpuBackend(Backend):
     def submit(self, batch: StepBatch) -> PendingStep:
         """Runs a small launch now; a big one (or any behind one) on the backend's worker thread,
         so the event loop that launched it keeps serving gRPC meanwhile."""
-        check_unchecked_inputs(batch)  # before anything runs: NonFiniteInputs changes nothing
         s = self.shape
         work = batch.num_rows * batch.tokens * s.num_v_heads * s.head_dim_v * s.head_dim_k
         behind = self._last_offloaded is not None and not self._last_offloaded.done()

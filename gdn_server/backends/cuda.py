@@ -11,8 +11,7 @@ read of a session).
 Per batch, on the backend's own stream:
   1. the requests' inputs are copied into one pinned host staging buffer (a memcpy per request
      and input; no per-row Python work), row, layer and P indices included (layout:
-     gdn_server/backends/staging.py); requests validation left unchecked for
-     NaN/Inf are checked there, on their staged copies, before anything is queued;
+     gdn_server/backends/staging.py);
   2. one host-to-device copy of that buffer;
   3. one launch over all rows (mixed sessions, clients and layers): `gdn_decode` (after a
      `ring_fold` where some row has P > 0), or `ring_verify`;
@@ -42,13 +41,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gdn_server.backends.base import Backend, NonFiniteInputs, PendingStep, check_state_dtype
+from gdn_server.backends.base import Backend, PendingStep, check_state_dtype
 from gdn_server.backends.mapped import device_alias
-from gdn_server.backends.staging import StagingLayout, carve as _carve, fill as _fill_staging, make_layout, nonfinite
+from gdn_server.backends.staging import StagingLayout, carve as _carve, fill as _fill_staging, make_layout
 from gdn_server.config import ModelShape
 from gdn_server.kernels import HEAD_DIM, check_variant, ring_bytes_per_row
 from gdn_server.kernels._ring_api import check_ring_variant
-from gdn_server.validation import nonfinite_input
 from gdn_server.weights import GateParams
 from gdn_server.work import StepBatch
 
@@ -289,10 +287,6 @@ class CudaBackend(Backend):
         # 1. requests -> pinned staging: a memcpy per request and input for bf16 requests, a
         #    casting copy for f16/f32 ones; no per-row work
         _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
-        if not all(w.finite_checked for w in batch.works):
-            found = nonfinite(batch, views.host)
-            if found:  # before anything is queued on the device
-                raise NonFiniteInputs({index: nonfinite_input(name) for index, name in found.items()})
         graph = staging.graphs.get((kind, rows, T))
         # The backend's stream (and its device) becomes the thread's current one and stays so:
         # whatever else runs CUDA work on this thread names its stream itself. Entering and leaving

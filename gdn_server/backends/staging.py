@@ -1,5 +1,5 @@
 """Host staging of one launch: where a batch's inputs and indices sit in one flat buffer, the host
-work that fills it, and the NaN/Inf check of the inputs validation left to the backend.
+work that fills it (the inputs come checked for NaN/Inf from validation).
 
 The layout (`make_layout`): q, k, v, a, b as bf16 [rows, T, ...], then the int32 slots (pool
 rows, read and written), layers and hist (each row's committed ring entries P) [rows], each entry at a multiple of ALIGN bytes. The CUDA backend fills a pinned
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gdn_client.proto.checks import all_finite
 from gdn_server.config import ModelShape
 from gdn_server.work import StepBatch
 
@@ -84,7 +83,7 @@ def fill(
 
     `host_mem` and `host_bytes` are the buffer as a memoryview and a uint8 numpy array (slice
     assignment into a memoryview is the cheapest copy Python has); `host_views` the plan's tensor
-    views of it, used by requests that did not come as bf16 and by `nonfinite`.
+    views of it, used by requests that did not come as bf16.
     """
     R = batch.num_rows
     room = plan.rows
@@ -117,24 +116,3 @@ def fill(
         else:
             column[:R] = values
             column[R:] = padding
-
-
-def nonfinite(batch: StepBatch, host_views: dict[str, torch.Tensor]) -> dict[int, str]:
-    """The requests of `batch` that validation left unchecked (`finite_checked` False) and whose
-    staged inputs hold a NaN or Inf: {index in batch.works: the first such input's name}.
-
-    It reads the copies `fill` has just written (in cache, where the request's own bytes may not
-    be), each unchecked request's rows of each input in one read-only pass: `all_finite`, split over
-    torch's intra-op threads, makes the min or the max NaN or infinite exactly where a value is.
-    """
-    found: dict[int, str] = {}
-    row = 0
-    for index, work in enumerate(batch.works):
-        n = len(work.session_ids)
-        if not work.finite_checked:
-            for name in INPUTS:
-                if not all_finite(host_views[name][row : row + n]):
-                    found[index] = name
-                    break
-        row += n
-    return found
