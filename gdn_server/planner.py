@@ -31,6 +31,13 @@ be applied. Requests are atomic: every session of one is checked before any row 
 - A control item that may run at once (nothing in flight, batched or deferred before it) ends the
   plan (`RoundPlan.first`): later requests may name the session it closes, forks or imports, so they
   are planned once it has run.
+- A control item of one session (`ControlItem.session_id`: Commit, bookkeeping of the session's
+  records) waits for that session's steps only: where the session has no row in the plan, no
+  deferred request and no step still on the device, it is settled in this round
+  (`RoundPlan.settle`, run before the launches are queued), else deferred; either way the
+  session's later requests wait for a later round. A barrier there would drain every client's
+  launches for each Commit; waiting for the session's own steps keeps a launch that fails from
+  meeting a draft a Commit already settled.
 - Planning reads session records and changes none: it computes each step's rows and their P.
   `launched` applies a queued launch to the records through the session table's methods (P, the
   open draft, positions); `roll_back` undoes it where the launch then fails. A launch the
@@ -63,14 +70,18 @@ class DecodeItem:
 
 
 class ControlItem:
-    """A queued control operation: runs between launches, once nothing is in flight."""
+    """A queued control operation. With no `session_id`, it runs between launches once nothing is
+    in flight (it may touch the device). With one, it is bookkeeping of that session's records
+    only (Commit): it runs in order with the session's steps, once they are queued on the
+    device, and holds back no other session."""
 
-    __slots__ = ("fn", "done")
+    __slots__ = ("fn", "done", "session_id")
     rows = 0  # queued, it holds no rows
 
-    def __init__(self, fn: Callable[[], Any], done: Done) -> None:
+    def __init__(self, fn: Callable[[], Any], done: Done, session_id: str | None = None) -> None:
         self.fn = fn
         self.done = done
+        self.session_id = session_id
 
 
 Item = DecodeItem | ControlItem
@@ -112,7 +123,7 @@ class Launch:
 class RoundPlan:
     """One round's launches, and what waits."""
 
-    __slots__ = ("launches", "deferred", "barrier", "first", "answers")
+    __slots__ = ("launches", "deferred", "barrier", "first", "answers", "settle")
 
     def __init__(self) -> None:
         self.launches: dict[tuple[int, bool], Launch] = {}  # (T, speculative) -> its launch
@@ -120,6 +131,7 @@ class RoundPlan:
         self.barrier: ControlItem | None = None  # to run once these launches are done, before `deferred`
         self.first: ControlItem | None = None  # to run before anything else (there are no batches)
         self.answers: list[tuple[DecodeItem, Any]] = []  # (item, DecodeResult or GdnError), in arrival order
+        self.settle: list[ControlItem] = []  # session bookkeeping to run now: no session of it is in `launches`
 
 
 class NotReady(Exception):
@@ -145,6 +157,15 @@ class Planner:
         rows, max_rows, admit = 0, self.max_batch_rows, self.admit
         for idx, item in enumerate(items):
             if type(item) is ControlItem:
+                sid = item.session_id
+                if sid is not None:  # one session's bookkeeping: behind that session's steps only
+                    session = self.sessions.find(sid)
+                    if sid in busy or (session is not None and session.has_running_step()):
+                        deferred.append(item)
+                    else:
+                        plan.settle.append(item)
+                    busy.add(sid)  # its later steps see the records it changes: a later round
+                    continue
                 if deferred:  # an earlier request is held back: the barrier stays behind it
                     deferred.extend(items[idx:])
                     break

@@ -134,15 +134,17 @@ class Scheduler:
         is true the request is dropped before it reaches the device."""
         self._enqueue(DecodeItem(work, done, cancelled))
 
-    def submit_control(self, fn: Callable[[], Any], done: Done) -> None:
-        """Runs `fn()` between launches, once every earlier request has finished."""
-        self._enqueue(ControlItem(fn, done))
+    def submit_control(self, fn: Callable[[], Any], done: Done, session_id: str | None = None) -> None:
+        """Runs `fn()` between launches, once every earlier request has finished; with a
+        `session_id`, `fn` changes only that session's records and runs once the session's
+        earlier requests are queued on the device (planner.ControlItem)."""
+        self._enqueue(ControlItem(fn, done, session_id))
 
-    async def control(self, fn: Callable[[], Any]) -> Any:
+    async def control(self, fn: Callable[[], Any], session_id: str | None = None) -> Any:
         """`submit_control`, awaited on the loop the rounds run on: `fn()`'s result, or its
         exception raised."""
         fut = asyncio.get_running_loop().create_future()
-        self.submit_control(fn, settle(fut))
+        self.submit_control(fn, settle(fut), session_id)
         return await fut
 
     def stop_accepting(self) -> None:
@@ -345,6 +347,8 @@ class Scheduler:
         while True:
             for item, answer in plan.answers:
                 item.done(answer)
+            for control in plan.settle:
+                self._run_control(control, device=False)
             if plan.first is None:
                 break
             self._run_control(plan.first)  # before the rest is planned: it may change their sessions
@@ -420,9 +424,11 @@ class Scheduler:
             self.device_error = problem
             log.error("the device is unusable: %s", problem)
 
-    def _run_control(self, item: ControlItem) -> None:
+    def _run_control(self, item: ControlItem, device: bool = True) -> None:
+        """Runs a control item; `device`: after the device has finished all it was given."""
         try:
-            self.backend.synchronize()
+            if device:
+                self.backend.synchronize()
             result = item.fn()
         except Exception as e:
             if not isinstance(e, GdnError):

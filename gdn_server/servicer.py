@@ -273,10 +273,12 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
 
     async def Commit(self, request, context):
         identity = current_identity()
-        # after the session's earlier steps (the speculative one included) have run
+        # after the session's earlier steps (the speculative one included) are queued on the device:
+        # bookkeeping of the session's rings, so other clients' launches need not drain first
         shard = self.placement.shard_of(request.session_id)
         positions, layers = await shard.scheduler.control(
             lambda: commit_speculation(shard.sessions, request.session_id, int(request.accepted), identity),
+            session_id=request.session_id,
         )
         return gdn_pb2.CommitResponse(positions=positions, committed_layers=layers)
 

@@ -116,6 +116,10 @@ class Session:
         draft = self.drafts.get(layer) if self.drafts else None
         return self.hist[layer] if draft is None else draft.base + draft.tokens
 
+    def has_running_step(self) -> bool:
+        """Some step of the session is queued on the device and not finished (its output unset)."""
+        return any(last.record.out is None for last in self.last_steps.values())
+
     def check_owner(self, identity: str | None) -> None:
         """PermissionDenied unless `identity` created this session (both None where auth is off)."""
         if self.owner != identity:

@@ -72,6 +72,26 @@ def test_a_control_item_runs_first_when_quiet_else_it_is_a_barrier_for_what_foll
     assert behind.barrier is control and behind.deferred == [later] and list(behind.launches) == [(1, False)]
 
 
+def test_a_session_control_waits_for_its_session_only_never_for_other_launches():
+    table = _table()
+    a, b, c = (table.get(table.create().id) for _ in range(3))
+    planner = _planner(table)
+    running = planner.plan([DecodeItem(_work([c.id]), print)], quiet=True).launches[1, False]
+    launched(running, 0.0, table)  # c's step is on the device, unfinished
+    commit_a, commit_c = (ControlItem(lambda: None, print, session_id=s.id) for s in (a, c))
+    step_b, step_a, commit_b = DecodeItem(_work([b.id]), print), DecodeItem(_work([a.id]), print), ControlItem(
+        lambda: None, print, session_id=b.id)
+    plan = planner.plan([step_b, commit_a, step_a, commit_b, commit_c], quiet=False)
+    # a's Commit runs this round though launches are in flight; a's next step waits for a later
+    # round (it must see the Commit's records); b's Commit stays behind b's step in this plan,
+    # c's behind c's step still on the device
+    assert plan.settle == [commit_a] and plan.barrier is None and plan.first is None
+    assert [m.item for m in plan.launches[1, False].members] == [step_b]
+    assert plan.deferred == [step_a, commit_b, commit_c]
+    planner.finish(running, bytes(2 * SHAPE.num_v_heads * SHAPE.head_dim_v))  # c's step finished: its Commit may run
+    assert planner.plan([commit_c], quiet=False).settle == [commit_c]
+
+
 def _step(planner, table, s, T, speculative=False, layer=0, seed=0):
     """One step of session `s` planned and run; returns its member."""
     plan = planner.plan([DecodeItem(_work([s.id], layer=layer, T=T, speculative=speculative, seed=seed), print)],
