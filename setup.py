@@ -1,6 +1,6 @@
 """The package's one C extension (everything else about the package is in pyproject.toml).
 
-gdn_server/_wire.c does the decode RPCs' per-message wire work: a plain step's parse, checks and
+gdn_server/_wire.c does the decode RPCs' per-message wire work: a bf16 step's parse, checks and
 digests, and the reply's encoding. It is the only implementation of that work, so installing
 needs a C compiler and the Python headers. It is declared here rather than in pyproject.toml,
 where setuptools still calls its `ext-modules` table experimental and warns so on every build.

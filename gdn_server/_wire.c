@@ -5,27 +5,28 @@
    (bench/DECISIONS.md, entry 17).
 
    StepLimits(num_layers=, num_q_heads=, num_v_heads=, head_dim_k=, head_dim_v=, max_tokens=,
-              max_session_id_len=, max_request_id_len=)
-       What parse_plain_step checks a step against, by name (gdn_server.validation.step_limits
-       makes it once per server); read-only attributes of the same names.
+              max_speculative_tokens=, max_session_id_len=, max_request_id_len=)
+       What parse_step checks a step against, by name (gdn_server.validation.step_limits makes it
+       once per server); read-only attributes of the same names.
 
-   parse_plain_step(data, limits) -> PlainStep | None
-       A serialized DecodeRequest that is a valid plain step, checked: every session id 1..max_id
-       characters and distinct, request_id at most max_request_id characters, layer below
-       num_layers, positions (when given) one per session with position + T below 2^63 (the
-       count after the step must stay a signed 64-bit number), not speculative, q, k,
-       v, a, b in BF16 with the shapes of B sessions and T tokens (1 <= T <= max_tokens) and the
-       byte lengths those shapes give, or by reference (Tensor.ref, no data; and o_ref): then the
-       input is (region, offset) and by_reference is set, and validation resolves, checks and
-       digests the bytes in the region. Inline inputs are checked for NaN/Inf and each
-       session's inputs digested (`checked_digests`) in the same pass over the bytes.
+   parse_step(data, limits) -> CheckedStep | None
+       A serialized DecodeRequest that is a valid bf16 step, plain or speculative, checked: every
+       session id 1..max_id characters and distinct, request_id at most max_request_id
+       characters, layer below num_layers, speculative 0 or 1, positions (when given) one per
+       session with position + T below 2^63 (the count after the step must stay a signed 64-bit
+       number), q, k, v, a, b in BF16 with the shapes of B sessions and T tokens (1 <= T <=
+       max_tokens, or max_speculative_tokens for a speculative step) and the byte lengths those
+       shapes give, or by reference (Tensor.ref, no data; and o_ref): then the input is (region,
+       offset) and by_reference is set, and validation resolves, checks and digests the bytes in
+       the region. Inline inputs are checked for NaN/Inf and each session's inputs digested
+       (`checked_digests`) in the same pass over the bytes.
        None for anything else: the caller parses it with protobuf and gdn_server.validation says
-       what is wrong with it, or takes it the long way (other dtypes, speculative steps). So this
-       reads only the plain encoding: each known field with its own wire type, a singular field
-       at most once, positions packed, no unknown fields; whatever it accepts, protobuf parses
-       to the same values (tests/test_wire_c.py checks both on a corpus and on fuzzed bytes).
-       The field numbers and the BF16 code it reads are the module's constants (FIELDS, BF16,
-       MAX_POSITION), which tests/test_wire_c.py checks against gdn_pb2.
+       what is wrong with it, or takes it the long way (other dtypes). So this reads only the
+       plain encoding: each known field with its own wire type, a singular field at most once,
+       positions packed, speculative as protobuf writes a bool, no unknown fields; whatever it
+       accepts, protobuf parses to the same values (tests/test_wire_c.py checks both on a corpus
+       and on fuzzed bytes). The field numbers and the BF16 code it reads are the module's
+       constants (FIELDS, BF16, MAX_POSITION), which tests/test_wire_c.py checks against gdn_pb2.
 
    checked_digests(inputs, rows, bf16=True) -> (bad, digests)
        The NaN/Inf rule of bf16 inputs and their digests, in one pass over the five buffers q, k,
@@ -283,12 +284,12 @@ done:
     return result;
 }
 
-/* -- parse_plain_step ------------------------------------------------------------------------ */
+/* -- parse_step ------------------------------------------------------------------------------ */
 
 typedef struct {
     PyObject_HEAD
-    long long num_layers, num_q_heads, num_v_heads, head_dim_k, head_dim_v, max_tokens, max_session_id_len,
-        max_request_id_len;
+    long long num_layers, num_q_heads, num_v_heads, head_dim_k, head_dim_v, max_tokens, max_speculative_tokens,
+        max_session_id_len, max_request_id_len;
 } StepLimits;
 
 static PyMemberDef step_limits_members[] = {
@@ -298,6 +299,8 @@ static PyMemberDef step_limits_members[] = {
     {"head_dim_k", T_LONGLONG, offsetof(StepLimits, head_dim_k), READONLY, NULL},
     {"head_dim_v", T_LONGLONG, offsetof(StepLimits, head_dim_v), READONLY, NULL},
     {"max_tokens", T_LONGLONG, offsetof(StepLimits, max_tokens), READONLY, "T of a plain step at most"},
+    {"max_speculative_tokens", T_LONGLONG, offsetof(StepLimits, max_speculative_tokens), READONLY,
+     "T of a speculative step at most"},
     {"max_session_id_len", T_LONGLONG, offsetof(StepLimits, max_session_id_len), READONLY, NULL},
     {"max_request_id_len", T_LONGLONG, offsetof(StepLimits, max_request_id_len), READONLY, NULL},
     {NULL, 0, 0, 0, NULL},
@@ -305,12 +308,12 @@ static PyMemberDef step_limits_members[] = {
 
 static PyObject *step_limits_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"num_layers", "num_q_heads", "num_v_heads", "head_dim_k", "head_dim_v", "max_tokens",
-                            "max_session_id_len", "max_request_id_len", NULL};
-    long long v[8];
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$LLLLLLLL:StepLimits", names, &v[0], &v[1], &v[2], &v[3],
-                                     &v[4], &v[5], &v[6], &v[7]))
+                            "max_speculative_tokens", "max_session_id_len", "max_request_id_len", NULL};
+    long long v[9];
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "$LLLLLLLLL:StepLimits", names, &v[0], &v[1], &v[2], &v[3],
+                                     &v[4], &v[5], &v[6], &v[7], &v[8]))
         return NULL;
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < 9; i++) {
         if (v[i] < 1) {
             PyErr_Format(PyExc_ValueError, "StepLimits: %s must be >= 1, got %lld", names[i], v[i]);
             return NULL;
@@ -319,8 +322,8 @@ static PyObject *step_limits_new(PyTypeObject *type, PyObject *args, PyObject *k
     StepLimits *self = (StepLimits *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
     self->num_layers = v[0], self->num_q_heads = v[1], self->num_v_heads = v[2], self->head_dim_k = v[3];
-    self->head_dim_v = v[4], self->max_tokens = v[5], self->max_session_id_len = v[6];
-    self->max_request_id_len = v[7];
+    self->head_dim_v = v[4], self->max_tokens = v[5], self->max_speculative_tokens = v[6];
+    self->max_session_id_len = v[7], self->max_request_id_len = v[8];
     return (PyObject *)self;
 }
 
@@ -328,14 +331,14 @@ static PyTypeObject StepLimitsType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "gdn_server._wire.StepLimits",
     .tp_basicsize = sizeof(StepLimits),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "What parse_plain_step checks a plain step against (keyword arguments, read-only attributes).",
+    .tp_doc = "What parse_step checks a step against (keyword arguments, read-only attributes).",
     .tp_members = step_limits_members,
     .tp_new = step_limits_new,
 };
 
-static PyTypeObject PlainStepType;
+static PyTypeObject CheckedStepType;
 
-static PyStructSequence_Field plain_step_fields[] = {
+static PyStructSequence_Field checked_step_fields[] = {
     {"layer", NULL},
     {"session_ids", "tuple of str"},
     {"positions", "tuple of int, or None when the request gave none"},
@@ -347,12 +350,13 @@ static PyStructSequence_Field plain_step_fields[] = {
                 "and digests those)"},
     {"by_reference", "some input or the output is by reference (a shared-memory region)"},
     {"o_ref", "(region, offset) where o goes, or None"},
+    {"speculative", "a draft step (bool): T up to max_speculative_tokens"},
     {NULL, NULL},
 };
 
-static PyStructSequence_Desc plain_step_desc = {
-    "gdn_server._wire.PlainStep", "A DecodeRequest that is a valid plain step (parse_plain_step).",
-    plain_step_fields, 9,
+static PyStructSequence_Desc checked_step_desc = {
+    "gdn_server._wire.CheckedStep", "A DecodeRequest that is a valid bf16 step, checked (parse_step).",
+    checked_step_fields, 10,
 };
 
 /* A str of the UTF-8 bytes, or NULL (no error set) where they are not valid UTF-8 or the str
@@ -378,17 +382,16 @@ static PyObject *ref_tuple(const Ref *ref) {
     return pair;
 }
 
-#define NOT_PLAIN goto not_plain
+#define NOT_TAKEN goto not_taken
 
-static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *parse_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyBytes_Check(args[0]) || !PyObject_TypeCheck(args[1], &StepLimitsType)) {
-        PyErr_SetString(PyExc_TypeError, "parse_plain_step(data: bytes, limits: StepLimits)");
+        PyErr_SetString(PyExc_TypeError, "parse_step(data: bytes, limits: StepLimits)");
         return NULL;
     }
     const StepLimits *lim = (const StepLimits *)args[1];
     const long long L = lim->num_layers, H = lim->num_q_heads, HV = lim->num_v_heads, K = lim->head_dim_k,
-                    V = lim->head_dim_v, max_T = lim->max_tokens, max_id = lim->max_session_id_len,
-                    max_rid = lim->max_request_id_len;
+                    V = lim->head_dim_v, max_id = lim->max_session_id_len, max_rid = lim->max_request_id_len;
     PyObject *message = args[0];
     const uint8_t *base = (const uint8_t *)PyBytes_AS_STRING(message), *p = base;
     const uint8_t *end = base + PyBytes_GET_SIZE(message);
@@ -408,47 +411,49 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
         uint64_t key;
         const uint8_t *start;
         Py_ssize_t len;
-        if (read_varint(&p, end, &key) != 0) NOT_PLAIN;
+        if (read_varint(&p, end, &key) != 0) NOT_TAKEN;
         uint64_t field = key >> 3, wire = key & 7;
         if (field == F_LAYER && wire == WIRE_VARINT && !seen_layer) {
             seen_layer = 1;
-            if (read_varint(&p, end, &layer) != 0) NOT_PLAIN;
+            if (read_varint(&p, end, &layer) != 0) NOT_TAKEN;
         } else if (field == F_SESSION_IDS && wire == WIRE_LEN) {
-            if (read_len(&p, end, &start, &len) != 0 || (str = short_str(start, len, max_id)) == NULL) goto not_plain_or_error;
-            if (PyUnicode_GET_LENGTH(str) == 0) NOT_PLAIN;
+            if (read_len(&p, end, &start, &len) != 0 || (str = short_str(start, len, max_id)) == NULL) goto not_taken_or_error;
+            if (PyUnicode_GET_LENGTH(str) == 0) NOT_TAKEN;
             if (PyList_Append(ids, str) != 0) goto error;
             Py_CLEAR(str);
         } else if (field >= F_Q && field <= F_B && wire == WIRE_LEN && !t[field - F_Q].seen) {
             t[field - F_Q].seen = 1;
-            if (read_len(&p, end, &start, &len) != 0 || read_tensor(start, start + len, &t[field - F_Q]) != 0) NOT_PLAIN;
+            if (read_len(&p, end, &start, &len) != 0 || read_tensor(start, start + len, &t[field - F_Q]) != 0) NOT_TAKEN;
         } else if (field == F_POSITIONS && wire == WIRE_LEN && !seen_positions) {
             seen_positions = 1;
-            if (read_len(&p, end, &pos_start, &pos_len) != 0) NOT_PLAIN;
+            if (read_len(&p, end, &pos_start, &pos_len) != 0) NOT_TAKEN;
         } else if (field == F_REQUEST_ID && wire == WIRE_LEN && !seen_rid) {
             seen_rid = 1;
-            if (read_len(&p, end, &rid, &rid_len) != 0) NOT_PLAIN;
+            if (read_len(&p, end, &rid, &rid_len) != 0) NOT_TAKEN;
         } else if (field == F_SPECULATIVE && wire == WIRE_VARINT && !seen_spec) {
             seen_spec = 1;
-            if (read_varint(&p, end, &speculative) != 0) NOT_PLAIN;
+            if (read_varint(&p, end, &speculative) != 0) NOT_TAKEN;
         } else if (field == F_O_REF && wire == WIRE_LEN && !o_ref.seen) {
-            if (read_len(&p, end, &start, &len) != 0 || read_ref(start, start + len, &o_ref) != 0) NOT_PLAIN;
+            if (read_len(&p, end, &start, &len) != 0 || read_ref(start, start + len, &o_ref) != 0) NOT_TAKEN;
         } else {
-            NOT_PLAIN; /* an unknown field, a field twice or in another wire type: protobuf decides */
+            NOT_TAKEN; /* an unknown field, a field twice or in another wire type: protobuf decides */
         }
     }
     Py_ssize_t B = PyList_GET_SIZE(ids);
-    if (B == 0 || speculative != 0 || layer >= (uint64_t)L) NOT_PLAIN;
+    /* a bool as protobuf writes it; any other value protobuf reads as true, and it decides */
+    if (B == 0 || speculative > 1 || layer >= (uint64_t)L) NOT_TAKEN;
     if (B > 1) {
         PyObject *distinct = PySet_New(ids);
         if (distinct == NULL) goto error;
         Py_ssize_t n = PySet_GET_SIZE(distinct);
         Py_DECREF(distinct);
-        if (n != B) NOT_PLAIN;
+        if (n != B) NOT_TAKEN;
     }
 
     /* the five inputs: BF16, the shapes of B sessions and T tokens, their byte lengths */
+    const long long max_T = speculative ? lim->max_speculative_tokens : lim->max_tokens;
     uint64_t T = t[0].ndim == 4 ? t[0].dims[1] : 0;
-    if (T < 1 || T > (uint64_t)max_T) NOT_PLAIN;
+    if (T < 1 || T > (uint64_t)max_T) NOT_TAKEN;
     /* positions: none, or one per session, each with position + T below 2^63 */
     if (pos_len > 0) {
         positions = PyTuple_New(B);
@@ -456,12 +461,12 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
         const uint8_t *q = pos_start, *q_end = pos_start + pos_len;
         for (Py_ssize_t i = 0; i < B; i++) {
             uint64_t value;
-            if (q >= q_end || read_varint(&q, q_end, &value) != 0 || value > MAX_POSITION - T) NOT_PLAIN;
+            if (q >= q_end || read_varint(&q, q_end, &value) != 0 || value > MAX_POSITION - T) NOT_TAKEN;
             PyObject *n = PyLong_FromUnsignedLongLong(value);
             if (n == NULL) goto error;
             PyTuple_SET_ITEM(positions, i, n);
         }
-        if (q != q_end) NOT_PLAIN;
+        if (q != q_end) NOT_TAKEN;
     } else {
         positions = Py_NewRef(Py_None);
     }
@@ -475,27 +480,27 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
     Py_ssize_t lens[N_INPUTS];
     int by_reference = o_ref.seen;
     for (int i = 0; i < N_INPUTS; i++) {
-        if (!t[i].seen || t[i].dtype != BF16 || t[i].ndim != ndims[i]) NOT_PLAIN;
+        if (!t[i].seen || t[i].dtype != BF16 || t[i].ndim != ndims[i]) NOT_TAKEN;
         long long numel = 1;
         for (int d = 0; d < ndims[i]; d++) {
-            if (t[i].dims[d] != (uint64_t)want[i][d]) NOT_PLAIN;
+            if (t[i].dims[d] != (uint64_t)want[i][d]) NOT_TAKEN;
             numel *= want[i][d];
         }
         if (t[i].ref.seen) { /* its bytes are in a region: validation resolves, checks and digests them */
-            if (t[i].len != 0) NOT_PLAIN;
+            if (t[i].len != 0) NOT_TAKEN;
             by_reference = 1;
         } else if (t[i].len != 2 * numel) {
-            NOT_PLAIN;
+            NOT_TAKEN;
         }
         data[i] = t[i].data;
         lens[i] = t[i].len;
     }
     if (!by_reference) {
         if ((checked = checked_digest_pair(data, lens, B, 1)) == NULL) goto error;
-        if (PyTuple_GET_ITEM(checked, 0) != Py_None) NOT_PLAIN; /* a NaN or Inf: validation names the input */
+        if (PyTuple_GET_ITEM(checked, 0) != Py_None) NOT_TAKEN; /* a NaN or Inf: validation names the input */
     }
     if (rid_len > 0) {
-        if ((str = short_str(rid, rid_len, max_rid)) == NULL) goto not_plain_or_error;
+        if ((str = short_str(rid, rid_len, max_rid)) == NULL) goto not_taken_or_error;
     } else {
         str = PyUnicode_New(0, 0);
         if (str == NULL) goto error;
@@ -510,7 +515,7 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
         PyObject *slice;
         if (t[i].ref.seen) {
             slice = ref_tuple(&t[i].ref);
-            if (slice == NULL) goto not_plain_or_error;
+            if (slice == NULL) goto not_taken_or_error;
         } else {
             Py_ssize_t offset = data[i] - base;
             slice = PySequence_GetSlice(view, offset, offset + lens[i]);
@@ -523,31 +528,31 @@ static PyObject *parse_plain_step(PyObject *self, PyObject *const *args, Py_ssiz
         PyTuple_SET_ITEM(dims, i, shape);
     }
     if (o_ref.seen) {
-        if ((o_ref_obj = ref_tuple(&o_ref)) == NULL) goto not_plain_or_error;
+        if ((o_ref_obj = ref_tuple(&o_ref)) == NULL) goto not_taken_or_error;
     } else {
         o_ref_obj = Py_NewRef(Py_None);
     }
     digests = by_reference ? PyTuple_New(0) : Py_NewRef(PyTuple_GET_ITEM(checked, 1));
     if (digests == NULL) goto error;
-    result = PyStructSequence_New(&PlainStepType);
+    result = PyStructSequence_New(&CheckedStepType);
     if (result == NULL) goto error;
     PyObject *id_tuple = PyList_AsTuple(ids);
     if (id_tuple == NULL) goto error;
-    PyObject *fields[9] = {
+    PyObject *fields[10] = {
         PyLong_FromUnsignedLongLong(layer), id_tuple, positions, str, inputs, dims, digests,
-        Py_NewRef(by_reference ? Py_True : Py_False), o_ref_obj,
+        Py_NewRef(by_reference ? Py_True : Py_False), o_ref_obj, Py_NewRef(speculative ? Py_True : Py_False),
     };
     if (fields[0] == NULL) {
         Py_DECREF(id_tuple);
         goto error;
     }
     positions = str = inputs = dims = digests = o_ref_obj = NULL; /* the result holds them now */
-    for (int i = 0; i < 9; i++) PyStructSequence_SET_ITEM(result, i, fields[i]);
+    for (int i = 0; i < 10; i++) PyStructSequence_SET_ITEM(result, i, fields[i]);
     goto done;
 
-not_plain_or_error:
+not_taken_or_error:
     if (PyErr_Occurred()) goto error;
-not_plain:
+not_taken:
     result = Py_NewRef(Py_None);
     goto done;
 error:
@@ -693,8 +698,8 @@ bad:
 /* -- the module ------------------------------------------------------------------------------ */
 
 static PyMethodDef methods[] = {
-    {"parse_plain_step", (PyCFunction)(void (*)(void))parse_plain_step, METH_FASTCALL,
-     "parse_plain_step(data, limits) -> PlainStep | None: a serialized DecodeRequest that is a valid plain step"},
+    {"parse_step", (PyCFunction)(void (*)(void))parse_step, METH_FASTCALL,
+     "parse_step(data, limits) -> CheckedStep | None: a serialized DecodeRequest that is a valid bf16 step, checked"},
     {"checked_digests", checked_digests, METH_VARARGS,
      "checked_digests(inputs, rows, bf16=True) -> (bad, digests): the first bf16 input with a NaN or Inf (or None), and "
      "each session's inputs' CRC-32"},
@@ -718,11 +723,11 @@ PyMODINIT_FUNC PyInit__wire(void) {
     make_crc_table();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PlainStepType.tp_name == NULL && PyStructSequence_InitType2(&PlainStepType, &plain_step_desc) != 0) {
+    if (CheckedStepType.tp_name == NULL && PyStructSequence_InitType2(&CheckedStepType, &checked_step_desc) != 0) {
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddObjectRef(m, "PlainStep", (PyObject *)&PlainStepType) != 0 || PyType_Ready(&StepLimitsType) != 0 ||
+    if (PyModule_AddObjectRef(m, "CheckedStep", (PyObject *)&CheckedStepType) != 0 || PyType_Ready(&StepLimitsType) != 0 ||
         PyModule_AddObjectRef(m, "StepLimits", (PyObject *)&StepLimitsType) != 0 ||
         PyModule_AddIntConstant(m, "BF16", BF16) != 0 || add_new_ref(m, "MAX_POSITION", PyLong_FromUnsignedLongLong(MAX_POSITION)) != 0) {
         Py_DECREF(m);

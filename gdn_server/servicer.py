@@ -2,7 +2,7 @@
 
 It stays thin: requests are checked by gdn_server.validation, run by each device's scheduler
 (decode steps) or as control items between launches (session operations), and answered here.
-The decode RPCs take their messages as bytes, which validation reads (a plain step in C, the
+The decode RPCs take their messages as bytes, which validation reads (a bf16 step in C, the
 rest through protobuf), and send results encoded by gdn_server._wire (`add_to_server`).
 Domain errors (`GdnError`) raised here become status codes in gdn_server.calls, for every RPC;
 a DecodeStream answers a bad request in its place with the error's code (`error_response`).
@@ -25,7 +25,7 @@ import grpc
 import torch
 
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
-from gdn_server._wire import PlainStep, encode_reply
+from gdn_server._wire import CheckedStep, encode_reply
 from gdn_server.config import ModelShape
 from gdn_server.errors import FailedPrecondition, GdnError, InvalidArgument, ResourceExhausted
 from gdn_server.lifecycle import commit_speculation, export_session, fork_session, import_session
@@ -117,7 +117,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(handlers.service, methods),))
         server.add_registered_method_handlers(handlers.service, methods)
 
-    def _submit_decode(self, request: PlainStep | gdn_pb2.DecodeRequest, identity: str | None, owner_key: str,
+    def _submit_decode(self, request: CheckedStep | gdn_pb2.DecodeRequest, identity: str | None, owner_key: str,
                        done: Callable[[Any], None], cancelled: Callable[[], bool]) -> tuple[int, Any]:
         """Checks a request of the caller `identity` (`owner_key`: its quota_key, which also owns
         its shared-memory regions), counts its bytes as held (`_hold`) and queues it; `done` gets

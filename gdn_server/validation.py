@@ -2,9 +2,9 @@
 wrong on its own, without looking at session state, is caught here as InvalidArgument, before
 anything is queued.
 
-It runs on the event loop for every decode request. The common case, a plain step (bf16 inputs,
-not speculative, in protobuf's plain encoding), is read, checked and digested from the raw bytes
-by gdn_server._wire in one pass, and its DecodeWork carries views of the message's bytes, which a
+It runs on the event loop for every decode request. The common case, a step of bf16 inputs (plain
+or speculative) in protobuf's plain encoding, is read, checked and digested from the raw bytes by
+gdn_server._wire in one pass, and its DecodeWork carries views of the message's bytes, which a
 GPU backend copies into its staging buffer as they are. Everything else is parsed by protobuf and
 checked here in Python, which also says what is wrong with a request the C declined; f16/f32
 inputs become float tensors here.
@@ -33,7 +33,7 @@ from gdn_client.proto.checks import (
 )
 from gdn_client.proto.gdn.v1 import gdn_pb2
 from gdn_server import _wire
-from gdn_server._wire import PlainStep, StepLimits
+from gdn_server._wire import CheckedStep, StepLimits
 from gdn_server.config import ModelShape
 from gdn_server.errors import FailedPrecondition, InvalidArgument
 from gdn_server.limits import MAX_REQUEST_ID_LEN, MAX_SESSION_ID_LEN
@@ -53,35 +53,36 @@ Resolve = Callable[[str, int, int], Any]
 
 
 def step_limits(shape: ModelShape) -> StepLimits:
-    """What `parse_decode_request` checks a plain step against, for a model of `shape`."""
+    """What `parse_decode_request` checks a step against, for a model of `shape`."""
     s = shape
     return StepLimits(
         num_layers=s.num_layers, num_q_heads=s.num_q_heads, num_v_heads=s.num_v_heads, head_dim_k=s.head_dim_k,
-        head_dim_v=s.head_dim_v, max_tokens=s.max_tokens_per_step, max_session_id_len=MAX_SESSION_ID_LEN,
-        max_request_id_len=MAX_REQUEST_ID_LEN,
+        head_dim_v=s.head_dim_v, max_tokens=s.max_tokens_per_step, max_speculative_tokens=s.max_speculative_tokens,
+        max_session_id_len=MAX_SESSION_ID_LEN, max_request_id_len=MAX_REQUEST_ID_LEN,
     )
 
 
-def parse_decode_request(data: bytes, limits: StepLimits) -> PlainStep | gdn_pb2.DecodeRequest:
-    """A DecodeRequest's wire bytes: a checked PlainStep (gdn_server._wire) where they are a valid
-    plain step, else the protobuf message, for `decode_work` to check; protobuf's DecodeError
-    where they do not parse. The decode RPCs' request deserializer (`limits`: `step_limits`)."""
-    step = _wire.parse_plain_step(data, limits)
+def parse_decode_request(data: bytes, limits: StepLimits) -> CheckedStep | gdn_pb2.DecodeRequest:
+    """A DecodeRequest's wire bytes: a CheckedStep (gdn_server._wire) where they are a valid bf16
+    step, plain or speculative, else the protobuf message, for `decode_work` to check; protobuf's
+    DecodeError where they do not parse. The decode RPCs' request deserializer (`limits`:
+    `step_limits`)."""
+    step = _wire.parse_step(data, limits)
     return step if step is not None else gdn_pb2.DecodeRequest.FromString(data)
 
 
-def decode_work(request: PlainStep | gdn_pb2.DecodeRequest, shape: ModelShape, owner: str | None = None,
+def decode_work(request: CheckedStep | gdn_pb2.DecodeRequest, shape: ModelShape, owner: str | None = None,
                 owner_key: str | None = None, resolve: Resolve | None = None) -> DecodeWork:
     """The DecodeWork of a `parse_decode_request` result, owned by `owner` (its quota key
     `owner_key`), its tensor references resolved by `resolve` (None: the server takes none).
     Raises InvalidArgument with a precise reason (NotFound for an unknown region)."""
-    if type(request) is PlainStep:
+    if type(request) is CheckedStep:
         if request.by_reference:
-            return _plain_step_by_reference(request, shape, owner, owner_key, resolve)
+            return _step_by_reference(request, shape, owner, owner_key, resolve)
         return DecodeWork(
             request.layer, request.session_ids, positions=request.positions, request_id=request.request_id,
-            owner=owner, owner_key=owner_key, bf16_bytes=request.inputs, input_dims=request.dims,
-            digests=request.digests,
+            owner=owner, owner_key=owner_key, speculative=request.speculative, bf16_bytes=request.inputs,
+            input_dims=request.dims, digests=request.digests,
         )
     return decode_work_from_request(request, shape, owner=owner, owner_key=owner_key, resolve=resolve)
 
@@ -138,15 +139,15 @@ def decode_work_from_request(
     return _checked_work(common, raw, dtypes, dims)
 
 
-def _plain_step_by_reference(step: PlainStep, shape: ModelShape, owner: str | None, owner_key: str | None,
-                             resolve: Resolve | None) -> DecodeWork:
-    """The DecodeWork of a plain step (checked by the C parse) with inputs or o by reference."""
+def _step_by_reference(step: CheckedStep, shape: ModelShape, owner: str | None, owner_key: str | None,
+                       resolve: Resolve | None) -> DecodeWork:
+    """The DecodeWork of a step checked by the C parse with inputs or o by reference."""
     refs = [x if type(x) is tuple else None for x in step.inputs]
     inline = [b"" if ref is not None else x for x, ref in zip(step.inputs, refs)]
     raw, output = _resolved(inline, refs, step.o_ref, _ALL_BF16, step.dims, shape, resolve)
     common = dict(
         layer=step.layer, session_ids=step.session_ids, positions=step.positions, request_id=step.request_id,
-        speculative=False, owner=owner, owner_key=owner_key, output=output,
+        speculative=step.speculative, owner=owner, owner_key=owner_key, output=output,
     )
     return _checked_work(common, raw, _ALL_BF16, step.dims)
 

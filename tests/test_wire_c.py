@@ -1,10 +1,10 @@
 """gdn_server._wire, the decode RPCs' per-message wire work in C, against protobuf and the Python
 checks it stands in front of.
 
-- parse_plain_step takes a plain step from its wire bytes, checked: wherever it accepts bytes,
-  protobuf parses them and gdn_server.validation's checks give the same DecodeWork; every plain
-  step as protobuf serializes it is accepted. A fixed corpus, then fuzzed bytes (mutations of it,
-  derandomized: CI runs the same examples every time).
+- parse_step takes a bf16 step, plain or speculative, from its wire bytes, checked: wherever it
+  accepts bytes, protobuf parses them and gdn_server.validation's checks give the same DecodeWork
+  (its speculative flag too); every such step as protobuf serializes it is accepted. A fixed
+  corpus, then fuzzed bytes (mutations of it, derandomized: CI runs the same examples every time).
 - Tensors by reference (Tensor.ref, o_ref) are taken by the C parse too: resolved (here against a
   stand-in region), they give the DecodeWork protobuf and validation give.
 - checked_digests' digests equal the digest written out in Python below (its oracle), and its
@@ -37,7 +37,7 @@ SHAPE = ModelShape(num_layers=3, num_q_heads=2, num_v_heads=4, head_dim_k=8, hea
 LIMITS = step_limits(SHAPE)
 FUZZ = settings(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None,
                 max_examples=400)
-FIELDS = ("layer", "session_ids", "positions", "request_id", "bf16_bytes", "input_dims", "digests",
+FIELDS = ("layer", "session_ids", "positions", "request_id", "speculative", "bf16_bytes", "input_dims", "digests",
           "output")
 # a stand-in shared-memory region "r" of finite bf16 values, as the servicer's resolve would give it
 REGION = torch.randn(1 << 14, generator=torch.Generator().manual_seed(9)).bfloat16().view(torch.uint8).numpy().tobytes()
@@ -52,9 +52,9 @@ def resolve(region: str, offset: int, nbytes: int) -> memoryview:
 
 
 def plain(B=1, T=1, layer=1, positions=None, request_id="r-1", seed=0, ids=None, refs="",
-          o_ref=None) -> gdn_pb2.DecodeRequest:
-    """A plain step; the inputs named in `refs` by reference into region "r" (64 bytes apart),
-    o to `o_ref` (region, offset) if given."""
+          o_ref=None, speculative=False) -> gdn_pb2.DecodeRequest:
+    """A plain step (a draft where `speculative`); the inputs named in `refs` by reference into
+    region "r" (64 bytes apart), o to `o_ref` (region, offset) if given."""
     gen = torch.Generator().manual_seed(seed)
     inputs = random_inputs(B, T, SHAPE.num_q_heads, SHAPE.num_v_heads, SHAPE.head_dim_k, gen=gen, dtype=torch.bfloat16)
     req = decode_request(layer, ids or [f"s{i}" for i in range(B)], inputs, positions, request_id)
@@ -64,17 +64,18 @@ def plain(B=1, T=1, layer=1, positions=None, request_id="r-1", seed=0, ids=None,
         tensor.ref.region, tensor.ref.offset = "r", 64 * i
     if o_ref is not None:
         req.o_ref.region, req.o_ref.offset = o_ref
+    req.speculative = speculative
     return req
 
 
 def python_work(data: bytes):
     """What protobuf and the Python checks make of `data`: a DecodeWork's fields, or None where
-    protobuf or a check refuses it (or it is not a plain step)."""
+    protobuf or a check refuses it (or its inputs are not bf16)."""
     try:
         work = decode_work_from_request(gdn_pb2.DecodeRequest.FromString(data), SHAPE, resolve=resolve)
     except (DecodeError, GdnError):
         return None
-    if work.speculative or work.bf16_bytes is None:
+    if work.bf16_bytes is None:
         return None
     return _fields(work)
 
@@ -90,7 +91,7 @@ def _fields(work) -> tuple:
 def c_work(data: bytes):
     """What the C parse (and, for references, validation's resolution of them) makes of `data`:
     a DecodeWork's fields, or None where the C declines it or a reference does not resolve."""
-    step = _wire.parse_plain_step(data, LIMITS)
+    step = _wire.parse_step(data, LIMITS)
     if step is None:
         return None
     try:
@@ -104,8 +105,11 @@ def corpus() -> list[bytes]:
         plain(), plain(B=2, T=2, refs="qvb", o_ref=("r", 4096)), plain(B=3, T=2, layer=2, positions=[0, 5, 2**63 - 1]),
         plain(request_id=""), plain(T=4),
         plain(B=2, ids=["é-ü", "x" * 128], request_id="ü" * 256), plain(layer=0, positions=[7]),
+        plain(speculative=True), plain(B=2, T=8, positions=[3, 2**63 - 9], speculative=True),
+        plain(B=2, T=6, refs="kb", o_ref=("r", 4096), speculative=True),
         # what the C declines and Python refuses or takes the long way
-        plain(layer=3), plain(T=5), plain(B=2, ids=["a", "a"]), plain(ids=[""]), plain(ids=["x" * 129]),
+        plain(layer=3), plain(T=5), plain(T=8), plain(T=9, speculative=True),
+        plain(positions=[2**63 - 8], T=8, speculative=True), plain(B=2, ids=["a", "a"]), plain(ids=[""]), plain(ids=["x" * 129]),
         plain(request_id="r" * 257), plain(positions=[1, 2]), plain(positions=[2**63]),
         plain(refs="qkvab"), plain(o_ref=("r", 0)), plain(refs="k", o_ref=("r", 32)),  # o_ref overlaps k: refused
         plain(refs="a", o_ref=("elsewhere", 0)), plain(refs="v", o_ref=("r", 2**64 - 1)),
@@ -113,15 +117,17 @@ def corpus() -> list[bytes]:
     both = plain(refs="q")
     both.q.data = b"\0" * 32  # data and ref: the C declines, validation refuses
     reqs.append(both)
-    spec = plain()
-    spec.speculative = True
     f32 = plain()
     f32.q.dtype = gdn_pb2.F32
     nan = plain()
     nan.v.data = b"\x80\x7f" + nan.v.data[2:]
     missing = plain()
     missing.ClearField("b")
-    reqs += [spec, f32, nan, missing]
+    spec_f32 = plain(T=6, speculative=True)
+    spec_f32.a.dtype = gdn_pb2.F32
+    spec_nan = plain(T=6, speculative=True)
+    spec_nan.q.data = spec_nan.q.data[:-2] + b"\x80\xff"
+    reqs += [f32, nan, missing, spec_f32, spec_nan]
     return [r.SerializeToString() for r in reqs]
 
 
@@ -145,10 +151,10 @@ def test_big_inputs_are_checked_by_the_parse():
     rows = 64  # 64 x 16.5 KB of inputs
     inputs = random_inputs(rows, 1, 16, 32, 128, gen=gen, dtype=torch.bfloat16)
     data = decode_request(0, [f"s{i}" for i in range(rows)], inputs).SerializeToString()
-    assert type(_wire.parse_plain_step(data, step_limits(shape))) is _wire.PlainStep
+    assert type(_wire.parse_step(data, step_limits(shape))) is _wire.CheckedStep
     inputs["q"][5, 0, 3, 7] = float("nan")
     data = decode_request(0, [f"s{i}" for i in range(rows)], inputs).SerializeToString()
-    assert _wire.parse_plain_step(data, step_limits(shape)) is None  # validation names the input
+    assert _wire.parse_step(data, step_limits(shape)) is None  # validation names the input
 
 
 def test_other_encodings_go_to_protobuf():
@@ -156,13 +162,49 @@ def test_other_encodings_go_to_protobuf():
     unknown = data + b"\xa8\x06\x01"  # field 101, varint: protobuf keeps it, the C declines
     twice = data + gdn_pb2.DecodeRequest(layer=2).SerializeToString()  # layer again: the last wins
     for variant in (unknown, twice):
-        assert _wire.parse_plain_step(variant, LIMITS) is None
+        assert _wire.parse_step(variant, LIMITS) is None
         assert type(parse_decode_request(variant, LIMITS)) is gdn_pb2.DecodeRequest
-    assert type(parse_decode_request(data, LIMITS)) is _wire.PlainStep
+    assert type(parse_decode_request(data, LIMITS)) is _wire.CheckedStep
+
+
+@pytest.mark.parametrize("T", range(1, SHAPE.max_speculative_tokens + 2))
+def test_a_speculative_step_is_taken_up_to_max_speculative_tokens(T):
+    """A draft of T tokens: the C parse takes it while T <= max_speculative_tokens, flagged, as
+    protobuf and validation take it. The same tokens as a plain step: taken up to max_tokens;
+    beyond it the C declines and validation refuses them."""
+    for speculative in (True, False):
+        data = plain(B=2, T=T, positions=[0, 9], speculative=speculative).SerializeToString()
+        step = _wire.parse_step(data, LIMITS)
+        max_T = SHAPE.max_speculative_tokens if speculative else SHAPE.max_tokens_per_step
+        if T <= max_T:
+            assert type(step) is _wire.CheckedStep and step.speculative is speculative and step.dims[0][1] == T
+            assert decode_work(step, SHAPE).speculative is speculative
+            assert c_work(data) == python_work(data) is not None
+        else:
+            assert step is None
+            with pytest.raises(InvalidArgument, match=f"T = {T} tokens is out of range"):
+                decode_work_from_request(gdn_pb2.DecodeRequest.FromString(data), SHAPE)
+
+
+def test_speculative_is_taken_only_as_protobuf_writes_a_bool():
+    """speculative 0 and 1 (in any varint encoding of them) are taken; another value protobuf
+    reads as true, so the C leaves it to protobuf, which the Python checks then take as a draft."""
+    data = plain().SerializeToString()  # speculative False: proto3 leaves the field out
+    key = bytes([10 << 3])  # field 10 (speculative), varint
+    assert _wire.FIELDS["DecodeRequest"]["speculative"] == 10
+    for value, taken in ((b"\x00", False), (b"\x01", True), (b"\x81\x00", True), (b"\x80\x80\x00", False)):
+        step = _wire.parse_step(data + key + value, LIMITS)
+        assert step is not None and step.speculative is taken
+        assert c_work(data + key + value) == python_work(data + key + value)
+    for value in (b"\x02", b"\x80\x01", b"\xff\x01"):
+        assert _wire.parse_step(data + key + value, LIMITS) is None
+        request = parse_decode_request(data + key + value, LIMITS)
+        assert type(request) is gdn_pb2.DecodeRequest and request.speculative
+        assert decode_work(request, SHAPE).speculative
 
 
 def _mutations():
-    seeds = corpus()[:6]
+    seeds = corpus()[:10]  # the accepted steps, plain and speculative
     ops = st.sampled_from(["flip", "cut", "insert", "append", "repeat"])
     return st.tuples(st.sampled_from(seeds), ops, st.integers(0, 1 << 20), st.binary(min_size=1, max_size=12))
 
@@ -264,13 +306,19 @@ def test_the_c_constants_are_the_protos_and_validations():
     assert _wire.BF16 == gdn_pb2.BF16
     assert _wire.MAX_POSITION == validation.MAX_POSITION == 2**63 - 1
     assert (LIMITS.num_layers, LIMITS.num_q_heads, LIMITS.num_v_heads, LIMITS.head_dim_k, LIMITS.head_dim_v,
-            LIMITS.max_tokens) == (3, 2, 4, 8, 8, 4)
+            LIMITS.max_tokens, LIMITS.max_speculative_tokens) == (3, 2, 4, 8, 8, 4, 8)
     assert (LIMITS.max_session_id_len, LIMITS.max_request_id_len) == (limits.MAX_SESSION_ID_LEN,
                                                                       limits.MAX_REQUEST_ID_LEN)
     with pytest.raises(TypeError):
-        _wire.parse_plain_step(plain().SerializeToString(), tuple(range(1, 10)))  # no positional tuple
+        _wire.parse_step(plain().SerializeToString(), tuple(range(1, 10)))  # no positional tuple
     with pytest.raises(ValueError, match="max_tokens"):
         _wire.StepLimits(num_layers=1, num_q_heads=1, num_v_heads=1, head_dim_k=1, head_dim_v=1, max_tokens=0,
+                         max_speculative_tokens=1, max_session_id_len=1, max_request_id_len=1)
+    with pytest.raises(ValueError, match="max_speculative_tokens"):
+        _wire.StepLimits(num_layers=1, num_q_heads=1, num_v_heads=1, head_dim_k=1, head_dim_v=1, max_tokens=1,
+                         max_speculative_tokens=0, max_session_id_len=1, max_request_id_len=1)
+    with pytest.raises(TypeError):  # every limit named: none defaults
+        _wire.StepLimits(num_layers=1, num_q_heads=1, num_v_heads=1, head_dim_k=1, head_dim_v=1, max_tokens=1,
                          max_session_id_len=1, max_request_id_len=1)
 
 
@@ -318,11 +366,11 @@ def test_device_checks_find_nonfinite_inputs_and_digest_each_row_alone():
 
 def test_the_c_parse_takes_steps_by_reference():
     data = plain(B=2, T=2, refs="qvb", o_ref=("r", 4096)).SerializeToString()
-    step = _wire.parse_plain_step(data, LIMITS)
+    step = _wire.parse_step(data, LIMITS)
     assert step.by_reference and step.o_ref == ("r", 4096) and step.digests == ()
     assert [type(x) for x in step.inputs] == [tuple, memoryview, tuple, memoryview, tuple] and step.inputs[2] == ("r", 64)
     assert c_work(data) == python_work(data) is not None
-    inline = _wire.parse_plain_step(plain().SerializeToString(), LIMITS)
+    inline = _wire.parse_step(plain().SerializeToString(), LIMITS)
     assert not inline.by_reference and inline.o_ref is None
 
 
@@ -340,7 +388,7 @@ def test_the_c_nan_rule_is_the_checks_rule(bits):
         raw = [bytes(getattr(req, n).data) for n in "qkvab"]
         found = first_nonfinite(raw, gdn_pb2.BF16)
         assert (found is not None) == ((bits & 0x7F80) == 0x7F80)
-        assert (_wire.parse_plain_step(req.SerializeToString(), LIMITS) is None) == (found is not None)
+        assert (_wire.parse_step(req.SerializeToString(), LIMITS) is None) == (found is not None)
 
 
 def test_a_result_that_comes_encoded_is_sent_as_it_is():
