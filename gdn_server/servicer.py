@@ -47,14 +47,8 @@ log = logging.getLogger(__name__)
 
 def decode_response(result: DecodeResult, output: Any = None) -> bytes:
     """The serialized DecodeResponse of a step's result; with `output` (a request's o_ref, as a
-    view of its region), o is written there and the reply's o has its dtype and shape only. A
-    result that comes encoded (`reply`: encode_reply's bytes, made from the backend's output
-    buffer, with `out` the view of o inside it, _wire.reply_o_data) is sent as it is: one copy of
-    the output fewer than a copy kept for retries and a second one made here."""
+    view of its region), o is written there and the reply's o has its dtype and shape only."""
     if output is None:
-        reply = getattr(result, "reply", None)  # a DecodeResult without the slot: none
-        if reply is not None:
-            return reply
         return encode_reply(result.out, result.shape, result.positions, result.request_id)
     if type(output) is memoryview:
         output[:] = result.out

@@ -9,8 +9,7 @@ checks it stands in front of.
   stand-in region), they give the DecodeWork protobuf and validation give.
 - checked_digests' digests equal the digest written out in Python below (its oracle), and its
   NaN/Inf rule is gdn_client.proto.checks' for bf16, in a row of any input, at any size.
-- encode_reply gives what protobuf's SerializeToString gives, byte for byte; reply_o_data finds o's
-  bytes in it.
+- encode_reply gives what protobuf's SerializeToString gives, byte for byte.
 """
 from __future__ import annotations
 
@@ -285,15 +284,6 @@ def test_encode_reply_is_what_protobuf_serializes(out, shape, positions, request
     got = _wire.encode_reply(out, tuple(shape), tuple(positions), request_id)
     assert got == reply.SerializeToString()
     assert _wire.encode_reply(memoryview(out), tuple(shape), tuple(positions), request_id) == got
-    data = _wire.reply_o_data(got)  # o's bytes inside the reply, not a copy of them
-    assert data.readonly and data.obj is got and bytes(data) == out
-
-
-def test_reply_o_data_takes_only_encode_replys_bytes():
-    for other in (b"", b"\x12\x01\x05", gdn_pb2.DecodeResponse(request_id="r").SerializeToString(),
-                  _wire.encode_reply(b"ab", (1,), (), "")[:-1]):
-        with pytest.raises(ValueError):
-            _wire.reply_o_data(other)
 
 
 def test_the_c_constants_are_the_protos_and_validations():
@@ -391,20 +381,15 @@ def test_the_c_nan_rule_is_the_checks_rule(bits):
         assert (_wire.parse_step(req.SerializeToString(), LIMITS) is None) == (found is not None)
 
 
-def test_a_result_that_comes_encoded_is_sent_as_it_is():
-    """servicer.decode_response sends a result's `reply` (its output encoded where the output
-    buffer was read) as it is; one without it, or with an o_ref, is encoded there."""
-    from types import SimpleNamespace
-
+def test_a_reply_is_encoded_in_c_and_o_goes_to_its_region_where_asked():
+    """servicer.decode_response: encode_reply's bytes for a result; with an o_ref's region, o is
+    written there and the reply carries o's dtype and shape only."""
     from gdn_server.servicer import decode_response
     from gdn_server.work import DecodeResult
 
     shape, positions = (1, 1, 1, 2), (3,)
-    reply = _wire.encode_reply(b"abcd", shape, positions, "r")
-    encoded = SimpleNamespace(out=_wire.reply_o_data(reply), shape=shape, positions=positions, request_id="r",
-                              reply=reply)
-    assert decode_response(encoded) is reply
-    assert decode_response(DecodeResult(b"abcd", shape, positions, "r")) == reply
+    result = DecodeResult(b"abcd", shape, positions, "r")
+    assert decode_response(result) == _wire.encode_reply(b"abcd", shape, positions, "r")
     region = bytearray(4)
-    assert decode_response(encoded, memoryview(region)) == _wire.encode_reply(b"", shape, positions, "r")
+    assert decode_response(result, memoryview(region)) == _wire.encode_reply(b"", shape, positions, "r")
     assert region == b"abcd"
