@@ -72,7 +72,7 @@ class DecodeItem:
 class ControlItem:
     """A queued control operation. With no `session_id`, it runs between launches once nothing is
     in flight (it may touch the device). With one, it is bookkeeping of that session's records
-    only (Commit): it runs in order with the session's steps, once they are queued on the
+    only (Commit): it runs in order with the session's steps, once they have run on the
     device, and holds back no other session."""
 
     __slots__ = ("fn", "done", "session_id")

@@ -137,7 +137,8 @@ class Scheduler:
     def submit_control(self, fn: Callable[[], Any], done: Done, session_id: str | None = None) -> None:
         """Runs `fn()` between launches, once every earlier request has finished; with a
         `session_id`, `fn` changes only that session's records and runs once the session's
-        earlier requests are queued on the device (planner.ControlItem)."""
+        earlier requests have run on the device, whatever other sessions have in flight
+        (planner.ControlItem)."""
         self._enqueue(ControlItem(fn, done, session_id))
 
     async def control(self, fn: Callable[[], Any], session_id: str | None = None) -> Any:

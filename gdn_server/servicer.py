@@ -267,7 +267,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
 
     async def Commit(self, request, context):
         identity = current_identity()
-        # after the session's earlier steps (the speculative one included) are queued on the device:
+        # after the session's earlier steps (the speculative one included) have run on the device:
         # bookkeeping of the session's rings, so other clients' launches need not drain first
         shard = self.placement.shard_of(request.session_id)
         positions, layers = await shard.scheduler.control(
