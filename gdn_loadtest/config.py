@@ -79,6 +79,9 @@ class RunResult:
     verified: bool = False  # every output was checked against the reference math
     speculative: bool = False  # steps were drafts, each pass over the layers settled by Commit (LoadConfig)
     agreement: Agreement | None = None  # with verified: how close the outputs came to it
+    # speculative: each pass's Commit round trip (p50/p90/p99/mean/max ms, as latency_ms), apart
+    # from the step whose time includes it; None when no pass was committed
+    commit_ms: dict[str, float] | None = None
 
     def summary(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -1,9 +1,11 @@
 """The measured loop every run goes through: workers step until the budget is spent.
 
 A worker has open(), prepare() -> request bytes (not timed), send(request) -> reply bytes
-(timed), check(reply) (not timed; raises GdnError for an error reply), exchange() (all three)
-and close(). `drive` opens and warms every worker up with one step, then runs them all until the
-budget (a number of steps, or a deadline) is spent, and returns what it measured.
+(timed), check(reply) (not timed; raises GdnError for an error reply), exchange() (all three),
+close(), and commit_s: the round trip of the Commits the last send() made to settle a
+speculative pass, in seconds (None when it made none). `drive` opens and warms every worker up
+with one step, then runs them all until the budget (a number of steps, or a deadline) is spent,
+and returns what it measured.
 """
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ class ClientTally:
     latencies: list[float] = field(default_factory=list)  # seconds, one per step that succeeded
     errors: int = 0
     error_samples: list[str] = field(default_factory=list)
+    # seconds, one per speculative pass whose closing step succeeded: its Commits' round trip
+    commit_latencies: list[float] = field(default_factory=list)
 
     def error(self, msg: str) -> None:
         self.errors += 1
@@ -127,13 +131,14 @@ async def drive(
     tallies = [ClientTally() for _ in workers]
 
     async def loop(worker: Any, tally: ClientTally) -> None:
-        lat = tally.latencies
+        lat, commit_lat = tally.latencies, tally.commit_latencies
         while budget.take():
             request = worker.prepare()
             try:
                 t0 = time.perf_counter()
                 reply = await worker.send(request)
                 t1 = time.perf_counter()
+                commit_s = worker.commit_s
                 worker.check(reply)
             except GdnError as err:
                 tally.error(str(err))
@@ -141,6 +146,8 @@ async def drive(
                     return  # the connection is gone; stop this client
                 continue
             lat.append(t1 - t0)
+            if commit_s is not None:  # counted with its step, so both describe the same steps
+                commit_lat.append(commit_s)
 
     if progress is None:
         progress = ProgressBar(cfg, label)
@@ -169,17 +176,15 @@ def run_result(kind: str, cfg: LoadConfig, layers: int, measured: Measured, requ
     """A run's figures from what `drive` (or the load processes together) measured."""
     tallies, elapsed = measured.tallies, measured.elapsed_s
     lat_ms = np.array([x for t in tallies for x in t.latencies], dtype=np.float64) * 1e3
+    commit_ms = np.array([x for t in tallies for x in t.commit_latencies], dtype=np.float64) * 1e3
     steps = int(lat_ms.size)
-    pct = {}
-    if steps:
-        p50, p90, p99 = np.percentile(lat_ms, [50, 90, 99])
-        pct = {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(lat_ms.mean()),
-               "max": float(lat_ms.max())}
+    pct = _percentiles(lat_ms) if steps else {}
     rate = steps / elapsed if elapsed > 0 else 0.0
     return RunResult(
         kind=kind, mode=cfg.mode, clients=cfg.clients, batch=cfg.batch, tokens=cfg.tokens,
         layers_per_token=layers, steps=steps, errors=sum(t.errors for t in tallies), elapsed_s=elapsed,
         steps_per_s=rate, token_layers_per_s=rate * cfg.batch * cfg.tokens, latency_ms=pct,
+        commit_ms=_percentiles(commit_ms) if commit_ms.size else None,
         request_bytes=request_bytes, reply_bytes=reply_bytes, server=server,
         error_samples=[s for t in tallies for s in t.error_samples][:5], latencies_ms=lat_ms.tolist(),
         host_cpu=measured.host_cpu, shared_connection=cfg.shared_connection,
@@ -187,3 +192,9 @@ def run_result(kind: str, cfg: LoadConfig, layers: int, measured: Measured, requ
         verified=cfg.verify and kind == "gdn", agreement=measured.agreement,
         speculative=cfg.speculative and kind == "gdn",
     )
+
+
+def _percentiles(ms: np.ndarray) -> dict[str, float]:
+    """p50/p90/p99/mean/max of a non-empty array of milliseconds."""
+    p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(ms.mean()), "max": float(ms.max())}

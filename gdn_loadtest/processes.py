@@ -7,7 +7,7 @@ spec line on stdin, opens and warms up its clients, prints "ready" and waits; th
 the server's stats once every child is ready and sends "go" to all, so their measured windows
 coincide. Children print "progress <steps>" as they run and one "result <json>" line at the end
 (or "error <json>"); the parent sums their steps over the longest child's time and pools their
-latencies.
+latencies (steps' and Commits').
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import logging
 import subprocess
 import sys
 import time
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import grpc
 import numpy as np
@@ -103,8 +103,9 @@ async def spread(
                 await child.wait()
     tallies = []
     for r in results:
-        latencies = np.frombuffer(base64.b64decode(r["latencies"]), dtype=np.float64).tolist()
-        tallies.append(ClientTally(latencies, r["errors"], r["error_samples"]))
+        # a child_command's child that commits nothing may leave commit_latencies out
+        tallies.append(ClientTally(_decode(r["latencies"]), r["errors"], r["error_samples"],
+                                   _decode(r.get("commit_latencies", ""))))
     cpu_s = own_cpu_s + sum(r["cpu_s"] for r in results)
     agreement = Agreement.merge(Agreement(**r["agreement"]) if r.get("agreement") else None for r in results)
     return Measured(tallies, max(r["elapsed"] for r in results), host, cpu_s, agreement), results[0]["sizes"]
@@ -183,17 +184,26 @@ async def _child(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
     w0 = workers[0]
-    latencies = np.array([x for t in measured.tallies for x in t.latencies], dtype=np.float64)
     agreement = Agreement.merge(w.verifier.agreement() for w in workers if spec["kind"] == "gdn" and w.verifier is not None)
     return {
         "elapsed": measured.elapsed_s, "cpu_s": measured.cpu_s,
-        "latencies": base64.b64encode(latencies.tobytes()).decode(),
+        "latencies": _encode(x for t in measured.tallies for x in t.latencies),
+        "commit_latencies": _encode(x for t in measured.tallies for x in t.commit_latencies),
         "errors": sum(t.errors for t in measured.tallies),
         "error_samples": [m for t in measured.tallies for m in t.error_samples][:5],
         # what a gdn step measured (its sizes are the echo's inputs; the echo's own are known)
         "sizes": [w0.layers, w0.request_bytes, w0.reply_bytes] if spec["kind"] == "gdn" else None,
         "agreement": None if agreement is None else dataclasses.asdict(agreement),
     }
+
+
+def _encode(seconds: Iterable[float]) -> str:
+    """Samples (seconds) for the result line: float64 bytes in base64, exact and shorter than JSON's numbers."""
+    return base64.b64encode(np.fromiter(seconds, dtype=np.float64).tobytes()).decode()
+
+
+def _decode(text: str) -> list[float]:
+    return np.frombuffer(base64.b64decode(text), dtype=np.float64).tolist()
 
 
 def child_main(child: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] = _child) -> int:

@@ -15,18 +15,22 @@ __all__ = ["format_table", "pct_of_echo", "pct_of_echo_by_point", "write_plots"]
 
 def format_table(results: Sequence[RunResult]) -> str:
     """A plain-text table, one row per run; each of our rows carries its throughput as % of the
-    echo run that followed it (the echo rows leave that column empty)."""
+    echo run that followed it (the echo rows leave that column empty). With speculative runs, the
+    Commit round trip's p50 and p99 follow the step latency's (a pass's last step includes it)."""
+    commits = any(r.speculative for r in results)
     header = ["kind", "mode", "clients", "B", "T", "steps", "steps/s", "tok*layers/s",
-              "p50 ms", "p90 ms", "p99 ms", "errors", "rows/launch", "% of echo"]
+              "p50 ms", "p90 ms", "p99 ms", *(["commit p50 ms", "commit p99 ms"] if commits else []),
+              "errors", "rows/launch", "% of echo"]
     shares = pct_of_echo(results)
     rows = []
     for r in results:
-        lat = r.latency_ms
+        lat, commit = r.latency_ms, r.commit_ms or {}
         share = shares.get((r.mode, r.clients, r.round)) if r.kind == "gdn" else None
         rows.append([
             r.kind, r.mode, str(r.clients), str(r.batch), str(r.tokens), str(r.steps),
             f"{r.steps_per_s:,.1f}", f"{r.token_layers_per_s:,.1f}",
             *(f"{lat[p]:.3f}" if p in lat else "-" for p in ("p50", "p90", "p99")),
+            *(f"{commit[p]:.3f}" if p in commit else "-" for p in (("p50", "p99") if commits else ())),
             str(r.errors), f"{r.server['mean_rows_per_launch']:.2f}" if r.server else "-",
             "" if share is None else f"{share:.1f}%",
         ])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any, Sequence
 
 import grpc
@@ -89,7 +90,8 @@ class GdnWorker:
     With ``cfg.speculative`` every step is a draft of T tokens, and the step at the last layer
     also settles the pass: one Commit per session, all with the same number of accepted tokens,
     drawn uniformly from 0..T, in flight together. Those Commits are part of that step's time;
-    the positions then are the ones the Commit replies name.
+    their round trip is also kept on its own (`commit_s`), since inside the step's latency it
+    cannot be told apart from the step. The positions then are the ones the Commit replies name.
 
     The inputs are drawn and encoded before timing: each of INPUT_SETS sets is serialized once
     (session ids and tensors), and a step sends the bytes of its small header fields (layer,
@@ -127,6 +129,7 @@ class GdnWorker:
         self.accepts = torch.Generator().manual_seed(cfg.seed * 100_003 + index + 1)  # accepted tokens per pass
         self.accepted = 0  # this pass's accepted tokens (speculative)
         self.committed: list[int] | None = None  # positions after the last pass's Commit
+        self.commit_s: float | None = None  # the last send's Commit round trip (seconds), if it settled a pass
         # requests go out as bytes we encoded, replies come in as bytes (as the echo client's do):
         # check() parses them after the latency is taken
         self.decode = self.channel.unary_unary(_DECODE)
@@ -163,19 +166,23 @@ class GdnWorker:
         return wire
 
     async def send(self, request: bytes) -> bytes:
+        self.commit_s = None
         reply = await _round_trip(self.call, self.decode, request, self.cfg.timeout, "DecodeStream")
         if self.cfg.speculative and self.layer == self.layers - 1:
             self.committed = await self.commit(self.accepted)
         return reply
 
     async def commit(self, accepted: int) -> list[int]:
-        """Commits `accepted` tokens of every session's open drafts; the positions after it."""
+        """Commits `accepted` tokens of every session's open drafts; the positions after it. The
+        time from issuing the first Commit to the last reply goes to `commit_s`."""
+        t0 = time.perf_counter()
         calls = [self.stub.Commit(gdn_pb2.CommitRequest(session_id=sid, accepted=accepted), timeout=self.cfg.timeout)
                  for sid in self.session_ids]
         try:
             replies = await asyncio.gather(*calls)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
+        self.commit_s = time.perf_counter() - t0
         return list(replies[0].positions)[: self.layers]
 
     def check(self, reply: bytes) -> None:
@@ -234,6 +241,8 @@ def _request_body(session_ids: Sequence[str], inputs: Sequence[torch.Tensor]) ->
 
 class EchoWorker:
     """One client of the echo server, with a gdn step's message sizes."""
+
+    commit_s: float | None = None  # an echo step settles no pass
 
     def __init__(self, cfg: LoadConfig, address: str, request_bytes: int, reply_bytes: int) -> None:
         self.cfg = cfg

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from gdn_client import GdnError, ModelInfo
-from gdn_loadtest import cli, drive, echo, verify
+from gdn_loadtest import cli, drive, echo, processes, verify
 from gdn_loadtest.config import LoadConfig, RunResult
 from gdn_loadtest.run import run_echo
 from reference import gdn_reference_step
@@ -52,6 +52,7 @@ def test_stream_with_echo_json_and_plots(small_server, tmp_path, capsys):
     gdn = [r for r in runs if r["kind"] == "gdn"]
     echo_runs = [r for r in runs if r["kind"] == "echo"]
     assert [r["clients"] for r in gdn] == [1, 3] and [r["clients"] for r in echo_runs] == [1, 3]
+    assert all(r["commit_ms"] is None for r in runs)  # plain steps commit nothing
     for r in gdn:
         assert r["steps"] == 60 and r["errors"] == 0 and r["layers_per_token"] == 3 and not r["verified"]
         assert r["steps_per_s"] > 0 and r["token_layers_per_s"] == pytest.approx(r["steps_per_s"] * 4)
@@ -208,18 +209,86 @@ def test_unary_console_script(small_server, tmp_path):
     assert run["layers_per_token"] == 2 and run["server"]["requests"] == 30
 
 
-def test_speculative_drafts_commit_each_pass_and_follow_the_committed_positions(small_server, tmp_path):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_speculative_drafts_commit_each_pass_and_follow_the_committed_positions(small_server, tmp_path, capsys,
+                                                                                processes):
     """Drafts of T = 3 through 2 layers, a Commit of a random 0..3 tokens per pass: every step is
-    applied (a position the server does not hold would be FAILED_PRECONDITION), pass after pass."""
+    applied (a position the server does not hold would be FAILED_PRECONDITION), pass after pass.
+    The Commits' round trip is reported on its own, in the JSON and the table, from one load
+    process or pooled over two."""
     out = tmp_path / "spec.json"
     rc = cli.main(["--target", small_server.address, "--clients", "2", "--batch", "2", "--tokens", "3",
                    "--speculative", "--layers-per-token", "2", "--requests", "24", "--no-progress",
-                   "--json", str(out)])
+                   "--processes", str(processes), "--json", str(out)])
     assert rc == 0
     (run,) = _runs(out)
     assert run["speculative"] and run["steps"] == 24 and run["errors"] == 0 and run["error_samples"] == []
+    commit = run["commit_ms"]
+    assert 0 < commit["p50"] <= commit["p90"] <= commit["p99"] <= commit["max"]
+    assert 0 < commit["mean"] <= commit["max"]
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.split()[:2] == ["kind", "mode"])
+    assert "p99 ms  commit p50 ms  commit p99 ms  errors" in header
+    (row,) = _table_rows("\n".join(lines))
+    assert row[11:13] == [f"{commit['p50']:.3f}", f"{commit['p99']:.3f}"]
     assert "--verify follows plain steps only" in cli._argument_problem(
         cli.build_parser().parse_args(["--speculative", "--verify"]))
+
+
+class _CommittingWorker:
+    """A worker whose every step settles a pass: step n's Commits took n ms; step 3's reply is wrong."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.commit_s: float | None = None
+
+    async def open(self) -> None:
+        pass
+
+    def prepare(self) -> bytes:
+        return b""
+
+    async def send(self, request: bytes) -> bytes:
+        self.n += 1
+        self.commit_s = self.n * 1e-3
+        return b"wrong" if self.n == 3 else b"ok"
+
+    def check(self, reply: bytes) -> None:
+        if reply == b"wrong":
+            raise GdnError("a wrong reply")
+
+    async def exchange(self) -> None:
+        self.check(await self.send(self.prepare()))
+
+    async def close(self) -> None:
+        pass
+
+
+class _Quiet:
+    def show(self, steps: int, elapsed: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_commit_round_trips_count_with_their_steps_and_travel_exactly():
+    """A Commit's time counts as its step's latency does: not the warm-up step's, not a failed
+    step's; the run's commit_ms are the pooled samples' percentiles, None where nothing was
+    committed; and the samples cross from a load process to the parent bit for bit."""
+    cfg = LoadConfig(target="", clients=1, requests=5, progress=False, speculative=True)
+    measured = asyncio.run(drive.drive([_CommittingWorker()], cfg, "gdn", progress=_Quiet()))
+    (tally,) = measured.tallies
+    assert tally.commit_latencies == pytest.approx([2e-3, 4e-3, 5e-3, 6e-3]) and tally.errors == 1
+    assert len(tally.latencies) == 4
+    result = drive.run_result("gdn", cfg, 1, measured, 0, 0)
+    assert result.commit_ms == pytest.approx({"p50": 4.5, "p90": 5.7, "p99": 5.97, "mean": 4.25, "max": 6.0})
+    assert "commit_ms" in result.summary() and "commit_latencies" not in result.summary()
+    plain = drive.Measured([drive.ClientTally([1e-3])], 1.0, None, 0.0)
+    assert drive.run_result("gdn", dataclasses.replace(cfg, speculative=False), 1, plain, 0, 0).commit_ms is None
+    samples = [1e-3 / 3, 0.1, 2.5e-7]
+    assert processes._decode(processes._encode(iter(samples))) == samples
+    assert processes._decode(processes._encode([])) == []
 
 
 def test_too_many_sessions_is_refused_before_any_run(small_server, capsys):
