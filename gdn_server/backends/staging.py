@@ -2,9 +2,10 @@
 work that fills it (the inputs come checked for NaN/Inf from validation).
 
 The layout (`make_layout`): q, k, v, a, b as bf16 [rows, T, ...], then the int32 slots (pool
-rows, read and written), layers and hist (each row's committed ring entries P) [rows], each entry at a multiple of ALIGN bytes. The CUDA backend fills a pinned
-buffer with this and copies it to the device in one transfer (or lets the kernel read it in
-place). Nothing here needs a GPU, so the tests check the layout and the fill on any machine.
+rows, read and written), layers and hist (each row's committed ring entries P) [rows], each entry
+at a multiple of ALIGN bytes. The CUDA backend fills a pinned buffer with this and copies it to
+the device in one transfer (or lets the kernel read it in place). Nothing here needs a GPU, so
+the tests check the layout and the fill on any machine.
 """
 from __future__ import annotations
 
@@ -77,8 +78,8 @@ def fill(
     """Copies `batch` into a staging buffer laid out by `plan`: a memcpy per request and input for
     bf16 requests (their raw bytes; torch's parallel copy for inputs of PARALLEL_COPY_BYTES or
     more), a casting copy for the others, then the int32 index arrays. A plan with more rows than
-    the batch (a padded launch) gets padding rows after the batch's: slot and out_slot -1 (the
-    kernel reads and writes no state or ring for them), layer 0, P 0, inputs left as they are
+    the batch (a padded launch) gets padding rows after the batch's: slot -1 (the kernel reads
+    and writes no state or ring for them), layer 0, P 0, inputs left as they are
     (unread).
 
     `host_mem` and `host_bytes` are the buffer as a memoryview and a uint8 numpy array (slice
