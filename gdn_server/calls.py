@@ -34,7 +34,7 @@ from typing import Any, Callable
 import grpc
 
 from gdn_server.errors import DeadlineExceeded, GdnError, InvalidArgument, ResourceExhausted, Unauthenticated
-from gdn_server.security import bind_identity, peer_subject
+from gdn_server.security import bind_identity, client_key, peer_subject
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 SERVICE_PREFIX = "/gdn.v1.GdnDecode/"
@@ -240,8 +240,7 @@ class CallGate(grpc.aio.ServerInterceptor):
             bind_identity(identity)
             ticket = None
             if counted:
-                key = identity if identity is not None else f"peer {context.peer()}"
-                ticket = admission.admit(key, asyncio.current_task())
+                ticket = admission.admit(client_key(identity, context), asyncio.current_task())
             if not unary_request:
                 return ticket, _Requests(context)
             try:

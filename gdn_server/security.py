@@ -37,6 +37,13 @@ def bind_identity(identity: str | None) -> None:
     _identity.set(identity)
 
 
+def client_key(identity: str | None, context) -> str:
+    """Whom a call counts against (its calls held, sessions, shared-memory regions): its identity
+    where auth is on, else its peer (one per connection: a fairness bound between well-behaved
+    clients; auth is what bounds a hostile one)."""
+    return identity if identity is not None else f"peer {context.peer()}"
+
+
 @dataclass(frozen=True)
 class SecurityConfig:
     tls_cert: str | None = None  # PEM certificate chain of the server

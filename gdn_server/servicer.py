@@ -33,7 +33,7 @@ from gdn_server.limits import (
     MAX_CHUNKS_READ_AFTER_ERROR, MAX_HELD_REQUEST_BYTES, MAX_STREAM_HELD_BYTES, MAX_STREAM_IN_FLIGHT,
 )
 from gdn_server.placement import Placement, Shard
-from gdn_server.security import current_identity
+from gdn_server.security import client_key, current_identity
 from gdn_server.sessions import ProcessHomes
 from gdn_server.shared_memory import SharedMemoryRegistry
 from gdn_server.state_transfer import StateAssembler, encode_state
@@ -64,13 +64,6 @@ def serialize_reply(reply: bytes | gdn_pb2.DecodeResponse) -> bytes:
 
 def error_response(request_id: str, error: GdnError) -> gdn_pb2.DecodeResponse:
     return gdn_pb2.DecodeResponse(request_id=request_id, error_code=error.code.value[0], error_message=error.message)
-
-
-def quota_key(identity: str | None, context) -> str:
-    """Whose session quota a call draws on: its identity where auth is on,
-    else its peer (one per connection: a fairness bound between well-behaved clients; auth is
-    what bounds a hostile one)."""
-    return identity if identity is not None else f"peer {context.peer()}"
 
 
 class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
@@ -113,7 +106,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
 
     def _submit_decode(self, request: CheckedStep | gdn_pb2.DecodeRequest, identity: str | None, owner_key: str,
                        done: Callable[[Any], None], cancelled: Callable[[], bool]) -> tuple[int, Any]:
-        """Checks a request of the caller `identity` (`owner_key`: its quota_key, which also owns
+        """Checks a request of the caller `identity` (`owner_key`: its client_key, which also owns
         its shared-memory regions), counts its bytes as held (`_hold`) and queues it; `done` gets
         its DecodeResult or GdnError. Returns the bytes held, which the caller releases once the
         request is answered, and where its output goes (DecodeWork.output, for decode_response).
@@ -138,7 +131,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         nbytes = 0
         try:
             identity = current_identity()
-            nbytes, output = self._submit_decode(request, identity, quota_key(identity, context), settle(fut),
+            nbytes, output = self._submit_decode(request, identity, client_key(identity, context), settle(fut),
                                                  fut.cancelled)
             result = await fut
             code = grpc.StatusCode.OK
@@ -158,7 +151,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         # reader/writer API): an async generator would be resumed by grpc for every reply.
         stream = _ReplyStream(asyncio.get_running_loop())
         identity = current_identity()  # one caller per call: read once, not per message
-        owner_key = quota_key(identity, context)
+        owner_key = client_key(identity, context)
 
         async def read() -> None:
             try:
@@ -248,7 +241,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
     async def CreateSession(self, request, context):
         identity = current_identity()
         shard = self.placement.place(request.colocate_with or None, identity)
-        session = shard.sessions.create(owner=identity, quota_key=quota_key(identity, context))
+        session = shard.sessions.create(owner=identity, quota_key=client_key(identity, context))
         return gdn_pb2.CreateSessionResponse(session_id=session.id)
 
     async def CloseSession(self, request, context):
@@ -282,7 +275,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         shard = self.placement.shard_of(request.session_id)
         child = await shard.scheduler.control(
             lambda: fork_session(
-                shard.sessions, shard.backend, request.session_id, identity, quota_key(identity, context)
+                shard.sessions, shard.backend, request.session_id, identity, client_key(identity, context)
             ),
         )
         return gdn_pb2.CreateSessionResponse(session_id=child.id)
@@ -322,7 +315,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         shard = self.placement.place()
         session = await shard.scheduler.control(
             lambda: import_session(
-                shard.sessions, shard.backend, state, owner=identity, quota_key=quota_key(identity, context)
+                shard.sessions, shard.backend, state, owner=identity, quota_key=client_key(identity, context)
             ),
         )
         return gdn_pb2.CreateSessionResponse(session_id=session.id)
@@ -330,7 +323,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
     # -- shared memory (gdn_server.shared_memory) ----------------------------------------------
     async def RegisterSharedMemory(self, request, context):
         regions = self._regions()
-        owner = quota_key(current_identity(), context)
+        owner = client_key(current_identity(), context)
         kind = request.WhichOneof("region")
         if kind == "system":
             regions.register(owner, request.name, request.byte_size,
@@ -343,7 +336,7 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         return gdn_pb2.RegisterSharedMemoryResponse()
 
     async def UnregisterSharedMemory(self, request, context):
-        self._regions().unregister(quota_key(current_identity(), context), request.name)
+        self._regions().unregister(client_key(current_identity(), context), request.name)
         return gdn_pb2.UnregisterSharedMemoryResponse()
 
     def _regions(self) -> SharedMemoryRegistry:
