@@ -41,7 +41,13 @@
 
    encode_reply(out, shape, positions, request_id) -> bytes
        A DecodeResponse with o = the bf16 bytes `out` of `shape`, byte for byte what protobuf's
-       SerializeToString gives, with one copy of the output (a protobuf message takes two). */
+       SerializeToString gives, with one copy of the output (a protobuf message takes two).
+
+   reply_o_data(reply) -> memoryview
+       The bytes of o (its Tensor.data) inside a reply encode_reply made, as a read-only view of
+       it: where a step's output is kept once encoded (for retries and an o_ref's region),
+       instead of in a copy of its own beside the reply. ValueError for bytes encode_reply did
+       not make. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
@@ -652,6 +658,44 @@ done:
     return result;
 }
 
+static PyObject *reply_o_data(PyObject *self, PyObject *reply) {
+    if (!PyBytes_Check(reply)) {
+        PyErr_SetString(PyExc_TypeError, "reply_o_data(reply: bytes)");
+        return NULL;
+    }
+    const uint8_t *base = (const uint8_t *)PyBytes_AS_STRING(reply), *p = base, *end = p + PyBytes_GET_SIZE(reply);
+    const uint8_t *tensor, *data = NULL;
+    Py_ssize_t tensor_len, data_len = 0;
+    uint64_t key;
+    /* encode_reply writes o first, and in o: dtype, shape, then data (each left out when empty) */
+    if (read_varint(&p, end, &key) != 0 || key != (F_REPLY_O << 3 | WIRE_LEN) ||
+        read_len(&p, end, &tensor, &tensor_len) != 0)
+        goto bad;
+    for (const uint8_t *q = tensor, *q_end = tensor + tensor_len; q < q_end;) {
+        const uint8_t *start;
+        Py_ssize_t len;
+        uint64_t value;
+        if (read_varint(&q, q_end, &key) != 0) goto bad;
+        if (key == (F_TENSOR_DTYPE << 3 | WIRE_VARINT)) {
+            if (read_varint(&q, q_end, &value) != 0) goto bad;
+        } else if (key == (F_TENSOR_SHAPE << 3 | WIRE_LEN) || key == (F_TENSOR_DATA << 3 | WIRE_LEN)) {
+            if (read_len(&q, q_end, &start, &len) != 0) goto bad;
+            if (key == (F_TENSOR_DATA << 3 | WIRE_LEN)) data = start, data_len = len;
+        } else {
+            goto bad;
+        }
+    }
+    PyObject *view = PyMemoryView_FromObject(reply);
+    if (view == NULL) return NULL;
+    Py_ssize_t offset = data != NULL ? data - base : 0;
+    PyObject *slice = PySequence_GetSlice(view, offset, offset + data_len);
+    Py_DECREF(view);
+    return slice;
+bad:
+    PyErr_SetString(PyExc_ValueError, "reply_o_data: not a reply encode_reply made");
+    return NULL;
+}
+
 /* -- the module ------------------------------------------------------------------------------ */
 
 static PyMethodDef methods[] = {
@@ -662,6 +706,7 @@ static PyMethodDef methods[] = {
      "each session's inputs' CRC-32"},
     {"encode_reply", encode_reply, METH_VARARGS,
      "encode_reply(out, shape, positions, request_id) -> bytes: a serialized DecodeResponse"},
+    {"reply_o_data", reply_o_data, METH_O, "reply_o_data(reply) -> memoryview: o's bytes inside an encode_reply reply"},
     {NULL, NULL, 0, NULL},
 };
 

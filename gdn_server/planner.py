@@ -263,16 +263,18 @@ class Planner:
 
     def finish(self, launch: Launch, whole: bytes | memoryview) -> list[DecodeResult]:
         """The answers of a finished launch, one per member in order, from its output `whole`
-        (the backend's buffer: copied here, never kept); keeps each step's output for retries."""
+        (the backend's buffer, never kept: each member's rows are copied once, into its encoded
+        reply); keeps each step's output (its view in the reply) for retries."""
         batch = launch.batch
         row_bytes = len(whole) // batch.num_rows
         tokens, heads, head_dim = batch.tokens, self._heads, self._head_dim
         results = []
         for m in launch.members:
             rows = len(m.sessions)
-            data = bytes(whole[m.first_row * row_bytes : (m.first_row + rows) * row_bytes])
-            m.record.out = data  # what a retry of this step is answered from, for each of its sessions
-            results.append(DecodeResult(data, (rows, tokens, heads, head_dim), m.positions, m.item.work.request_id))
+            result = DecodeResult(whole[m.first_row * row_bytes : (m.first_row + rows) * row_bytes],
+                                  (rows, tokens, heads, head_dim), m.positions, m.item.work.request_id)
+            m.record.out = result.out  # what a retry of this step is answered from, for each of its sessions
+            results.append(result)
         return results
 
 

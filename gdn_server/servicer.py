@@ -46,10 +46,11 @@ log = logging.getLogger(__name__)
 
 
 def decode_response(result: DecodeResult, output: Any = None) -> bytes:
-    """The serialized DecodeResponse of a step's result; with `output` (a request's o_ref, as a
-    view of its region), o is written there and the reply's o has its dtype and shape only."""
+    """The serialized DecodeResponse of a step's result: its reply as encoded; with `output` (a
+    request's o_ref, as a view of its region), o is written there and the reply's o has its dtype
+    and shape only."""
     if output is None:
-        return encode_reply(result.out, result.shape, result.positions, result.request_id)
+        return result.reply
     if type(output) is memoryview:
         output[:] = result.out
     else:  # device memory: a CUDA uint8 tensor

@@ -45,11 +45,12 @@ class StepRecord:
 
     __slots__ = ("tokens", "rows", "speculative", "out")
 
-    def __init__(self, tokens: int, rows: int, speculative: bool = False, out: bytes | None = None) -> None:
+    def __init__(self, tokens: int, rows: int, speculative: bool = False,
+                 out: bytes | memoryview | None = None) -> None:
         self.tokens = tokens  # T of the step
         self.rows = rows  # rows of `out`
         self.speculative = speculative  # a draft: a retry must be one too
-        self.out = out  # the output bytes of those rows; None while the step runs
+        self.out = out  # the output bytes of those rows (a view in its reply); None while the step runs
 
 
 class LastStep:

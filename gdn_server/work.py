@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gdn_server._wire import encode_reply, reply_o_data
 
 INPUT_NAMES = ("q", "k", "v", "a", "b")
 
@@ -100,14 +101,20 @@ class DecodeWork:
 
 
 class DecodeResult:
-    """The answer to one DecodeWork: bf16 o [B, T, HV, V] as raw little-endian bytes. A plain
-    slotted class, not a frozen dataclass: one is made per answered request, and a frozen
-    dataclass's __init__ costs several times more. Not changed once made."""
+    """The answer to one DecodeWork: its DecodeResponse as sent (`reply`, encoded by
+    gdn_server._wire from the bf16 o [B, T, HV, V] given as raw little-endian bytes), and o's bytes
+    inside it (`out`, a read-only view of `reply`: what a retry is answered from and an o_ref's
+    region gets). The output is copied once, from the buffer it is given (a backend's, reused
+    later) into the reply; nothing else copies it. A plain slotted class, not a frozen
+    dataclass: one is made per answered request, and a frozen dataclass's __init__ costs several
+    times more. Not changed once made."""
 
-    __slots__ = ("out", "shape", "positions", "request_id")
+    __slots__ = ("reply", "out", "shape", "positions", "request_id")
 
-    def __init__(self, out: bytes, shape: tuple[int, ...], positions: tuple[int, ...], request_id: str = "") -> None:
-        self.out = out
+    def __init__(self, out: bytes | memoryview, shape: tuple[int, ...], positions: tuple[int, ...],
+                 request_id: str = "") -> None:
+        self.reply = encode_reply(out, shape, positions, request_id)
+        self.out = reply_o_data(self.reply)
         self.shape = shape
         self.positions = positions
         self.request_id = request_id

@@ -9,7 +9,8 @@ checks it stands in front of.
   stand-in region), they give the DecodeWork protobuf and validation give.
 - checked_digests' digests equal the digest written out in Python below (its oracle), and its
   NaN/Inf rule is gdn_client.proto.checks' for bf16, in a row of any input, at any size.
-- encode_reply gives what protobuf's SerializeToString gives, byte for byte.
+- encode_reply gives what protobuf's SerializeToString gives, byte for byte; reply_o_data finds o's
+  bytes in it.
 """
 from __future__ import annotations
 
@@ -284,6 +285,17 @@ def test_encode_reply_is_what_protobuf_serializes(out, shape, positions, request
     got = _wire.encode_reply(out, tuple(shape), tuple(positions), request_id)
     assert got == reply.SerializeToString()
     assert _wire.encode_reply(memoryview(out), tuple(shape), tuple(positions), request_id) == got
+    data = _wire.reply_o_data(got)  # o's bytes inside the reply, not a copy of them
+    assert data.readonly and data.obj is got and bytes(data) == out
+
+
+def test_reply_o_data_takes_only_encode_replys_bytes():
+    for other in (b"", b"\x12\x01\x05", gdn_pb2.DecodeResponse(request_id="r").SerializeToString(),
+                  _wire.encode_reply(b"ab", (1,), (), "")[:-1]):
+        with pytest.raises(ValueError):
+            _wire.reply_o_data(other)
+    with pytest.raises(TypeError):
+        _wire.reply_o_data(bytearray(_wire.encode_reply(b"ab", (1,), (), "")))
 
 
 def test_the_c_constants_are_the_protos_and_validations():
@@ -381,15 +393,20 @@ def test_the_c_nan_rule_is_the_checks_rule(bits):
         assert (_wire.parse_step(req.SerializeToString(), LIMITS) is None) == (found is not None)
 
 
-def test_a_reply_is_encoded_in_c_and_o_goes_to_its_region_where_asked():
-    """servicer.decode_response: encode_reply's bytes for a result; with an o_ref's region, o is
-    written there and the reply carries o's dtype and shape only."""
+def test_a_reply_is_encoded_once_and_o_goes_to_its_region_where_asked():
+    """A DecodeResult is its reply as encode_reply makes it, with o as a view into it (the one
+    copy of the output); servicer.decode_response sends that reply as it is, and with an o_ref's
+    region writes o there and sends a reply that carries o's dtype and shape only."""
     from gdn_server.servicer import decode_response
     from gdn_server.work import DecodeResult
 
     shape, positions = (1, 1, 1, 2), (3,)
-    result = DecodeResult(b"abcd", shape, positions, "r")
-    assert decode_response(result) == _wire.encode_reply(b"abcd", shape, positions, "r")
+    buffer = bytearray(b"abcd")  # a backend's output buffer, reused once the result is made
+    result = DecodeResult(memoryview(buffer), shape, positions, "r")
+    buffer[:] = b"wxyz"
+    assert result.reply == _wire.encode_reply(b"abcd", shape, positions, "r")
+    assert result.out.obj is result.reply and bytes(result.out) == b"abcd"
+    assert decode_response(result) is result.reply
     region = bytearray(4)
     assert decode_response(result, memoryview(region)) == _wire.encode_reply(b"", shape, positions, "r")
     assert region == b"abcd"
