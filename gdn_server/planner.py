@@ -209,13 +209,16 @@ class Planner:
         the last step answered from its kept output. NotReady: that output is not there yet."""
         work = item.work
         try:
-            sessions = list(map(self.sessions.get, work.session_ids))
+            sessions = self.sessions.get_all(work.session_ids)
+            owner = work.owner
             for s in sessions:
-                if s.owner != work.owner:
-                    s.check_owner(work.owner)  # raises
+                if s.owner != owner:
+                    s.check_owner(owner)  # raises
             if work.positions is None:
                 return sessions
             layer = work.layer
+            if tuple([s.positions[layer] for s in sessions]) == work.positions:
+                return sessions  # every session's next step: no retry to look for
             retries = 0
             for index, (s, pos) in enumerate(zip(sessions, work.positions)):
                 count = s.positions[layer]
@@ -279,18 +282,13 @@ class Planner:
 
 
 def launched(launch: Launch, now: float, table: SessionTable) -> None:
-    """`launch` is queued on the device: each session's record moves (`SessionTable.step_queued`),
+    """`launch` is queued on the device: each session's record moves (`SessionTable.steps_queued`),
     so later requests see the new positions, drafts and P."""
     tokens = launch.batch.tokens
     for m in launch.members:
         work = m.item.work
-        layer = work.layer
         m.record = record = StepRecord(tokens, len(m.sessions), work.speculative)
-        digests = work.digests
-        m.positions = tuple(
-            table.step_queued(s, layer, record, row, digests[row] if digests else None, now, hist)
-            for row, (s, hist) in enumerate(zip(m.sessions, m.hist))
-        )
+        m.positions = table.steps_queued(m.sessions, work.layer, record, work.digests, now, m.hist)
 
 
 def roll_back(member: Admitted, table: SessionTable) -> None:

@@ -113,7 +113,7 @@ class Session:
 
     def launch_hist(self, layer: int) -> int:
         """The ring entries a next step at `layer` reads as committed: P, and an open draft's
-        tokens (a next step accepts it whole: `SessionTable.step_queued`)."""
+        tokens (a next step accepts it whole: `SessionTable.steps_queued`)."""
         draft = self.drafts.get(layer) if self.drafts else None
         return self.hist[layer] if draft is None else draft.base + draft.tokens
 
@@ -232,6 +232,15 @@ class SessionTable:
             raise self._not_found(session_id)
         return session
 
+    def get_all(self, session_ids: tuple[str, ...]) -> list[Session]:
+        """The sessions of `session_ids`, in order (`get` of each, in one pass)."""
+        try:
+            return list(map(self._by_id.__getitem__, session_ids))
+        except KeyError:
+            for sid in session_ids:
+                self.get(sid)  # raises for the first one unknown
+            raise
+
     def _not_found(self, session_id: str) -> NotFound | WrongProcess:
         if self.homes is not None:
             elsewhere = self.homes.elsewhere(session_id)
@@ -262,30 +271,38 @@ class SessionTable:
         return session
 
     # -- a session's record changes as its steps are queued, fail or are settled ----------------
-    def step_queued(
-        self, session: Session, layer: int, record: StepRecord, row: int, digest: int | None, now: float, hist: int,
-    ) -> int:
-        """A step of `session` at `layer` (row `row` of `record`), launched with `hist` committed
-        ring entries (`Session.launch_hist`), is queued on the device: an open draft at the layer
-        is accepted whole, the position moves by the step's tokens, the step becomes the one a
-        retry is answered from; a plain step leaves the ring folded (P = 0), a draft
+    def steps_queued(
+        self, sessions: list[Session], layer: int, record: StepRecord, digests: tuple[int, ...], now: float,
+        hists: list[int],
+    ) -> tuple[int, ...]:
+        """A step of `sessions` at `layer` (session i is row i of `record`, its inputs digested as
+        digests[i], where given), launched with hists[i] committed ring entries
+        (`Session.launch_hist`), is queued on the device: for each session an open draft at the
+        layer is accepted whole, the position moves by the step's tokens, the step becomes the one
+        a retry is answered from; a plain step leaves the ring folded (P = 0), a draft
         (`record.speculative`) is open until Commit, its entries after folded_base(hist, T).
-        Returns the new position."""
-        before = session.positions[layer]
-        after = session.positions[layer] = before + record.tokens
-        session.last_steps[layer] = LastStep(before, record, row, digest)
-        session.last_used = now
-        if record.speculative:
-            base = folded_base(hist, record.tokens)
-            session.drafts[layer] = Draft(base, record.tokens, before)
-            session.hist[layer] = base
-        else:
-            session.drafts.pop(layer, None)
-            session.hist[layer] = 0
-        return after
+        Returns the new positions. One call per request: a B = 256 request's sessions in one loop."""
+        tokens, speculative = record.tokens, record.speculative
+        after = []
+        for row, (session, hist) in enumerate(zip(sessions, hists)):
+            positions = session.positions
+            before = positions[layer]
+            positions[layer] = before + tokens
+            after.append(before + tokens)
+            session.last_steps[layer] = LastStep(before, record, row, digests[row] if digests else None)
+            session.last_used = now
+            if speculative:
+                base = folded_base(hist, tokens)
+                session.drafts[layer] = Draft(base, tokens, before)
+                session.hist[layer] = base
+            else:
+                if session.drafts:
+                    session.drafts.pop(layer, None)
+                session.hist[layer] = 0
+        return tuple(after)
 
     def step_failed(self, session: Session, layer: int, record: StepRecord, hist: int) -> None:
-        """Undoes `step_queued` for a step whose launch failed after it was queued: position, last
+        """Undoes `steps_queued` for a step whose launch failed after it was queued: position, last
         step and its draft; P is what the step was launched with (an open draft it accepted stays
         accepted: an earlier launch wrote its entries)."""
         last = session.last_steps.get(layer)
