@@ -35,6 +35,13 @@ reader and writer of a row's ring keys in one CTA is what lets a verify fold a f
 reuse its slots in the same launch: the ring is read into shared memory before one barrier and
 written after it.
 
+Memory. A CTA waits for memory once: as it starts it loads its first head's state into
+registers and copies every head's values and ring corrections into shared memory with cp.async
+(no registers held while in flight); a long verify (T >= PREFETCH_FROM_T) also asks L2 for its
+later heads' states. Outputs and ring entries leave through a warp's own shared tile as whole
+32-byte sectors (2-byte stores would write sectors partly, which the memory system pays for as
+read-modify-writes and extra L2 traffic).
+
 Tensor cores (mma.sync m16n8k16, fp32 accumulate) do the products:
 - S0 [k_1..k_T, q_1..q_T]: A = 16 state rows, B = the raw bf16 tokens (exact inputs), 16 MMAs
   per warp and head; the 1/|k|, scale/|q| and e^{G} factors scale the fp32 results.
@@ -68,6 +75,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32
 from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T as _ir
 
 RING = 16  # entries per (pool row, head): one k16 step of the products
@@ -77,6 +85,10 @@ THREADS = 32 * WARPS
 MAX_T = 8  # the step's tokens are one n8 tile
 EPS = 1e-6
 PADDED = HEAD_DIM + 32  # bf16 row stride of the shared key tables
+# A verify of this many tokens or more asks L2 for its later value heads' states when it starts:
+# its prologue (Grams, solves) is long enough to hide the prefetch, a shorter one's is not and
+# the extra traffic in flight slows it (bench/DECISIONS.md, kernel entry 4)
+PREFETCH_FROM_T = 5
 # Two CTAs per SM (registers capped at 128): one CTA's barriers and tables overlap the other's
 # state loads. The carveout stays the driver's default (-1); naming it keeps the compile from
 # asking a GPU for its shared memory size, so the kernels also compile where there is none.
@@ -255,19 +267,96 @@ def _log_gates(a_raw, b_raw, neg_a: Float32, dt_bias: Float32, sp_beta: Float32,
     return neg_a * softplus, beta
 
 
+def _prefetch_l2(t: cute.Tensor, nbytes: int) -> None:
+    """Ask L2 for the `nbytes` contiguous bytes at `t` (one bulk prefetch: no registers or shared
+    memory held, nothing to wait for)."""
+    llvm.inline_asm(None, [t.iterator.toint().ir_value(), Int32(nbytes).ir_value()],
+                    "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def _async_copy_atom():
+    """16-byte global -> shared copies that hold no registers while in flight (cp.async)."""
+    return cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Int32, num_bits_per_copy=128)
+
+
 @cute.jit
-def _load_ring_u(u32: cute.Tensor, P, row0, c, rU: cute.Tensor):
-    """The rows' corrections of entries 4c..4c+3 (rU[p, r] = entries 4c + 2p, +1 of row r),
-    entries >= P zeroed (a stale slot must not meet a zero weight as inf * 0)."""
-    rU.fill(0)
-    if P > 0:
+def _stage_values(atom, v32: cute.Tensor, sV32: cute.Tensor, head0, group: int, T: int, tidx):
+    """cp.async of the step's values of the CTA's heads (v32 [T, HV, 64] Int32 of one batch row)
+    into sV32 [group, T, 64]: one 16-byte chunk per thread per pass."""
+    n = group * T * 16
+    for it in cutlass.range_constexpr((n + THREADS - 1) // THREADS):
+        idx = tidx + it * THREADS
+        if idx < n:
+            h = idx // (T * 16)
+            t = (idx // 16) % T
+            ch = idx % 16
+            cute.copy(atom, cute.flat_divide(v32[t, head0 + h, None], (4,))[None, ch],
+                      cute.flat_divide(sV32[h, t, None], (4,))[None, ch])
+
+
+@cute.jit
+def _stage_ring_u(atom, u32: cute.Tensor, sU: cute.Tensor, head0, group: int, tidx):
+    """cp.async of the ring corrections of the CTA's heads (u32 [HV, V, 8] Int32 of one pool row)
+    into sU [group, V, 8]: one 16-byte chunk (half a row) per thread per pass."""
+    n = group * HEAD_DIM * 2
+    for it in cutlass.range_constexpr((n + THREADS - 1) // THREADS):
+        idx = tidx + it * THREADS
+        if idx < n:
+            h = idx // (HEAD_DIM * 2)
+            row = (idx // 2) % HEAD_DIM
+            ch = idx % 2
+            cute.copy(atom, cute.flat_divide(u32[head0 + h, row, None], (4,))[None, ch],
+                      cute.flat_divide(sU[h, row, None], (4,))[None, ch])
+
+
+@cute.jit
+def _ring_u_regs(sU: cute.Tensor, P, row0, c, rU: cute.Tensor):
+    """The rows' corrections of entries 4c..4c+3 from the head's staged ring (sU [V, 8] Int32 fp16
+    pairs; rU[p, r] = entries 4c + 2p, +1 of row r), entries >= P zeroed (a stale slot must not
+    meet a zero weight as inf * 0; unstaged shared memory is never more than a select's input)."""
+    for p in cutlass.range_constexpr(2):
+        j = 4 * c + 2 * p
         for r in cutlass.range_constexpr(2):
-            cute.autovec_copy(cute.flat_divide(u32[row0 + 8 * r, None], (2,))[None, c], rU[None, r])
-        for p in cutlass.range_constexpr(2):
-            j = 4 * c + 2 * p
-            for r in cutlass.range_constexpr(2):
-                x = rU[p, r]
-                rU[p, r] = cutlass.select_(j + 1 < P, x, cutlass.select_(j < P, x & Int32(0xFFFF), Int32(0)))
+            x = sU[row0 + 8 * r, 2 * c + p]
+            rU[p, r] = cutlass.select_(j + 1 < P, x, cutlass.select_(j < P, x & Int32(0xFFFF), Int32(0)))
+
+
+@cute.jit
+def _store_outputs(o: list, sO32: cute.Tensor, mO32: cute.Tensor, b, head, warp, lane, g, c, T: int):
+    """This warp's outputs of one head (o[i]: row 16 warp + g + 8 (i // 2), token 2c + i % 2) as
+    whole 32-byte sectors, one per token: gathered in the warp's own shared tile sO32 [8 tokens,
+    8 bf16 pairs], then one 16-byte store per lane (2-byte stores to global memory would each
+    leave a sector partly written)."""
+    sO = cute.recast_tensor(sO32, BFloat16)
+    cute.arch.sync_warp()  # the previous head's copy-out has read the tile
+    for i in cutlass.range_constexpr(4):
+        t = 2 * c + i % 2
+        if t < T:
+            sO[t, g + 8 * (i // 2)] = o[i].to(BFloat16)
+    cute.arch.sync_warp()
+    if lane < 2 * T:
+        t = lane // 2
+        cute.autovec_copy(cute.flat_divide(sO32[t, None], (4,))[None, lane % 2],
+                          cute.flat_divide(mO32[b, t, head, None], (4,))[None, 2 * warp + lane % 2])
+
+
+@cute.jit
+def _store_ring_u(u: list, sU: cute.Tensor, gU32: cute.Tensor, peff, warp, lane, g, c, T: int):
+    """The step's corrections (u[i]: row 16 warp + g + 8 (i // 2), token 2c + i % 2, entry
+    peff + token) written into the head's staged ring rows (sU [V, 8] Int32 fp16 pairs, this warp's
+    16 rows its own), which then go out whole: 32 bytes a row, one 16-byte store per lane. Entries
+    past the new ones carry whatever sU held: nothing reads a ring past its P."""
+    sU16 = cute.recast_tensor(sU, Float16)
+    cute.arch.sync_warp()  # every lane has read its corrections from these rows
+    for i in cutlass.range_constexpr(4):
+        t = 2 * c + i % 2
+        if t < T:
+            sU16[16 * warp + g + 8 * (i // 2), peff + t] = u[i].to(Float16)
+    cute.arch.sync_warp()
+    row = 16 * warp + lane // 2
+    cute.autovec_copy(cute.flat_divide(sU[row, None], (4,))[None, lane % 2],
+                      cute.flat_divide(gU32[row, None], (4,))[None, lane % 2])
 
 
 @cute.jit
@@ -447,6 +536,10 @@ class RingVerifyKernel:
         sTM = smem.allocate_tensor(Int32, _row_major((group, 2, 2, 8, 4)), byte_alignment=16)  # [h, hi|lo, Tm|M2, t, j/2]
         sKw = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, RING // 2)), byte_alignment=16)
         sDec = smem.allocate_tensor(Float32, _row_major((group,)), byte_alignment=16)
+        sU = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, RING // 2)), byte_alignment=16)  # ring u, fp16 pairs
+        sV32 = smem.allocate_tensor(Int32, _row_major((group, T, HEAD_DIM // 2)), byte_alignment=16)  # v, bf16 pairs
+        sV = cute.recast_tensor(sV32, BFloat16)
+        sO32 = smem.allocate_tensor(Int32, _row_major((WARPS, 8, 8)), byte_alignment=16)  # per warp [token, bf16 pairs]
 
         fp32 = cfg.fp32
         s32 = mS if cutlass.const_expr(fp32) else cute.recast_tensor(mS, Int32)  # [N, HV, V, 128 fp32 | 64 bf16 pairs]
@@ -454,6 +547,8 @@ class RingVerifyKernel:
         rk32 = cute.recast_tensor(mRingK, Int32)  # [N, H, RING, 64]
         k32 = cute.recast_tensor(mK, Int32)  # [B, T, H, 64]
         q32 = cute.recast_tensor(mQ, Int32)
+        v32 = cute.recast_tensor(mV, Int32)  # [B, T, HV, 64]
+        o32 = cute.recast_tensor(mO, Int32)  # [B, T, HV, 64]
 
         slot = mRow[b]
         if slot >= 0:  # uniform per CTA
@@ -462,9 +557,21 @@ class RingVerifyKernel:
             peff = cutlass.select_(fold, Int32(0), P)  # ring entries the verify reads
             layer = mLayer[b]
 
-            # 1. loads: head 0's state rows, the tokens (B fragments), the ring keys and G, the gates
+            # 1. loads: head 0's state rows, the tokens (B fragments), the ring keys and G, the gates;
+            #    the later heads' states asked of L2, and every head's values and ring corrections
+            #    copied to shared memory without holding registers: a CTA waits for memory once,
+            #    not once per head
             rS = _state_fragment(fp32)
             _load_state(s32[slot, qh * group, None, None], row0, c, rS, fp32)
+            if cutlass.const_expr(T >= PREFETCH_FROM_T):
+                if tidx == 0:
+                    for h in cutlass.range_constexpr(1, group):
+                        _prefetch_l2(s32[slot, qh * group + h, None, None], HEAD_DIM * HEAD_DIM * (4 if fp32 else 2))
+            atom = _async_copy_atom()
+            _stage_values(atom, v32[b, None, None, None], sV32, qh * group, group, T, tidx)
+            if P > 0:
+                _stage_ring_u(atom, u32[slot, None, None, None], sU, qh * group, group, tidx)
+            cute.arch.cp_async_commit_group()
             tmp = cute.make_rmem_tensor((4,), Int32)  # thread -> (k|q, token, 16-byte chunk)
             tmp.fill(0)
             n = tidx // 128
@@ -562,8 +669,9 @@ class RingVerifyKernel:
                 t = tidx // 16
                 ch = tidx % 16
                 tmp = cute.make_rmem_tensor((4,), Int32)
-                _load16(k32[b, t, qh, None], ch, tmp)
+                _load16(sTok32[t, None], ch, tmp)
                 cute.autovec_copy(tmp, cute.flat_divide(rk32[slot, qh, peff + t, None], (4,))[None, ch])
+            cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 
             # 4. the value heads, one after another; each warp its 16 rows
@@ -573,13 +681,12 @@ class RingVerifyKernel:
             for h in cutlass.range_constexpr(group):
                 head = qh * group + h
                 gS = s32[slot, head, None, None]
-                gU = u32[slot, head, None, None]
-                _load_ring_u(gU, P, row0, c, rU)
+                _ring_u_regs(sU[h, None, None], P, row0, c, rU)
                 for i in cutlass.range_constexpr(4):
                     t = 2 * c + i % 2
                     rV[i] = Float32(0.0)
                     if t < T:
-                        rV[i] = mV[b, t, head, row0 + 8 * (i // 2)].to(Float32)
+                        rV[i] = sV[h, t, row0 + 8 * (i // 2)].to(Float32)
                 if fold:
                     _fold_rows(rS, rU, sKw[h, None, None], sDec[h], g, c, fp32)
                     _store_state(rS, gS, row0, c, fp32)
@@ -617,12 +724,8 @@ class RingVerifyKernel:
                     d = _mma("bf16", aw, [hi, hi], d)
                     d = _mma("bf16", aw, [lo, zero], d)
                     out.append(d)
-                for i in cutlass.range_constexpr(4):
-                    t = 2 * c + i % 2
-                    row = row0 + 8 * (i // 2)
-                    if t < T:
-                        mRingU[slot, head, row, peff + t] = out[0][i].to(Float16)
-                        mO[b, t, head, row] = out[1][i].to(BFloat16)
+                _store_ring_u(out[0], sU[h, None, None], u32[slot, head, None, None], peff, warp, lane, g, c, T)
+                _store_outputs(out[1], sO32[warp, None, None], o32, b, head, warp, lane, g, c, T)
         else:
             if tidx < HEAD_DIM:  # padding row: zero outputs
                 for h in cutlass.range_constexpr(group):
@@ -730,6 +833,7 @@ class RingFoldKernel:
         sGr = smem.allocate_tensor(Float32, _row_major((group, RING)), byte_alignment=16)
         sKw = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, RING // 2)), byte_alignment=16)
         sDec = smem.allocate_tensor(Float32, _row_major((group,)), byte_alignment=16)
+        sU = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, RING // 2)), byte_alignment=16)
 
         fp32 = cfg.fp32
         s32 = mS if cutlass.const_expr(fp32) else cute.recast_tensor(mS, Int32)
@@ -743,6 +847,8 @@ class RingFoldKernel:
         if P > 0:  # uniform per CTA
             rS = _state_fragment(fp32)
             _load_state(s32[slot, qh * group, None, None], row0, c, rS, fp32)
+            _stage_ring_u(_async_copy_atom(), u32[slot, None, None, None], sU, qh * group, group, tidx)
+            cute.arch.cp_async_commit_group()
             _stage_ring_keys(rk32[slot, qh, None, None], sRK32, P, tidx)
             if tidx < group * RING:
                 h = tidx // RING
@@ -759,12 +865,13 @@ class RingFoldKernel:
                         sRn[g + 8 * r] = cute.math.rsqrt(ss + EPS, fastmath=True)
             cute.arch.sync_threads()
             _fold_tables(sRK, sRn, sGr, sKw, sDec, P, group, tidx)
+            cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
             rU = cute.make_rmem_tensor((2, 2), Int32)
             for h in cutlass.range_constexpr(group):
                 head = qh * group + h
                 gS = s32[slot, head, None, None]
-                _load_ring_u(u32[slot, head, None, None], P, row0, c, rU)
+                _ring_u_regs(sU[h, None, None], P, row0, c, rU)
                 _fold_rows(rS, rU, sKw[h, None, None], sDec[h], g, c, fp32)
                 _store_state(rS, gS, row0, c, fp32)
                 if cutlass.const_expr(h + 1 < group):
