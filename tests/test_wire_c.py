@@ -244,7 +244,11 @@ def digests_in_python(raw, rows: int) -> tuple[int, ...]:
 
 
 @pytest.mark.parametrize("rows,sizes", [(1, (8, 8, 16, 2, 2)), (3, (48, 48, 96, 6, 6)), (1, (4096, 4096, 8192, 64, 64)),
-                                        (4, (4096 * 4, 4096 * 4, 8192 * 4, 256, 256)), (2, (0, 0, 0, 0, 0))])
+                                        (4, (4096 * 4, 4096 * 4, 8192 * 4, 256, 256)), (2, (0, 0, 0, 0, 0)),
+                                        # rows digested eight at a time, and the rows left over
+                                        (11, (48 * 11, 48 * 11, 96 * 11, 6 * 11, 6 * 11)),
+                                        (19, (4096 * 19, 4096 * 19, 8192 * 19, 64 * 19, 64 * 19)),
+                                        (16, (1030 * 16, 2 * 16, 514 * 16, 2 * 16, 2 * 16))])
 def test_digests_match_the_python_oracle(rows, sizes):
     rng = np.random.default_rng(rows)
     raw = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
@@ -255,7 +259,7 @@ def test_digests_match_the_python_oracle(rows, sizes):
 
 
 @pytest.mark.parametrize("rows,per_row", [(1, (8, 8, 16, 2, 2)), (3, (4096, 4096, 8192, 64, 64)),
-                                          (5, (1030, 2, 514, 2, 2))])
+                                          (5, (1030, 2, 514, 2, 2)), (11, (256, 256, 512, 4, 4))])
 def test_checked_digests_finds_every_nonfinite_bf16_where_the_checks_do(rows, per_row):
     """A NaN or Inf at each end of each row of each input (blocks of the C loop end there too):
     the first input holding one is named, as gdn_client.proto.checks names it."""
@@ -272,6 +276,22 @@ def test_checked_digests_finds_every_nonfinite_bf16_where_the_checks_do(rows, pe
                     poisoned[index][word] = bits
                     raw = [x.tobytes() for x in poisoned]
                     assert _wire.checked_digests(raw, rows) == (index, ()) == (first_nonfinite(raw, gdn_pb2.BF16), ())
+
+
+def test_checked_digests_reads_whole_words_of_each_row():
+    """Rows of an odd number of bytes (not a bf16 step's, but checked_digests takes them): each
+    row's words are its own, its last byte in none, as when the rows were checked one by one,
+    also where eight rows are checked as one run."""
+    rows, per_row = 10, (9, 3, 5, 1, 1)
+    clean = [bytearray(rows * n) for n in per_row]
+    assert _wire.checked_digests([bytes(x) for x in clean], rows)[0] is None
+    straddling = [x[:] for x in clean]
+    straddling[0][8:10] = (0x80, 0x7F)  # row 0's last byte and row 1's first: no word of either
+    assert _wire.checked_digests([bytes(x) for x in straddling], rows)[0] is None
+    for row in (0, 7, 8, 9):  # in the first group of eight, at its end, and left over
+        inside = [x[:] for x in clean]
+        inside[2][row * 5 + 2 : row * 5 + 4] = (0x80, 0x7F)  # row's second word of v
+        assert _wire.checked_digests([bytes(x) for x in inside], rows)[0] == 2
 
 
 @FUZZ
