@@ -569,8 +569,9 @@ class RingVerifyKernel:
                         _prefetch_l2(s32[slot, qh * group + h, None, None], HEAD_DIM * HEAD_DIM * (4 if fp32 else 2))
             atom = _async_copy_atom()
             _stage_values(atom, v32[b, None, None, None], sV32, qh * group, group, T, tidx)
-            if P > 0:
-                _stage_ring_u(atom, u32[slot, None, None, None], sU, qh * group, group, tidx)
+            # every row's whole ring, P = 0 too: the rows go back whole, and bytes past the new
+            # entries must be what was there (a launch's memory is a function of its inputs)
+            _stage_ring_u(atom, u32[slot, None, None, None], sU, qh * group, group, tidx)
             cute.arch.cp_async_commit_group()
             tmp = cute.make_rmem_tensor((4,), Int32)  # thread -> (k|q, token, 16-byte chunk)
             tmp.fill(0)
