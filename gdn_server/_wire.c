@@ -48,7 +48,16 @@
        The bytes of o (its Tensor.data) inside a reply encode_reply made, as a read-only view of
        it: where a step's output is kept once encoded (for retries and an o_ref's region),
        instead of in a copy of its own beside the reply. ValueError for bytes encode_reply did
-       not make. */
+       not make.
+
+   stage_inputs(dst, places, requests, limit) -> list
+       A launch's bf16 requests copied into its staging buffer, in one call for the whole batch
+       (gdn_server/backends/staging.py): dst a writable buffer, places the five inputs' (byte
+       offset, bytes per row) in it, requests a sequence of (first row, (q, k, v, a, b)) with the
+       inputs as bytes-like objects; input i of a request goes to dst at offset_i + row *
+       per_row_i. Inputs of `limit` bytes or more are not copied but returned as (start, input)
+       pairs, for a parallel copy by the caller. ValueError, and nothing copied, where an input
+       would end past dst. The copies run without the GIL when they are big. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
@@ -722,6 +731,96 @@ bad:
     return NULL;
 }
 
+/* -- stage_inputs ---------------------------------------------------------------------------- */
+
+/* Bytes a stage_inputs call copies from which it lets other threads run meanwhile. */
+#define STAGE_RELEASE_GIL_BYTES (64 << 10)
+
+static PyObject *stage_inputs(PyObject *self, PyObject *args) {
+    Py_buffer dst;
+    PyObject *places, *requests, *place_seq = NULL, *request_seq = NULL, *inputs = NULL, *big = NULL;
+    Py_ssize_t limit, offset[N_INPUTS], per_row[N_INPUTS], held = 0, total = 0;
+    Py_buffer *views = NULL;
+    Py_ssize_t *starts = NULL;
+    if (!PyArg_ParseTuple(args, "w*OOn", &dst, &places, &requests, &limit)) return NULL;
+    if ((place_seq = PySequence_Fast(places, "places must be a sequence")) == NULL) goto error;
+    if (PySequence_Fast_GET_SIZE(place_seq) != N_INPUTS) {
+        PyErr_SetString(PyExc_ValueError, "stage_inputs takes the places of five inputs");
+        goto error;
+    }
+    for (int i = 0; i < N_INPUTS; i++) {
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(place_seq, i), "nn", &offset[i], &per_row[i])) goto error;
+        if (offset[i] < 0 || offset[i] > dst.len || per_row[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "stage_inputs: a place outside the buffer");
+            goto error;
+        }
+    }
+    if ((request_seq = PySequence_Fast(requests, "requests must be a sequence")) == NULL) goto error;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(request_seq);
+    views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)(n * N_INPUTS + 1));
+    starts = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n * N_INPUTS + 1));
+    if ((big = PyList_New(0)) == NULL) goto error;
+    if (views == NULL || starts == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    for (Py_ssize_t r = 0; r < n; r++) {
+        Py_ssize_t row;
+        PyObject *request_inputs;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(request_seq, r), "nO", &row, &request_inputs)) goto error;
+        if ((inputs = PySequence_Fast(request_inputs, "a request's inputs must be a sequence")) == NULL) goto error;
+        if (PySequence_Fast_GET_SIZE(inputs) != N_INPUTS) {
+            PyErr_SetString(PyExc_ValueError, "stage_inputs takes five inputs a request");
+            goto error;
+        }
+        for (int i = 0; i < N_INPUTS; i++) {
+            PyObject *input = PySequence_Fast_GET_ITEM(inputs, i);
+            if (PyObject_GetBuffer(input, &views[held], PyBUF_SIMPLE) != 0) goto error;
+            Py_ssize_t len = views[held].len, room = dst.len - offset[i], start;
+            if (row < 0 || (per_row[i] > 0 && row > room / per_row[i]) || len > room - row * per_row[i]) {
+                PyBuffer_Release(&views[held]);
+                PyErr_Format(PyExc_ValueError, "stage_inputs: input %d of the request at row %zd ends past the buffer", i,
+                             row);
+                goto error;
+            }
+            start = offset[i] + row * per_row[i];
+            if (len >= limit) { /* the caller copies it */
+                PyBuffer_Release(&views[held]);
+                PyObject *pair = Py_BuildValue("(nO)", start, input);
+                if (pair == NULL || PyList_Append(big, pair) != 0) {
+                    Py_XDECREF(pair);
+                    goto error;
+                }
+                Py_DECREF(pair);
+                continue;
+            }
+            starts[held++] = start;
+            total += len;
+        }
+        Py_CLEAR(inputs);
+    }
+    uint8_t *base = dst.buf;
+    if (total >= STAGE_RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t j = 0; j < held; j++) memcpy(base + starts[j], views[j].buf, views[j].len);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t j = 0; j < held; j++) memcpy(base + starts[j], views[j].buf, views[j].len);
+    }
+    goto done;
+error:
+    Py_CLEAR(big);
+done:
+    for (Py_ssize_t j = 0; j < held; j++) PyBuffer_Release(&views[j]);
+    PyMem_Free(views);
+    PyMem_Free(starts);
+    Py_XDECREF(inputs);
+    Py_XDECREF(request_seq);
+    Py_XDECREF(place_seq);
+    PyBuffer_Release(&dst);
+    return big;
+}
+
 /* -- the module ------------------------------------------------------------------------------ */
 
 static PyMethodDef methods[] = {
@@ -733,6 +832,8 @@ static PyMethodDef methods[] = {
     {"encode_reply", encode_reply, METH_VARARGS,
      "encode_reply(out, shape, positions, request_id) -> bytes: a serialized DecodeResponse"},
     {"reply_o_data", reply_o_data, METH_O, "reply_o_data(reply) -> memoryview: o's bytes inside an encode_reply reply"},
+    {"stage_inputs", stage_inputs, METH_VARARGS,
+     "stage_inputs(dst, places, requests, limit) -> list: a launch's bf16 requests copied into its staging buffer"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,8 +1,8 @@
 """Host staging of a launch (gdn_server.backends.staging): what the CUDA backend copies to the
 device, filled here into an ordinary buffer (no GPU needed), for every way a request's inputs
-reach it: small bf16 requests (slice copies), big ones (torch's parallel copy), f32 requests
-(casting copies), in one batch; and the NaN/Inf check of the staged copies of the requests
-validation left unchecked."""
+reach it: small bf16 inputs (memcpys in one _wire.stage_inputs call a batch), big ones (torch's
+parallel copy), f32 requests (casting copies), in one batch; and the NaN/Inf check of the staged
+copies of the requests validation left unchecked."""
 from __future__ import annotations
 
 import pytest
@@ -91,3 +91,36 @@ def test_launches_pad_to_the_next_graph_bucket():
         assert padded == min(b for b in GRAPH_BUCKETS if b >= rows)
         last = padded
     assert padded_rows(GRAPH_BUCKETS[-1] + 1) == GRAPH_BUCKETS[-1] + 1
+
+
+def test_stage_inputs_copies_a_batch_and_hands_back_its_big_inputs():
+    """_wire.stage_inputs, the bf16 requests' copy of `fill`: each input at its place's offset plus
+    the request's first row times its bytes per row; inputs of `limit` bytes or more handed back
+    as (start, input) for the caller's parallel copy; nothing copied where an input would end past
+    the buffer."""
+    from gdn_server import _wire
+
+    places = [(0, 10), (100, 20), (300, 30), (500, 2), (600, 2)]
+    first = (b"q" * 10, b"k" * 20, b"v" * 30, b"aa", b"bb")
+    second = tuple(memoryview(x) for x in (b"Q" * 20, b"K" * 40, b"V" * 60, b"AAAA", b"BBBB"))
+    dst = bytearray(b"." * 700)
+    big = _wire.stage_inputs(dst, places, [(0, first), (1, second)], 50)
+    assert [(start, bytes(data)) for start, data in big] == [(330, b"V" * 60)]
+    want = bytearray(b"." * 700)
+    for (offset, per_row), a, b in zip(places, first, second):
+        want[offset : offset + len(a)] = a
+        if len(b) < 50:
+            want[offset + per_row : offset + per_row + len(b)] = b
+    assert dst == want
+
+    before = bytes(dst)
+    for row in (-1, 50, 2**62):  # the first request fits, the second ends past the buffer
+        with pytest.raises(ValueError, match="past the buffer"):
+            _wire.stage_inputs(dst, places, [(0, first), (row, first)], 1 << 20)
+        assert dst == before
+    with pytest.raises(ValueError, match="five"):
+        _wire.stage_inputs(dst, places[:4], [(0, first)], 1 << 20)
+    with pytest.raises(ValueError, match="five"):
+        _wire.stage_inputs(dst, places, [(0, first[:4])], 1 << 20)
+    with pytest.raises(TypeError):
+        _wire.stage_inputs(bytes(dst), places, [(0, first)], 1 << 20)  # not writable

@@ -105,8 +105,8 @@ class _Staging:
     def __init__(self, device: torch.device, nbytes: int, out_bytes: int) -> None:
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self.device = device
-        self.host_bytes = self.host.numpy()  # the same pinned memory, for the int32 index arrays
-        self.host_mem = memoryview(self.host_bytes)  # and for memcpy from request bytes (cheapest slice copy)
+        self.host_bytes = self.host.numpy()  # the same pinned memory, for torch's copies of big inputs
+        self.host_mem = memoryview(self.host_bytes)  # and for the other copies and the int32 index arrays
         self.dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.out_dev = torch.empty(out_bytes, dtype=torch.uint8, device=device)
         self.out_host = torch.empty(out_bytes, dtype=torch.uint8, pin_memory=True)

@@ -10,18 +10,20 @@ the tests check the layout and the fill on any machine.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from gdn_server import _wire
 from gdn_server.config import ModelShape
 from gdn_server.work import StepBatch
 
 ALIGN = 128  # bytes; keeps every carved view 16-byte aligned for the kernel's vector loads
 # A bf16 request input at least this big is copied by torch, whose intra-op thread pool splits
-# the memcpy across cores; smaller ones by one memoryview slice assignment, which costs far less
-# to start (bench/DECISIONS.md, entry 6).
+# the memcpy across cores; smaller ones by a memcpy in _wire.stage_inputs (one call for all of a
+# launch's requests), which costs far less to start (bench/DECISIONS.md, entry 6).
 PARALLEL_COPY_BYTES = 512 << 10
 INPUTS = ("q", "k", "v", "a", "b")
 
@@ -76,15 +78,14 @@ def fill(
     batch: StepBatch, plan: StagingLayout, host_mem: memoryview, host_bytes: np.ndarray, host_views: dict[str, torch.Tensor]
 ) -> None:
     """Copies `batch` into a staging buffer laid out by `plan`: a memcpy per request and input for
-    bf16 requests (their raw bytes; torch's parallel copy for inputs of PARALLEL_COPY_BYTES or
-    more), a casting copy for the others, then the int32 index arrays. A plan with more rows than
-    the batch (a padded launch) gets padding rows after the batch's: slot -1 (the kernel reads
-    and writes no state or ring for them), layer 0, P 0, inputs left as they are
-    (unread).
+    bf16 requests (their raw bytes, all of a batch's in one call of _wire.stage_inputs; torch's
+    parallel copy for inputs of PARALLEL_COPY_BYTES or more), a casting copy for the others, then
+    the int32 index arrays. A plan with more rows than the batch (a padded launch) gets padding
+    rows after the batch's: slot -1 (the kernel reads and writes no state or ring for them), layer
+    0, P 0, inputs left as they are (unread).
 
-    `host_mem` and `host_bytes` are the buffer as a memoryview and a uint8 numpy array (slice
-    assignment into a memoryview is the cheapest copy Python has); `host_views` the plan's tensor
-    views of it, used by requests that did not come as bf16.
+    `host_mem` and `host_bytes` are the buffer as a memoryview and a uint8 numpy array;
+    `host_views` the plan's tensor views of it, used by requests that did not come as bf16.
     """
     R = batch.num_rows
     room = plan.rows
@@ -93,27 +94,24 @@ def fill(
     entries = plan.entries
     # (byte offset, bytes per row) of each input: a request's bytes go at offset + first row * per row
     places = [(entries[name][0], entries[name][3] // room) for name in INPUTS]
+    raw_requests = []  # (first row, its five inputs' bytes) of the bf16 requests
     row = 0
     for work in batch.works:
         n = len(work.session_ids)
         raw = work.bf16_bytes
         if raw is not None:
-            for (offset, per_row), data in zip(places, raw):
-                start = offset + row * per_row
-                if len(data) >= PARALLEL_COPY_BYTES:
-                    dst = torch.from_numpy(host_bytes[start : start + len(data)])
-                    dst.copy_(torch.frombuffer(data, dtype=torch.uint8))
-                else:
-                    host_mem[start : start + len(data)] = data
+            raw_requests.append((row, raw))
         else:
             for name, part in zip(INPUTS, (work.q, work.k, work.v, work.a, work.b)):
                 host_views[name][row : row + n].copy_(part)
         row += n
+    if raw_requests:
+        for start, data in _wire.stage_inputs(host_mem, places, raw_requests, PARALLEL_COPY_BYTES):
+            dst = torch.from_numpy(host_bytes[start : start + len(data)])
+            dst.copy_(torch.frombuffer(data, dtype=torch.uint8))
     for name, values, padding in (("slots", batch.rows, -1), ("layers", batch.layers, 0), ("hist", batch.hist, 0)):
-        offset, _, _, nbytes = entries[name]
-        column = host_bytes[offset : offset + nbytes].view(np.int32)
-        if R == room:
-            column[:] = values
-        else:
-            column[:R] = values
-            column[R:] = padding
+        offset = entries[name][0]
+        # struct packs a list of ints at a third of what numpy's conversion of it costs
+        struct.pack_into(f"{R}i", host_mem, offset, *values)
+        if R < room:
+            struct.pack_into(f"{room - R}i", host_mem, offset + 4 * R, *(padding,) * (room - R))
