@@ -155,6 +155,7 @@ class Planner:
         batches, deferred, answers = plan.launches, plan.deferred, plan.answers
         busy: set[str] = set()  # sessions with a row in this plan, or behind a deferred request
         rows, max_rows, admit = 0, self.max_batch_rows, self.admit
+        last = len(items) - 1
         for idx, item in enumerate(items):
             if type(item) is ControlItem:
                 sid = item.session_id
@@ -178,7 +179,7 @@ class Planner:
             work = item.work
             ids = work.session_ids
             n = len(ids)
-            if not busy.isdisjoint(ids) or (rows and rows + n > max_rows):
+            if (busy and not busy.isdisjoint(ids)) or (rows and rows + n > max_rows):
                 busy.update(ids)
                 deferred.append(item)
                 continue
@@ -199,7 +200,8 @@ class Planner:
             if launch is None:
                 launch = batches[key] = Launch(StepBatch(work.tokens, speculative=work.speculative))
             launch.add(member)
-            busy.update(ids)
+            if idx != last:  # what is busy matters to later items only
+                busy.update(ids)
             rows += n
         return plan
 
@@ -210,14 +212,15 @@ class Planner:
         work = item.work
         try:
             sessions = self.sessions.get_all(work.session_ids)
-            owner = work.owner
-            for s in sessions:
-                if s.owner != owner:
-                    s.check_owner(owner)  # raises
+            owner, layer = work.owner, work.layer
+            # each session's count at the layer, in the pass that checks the owner
+            counts = [s.positions[layer] for s in sessions if s.owner is owner or s.owner == owner]
+            if len(counts) != len(sessions):
+                for s in sessions:
+                    s.check_owner(owner)  # raises for the first one of another owner
             if work.positions is None:
                 return sessions
-            layer = work.layer
-            if tuple([s.positions[layer] for s in sessions]) == work.positions:
+            if tuple(counts) == work.positions:
                 return sessions  # every session's next step: no retry to look for
             retries = 0
             for index, (s, pos) in enumerate(zip(sessions, work.positions)):
@@ -251,7 +254,11 @@ class Planner:
         """Each session's pool row and committed ring entries for an admitted step; changes no
         record. An open draft at the layer counts as committed (a next step accepts it whole)."""
         layer = item.work.layer
-        return Admitted(item, sessions, [s.home_row(layer) for s in sessions], [s.launch_hist(layer) for s in sessions])
+        # Session.home_row and Session.launch_hist of each session, read inline (a method call
+        # a session cost as much as the rest of planning a B = 256 request)
+        rows = [s.pool_rows[layer] for s in sessions]
+        hist = [s.launch_hist(layer) if s.drafts else s.hist[layer] for s in sessions]
+        return Admitted(item, sessions, rows, hist)
 
     def replay(self, work: DecodeWork, sessions: list[Session]) -> DecodeResult:
         """Answers a retried step from the outputs kept when it was first applied."""

@@ -191,3 +191,29 @@ def test_commit_settles_drafts_in_the_table():
     _step(planner, table, s, 3, speculative=True)
     assert table.commit(s, 3, 0.0) == [0]  # a full accept keeps the step a retry is answered from
     assert s.positions == [5, 2] and s.hist == [5, 2] and s.last_steps[0].count_before == 2
+
+
+def test_each_step_rewrites_its_sessions_last_step_and_a_retry_reads_its_own_row():
+    table = _table()
+    a, b, c = (table.create() for _ in range(3))
+    planner = _planner(table)
+    first = planner.plan([DecodeItem(_work([a.id, b.id, c.id], positions=(0, 0, 0)), print)], quiet=True)
+    _run(planner, first.launches[1, False], table)  # rows 0, 1, 2 hold 0, 1, 2
+    second = planner.plan([DecodeItem(_work([c.id, a.id], positions=(1, 1), seed=1), print)], quiet=True)
+    launched(second.launches[1, False], 0.0, table)  # in flight: c is row 0, a row 1
+    assert (a.last_steps[0].count_before, a.last_steps[0].row, c.last_steps[0].row) == (1, 1, 0)
+    # b's last step is still the first: its retry is answered; a's and c's have moved on
+    ((_, answer),) = planner.plan([DecodeItem(_work([b.id], positions=(0,), digests=(1,)), print)], quiet=True).answers
+    assert answer.positions == (1,) and torch.frombuffer(answer.out, dtype=torch.bfloat16).eq(1).all()
+    ((_, error),) = planner.plan([DecodeItem(_work([a.id], positions=(0,), digests=(0,)), print)], quiet=True).answers
+    assert isinstance(error, FailedPrecondition)
+    again = DecodeItem(_work([a.id, c.id], positions=(1, 1), digests=(101, 100)), print)
+    assert planner.plan([again], quiet=True).deferred == [again]  # the second's output is not there yet
+    launch = second.launches[1, False]
+    planner.finish(launch, torch.arange(2, dtype=torch.bfloat16).repeat_interleave(16).view(torch.uint8).numpy().tobytes())
+    ((_, answer),) = planner.plan([again], quiet=True).answers
+    assert answer.positions == (2, 2)
+    assert torch.frombuffer(answer.out, dtype=torch.bfloat16).tolist() == [1.0] * 16 + [0.0] * 16
+    roll_back(launch.members[0], table)  # had it failed: each session back where the second found it
+    assert a.positions == [1, 0] and c.positions == [1, 0] and 0 not in a.last_steps and 0 not in c.last_steps
+    assert b.positions == [1, 0] and b.last_steps[0].count_before == 0
