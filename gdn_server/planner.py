@@ -223,23 +223,23 @@ class Planner:
             if tuple(counts) == work.positions:
                 return sessions  # every session's next step: no retry to look for
             retries = 0
-            for index, (s, pos) in enumerate(zip(sessions, work.positions)):
-                count = s.positions[layer]
+            tokens, speculative, digests = work.tokens, work.speculative, work.digests
+            for index, (s, pos, count) in enumerate(zip(sessions, work.positions, counts)):
                 if pos == count:
                     continue
                 last = s.last_steps.get(layer)
-                if (last is None or last.count_before != pos or last.tokens != work.tokens
-                        or last.record.speculative != work.speculative):
+                if (last is None or last.count_before != pos or (record := last.record).tokens != tokens
+                        or record.speculative != speculative):
                     raise FailedPrecondition(
                         f"session {s.id}: position {pos} at layer {layer} does not match the server's "
                         f"count {count} (nor is it a retry of the last step: same position, T and speculative flag)"
                     )
-                if last.digest != work.digests[index]:
+                if last.digest != digests[index]:
                     raise FailedPrecondition(
                         f"session {s.id}: a retry of the step at position {pos}, layer {layer}, with inputs "
                         "other than the first try's: a step is applied once, with the inputs it was first sent"
                     )
-                if last.out is None:
+                if record.out is None:
                     raise NotReady()
                 retries += 1
             if retries == 0:
@@ -262,14 +262,20 @@ class Planner:
 
     def replay(self, work: DecodeWork, sessions: list[Session]) -> DecodeResult:
         """Answers a retried step from the outputs kept when it was first applied."""
-        parts = []
-        for s in sessions:
-            last = s.last_steps[work.layer]
-            row_bytes = len(last.out) // last.rows
-            parts.append(last.out[last.row * row_bytes : (last.row + 1) * row_bytes])
-        positions = tuple(s.positions[work.layer] for s in sessions)
+        layer = work.layer
+        lasts = [s.last_steps[layer] for s in sessions]
+        record = lasts[0].record
+        if record.rows == len(lasts) and all(last.record is record and last.row == row for row, last in enumerate(lasts)):
+            out = record.out  # the whole request retried as it was sent: its kept output is the answer's
+        else:
+            parts = []
+            for last in lasts:
+                row_bytes = len(last.out) // last.rows
+                parts.append(last.out[last.row * row_bytes : (last.row + 1) * row_bytes])
+            out = b"".join(parts)
+        positions = tuple([s.positions[layer] for s in sessions])
         shape = (work.rows, work.tokens, self._heads, self._head_dim)
-        return DecodeResult(b"".join(parts), shape, positions, work.request_id)
+        return DecodeResult(out, shape, positions, work.request_id)
 
     def finish(self, launch: Launch, whole: bytes | memoryview) -> list[DecodeResult]:
         """The answers of a finished launch, one per member in order, from its output `whole`

@@ -214,6 +214,9 @@ def test_each_step_rewrites_its_sessions_last_step_and_a_retry_reads_its_own_row
     ((_, answer),) = planner.plan([again], quiet=True).answers
     assert answer.positions == (2, 2)
     assert torch.frombuffer(answer.out, dtype=torch.bfloat16).tolist() == [1.0] * 16 + [0.0] * 16
+    whole = DecodeItem(_work([c.id, a.id], positions=(1, 1), digests=(100, 101)), print)  # as it was sent
+    ((_, answer),) = planner.plan([whole], quiet=True).answers
+    assert torch.frombuffer(answer.out, dtype=torch.bfloat16).tolist() == [0.0] * 16 + [1.0] * 16
     roll_back(launch.members[0], table)  # had it failed: each session back where the second found it
     assert a.positions == [1, 0] and c.positions == [1, 0] and 0 not in a.last_steps and 0 not in c.last_steps
     assert b.positions == [1, 0] and b.last_steps[0].count_before == 0
