@@ -293,36 +293,30 @@ class SessionTable:
         layer is accepted whole, the position moves by the step's tokens, the step becomes the one
         a retry is answered from; a plain step leaves the ring folded (P = 0), a draft
         (`record.speculative`) is open until Commit, its entries after folded_base(hist, T).
-        Returns the new positions. One call per request: a B = 256 request's sessions in one loop,
-        which makes no object per session for a plain step (each LastStep is rewritten in place)."""
+        Returns the new positions. One call per request, which makes no LastStep per session (each
+        is rewritten in place): a B = 256 plain step spends ~0.2 us a session here."""
         tokens = record.tokens
         after = []
-        digest_of = digests or repeat(None)  # B digests, where given
-        if record.speculative:
-            for row, (session, digest, hist) in enumerate(zip(sessions, digest_of, hists)):
-                positions = session.positions
-                before = positions[layer]
-                positions[layer] = count = before + tokens
-                after.append(count)
+        row = 0
+        for session, digest in zip(sessions, digests or repeat(None)):  # B digests, where given
+            positions = session.positions
+            before = positions[layer]
+            positions[layer] = count = before + tokens
+            after.append(count)
+            last = session.last_steps.get(layer)
+            if last is None:
                 session.last_steps[layer] = LastStep(before, record, row, digest)
-                session.last_used = now
+            else:
+                last.count_before, last.record, last.row, last.digest = before, record, row, digest
+            row += 1
+            session.last_used = now
+        if record.speculative:
+            for session, hist, count in zip(sessions, hists, after):
                 base = folded_base(hist, tokens)
-                session.drafts[layer] = Draft(base, tokens, before)
+                session.drafts[layer] = Draft(base, tokens, count - tokens)
                 session.hist[layer] = base
-        else:  # the common step: one loop as lean as it goes (a B = 256 request spends ~0.2 us a session here)
-            row = 0
-            for session, digest in zip(sessions, digest_of):
-                positions = session.positions
-                before = positions[layer]
-                positions[layer] = count = before + tokens
-                after.append(count)
-                last = session.last_steps.get(layer)
-                if last is None:
-                    session.last_steps[layer] = LastStep(before, record, row, digest)
-                else:
-                    last.count_before, last.record, last.row, last.digest = before, record, row, digest
-                row += 1
-                session.last_used = now
+        else:
+            for session in sessions:
                 if session.drafts:
                     session.drafts.pop(layer, None)
                 session.hist[layer] = 0
