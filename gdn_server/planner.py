@@ -115,7 +115,7 @@ class Launch:
         self.started = 0.0  # time.monotonic() at submit
 
     def add(self, member: Admitted) -> None:
-        member.first_row = self.batch.num_rows
+        member.first_row = len(self.batch.rows)
         self.members.append(member)
         self.batch.add(member.item.work, member.rows, member.hist)
 
@@ -256,6 +256,9 @@ class Planner:
         layer = item.work.layer
         # Session.home_row and Session.launch_hist of each session, read inline (a method call
         # a session cost as much as the rest of planning a B = 256 request)
+        if len(sessions) == 1:  # one client's step: no comprehension to set up
+            (s,) = sessions
+            return Admitted(item, sessions, [s.pool_rows[layer]], [s.launch_hist(layer) if s.drafts else s.hist[layer]])
         rows = [s.pool_rows[layer] for s in sessions]
         hist = [s.launch_hist(layer) if s.drafts else s.hist[layer] for s in sessions]
         return Admitted(item, sessions, rows, hist)
