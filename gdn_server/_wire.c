@@ -19,10 +19,7 @@
        shapes give, or by reference (Tensor.ref, no data; and o_ref): then the input is (region,
        offset) and by_reference is set, and validation resolves, checks and digests the bytes in
        the region. Inline inputs are checked for NaN/Inf and each session's inputs digested
-       (`checked_digests`) in the same pass over the bytes. Ids are checked distinct as bytes, in
-       a small hash table over their ranges of the message; ASCII ids' strs and the positions'
-       ints come from bounded caches of those parse_step made last (a client sends the same ids
-       and positions step after step, layer after layer), so a str is made and hashed once per id.
+       (`checked_digests`) in the same pass over the bytes.
        None for anything else: the caller parses it with protobuf and gdn_server.validation says
        what is wrong with it, or takes it the long way (other dtypes). So this reads only the
        plain encoding: each known field with its own wire type, a singular field at most once,
@@ -410,129 +407,6 @@ static PyObject *short_str(const uint8_t *s, Py_ssize_t n, long long max_chars) 
     return str;
 }
 
-/* -- session ids ------------------------------------------------------------------------------ */
-
-/* A session id as sent: its UTF-8 bytes in the message and their id_hash. */
-typedef struct {
-    const uint8_t *s;
-    Py_ssize_t n;
-    uint64_t hash;
-} IdBytes;
-
-/* A hash of the bytes (not Python's: a few multiplies, with no seed), and in *ascii whether they
-   are all ASCII. */
-static uint64_t id_hash(const uint8_t *s, Py_ssize_t n, int *ascii) {
-    const uint64_t m = 0x9E3779B97F4A7C15u;
-    uint64_t h = (uint64_t)n * m, high = 0;
-    Py_ssize_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        uint64_t w;
-        memcpy(&w, s + i, 8);
-        high |= w;
-        h = (h ^ w) * m;
-        h ^= h >> 29;
-    }
-    if (i < n) { /* the last 8 bytes when there are 8, the ones before again; else byte by byte */
-        uint64_t w = 0;
-        if (n >= 8) {
-            memcpy(&w, s + n - 8, 8);
-        } else {
-            for (; i < n; i++) w = w << 8 | s[i];
-        }
-        high |= w;
-        h = (h ^ w) * m;
-    }
-    *ascii = (high & 0x8080808080808080u) == 0;
-    return h ^ (h >> 32);
-}
-
-/* The str objects of the ASCII session ids parse_step read last, by the bytes' id_hash: a
-   client sends the same sessions' ids step after step (and layer after layer), so a str is
-   made, and hashed by the dicts and sets it meets, once per id rather than once per step. One
-   entry a slot, a newer id taking its slot: a bounded table (at most ID_CACHE_SLOTS small strs
-   held) that a miss only makes a str as before. */
-#define ID_CACHE_SLOTS 16384 /* a power of two */
-static struct {
-    uint64_t hash;
-    PyObject *str;
-} id_cache[ID_CACHE_SLOTS];
-
-/* The str of session id `id` (1..max_chars characters of UTF-8), or NULL: with no error set
-   where it is not such an id. ASCII ids from id_cache. */
-static PyObject *session_id_str(const IdBytes *id, int ascii, long long max_chars) {
-    if (!ascii) {
-        PyObject *str = short_str(id->s, id->n, max_chars);
-        if (str != NULL && PyUnicode_GET_LENGTH(str) == 0) Py_CLEAR(str);
-        return str;
-    }
-    if (id->n == 0 || id->n > max_chars) return NULL;
-    size_t slot = (size_t)id->hash & (ID_CACHE_SLOTS - 1);
-    PyObject *str = id_cache[slot].str;
-    if (str != NULL && id_cache[slot].hash == id->hash && PyUnicode_GET_LENGTH(str) == id->n &&
-        memcmp(PyUnicode_1BYTE_DATA(str), id->s, (size_t)id->n) == 0)
-        return Py_NewRef(str);
-    if ((str = PyUnicode_New(id->n, 127)) == NULL) return NULL;
-    memcpy(PyUnicode_1BYTE_DATA(str), id->s, (size_t)id->n);
-    Py_XSETREF(id_cache[slot].str, Py_NewRef(str));
-    id_cache[slot].hash = id->hash;
-    return str;
-}
-
-/* The int objects of the positions parse_step read last, by value: a session's position is the
-   same at every layer it steps through, and sessions that started together share theirs, so
-   most positions come from here rather than a new int each. One entry a slot, bounded like
-   id_cache. */
-#define POSITION_CACHE_SLOTS 4096 /* a power of two */
-static struct {
-    uint64_t value;
-    PyObject *obj;
-} position_cache[POSITION_CACHE_SLOTS];
-
-static PyObject *position_int(uint64_t value) {
-    size_t slot = (size_t)(value ^ value >> 12) & (POSITION_CACHE_SLOTS - 1);
-    PyObject *obj = position_cache[slot].obj;
-    if (obj != NULL && position_cache[slot].value == value) return Py_NewRef(obj);
-    if ((obj = PyLong_FromUnsignedLongLong(value)) == NULL) return NULL;
-    Py_XSETREF(position_cache[slot].obj, Py_NewRef(obj));
-    position_cache[slot].value = value;
-    return obj;
-}
-
-/* Whether the n ids are pairwise different as bytes (1), or two are the same (0); -1 where the
-   check gives up (more than ID_PROBES probes for one id: ids made to collide in id_hash) or
-   memory ran out, for the caller to decide another way. An open-addressing table of twice n
-   slots or more. */
-#define ID_PROBES 64
-static int ids_distinct(const IdBytes *ids, Py_ssize_t n) {
-    size_t size = 16;
-    while (size < 2 * (size_t)n) size *= 2;
-    uint32_t local[1024], *table = size <= 1024 ? local : PyMem_Malloc(sizeof(uint32_t) * size);
-    if (table == NULL) return -1;
-    memset(table, 0, sizeof(uint32_t) * size); /* an entry: 1 + the index of an id; 0: empty */
-    int answer = 1;
-    for (Py_ssize_t i = 0; i < n && answer == 1; i++) {
-        size_t slot = (size_t)ids[i].hash & (size - 1);
-        for (int probe = 0;; probe++, slot = (slot + 1) & (size - 1)) {
-            if (probe == ID_PROBES) {
-                answer = -1;
-                break;
-            }
-            uint32_t e = table[slot];
-            if (e == 0) {
-                table[slot] = (uint32_t)i + 1;
-                break;
-            }
-            const IdBytes *other = &ids[e - 1];
-            if (other->hash == ids[i].hash && other->n == ids[i].n && memcmp(other->s, ids[i].s, (size_t)ids[i].n) == 0) {
-                answer = 0;
-                break;
-            }
-        }
-    }
-    if (table != local) PyMem_Free(table);
-    return answer;
-}
-
 /* (region, offset) of a reference; NULL with no error set where the region is not valid UTF-8. */
 static PyObject *ref_tuple(const Ref *ref) {
     PyObject *region = short_str(ref->region, ref->region_len, PY_SSIZE_T_MAX);
@@ -565,11 +439,9 @@ static PyObject *parse_step(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_ssize_t rid_len = 0, pos_len = 0;
     Tensor t[N_INPUTS];
     memset(t, 0, sizeof t);
-    /* the session ids' bytes, read in the loop below; their strs once all are read */
-    IdBytes local_ids[256], *id_bytes = local_ids;
-    Py_ssize_t B = 0, id_room = 256;
-    PyObject *ids = NULL, *positions = NULL, *str = NULL, *inputs = NULL, *dims = NULL, *view = NULL,
+    PyObject *ids = PyList_New(0), *positions = NULL, *str = NULL, *inputs = NULL, *dims = NULL, *view = NULL,
              *checked = NULL, *digests = NULL, *result = NULL, *o_ref_obj = NULL;
+    if (ids == NULL) return NULL;
 
     while (p < end) {
         uint64_t key;
@@ -581,21 +453,10 @@ static PyObject *parse_step(PyObject *self, PyObject *const *args, Py_ssize_t na
             seen_layer = 1;
             if (read_varint(&p, end, &layer) != 0) NOT_TAKEN;
         } else if (field == F_SESSION_IDS && wire == WIRE_LEN) {
-            if (read_len(&p, end, &start, &len) != 0 || len == 0) NOT_TAKEN;
-            if (B == id_room) {
-                IdBytes *more = PyMem_Malloc(sizeof(IdBytes) * (size_t)(2 * id_room));
-                if (more == NULL) {
-                    PyErr_NoMemory();
-                    goto error;
-                }
-                memcpy(more, id_bytes, sizeof(IdBytes) * (size_t)B);
-                if (id_bytes != local_ids) PyMem_Free(id_bytes);
-                id_bytes = more;
-                id_room *= 2;
-            }
-            id_bytes[B].s = start;
-            id_bytes[B].n = len;
-            B++;
+            if (read_len(&p, end, &start, &len) != 0 || (str = short_str(start, len, max_id)) == NULL) goto not_taken_or_error;
+            if (PyUnicode_GET_LENGTH(str) == 0) NOT_TAKEN;
+            if (PyList_Append(ids, str) != 0) goto error;
+            Py_CLEAR(str);
         } else if (field >= F_Q && field <= F_B && wire == WIRE_LEN && !t[field - F_Q].seen) {
             t[field - F_Q].seen = 1;
             if (read_len(&p, end, &start, &len) != 0 || read_tensor(start, start + len, &t[field - F_Q]) != 0) NOT_TAKEN;
@@ -614,33 +475,15 @@ static PyObject *parse_step(PyObject *self, PyObject *const *args, Py_ssize_t na
             NOT_TAKEN; /* an unknown field, a field twice or in another wire type: protobuf decides */
         }
     }
+    Py_ssize_t B = PyList_GET_SIZE(ids);
     /* a bool as protobuf writes it; any other value protobuf reads as true, and it decides */
     if (B == 0 || speculative > 1 || layer >= (uint64_t)L) NOT_TAKEN;
-    /* the ids: each 1..max_id characters of UTF-8, all different (as bytes: as strs too) */
-    if ((ids = PyTuple_New(B)) == NULL) goto error;
-    int all_ascii = 1;
-    for (Py_ssize_t i = 0; i < B; i++) { /* the hashes first, each one's cache slot fetched meanwhile */
-        int ascii;
-        id_bytes[i].hash = id_hash(id_bytes[i].s, id_bytes[i].n, &ascii);
-        all_ascii &= ascii;
-        __builtin_prefetch(&id_cache[id_bytes[i].hash & (ID_CACHE_SLOTS - 1)]);
-    }
-    for (Py_ssize_t i = 0; i < B; i++) {
-        int ascii = all_ascii;
-        if (!ascii) id_hash(id_bytes[i].s, id_bytes[i].n, &ascii);
-        PyObject *id = session_id_str(&id_bytes[i], ascii, max_id);
-        if (id == NULL) goto not_taken_or_error;
-        PyTuple_SET_ITEM(ids, i, id);
-    }
     if (B > 1) {
-        int distinct = ids_distinct(id_bytes, B);
-        if (distinct < 0) { /* the check gave up: a set of the strs decides */
-            PyObject *set = PySet_New(ids);
-            if (set == NULL) goto error;
-            distinct = PySet_GET_SIZE(set) == B;
-            Py_DECREF(set);
-        }
-        if (!distinct) NOT_TAKEN;
+        PyObject *distinct = PySet_New(ids);
+        if (distinct == NULL) goto error;
+        Py_ssize_t n = PySet_GET_SIZE(distinct);
+        Py_DECREF(distinct);
+        if (n != B) NOT_TAKEN;
     }
 
     /* the five inputs: BF16, the shapes of B sessions and T tokens, their byte lengths */
@@ -655,7 +498,7 @@ static PyObject *parse_step(PyObject *self, PyObject *const *args, Py_ssize_t na
         for (Py_ssize_t i = 0; i < B; i++) {
             uint64_t value;
             if (q >= q_end || read_varint(&q, q_end, &value) != 0 || value > MAX_POSITION - T) NOT_TAKEN;
-            PyObject *n = position_int(value);
+            PyObject *n = PyLong_FromUnsignedLongLong(value);
             if (n == NULL) goto error;
             PyTuple_SET_ITEM(positions, i, n);
         }
@@ -729,12 +572,17 @@ static PyObject *parse_step(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (digests == NULL) goto error;
     result = PyStructSequence_New(&CheckedStepType);
     if (result == NULL) goto error;
+    PyObject *id_tuple = PyList_AsTuple(ids);
+    if (id_tuple == NULL) goto error;
     PyObject *fields[10] = {
-        PyLong_FromUnsignedLongLong(layer), ids, positions, str, inputs, dims, digests,
+        PyLong_FromUnsignedLongLong(layer), id_tuple, positions, str, inputs, dims, digests,
         Py_NewRef(by_reference ? Py_True : Py_False), o_ref_obj, Py_NewRef(speculative ? Py_True : Py_False),
     };
-    if (fields[0] == NULL) goto error;
-    ids = positions = str = inputs = dims = digests = o_ref_obj = NULL; /* the result holds them now */
+    if (fields[0] == NULL) {
+        Py_DECREF(id_tuple);
+        goto error;
+    }
+    positions = str = inputs = dims = digests = o_ref_obj = NULL; /* the result holds them now */
     for (int i = 0; i < 10; i++) PyStructSequence_SET_ITEM(result, i, fields[i]);
     goto done;
 
@@ -746,7 +594,6 @@ not_taken:
 error:
     Py_CLEAR(result);
 done:
-    if (id_bytes != local_ids) PyMem_Free(id_bytes);
     Py_XDECREF(ids);
     Py_XDECREF(positions);
     Py_XDECREF(str);
