@@ -157,6 +157,57 @@ def test_big_inputs_are_checked_by_the_parse():
     assert _wire.parse_step(data, step_limits(shape)) is None  # validation names the input
 
 
+def _id_hash(b: bytes) -> int:
+    """id_hash of gdn_server/_wire.c, written out: to make ids that collide in it."""
+    m, mask, n = 0x9E3779B97F4A7C15, 2**64 - 1, len(b)
+    h, i = n * m & mask, 0
+    while i + 8 <= n:
+        h = (h ^ int.from_bytes(b[i:i + 8], "little")) * m & mask
+        h ^= h >> 29
+        i += 8
+    if i < n:
+        w = int.from_bytes(b[n - 8:], "little") if n >= 8 else int.from_bytes(b, "big")
+        h = (h ^ w) * m & mask
+    return h ^ h >> 32
+
+
+def _ids_agree(ids: list[str], positions=None) -> None:
+    """The C parse of a step of `ids` is what protobuf and validation make of it, twice over (the
+    second time from the C's cached strs and ints), and the duplicate of any one id is refused."""
+    data = plain(B=len(ids), ids=ids, positions=positions).SerializeToString()
+    want = python_work(data)
+    assert want is not None and want[1] == tuple(ids)
+    assert c_work(data) == want and c_work(data) == want
+    for i, j in ((0, len(ids) - 1), (len(ids) // 2, len(ids) // 2 + 1)):
+        dup = plain(B=len(ids), ids=ids[:j] + [ids[i]] + ids[j + 1:]).SerializeToString()
+        assert c_work(dup) is None and python_work(dup) is None
+
+
+@pytest.mark.parametrize("case", ["lengths", "non-ascii", "many", "tails"])
+def test_session_ids_are_checked_for_distinct_ids_as_protobuf_reads_them(case):
+    """Ids of every length around the 8-byte words the C hashes, ASCII or not, more of them than
+    the C keeps on its stack, ids that differ only in the bytes its last word reads twice."""
+    if case == "lengths":
+        ids = ["x" * n for n in range(1, 40)] + ["y" * n for n in range(1, 40)]
+    elif case == "non-ascii":
+        ids = ["é", "e", "é" * 64, "x" * 127 + "é", "ab", "ü-1", "ü-2"]
+    elif case == "many":
+        ids = [f"s{i}" for i in range(700)]
+    else:
+        ids = [f"{a}-{b}-tail" for a in "abcdefgh" for b in range(8)] + ["0123456789", "0123456788"]
+    positions = list(range(len(ids)))
+    _ids_agree(ids, positions)
+    _ids_agree(ids, positions[::-1])
+
+
+def test_ids_that_collide_in_the_c_hash_are_still_checked():
+    """80 ids of one slot of the C's table of 256 (the ids' hashes alike below bit 8): past its
+    probe limit the C checks them with a set instead, and answers the same."""
+    ids = [s for s in (f"c{k}" for k in range(1 << 16)) if _id_hash(s.encode()) & 255 == 0][:80]
+    assert len(ids) == 80
+    _ids_agree(ids)
+
+
 def test_other_encodings_go_to_protobuf():
     data = plain().SerializeToString()
     unknown = data + b"\xa8\x06\x01"  # field 101, varint: protobuf keeps it, the C declines
