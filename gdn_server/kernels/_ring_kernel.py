@@ -281,33 +281,25 @@ def _async_copy_atom():
 
 
 @cute.jit
-def _stage_values(atom, v32: cute.Tensor, sV32: cute.Tensor, head0, group: int, T: int, tidx):
-    """cp.async of the step's values of the CTA's heads (v32 [T, HV, 64] Int32 of one batch row)
-    into sV32 [group, T, 64]: one 16-byte chunk per thread per pass."""
-    n = group * T * 16
+def _stage_rows(atom, src: cute.Tensor, dst: cute.Tensor, head0, group: int, rows: int, chunks: int, tidx):
+    """cp.async of heads head0 .. head0 + group - 1 of src [heads, rows, 4 chunks Int32] into dst
+    [group, rows, 4 chunks]: one 16-byte chunk per thread per pass, no registers held while in
+    flight. The step's values (one batch row's, heads first) and the ring corrections (one pool
+    row's) both come this way."""
+    n = group * rows * chunks
     for it in cutlass.range_constexpr((n + THREADS - 1) // THREADS):
         idx = tidx + it * THREADS
         if idx < n:
-            h = idx // (T * 16)
-            t = (idx // 16) % T
-            ch = idx % 16
-            cute.copy(atom, cute.flat_divide(v32[t, head0 + h, None], (4,))[None, ch],
-                      cute.flat_divide(sV32[h, t, None], (4,))[None, ch])
+            h = idx // (rows * chunks)
+            row = (idx // chunks) % rows
+            ch = idx % chunks
+            cute.copy(atom, cute.flat_divide(src[head0 + h, row, None], (4,))[None, ch],
+                      cute.flat_divide(dst[h, row, None], (4,))[None, ch])
 
 
-@cute.jit
-def _stage_ring_u(atom, u32: cute.Tensor, sU: cute.Tensor, head0, group: int, tidx):
-    """cp.async of the ring corrections of the CTA's heads (u32 [HV, V, 8] Int32 of one pool row)
-    into sU [group, V, 8]: one 16-byte chunk (half a row) per thread per pass."""
-    n = group * HEAD_DIM * 2
-    for it in cutlass.range_constexpr((n + THREADS - 1) // THREADS):
-        idx = tidx + it * THREADS
-        if idx < n:
-            h = idx // (HEAD_DIM * 2)
-            row = (idx // 2) % HEAD_DIM
-            ch = idx % 2
-            cute.copy(atom, cute.flat_divide(u32[head0 + h, row, None], (4,))[None, ch],
-                      cute.flat_divide(sU[h, row, None], (4,))[None, ch])
+def _heads_first(t: cute.Tensor) -> cute.Tensor:
+    """A [T, HV, W] view as [HV, T, W] (the same memory)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0, 2]))
 
 
 @cute.jit
@@ -568,10 +560,10 @@ class RingVerifyKernel:
                     for h in cutlass.range_constexpr(1, group):
                         _prefetch_l2(s32[slot, qh * group + h, None, None], HEAD_DIM * HEAD_DIM * (4 if fp32 else 2))
             atom = _async_copy_atom()
-            _stage_values(atom, v32[b, None, None, None], sV32, qh * group, group, T, tidx)
+            _stage_rows(atom, _heads_first(v32[b, None, None, None]), sV32, qh * group, group, T, 16, tidx)
             # every row's whole ring, P = 0 too: the rows go back whole, and bytes past the new
             # entries must be what was there (a launch's memory is a function of its inputs)
-            _stage_ring_u(atom, u32[slot, None, None, None], sU, qh * group, group, tidx)
+            _stage_rows(atom, u32[slot, None, None, None], sU, qh * group, group, HEAD_DIM, 2, tidx)
             cute.arch.cp_async_commit_group()
             tmp = cute.make_rmem_tensor((4,), Int32)  # thread -> (k|q, token, 16-byte chunk)
             tmp.fill(0)
@@ -848,7 +840,7 @@ class RingFoldKernel:
         if P > 0:  # uniform per CTA
             rS = _state_fragment(fp32)
             _load_state(s32[slot, qh * group, None, None], row0, c, rS, fp32)
-            _stage_ring_u(_async_copy_atom(), u32[slot, None, None, None], sU, qh * group, group, tidx)
+            _stage_rows(_async_copy_atom(), u32[slot, None, None, None], sU, qh * group, group, HEAD_DIM, 2, tidx)
             cute.arch.cp_async_commit_group()
             _stage_ring_keys(rk32[slot, qh, None, None], sRK32, P, tidx)
             if tidx < group * RING:
