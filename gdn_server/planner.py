@@ -278,7 +278,7 @@ class Planner:
             out = b"".join(parts)
         positions = tuple([s.positions[layer] for s in sessions])
         shape = (work.rows, work.tokens, self._heads, self._head_dim)
-        return DecodeResult(out, shape, positions, work.request_id)
+        return DecodeResult(out, shape, positions, work.request_id, replayed=True)
 
     def finish(self, launch: Launch, whole: bytes | memoryview) -> list[DecodeResult]:
         """The answers of a finished launch, one per member in order, from its output `whole`

@@ -30,7 +30,7 @@ from gdn_server.scheduler import Scheduler
 from gdn_server.security import SecurityConfig, load_tokens, server_credentials
 from gdn_server.servicer import GdnDecodeServicer
 from gdn_server.sessions import OwnerQuota, ProcessHomes, SessionTable
-from gdn_server.shared_memory import SharedMemoryRegistry, cuda_opener
+from gdn_server.shared_memory import DeviceAccess, SharedMemoryRegistry
 from gdn_server.snapshot import load_snapshot, save_snapshot
 from gdn_server.tuning import freeze_startup_objects
 from gdn_server.weights import GateParams
@@ -103,7 +103,12 @@ def build_app(settings: ServerSettings) -> GdnApp:
     servicer = GdnDecodeServicer(settings.shape, placement, shards[0].backend.name, homes)
     if settings.shared_memory is not None:
         on_gpu = shards[0].backend.name.startswith("cuda")
-        servicer.shared_memory = SharedMemoryRegistry(settings.shared_memory, cuda_opener() if on_gpu else None)
+        if on_gpu:
+            from gdn_server.kernels import compiled_segments
+
+            compiled_segments(True), compiled_segments(False)  # the check and copy of referenced tensors
+        access = DeviceAccess([shard.backend.device for shard in shards]) if on_gpu else None
+        servicer.shared_memory = SharedMemoryRegistry(settings.shared_memory, access)
     app = GdnApp(settings, placement, servicer)
     sec = settings.security
     tokens = load_tokens(sec.auth_token_file) if sec.auth_token_file else None

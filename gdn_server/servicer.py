@@ -38,8 +38,8 @@ from gdn_server.sessions import ProcessHomes
 from gdn_server.shared_memory import SharedMemoryRegistry
 from gdn_server.state_transfer import StateAssembler, encode_state
 from gdn_server.scheduler import settle
-from gdn_server.validation import decode_work, parse_decode_request, step_limits
-from gdn_server.work import DecodeResult
+from gdn_server.validation import PendingCheck, decode_work, parse_decode_request, step_limits
+from gdn_server.work import DecodeResult, DecodeWork
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +47,28 @@ log = logging.getLogger(__name__)
 
 def decode_response(result: DecodeResult, output: Any = None) -> bytes:
     """The serialized DecodeResponse of a step's result: its reply as encoded; with `output` (a
-    request's o_ref, as a view of its region), o is written there and the reply's o has its dtype
-    and shape only."""
+    request's o_ref, as a view of its region), o is in the region and the reply's o has its dtype
+    and shape only. Host memory gets o here; device memory got it from the launch, on the device
+    (gdn_server/backends/cuda.py), unless the answer is a retry's, from the kept output."""
     if output is None:
         return result.reply
     if type(output) is memoryview:
         output[:] = result.out
-    else:  # device memory: a CUDA uint8 tensor
+    elif result.replayed:  # device memory: a CUDA uint8 tensor
         output.copy_(torch.frombuffer(result.out, dtype=torch.uint8))
     return encode_reply(b"", result.shape, result.positions, result.request_id)
+
+
+async def _checked(pending: PendingCheck) -> DecodeWork:
+    """The DecodeWork of a request whose inputs are checked on their GPU, polled once per turn of
+    the event loop (the check takes tens of microseconds; other requests run meanwhile)."""
+    try:
+        while not pending.ready():
+            await asyncio.sleep(0)
+    except BaseException:  # the call went away: the check's buffers go back all the same
+        pending.abandon()
+        raise
+    return pending.work()
 
 
 def serialize_reply(reply: bytes | gdn_pb2.DecodeResponse) -> bytes:
@@ -105,16 +118,20 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(handlers.service, methods),))
         server.add_registered_method_handlers(handlers.service, methods)
 
-    def _submit_decode(self, request: CheckedStep | gdn_pb2.DecodeRequest, identity: str | None, owner_key: str,
-                       done: Callable[[Any], None], cancelled: Callable[[], bool]) -> tuple[int, Any]:
+    def _decode_work(self, request: CheckedStep | gdn_pb2.DecodeRequest, identity: str | None,
+                     owner_key: str) -> DecodeWork | PendingCheck:
         """Checks a request of the caller `identity` (`owner_key`: its client_key, which also owns
-        its shared-memory regions), counts its bytes as held (`_hold`) and queues it; `done` gets
-        its DecodeResult or GdnError. Returns the bytes held, which the caller releases once the
-        request is answered, and where its output goes (DecodeWork.output, for decode_response).
-        Raises GdnError for what validation finds (nothing held then)."""
+        its shared-memory regions). Raises GdnError for what validation finds; inputs in GPU memory
+        are checked there while the loop serves other requests (a PendingCheck: `_checked`)."""
         regions = self.shared_memory
         resolve = regions.resolver(owner_key) if regions is not None else None
-        work = decode_work(request, self.shape, identity, owner_key, resolve)
+        return decode_work(request, self.shape, identity, owner_key, resolve)
+
+    def _submit_decode(self, work: DecodeWork, done: Callable[[Any], None],
+                       cancelled: Callable[[], bool]) -> tuple[int, Any]:
+        """Counts a checked request's bytes as held (`_hold`) and queues it; `done` gets its
+        DecodeResult or GdnError. Returns the bytes held, which the caller releases once the
+        request is answered, and where its output goes (DecodeWork.output, for decode_response)."""
         shard = self.placement.shard_for(work.session_ids)
         nbytes = work.nbytes
         self._hold(nbytes)
@@ -132,8 +149,10 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
         nbytes = 0
         try:
             identity = current_identity()
-            nbytes, output = self._submit_decode(request, identity, client_key(identity, context), settle(fut),
-                                                 fut.cancelled)
+            work = self._decode_work(request, identity, client_key(identity, context))
+            if type(work) is PendingCheck:
+                work = await _checked(work)
+            nbytes, output = self._submit_decode(work, settle(fut), fut.cancelled)
             result = await fut
             code = grpc.StatusCode.OK
         except GdnError as e:  # its status is set by gdn_server.calls
@@ -160,9 +179,10 @@ class GdnDecodeServicer(gdn_pb2_grpc.GdnDecodeServicer):
                     answer = _Answer(stream, request.request_id, 0)
                     stream.answers.append(answer)
                     try:
-                        answer.nbytes, answer.output = self._submit_decode(
-                            request, identity, owner_key, answer, stream.is_closed
-                        )
+                        work = self._decode_work(request, identity, owner_key)
+                        if type(work) is PendingCheck:
+                            work = await _checked(work)
+                        answer.nbytes, answer.output = self._submit_decode(work, answer, stream.is_closed)
                         stream.held_bytes += answer.nbytes
                     except GdnError as e:
                         answer(e)

@@ -10,6 +10,11 @@ that does not exist. A region is mapped once, at registration:
 - cuda: device memory of another process, opened from its CUDA IPC handle on the GPU it lives on
   (gdn_client.proto.cuda_ipc), on a server whose backend is CUDA.
 
+On a CUDA server (`DeviceAccess`) a system region is also page-locked at registration, so that
+the backend copies its big tensors to the GPU by DMA instead of through its staging buffer, and
+tensors in CUDA regions are checked on their GPU (`DeviceAccess.check`: one kernel launch and one
+wait per request) and copied by the backend on the device: nothing of theirs crosses the host.
+
 It is unmapped when its owner unregisters it, when no request has used it for `idle_s` (a client
 that died must not pin memory for ever: `sweep`), and at shutdown (`close`). A request that holds
 views of a region keeps that memory mapped until it is answered (the views hold the mapping), so
@@ -18,11 +23,12 @@ unmapping never pulls memory from under a step in flight. Each owner holds at mo
 
 `resolver(owner)` is what the wire layer (gdn_server.validation) gets: a function from (region,
 offset, byte count) to a view of those bytes (a writable memoryview for system memory, a CUDA
-uint8 tensor for device memory), raising NotFound or InvalidArgument. Nothing below the wire layer
-learns about regions.
+uint8 tensor for device memory), raising NotFound or InvalidArgument, with the check of tensors
+in device memory as its `check_device`. Nothing below the wire layer learns about regions.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -43,6 +49,62 @@ CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 
 # What resolve() returns: a memoryview of system memory, or a CUDA uint8 tensor
 Resolver = Callable[[str, int, int], Any]
+# (bf16 CUDA tensors [rows, ...] of one request, rows) -> (index of the first holding a NaN or
+# Inf, or None; each row's digest): how the wire layer checks tensors in device memory
+DeviceCheck = Callable[[list, int], tuple[int | None, tuple[int, ...]]]
+
+
+class DeviceAccess:
+    """What a registry on a CUDA server does with the GPUs `devices`: opens CUDA IPC handles,
+    page-locks system regions and checks tensors in device memory (gdn_server.kernels.TensorScan,
+    one per device). Imports torch and the kernels only when made."""
+
+    def __init__(self, devices: list) -> None:
+        import torch
+
+        from gdn_client.proto.cuda_ipc import CudaIpcError, open_handle
+
+        self._torch = torch
+        self._devices = [torch.device(d) for d in devices]
+        self._open_handle, self._ipc_error = open_handle, CudaIpcError
+        self._scans: dict = {}
+
+    def open_cuda(self, handle: bytes, device: int, nbytes: int) -> tuple[Any, Callable[[], None]]:
+        """The CUDA uint8 tensor of a CUDA IPC handle's memory and its close; InvalidArgument for a
+        handle that does not open (it names no region)."""
+        try:
+            return self._open_handle(handle, device, nbytes)
+        except self._ipc_error as e:
+            raise InvalidArgument(f"CUDA IPC handle on device {device} does not open: {e}") from None
+
+    def pin(self, address: int, nbytes: int) -> Callable[[], None] | None:
+        """Page-locks host memory for DMA; returns its unpin (which first waits for the devices'
+        queued work, some of which may still read it), or None where the driver refuses (the
+        region then works through the staging buffer)."""
+        cudart = self._torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(address, nbytes, 0)) != 0:
+            clear = getattr(cudart, "cudaGetLastError", None)
+            if clear is not None:  # the error is not sticky, but torch's next launch check would see it
+                clear()
+            log.warning("a system shared-memory region could not be page-locked; its tensors go through staging")
+            return None
+
+        def unpin() -> None:
+            for device in self._devices:
+                self._torch.cuda.synchronize(device)
+            cudart.cudaHostUnregister(address)
+
+        return unpin
+
+    def check(self, tensors: list, rows: int) -> tuple[int | None, tuple[int, ...]]:
+        """`DeviceCheck` on the tensors' device."""
+        device = tensors[0].device
+        scan = self._scans.get(device)
+        if scan is None:
+            from gdn_server.kernels import TensorScan
+
+            scan = self._scans[device] = TensorScan(device)
+        return scan(tensors, rows)
 
 
 class Region:
@@ -79,11 +141,10 @@ class Region:
 class SharedMemoryRegistry:
     """Every registered region of a server process, by (owner, name)."""
 
-    def __init__(self, limits: SharedMemoryLimits, open_cuda: Callable[[bytes, int, int], tuple[Any, Callable[[], None]]] | None = None,
+    def __init__(self, limits: SharedMemoryLimits, device: DeviceAccess | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
-        # (ipc handle, device, byte_size) -> (CUDA uint8 tensor, close); None: no CUDA backend
-        self._open_cuda = open_cuda
+        self._device = device  # None: no CUDA backend (no CUDA regions, no page-locking)
         self._clock = clock
         self._regions: dict[tuple[str, str], Region] = {}
         self._held: dict[str, tuple[int, int]] = {}  # owner -> (regions, bytes)
@@ -93,7 +154,7 @@ class SharedMemoryRegistry:
 
     @property
     def accepts_cuda(self) -> bool:
-        return self._open_cuda is not None
+        return self._device is not None
 
     def register(self, owner: str, name: str, byte_size: int, *, system: tuple[str, int] | None = None,
                  cuda: tuple[bytes, int] | None = None) -> Region:
@@ -119,17 +180,18 @@ class SharedMemoryRegistry:
                 f"this region would add {byte_size}"
             )
         if system is not None:
-            memory, release = map_system(system[0], system[1], byte_size)
+            memory, release = map_system(system[0], system[1], byte_size,
+                                         None if self._device is None else self._device.pin)
             kind = "system"
         else:
             handle, device = cuda
-            if self._open_cuda is None:
+            if self._device is None:
                 raise FailedPrecondition("CUDA shared memory needs a server on the CUDA backend; this one runs on the CPU")
             if len(handle) != CUDA_IPC_HANDLE_BYTES:
                 raise InvalidArgument(f"a CUDA IPC handle has {CUDA_IPC_HANDLE_BYTES} bytes, got {len(handle)}")
             if device < 0:
                 raise InvalidArgument(f"CUDA device {device} is not a device ordinal")
-            memory, release = self._open_cuda(handle, device, byte_size)
+            memory, release = self._device.open_cuda(handle, device, byte_size)
             kind = "cuda"
         region = Region(owner, name, kind, byte_size, memory, release, self._clock())
         self._regions[(owner, name)] = region
@@ -161,6 +223,7 @@ class SharedMemoryRegistry:
             region.last_used = clock()
             return region.view(offset, nbytes)
 
+        resolve.check_device = None if self._device is None else self._device.check  # type: ignore[attr-defined]
         return resolve
 
     def sweep(self) -> list[Region]:
@@ -188,11 +251,13 @@ class SharedMemoryRegistry:
         region.unmap()
 
 
-def map_system(key: str, offset: int, byte_size: int) -> tuple[memoryview, Callable[[], None]]:
+def map_system(key: str, offset: int, byte_size: int,
+               pin: Callable[[int, int], Callable[[], None] | None] | None = None) -> tuple[memoryview, Callable[[], None]]:
     """Maps bytes [offset, offset + byte_size) of the shm object `key` read-write: its memoryview
-    and the function that unmaps it (at once, or once the last view of it is gone).
-    InvalidArgument where `key` is not a plain shm_open name, or the object is not there, not a
-    regular file the server may read and write, or smaller than offset + byte_size."""
+    and the function that unmaps it (at once, or once the last view of it is gone), page-locked
+    by `pin` (address, bytes) -> unpin where given. InvalidArgument where `key` is not a plain
+    shm_open name, or the object is not there, not a regular file the server may read and write,
+    or smaller than offset + byte_size."""
     if SHM_KEY.fullmatch(key) is None or key in ("/.", "/.."):
         raise InvalidArgument(f"shared-memory key {key[:64]!r} is not a plain shm_open name (\"/name\", no other '/')")
     try:
@@ -212,10 +277,18 @@ def map_system(key: str, offset: int, byte_size: int) -> tuple[memoryview, Calla
                             offset=start)
     finally:
         os.close(fd)
+    unpin = None
+    if pin is not None:
+        anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's address (the export ends with it)
+        address = ctypes.addressof(anchor)
+        del anchor
+        unpin = pin(address, len(mapping))
     whole = memoryview(mapping)
     view = whole[offset - start:]
 
     def release() -> None:
+        if unpin is not None:  # before the unmap, and once no queued copy reads it
+            unpin()
         view.release()
         whole.release()
         try:
@@ -224,17 +297,3 @@ def map_system(key: str, offset: int, byte_size: int) -> tuple[memoryview, Calla
             pass
 
     return view, release
-
-
-def cuda_opener() -> Callable[[bytes, int, int], tuple[Any, Callable[[], None]]]:
-    """What a registry on the CUDA backend opens CUDA regions with: gdn_client.proto.cuda_ipc's
-    open_handle, its failures as InvalidArgument (a handle that does not open names no region)."""
-    from gdn_client.proto.cuda_ipc import CudaIpcError, open_handle
-
-    def open_cuda(handle: bytes, device: int, nbytes: int) -> tuple[Any, Callable[[], None]]:
-        try:
-            return open_handle(handle, device, nbytes)
-        except CudaIpcError as e:
-            raise InvalidArgument(f"CUDA IPC handle on device {device} does not open: {e}") from None
-
-    return open_cuda

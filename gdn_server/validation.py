@@ -11,8 +11,9 @@ inputs become float tensors here.
 
 Every input leaves here checked for NaN/Inf: bf16 bytes by gdn_server._wire (the parse, or
 `checked_digests` for the rest: one rule, in the same pass as the digests), f16/f32 bytes by
-gdn_client.proto.checks, inputs in device memory on their device (`device_checks`). Nothing
-after validation checks them again.
+gdn_client.proto.checks, a request with any input in device memory on that device, all of its
+inputs together (the check the resolver brings, `resolve.check_device`: one kernel launch and one
+wait). Nothing after validation checks them again.
 
 Tensors by reference (TensorRef, into a shared-memory region the caller registered) become views
 of the region here, through the `resolve` function the servicer passes for the caller
@@ -28,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gdn_client.proto.checks import (
-    ITEMSIZE_OF, WireFormatError, check_layout, describe_shape, finite_flags, has_nonfinite,
+    ITEMSIZE_OF, WireFormatError, check_layout, describe_shape, has_nonfinite,
     torch_dtypes,
 )
 from gdn_client.proto.gdn.v1 import gdn_pb2
@@ -72,7 +73,7 @@ def parse_decode_request(data: bytes, limits: StepLimits) -> CheckedStep | gdn_p
 
 
 def decode_work(request: CheckedStep | gdn_pb2.DecodeRequest, shape: ModelShape, owner: str | None = None,
-                owner_key: str | None = None, resolve: Resolve | None = None) -> DecodeWork:
+                owner_key: str | None = None, resolve: Resolve | None = None) -> "DecodeWork | PendingCheck":
     """The DecodeWork of a `parse_decode_request` result, owned by `owner` (its quota key
     `owner_key`), its tensor references resolved by `resolve` (None: the server takes none).
     Raises InvalidArgument with a precise reason (NotFound for an unknown region)."""
@@ -90,7 +91,7 @@ def decode_work(request: CheckedStep | gdn_pb2.DecodeRequest, shape: ModelShape,
 def decode_work_from_request(
     req: gdn_pb2.DecodeRequest, shape: ModelShape, owner: str | None = None, owner_key: str | None = None,
     resolve: Resolve | None = None,
-) -> DecodeWork:
+) -> "DecodeWork | PendingCheck":
     """Checks a DecodeRequest against the model shape; raises InvalidArgument with a precise reason.
     Tensor references are resolved with `resolve` (see `Resolve`; None: FailedPrecondition)."""
     L = shape.num_layers
@@ -136,11 +137,11 @@ def decode_work_from_request(
         layer=layer, session_ids=session_ids, positions=positions, request_id=request_id,
         speculative=speculative, owner=owner, owner_key=owner_key, output=output,
     )
-    return _checked_work(common, raw, dtypes, dims)
+    return _checked_work(common, raw, dtypes, dims, resolve)
 
 
 def _step_by_reference(step: CheckedStep, shape: ModelShape, owner: str | None, owner_key: str | None,
-                       resolve: Resolve | None) -> DecodeWork:
+                       resolve: Resolve | None) -> "DecodeWork | PendingCheck":
     """The DecodeWork of a step checked by the C parse with inputs or o by reference."""
     refs = [x if type(x) is tuple else None for x in step.inputs]
     inline = [b"" if ref is not None else x for x, ref in zip(step.inputs, refs)]
@@ -149,7 +150,7 @@ def _step_by_reference(step: CheckedStep, shape: ModelShape, owner: str | None, 
         layer=step.layer, session_ids=step.session_ids, positions=step.positions, request_id=step.request_id,
         speculative=step.speculative, owner=owner, owner_key=owner_key, output=output,
     )
-    return _checked_work(common, raw, _ALL_BF16, step.dims)
+    return _checked_work(common, raw, _ALL_BF16, step.dims, resolve)
 
 
 def _resolved(raw: Sequence[Any], refs: Sequence[tuple[str, int] | None], o_ref: tuple[str, int] | None,
@@ -181,8 +182,36 @@ def _resolved(raw: Sequence[Any], refs: Sequence[tuple[str, int] | None], o_ref:
     return tuple(out), output
 
 
-def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequence[tuple[int, ...]]) -> DecodeWork:
-    """The DecodeWork of resolved inputs of checked layout: their NaN/Inf check and digests."""
+class PendingCheck:
+    """A request whose inputs are being checked on their GPU (`resolve.check_device`, started):
+    the caller polls `ready()` (the event loop serves others meanwhile), then `work()` is its
+    DecodeWork, or raises InvalidArgument for a NaN or Inf."""
+
+    __slots__ = ("_common", "_tensors", "_scan")
+
+    def __init__(self, common: dict, tensors: dict, scan: Any) -> None:
+        self._common, self._tensors, self._scan = common, tensors, scan
+
+    def ready(self) -> bool:
+        return self._scan.ready()
+
+    def abandon(self) -> None:
+        """Ends the check unread (its request will not be queued)."""
+        self._scan.result()
+
+    def work(self) -> DecodeWork:
+        bad, digests = self._scan.result()
+        if bad is not None:
+            raise nonfinite_input(INPUT_NAMES[bad])
+        return DecodeWork(**self._common, **self._tensors, digests=digests)
+
+
+def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequence[tuple[int, ...]],
+                  resolve: Resolve | None = None) -> DecodeWork | PendingCheck:
+    """The DecodeWork of resolved inputs of checked layout: their NaN/Inf check and digests. A
+    request with an input in device memory gets all five there as bf16 (its host inputs copied
+    over, its other dtypes cast), checked there by `resolve.check_device` (a PendingCheck), and
+    the backend copies them on the device."""
     B = len(common["session_ids"])
     on_device = [type(r) is torch.Tensor for r in raw]
     if tuple(dtypes) == _ALL_BF16 and not any(on_device):
@@ -191,20 +220,33 @@ def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequenc
             raise nonfinite_input(INPUT_NAMES[bad])
         return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), digests=digests)
     tensors = {}
-    for name, dtype, d, data, device in zip(INPUT_NAMES, dtypes, dims, raw, on_device):
+    if any(on_device):
+        device = next(r.device for r, there in zip(raw, on_device) if there)
+        made = False  # whether any input was copied or cast here
+        for name, dtype, d, data, there in zip(INPUT_NAMES, dtypes, dims, raw, on_device):
+            torch_dtype = TORCH_DTYPE[dtype]
+            if there and data.data_ptr() % ITEMSIZE_OF[dtype] == 0:
+                t = data.view(torch_dtype)
+            elif there:  # a reference at an offset its dtype's elements do not start on
+                t = data.clone().view(torch_dtype)
+                made = True
+            else:  # a message's bytes or host shared memory, beside device inputs: one copy over
+                t = torch.frombuffer(data, dtype=torch_dtype) if len(data) else torch.empty(0, dtype=torch_dtype)
+                t = t.to(device)
+                made = True
+            if torch_dtype is not torch.bfloat16:
+                t = t.to(torch.bfloat16)
+                made = True
+            tensors[name] = t.view(d)
+        if made:  # those copies run on the thread's current stream; the check runs on its own
+            torch.cuda.current_stream(device).synchronize()
+        return PendingCheck(common, tensors, resolve.check_device(list(tensors.values()), B))
+    for name, dtype, d, data in zip(INPUT_NAMES, dtypes, dims, raw):
         torch_dtype = TORCH_DTYPE[dtype]
-        if device:
-            tensors[name] = data.view(torch_dtype).view(d)
-            continue
         if len(data) and has_nonfinite(data, dtype):
             raise nonfinite_input(name)
         tensors[name] = (torch.frombuffer(data, dtype=torch_dtype) if len(data) else torch.empty(0, dtype=torch_dtype)).view(d)
-    if any(on_device):
-        bad, digests = device_checks(tuple(tensors.values()), B)
-        if bad is not None:
-            raise nonfinite_input(INPUT_NAMES[bad])
-    else:
-        digests = checked_digests(raw, B, False)[1]  # f16/f32: checked above
+    digests = checked_digests(raw, B, False)[1]  # f16/f32: checked above
     return DecodeWork(**common, **tensors, digests=digests)
 
 
@@ -219,26 +261,13 @@ def _resolve(ref: tuple[str, int], nbytes: int, name: str, resolve: Resolve | No
     view = resolve(region, start, nbytes)  # NotFound, or InvalidArgument past the region's end
     end = start + nbytes
     if name == "o_ref":
+        if type(view) is torch.Tensor and view.data_ptr() % 2:  # the launch writes o there in bf16 words
+            raise InvalidArgument(f"o_ref offset {start} in CUDA memory is odd: o is bf16, so it starts on an even byte")
         for other_region, s, e, other in spans:
             if other_region == region and start < e and s < end:
                 raise InvalidArgument(f"o_ref overlaps input {other} in region {region!r}: outputs go where no input is")
     spans.append((region, start, end, name))
     return view
-
-
-def device_checks(tensors: Sequence[torch.Tensor], rows: int) -> tuple[int | None, tuple[int, ...]]:
-    """The checks of inputs of which some live in CUDA memory, on that device, with one wait for
-    it: the index of the first input holding a NaN or Inf (None: none does), and each session's
-    digest (a weighted sum of its row's 16-bit words, the weights a fixed odd sequence, modulo
-    2^32), what a retry through the same memory must match."""
-    device = next((t.device for t in tensors if t.is_cuda), torch.device("cpu"))
-    on = [t.to(device) for t in tensors]
-    finite = finite_flags(on)
-    words = torch.cat([t.reshape(rows, -1).view(torch.int16).to(torch.int64) & 0xFFFF for t in on], dim=1)
-    weights = torch.arange(words.shape[1], device=device, dtype=torch.int64) * 2 + 1
-    answer = torch.cat([finite, (words * weights).sum(dim=1) & 0xFFFFFFFF]).tolist()
-    bad = next((i for i, ok in enumerate(answer[:len(on)]) if not ok), None)
-    return bad, tuple(answer[len(on):])
 
 
 def _malformed_session_id(sid: str) -> InvalidArgument:

@@ -109,15 +109,18 @@ class DecodeResult:
     dataclass: one is made per answered request, and a frozen dataclass's __init__ costs several
     times more. Not changed once made."""
 
-    __slots__ = ("reply", "out", "shape", "positions", "request_id")
+    __slots__ = ("reply", "out", "shape", "positions", "request_id", "replayed")
 
     def __init__(self, out: bytes | memoryview, shape: tuple[int, ...], positions: tuple[int, ...],
-                 request_id: str = "") -> None:
+                 request_id: str = "", replayed: bool = False) -> None:
         self.reply = encode_reply(out, shape, positions, request_id)
         self.out = reply_o_data(self.reply)
         self.shape = shape
         self.positions = positions
         self.request_id = request_id
+        # answered from a kept output, not by a launch: an o_ref in device memory, which a launch
+        # writes itself (gdn_server/backends/cuda.py), is written from `out` instead
+        self.replayed = replayed
 
     def __repr__(self) -> str:
         return (f"DecodeResult(out=<{len(self.out)} bytes>, shape={self.shape}, positions={self.positions}, "

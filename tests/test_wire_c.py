@@ -422,21 +422,6 @@ def test_a_shape_of_thousands_of_dims_is_named_briefly():
     assert len(str(refused.value)) < 200
 
 
-def test_device_checks_find_nonfinite_inputs_and_digest_each_row_alone():
-    """What validation checks of inputs in GPU memory (here on the CPU, the same torch code): the
-    first input with a NaN or Inf, and per-row digests that do not depend on the other rows."""
-    gen = torch.Generator().manual_seed(4)
-    x = random_inputs(3, 2, 2, 4, 8, gen=gen, dtype=torch.bfloat16)
-    tensors = [x[n] for n in "qkvab"]
-    bad, digests = validation.device_checks(tensors, 3)
-    assert bad is None and len(set(digests)) == 3
-    _, alone = validation.device_checks([t[1:2] for t in tensors], 1)
-    assert alone == digests[1:2]
-    x["v"][2, 1, 0, 3] = float("inf")
-    x["a"][0, 0, 1] = float("nan")
-    assert validation.device_checks([x[n] for n in "qkvab"], 3)[0] == 2  # v comes before a
-
-
 def test_the_c_parse_takes_steps_by_reference():
     data = plain(B=2, T=2, refs="qvb", o_ref=("r", 4096)).SerializeToString()
     step = _wire.parse_step(data, LIMITS)

@@ -8,9 +8,10 @@ nothing else of the client. Importing this module loads no torch, so a tool that
 messages needs none.
 
 The NaN/Inf rule lives here: a value is refused when its exponent bits are all ones. The checks
-below apply it to raw bytes (numpy, one thread), to big host tensors (`all_finite`, torch's
-threads) and to tensors in GPU memory (`finite_flags`); gdn_server/_wire.c applies the same rule
-to a plain step's bf16 bytes as it parses them (tests/test_wire_c.py checks it against these).
+below apply it to raw bytes (numpy, one thread) and to big host tensors (`all_finite`, torch's
+threads); gdn_server/_wire.c applies the same rule to a plain step's bf16 bytes as it parses them
+(tests/test_wire_c.py checks it against these), and gdn_server/kernels/_segments.py to bf16
+tensors in GPU memory.
 """
 from __future__ import annotations
 
@@ -151,14 +152,6 @@ def torch_dtypes() -> dict[int, torch.dtype]:
     import torch
 
     return {gdn_pb2.BF16: torch.bfloat16, gdn_pb2.F16: torch.float16, gdn_pb2.F32: torch.float32}
-
-
-def finite_flags(tensors: "list[torch.Tensor] | tuple[torch.Tensor, ...]") -> torch.Tensor:
-    """For each float tensor, whether it holds no NaN or Inf, as one int64 tensor on their device
-    (1: finite), so that tensors in GPU memory are checked without a wait per tensor."""
-    import torch
-
-    return torch.stack([torch.isfinite(t).all() for t in tensors]).to(torch.int64)
 
 
 def all_finite(x: torch.Tensor) -> bool:

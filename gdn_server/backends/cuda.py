@@ -16,7 +16,11 @@ Per batch, on the backend's own stream:
   3. one launch over all rows (mixed sessions, clients and layers): `gdn_decode` (after a
      `ring_fold` where some row has P > 0), or `ring_verify`;
   4. one device-to-host copy of the outputs into pinned memory, and an event.
-`submit` returns at once; `result()` waits for the event. A ring of staging sets lets the scheduler
+A launch with tensors in a client's shared memory that the device reads where they are (CUDA
+memory; page-locked host memory for inputs of PARALLEL_COPY_BYTES or more) copies them into the
+device buffer after step 2, by one `segments_copy` (DMA for host memory), and writes outputs whose
+o_ref is CUDA memory there after step 4 by one more (`_referenced_steps`); such a launch runs
+directly, not as a graph. `submit` returns at once; `result()` waits for the event. A ring of staging sets lets the scheduler
 assemble batch n+1 while batch n runs: a set is reused only after its previous event completed.
 Small launches (GRAPH_MAX_ROWS rows; plain T=1 steps and verifies of every T) replay steps 2-4
 as a CUDA graph captured per staging set at warm-up; bigger ones up to the largest of GRAPH_BUCKETS
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +121,7 @@ class _Staging:
         self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}  # (kind, R, T) -> launch
         # `host` and `out_host` as tensors on the device (MAPPED_MAX_ROWS), made on first use
         self._mapped: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._segments: _SegmentTable | None = None  # made on the first launch with referenced tensors
 
     def mapped(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The pinned input and output buffers as device tensors at the same memory."""
@@ -151,6 +157,25 @@ class _Staging:
     @property
     def capacity(self) -> int:
         return self.host.numel()
+
+    def segment_table(self, segments: int) -> "_SegmentTable":
+        """This set's table of `segments_copy` segments, with room for `segments` of them."""
+        table = self._segments
+        if table is None or table.host_tensor.shape[0] < segments:
+            table = self._segments = _SegmentTable(self.device, max(64, 2 * segments))
+        return table
+
+
+class _SegmentTable:
+    """A pinned table of segments (kernels.SEGMENT_FIELDS int64 each) and its device twin."""
+
+    def __init__(self, device: torch.device, rows: int) -> None:
+        from gdn_server.kernels import SEGMENT_FIELDS
+
+        self.host_tensor = torch.zeros(rows, SEGMENT_FIELDS, dtype=torch.int64, pin_memory=True)
+        self.host_mem = memoryview(self.host_tensor.numpy()).cast("B")
+        self.dev = torch.empty(rows, SEGMENT_FIELDS, dtype=torch.int64, device=device)
+        self.scratch = torch.zeros(1, dtype=torch.int32, device=device)  # the copy's unused flag outputs
 
 
 @dataclass(frozen=True)
@@ -285,20 +310,79 @@ class CudaBackend(Backend):
         views = staging.views_for(plan, (rows, T))
 
         # 1. requests -> pinned staging: a memcpy per request and input for bf16 requests, a
-        #    casting copy for f16/f32 ones; no per-row work
-        _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
-        graph = staging.graphs.get((kind, rows, T))
+        #    casting copy for f16/f32 ones; no per-row work. Inputs the device reads where they
+        #    are (a client's shared memory) come back, to be copied on the device.
+        on_device = _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
+        out_refs = [w for w in batch.works if type(w.output) is torch.Tensor]
         # The backend's stream (and its device) becomes the thread's current one and stays so:
         # whatever else runs CUDA work on this thread names its stream itself. Entering and leaving
         # a torch.cuda.stream() context per launch cost about as much host time as the graph's
         # replay (bench/DECISIONS.md, entry 8).
         torch.cuda.set_stream(self.stream)
-        if graph is not None:  # steps 2-4 as captured for this staging set, kind and (rows, T)
-            graph.replay()
+        if on_device or out_refs:
+            self._referenced_steps(batch, staging, views, kind, on_device, out_refs)
         else:
-            self._device_steps(views, kind)
+            graph = staging.graphs.get((kind, rows, T))
+            if graph is not None:  # steps 2-4 as captured for this staging set, kind and (rows, T)
+                graph.replay()
+            else:
+                self._device_steps(views, kind)
         staging.done.record(self.stream)
         return _CudaStep(staging, views, self.device, R)
+
+    def _referenced_steps(self, batch: StepBatch, staging: _Staging, views: _Views, kind: str,
+                          on_device: list[tuple[torch.Tensor, int, int]], out_refs: list) -> None:
+        """A launch's device work where some inputs or outputs are a client's shared memory the
+        device reads or writes in place: `_device_steps` with the inputs copied from there into
+        the device buffer after its host copy (CUDA memory by one `segments_copy`, page-locked
+        host memory by DMA) and the outputs of `out_refs` (requests whose o_ref is CUDA memory)
+        copied into their regions by one more `segments_copy` (torch's copies for memory of
+        another GPU, which this device's kernels do not address)."""
+        from gdn_server.kernels import segments_copy
+
+        here = self.device
+        dev_base = staging.dev.data_ptr()
+        segments = []  # (src, dst, row words, rows) in this device's memory
+        copies = []  # (source, offset) for torch to copy: page-locked host memory, another GPU's memory
+        for src, offset, n in on_device:
+            if src.device == here:
+                segments.append((src.data_ptr(), dev_base + offset, src.numel() // n, n))  # bf16: a word each
+            else:
+                copies.append((src.reshape(-1).view(torch.uint8), offset))
+        n_in = len(segments)
+        elsewhere = []  # (output view, region) for outputs on another GPU
+        if out_refs:
+            row_bytes = views.out_dev[0].numel() * 2
+            out_base, row = views.out_dev.data_ptr(), 0
+            out_bytes = views.out_dev.view(-1).view(torch.uint8)
+            for w in batch.works:
+                n = len(w.session_ids)
+                if type(w.output) is torch.Tensor:
+                    if w.output.device == here:
+                        segments.append((out_base + row * row_bytes, w.output.data_ptr(), row_bytes // 2, n))
+                    else:
+                        elsewhere.append((out_bytes[row * row_bytes:(row + n) * row_bytes], w.output))
+                row += n
+        table = staging.segment_table(len(segments))
+        if segments:  # each row (src, dst, row words, rows, 0, 0): struct packs a flat list fastest
+            struct.pack_into(f"{6 * len(segments)}q", table.host_mem, 0,
+                             *[v for seg in segments for v in (*seg, 0, 0)])
+        # 2. the host buffer's copy, then what the device reads where it is
+        views.dev_all.copy_(views.host_all, non_blocking=True)
+        for src, offset in copies:  # a DMA each
+            staging.dev[offset:offset + src.numel()].copy_(src, non_blocking=True)
+        if segments:
+            table.dev[: len(segments)].copy_(table.host_tensor[: len(segments)], non_blocking=True)
+        if n_in:
+            segments_copy(table.dev[:n_in], table.scratch, max(n for *_, n in segments[:n_in]))
+        # 3. the kernels
+        self._launch_kernel(views.dev, views.out_dev, kind)
+        # 4. the outputs: to the host buffer (answers, retries) and to the regions that asked
+        views.out_host.copy_(views.out_dev, non_blocking=True)
+        if len(segments) > n_in:
+            segments_copy(table.dev[n_in:len(segments)], table.scratch, max(n for *_, n in segments[n_in:]))
+        for out, region in elsewhere:
+            region.copy_(out, non_blocking=True)
 
     def _device_steps(self, views: _Views, kind: str) -> None:
         """A launch's device work, on the current stream, from a filled staging set."""

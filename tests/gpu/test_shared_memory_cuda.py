@@ -1,7 +1,9 @@
 """Tensors in GPU memory through CUDA IPC between two processes: this test (the client, its
 region from gdn_client) and a real server process on the GPU with --allow-shared-memory. The
 outputs equal those of the same inputs sent inline, bit for bit, in the region and in the reply;
-a host region works on the GPU server too; the server refuses a handle that does not open.
+a host region works on the GPU server too (big tensors by DMA from the page-locked region); a
+request with a NaN in GPU memory is refused with nothing applied; f32 tensors and a mix of region
+and inline tensors work; the server refuses a handle that does not open.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from gdn_client import Client
+from gdn_client import Client, InvalidArgumentError
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from servers import start_server
 from util import random_inputs
@@ -21,14 +23,14 @@ NAMES = "qkvab"
 @pytest.fixture(scope="module")
 def gpu_server():
     with start_server("--device", "cuda", "--devices", "0", "--layers", "2", "--q-heads", str(H), "--v-heads",
-                      str(HV), "--max-sessions", "64", "--allow-shared-memory", timeout=600) as server:
+                      str(HV), "--max-sessions", "160", "--allow-shared-memory", timeout=600) as server:
         yield server
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
-def test_region_tensors_equal_inline_tensors(gpu_server, device):
+@pytest.mark.parametrize("B", [8, 64])  # 64: v is 512 KiB, what a page-locked host region sends by DMA
+def test_region_tensors_equal_inline_tensors(gpu_server, device, B):
     with Client(gpu_server.address) as client:
-        B = 8
         inline = [client.create_session() for _ in range(B)]
         shared = [client.create_session(colocate_with=inline[0]) for _ in range(B)]
         with client.shared_memory(8 << 20, device=device) as mem:
@@ -44,6 +46,43 @@ def test_region_tensors_equal_inline_tensors(gpu_server, device):
                 want = client.decode_batch(step % 2, inline, *x.values())
                 assert got.device.type == device and torch.equal(got.cpu(), want)
                 mem.reset()
+        for s_ in inline + shared:
+            client.close_session(s_)
+
+
+def test_a_nan_in_gpu_memory_is_refused_with_nothing_applied_and_f32_and_mixes_work(gpu_server):
+    with Client(gpu_server.address) as client:
+        B = 4
+        inline = [client.create_session() for _ in range(B)]
+        shared = [client.create_session(colocate_with=inline[0]) for _ in range(B)]
+        with client.shared_memory(4 << 20, device="cuda") as mem:
+            gen = torch.Generator().manual_seed(11)
+            x = random_inputs(B, 1, H, HV, gen=gen, dtype=torch.bfloat16)
+            t = {n: mem.tensor(x[n].shape) for n in NAMES}
+            for n in NAMES:
+                t[n].copy_(x[n])
+            t["v"][1, 0, 3, 5] = float("nan")
+            torch.cuda.synchronize()
+            with pytest.raises(InvalidArgumentError, match="v has NaN"):
+                client.decode_batch(0, shared, *t.values())
+            # nothing applied: the same sessions then step as their inline twins do
+            x32 = random_inputs(B, 1, H, HV, gen=gen, dtype=torch.float32)
+            mem.reset()
+            t = {n: mem.tensor(x32[n].shape, dtype=torch.float32) for n in NAMES}
+            for n in NAMES:
+                t[n].copy_(x32[n])
+            torch.cuda.synchronize()
+            got = client.decode_batch(0, shared, *t.values())
+            want = client.decode_batch(0, inline, *x32.values())
+            assert torch.equal(got.cpu(), want)
+            mixed = random_inputs(B, 1, H, HV, gen=gen, dtype=torch.bfloat16)
+            mem.reset()
+            q = mem.tensor(mixed["q"].shape)
+            q.copy_(mixed["q"])
+            torch.cuda.synchronize()
+            got = client.decode_batch(0, shared, q, *(mixed[n] for n in "kvab"))
+            want = client.decode_batch(0, inline, *mixed.values())
+            assert torch.equal(got.cpu(), want)
 
 
 def test_a_handle_that_does_not_open_is_invalid_argument(gpu_server):
