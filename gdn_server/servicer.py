@@ -48,13 +48,14 @@ log = logging.getLogger(__name__)
 def decode_response(result: DecodeResult, output: Any = None) -> bytes:
     """The serialized DecodeResponse of a step's result: its reply as encoded; with `output` (a
     request's o_ref, as a view of its region), o is in the region and the reply's o has its dtype
-    and shape only. Host memory gets o here; device memory got it from the launch, on the device
+    and shape only. A memoryview (host memory) gets o here; a tensor (CUDA memory, or big
+    page-locked host memory: gdn_server.shared_memory) got it from the launch
     (gdn_server/backends/cuda.py), unless the answer is a retry's, from the kept output."""
     if output is None:
         return result.reply
     if type(output) is memoryview:
         output[:] = result.out
-    elif result.replayed:  # device memory: a CUDA uint8 tensor
+    elif result.replayed:  # a uint8 tensor
         output.copy_(torch.frombuffer(result.out, dtype=torch.uint8))
     return encode_reply(b"", result.shape, result.positions, result.request_id)
 

@@ -47,8 +47,12 @@ SHM_DIR = "/dev/shm"  # where Linux keeps shm_open's objects
 SHM_KEY = re.compile(r"/[^/\x00]{1,254}")
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 
-# What resolve() returns: a memoryview of system memory, or a CUDA uint8 tensor
-Resolver = Callable[[str, int, int], Any]
+# What resolve(region, offset, nbytes, output=False) returns: a memoryview of system memory, or a
+# CUDA uint8 tensor; for an output (o_ref) of DMA_OUTPUT_BYTES or more in page-locked system
+# memory, a CPU uint8 tensor there, which the CUDA backend's launch writes by DMA (a smaller one
+# is copied when the request is answered: one memcpy costs less than a copy call per request)
+Resolver = Callable[..., Any]
+DMA_OUTPUT_BYTES = 512 << 10
 # (bf16 CUDA tensors [rows, ...] of one request, rows) -> (index of the first holding a NaN or
 # Inf, or None; each row's digest): how the wire layer checks tensors in device memory
 DeviceCheck = Callable[[list, int], tuple[int | None, tuple[int, ...]]]
@@ -110,10 +114,10 @@ class DeviceAccess:
 class Region:
     """One registered region: its bytes (`memory`) and when a request last used it."""
 
-    __slots__ = ("owner", "name", "kind", "byte_size", "memory", "last_used", "_release")
+    __slots__ = ("owner", "name", "kind", "byte_size", "memory", "last_used", "_release", "pinned")
 
     def __init__(self, owner: str, name: str, kind: str, byte_size: int, memory: Any,
-                 release: Callable[[], None], now: float) -> None:
+                 release: Callable[[], None], now: float, pinned: bool = False) -> None:
         self.owner = owner
         self.name = name
         self.kind = kind  # "system" or "cuda"
@@ -121,6 +125,7 @@ class Region:
         self.memory = memory  # memoryview (system) or CUDA uint8 tensor (cuda) of byte_size bytes
         self.last_used = now
         self._release = release
+        self.pinned = pinned  # system memory page-locked for DMA (a CUDA server's)
 
     def view(self, offset: int, nbytes: int) -> Any:
         """The bytes [offset, offset + nbytes) of the region; InvalidArgument past its end."""
@@ -179,9 +184,10 @@ class SharedMemoryRegistry:
                 f"a client maps at most {lim.max_bytes_per_client} bytes of shared memory; it holds {held}, "
                 f"this region would add {byte_size}"
             )
+        pinned = False
         if system is not None:
-            memory, release = map_system(system[0], system[1], byte_size,
-                                         None if self._device is None else self._device.pin)
+            memory, release, pinned = map_system(system[0], system[1], byte_size,
+                                                 None if self._device is None else self._device.pin)
             kind = "system"
         else:
             handle, device = cuda
@@ -193,7 +199,7 @@ class SharedMemoryRegistry:
                 raise InvalidArgument(f"CUDA device {device} is not a device ordinal")
             memory, release = self._device.open_cuda(handle, device, byte_size)
             kind = "cuda"
-        region = Region(owner, name, kind, byte_size, memory, release, self._clock())
+        region = Region(owner, name, kind, byte_size, memory, release, self._clock(), pinned)
         self._regions[(owner, name)] = region
         self._held[owner] = (regions + 1, held + byte_size)
         return region
@@ -216,12 +222,17 @@ class SharedMemoryRegistry:
         """The resolve(region, offset, nbytes) of `owner`'s requests (see the module docstring)."""
         regions, clock = self._regions, self._clock
 
-        def resolve(name: str, offset: int, nbytes: int) -> Any:
+        def resolve(name: str, offset: int, nbytes: int, output: bool = False) -> Any:
             region = regions.get((owner, name))
             if region is None:
                 raise NotFound(f"no shared-memory region {name!r}")
             region.last_used = clock()
-            return region.view(offset, nbytes)
+            view = region.view(offset, nbytes)
+            if output and region.pinned and nbytes >= DMA_OUTPUT_BYTES:
+                import torch  # a CUDA server's: loaded
+
+                return torch.frombuffer(view, dtype=torch.uint8)  # the launch writes it by DMA
+            return view
 
         resolve.check_device = None if self._device is None else self._device.check  # type: ignore[attr-defined]
         return resolve
@@ -251,11 +262,11 @@ class SharedMemoryRegistry:
         region.unmap()
 
 
-def map_system(key: str, offset: int, byte_size: int,
-               pin: Callable[[int, int], Callable[[], None] | None] | None = None) -> tuple[memoryview, Callable[[], None]]:
-    """Maps bytes [offset, offset + byte_size) of the shm object `key` read-write: its memoryview
-    and the function that unmaps it (at once, or once the last view of it is gone), page-locked
-    by `pin` (address, bytes) -> unpin where given. InvalidArgument where `key` is not a plain
+def map_system(key: str, offset: int, byte_size: int, pin: Callable[[int, int], Callable[[], None] | None] | None = None,
+               ) -> tuple[memoryview, Callable[[], None], bool]:
+    """Maps bytes [offset, offset + byte_size) of the shm object `key` read-write: its memoryview,
+    the function that unmaps it (at once, or once the last view of it is gone) and whether it is
+    page-locked (by `pin` (address, bytes) -> unpin, where given and the driver agrees). InvalidArgument where `key` is not a plain
     shm_open name, or the object is not there, not a regular file the server may read and write,
     or smaller than offset + byte_size."""
     if SHM_KEY.fullmatch(key) is None or key in ("/.", "/.."):
@@ -296,4 +307,4 @@ def map_system(key: str, offset: int, byte_size: int,
         except BufferError:  # a request in flight still holds a view: unmapped when it lets go
             pass
 
-    return view, release
+    return view, release, unpin is not None

@@ -258,10 +258,12 @@ def _resolve(ref: tuple[str, int], nbytes: int, name: str, resolve: Resolve | No
         raise FailedPrecondition(f"{name} refers to shared memory, which this server does not accept "
                                  "(gdn-server --allow-shared-memory)")
     region, start = ref
-    view = resolve(region, start, nbytes)  # NotFound, or InvalidArgument past the region's end
+    output = name == "o_ref"
+    # NotFound, or InvalidArgument past the region's end
+    view = resolve(region, start, nbytes, output=True) if output else resolve(region, start, nbytes)
     end = start + nbytes
-    if name == "o_ref":
-        if type(view) is torch.Tensor and view.data_ptr() % 2:  # the launch writes o there in bf16 words
+    if output:
+        if type(view) is torch.Tensor and view.is_cuda and view.data_ptr() % 2:  # written in bf16 words
             raise InvalidArgument(f"o_ref offset {start} in CUDA memory is odd: o is bf16, so it starts on an even byte")
         for other_region, s, e, other in spans:
             if other_region == region and start < e and s < end:

@@ -43,7 +43,7 @@ FIELDS = ("layer", "session_ids", "positions", "request_id", "speculative", "bf1
 REGION = torch.randn(1 << 14, generator=torch.Generator().manual_seed(9)).bfloat16().view(torch.uint8).numpy().tobytes()
 
 
-def resolve(region: str, offset: int, nbytes: int) -> memoryview:
+def resolve(region: str, offset: int, nbytes: int, output: bool = False) -> memoryview:
     if region != "r":
         raise NotFound(f"no shared-memory region {region!r}")
     if offset > len(REGION) or nbytes > len(REGION) - offset:

@@ -19,8 +19,8 @@ Per batch, on the backend's own stream:
 A launch with tensors in a client's shared memory that the device reads where they are (CUDA
 memory; page-locked host memory for inputs of PARALLEL_COPY_BYTES or more) copies them into the
 device buffer after step 2, by one `segments_copy` (DMA for host memory), and writes outputs whose
-o_ref is CUDA memory there after step 4 by one more (`_referenced_steps`); such a launch runs
-directly, not as a graph. `submit` returns at once; `result()` waits for the event. A ring of staging sets lets the scheduler
+o_ref is device-writable (CUDA memory; a big one in page-locked host memory, by DMA) there after
+step 4 by one more (`_referenced_steps`); such a launch runs directly, not as a graph. `submit` returns at once; `result()` waits for the event. A ring of staging sets lets the scheduler
 assemble batch n+1 while batch n runs: a set is reused only after its previous event completed.
 Small launches (GRAPH_MAX_ROWS rows; plain T=1 steps and verifies of every T) replay steps 2-4
 as a CUDA graph captured per staging set at warm-up; bigger ones up to the largest of GRAPH_BUCKETS
@@ -335,9 +335,10 @@ class CudaBackend(Backend):
         """A launch's device work where some inputs or outputs are a client's shared memory the
         device reads or writes in place: `_device_steps` with the inputs copied from there into
         the device buffer after its host copy (CUDA memory by one `segments_copy`, page-locked
-        host memory by DMA) and the outputs of `out_refs` (requests whose o_ref is CUDA memory)
-        copied into their regions by one more `segments_copy` (torch's copies for memory of
-        another GPU, which this device's kernels do not address)."""
+        host memory by DMA) and the outputs of `out_refs` (requests whose o_ref is a tensor: CUDA
+        memory, or page-locked host memory) copied into their regions by one more `segments_copy`
+        (torch's copies, DMA, for host memory and for memory of another GPU, which this device's
+        kernels do not address)."""
         from gdn_server.kernels import segments_copy
 
         here = self.device
@@ -350,7 +351,7 @@ class CudaBackend(Backend):
             else:
                 copies.append((src.reshape(-1).view(torch.uint8), offset))
         n_in = len(segments)
-        elsewhere = []  # (output view, region) for outputs on another GPU
+        elsewhere = []  # (output view, region) for outputs in host memory or on another GPU
         if out_refs:
             row_bytes = views.out_dev[0].numel() * 2
             out_base, row = views.out_dev.data_ptr(), 0
