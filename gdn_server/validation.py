@@ -142,15 +142,30 @@ def decode_work_from_request(
 
 def _step_by_reference(step: CheckedStep, shape: ModelShape, owner: str | None, owner_key: str | None,
                        resolve: Resolve | None) -> "DecodeWork | PendingCheck":
-    """The DecodeWork of a step checked by the C parse with inputs or o by reference."""
-    refs = [x if type(x) is tuple else None for x in step.inputs]
-    inline = [b"" if ref is not None else x for x, ref in zip(step.inputs, refs)]
-    raw, output = _resolved(inline, refs, step.o_ref, _ALL_BF16, step.dims, shape, resolve)
+    """The DecodeWork of a step checked by the C parse with inputs or o by reference. The C has
+    checked every input's dtype (bf16), shape and inline length, so a reference needs only its
+    resolution here (what `_resolved` does for any request, in one pass without layout checks)."""
+    if resolve is None:
+        first = next((INPUT_NAMES[i] for i, x in enumerate(step.inputs) if type(x) is tuple), "o_ref")
+        raise FailedPrecondition(f"{first} refers to shared memory, which this server does not accept "
+                                 "(gdn-server --allow-shared-memory)")
+    raw = list(step.inputs)
+    spans = []  # (region, start, end, tensor) of each reference
+    for i, x in enumerate(raw):
+        if type(x) is tuple:
+            region, start = x
+            nbytes = 2 * math.prod(step.dims[i])
+            raw[i] = resolve(region, start, nbytes)  # NotFound, or InvalidArgument past its end
+            spans.append((region, start, start + nbytes, INPUT_NAMES[i]))
+    output = None
+    if step.o_ref is not None:
+        B, T = step.dims[0][0], step.dims[0][1]
+        output = _resolve(step.o_ref, 2 * B * T * shape.num_v_heads * shape.head_dim_v, "o_ref", resolve, spans)
     common = dict(
         layer=step.layer, session_ids=step.session_ids, positions=step.positions, request_id=step.request_id,
         speculative=step.speculative, owner=owner, owner_key=owner_key, output=output,
     )
-    return _checked_work(common, raw, _ALL_BF16, step.dims, resolve)
+    return _checked_work(common, tuple(raw), _ALL_BF16, step.dims, resolve)
 
 
 def _resolved(raw: Sequence[Any], refs: Sequence[tuple[str, int] | None], o_ref: tuple[str, int] | None,
