@@ -12,8 +12,8 @@ that does not exist. A region is mapped once, at registration:
 
 On a CUDA server (`DeviceAccess`) a system region is also page-locked at registration, so that
 the backend copies its big tensors to the GPU by DMA instead of through its staging buffer, and
-tensors in CUDA regions are checked on their GPU (`DeviceAccess.check`: one kernel launch and one
-wait per request) and copied by the backend on the device: nothing of theirs crosses the host.
+tensors in CUDA regions are checked on their GPU (`DeviceAccess.check`: one kernel launch a
+request, polled) and copied by the backend on the device: nothing of theirs crosses the host.
 
 It is unmapped when its owner unregisters it, when no request has used it for `idle_s` (a client
 that died must not pin memory for ever: `sweep`), and at shutdown (`close`). A request that holds
@@ -53,9 +53,6 @@ CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 # is copied when the request is answered: one memcpy costs less than a copy call per request)
 Resolver = Callable[..., Any]
 DMA_OUTPUT_BYTES = 512 << 10
-# (bf16 CUDA tensors [rows, ...] of one request, rows) -> (index of the first holding a NaN or
-# Inf, or None; each row's digest): how the wire layer checks tensors in device memory
-DeviceCheck = Callable[[list, int], tuple[int | None, tuple[int, ...]]]
 
 
 class DeviceAccess:
@@ -86,11 +83,11 @@ class DeviceAccess:
         queued work, some of which may still read it), or None where the driver refuses (the
         region then works through the staging buffer)."""
         cudart = self._torch.cuda.cudart()
-        if int(cudart.cudaHostRegister(address, nbytes, 0)) != 0:
-            clear = getattr(cudart, "cudaGetLastError", None)
-            if clear is not None:  # the error is not sticky, but torch's next launch check would see it
-                clear()
-            log.warning("a system shared-memory region could not be page-locked; its tensors go through staging")
+        error = int(cudart.cudaHostRegister(address, nbytes, 0))
+        if error != 0:
+            self._clear_last_error()
+            log.warning("a system shared-memory region could not be page-locked (CUDA error %d); its tensors "
+                        "go through the staging buffer", error)
             return None
 
         def unpin() -> None:
@@ -100,8 +97,20 @@ class DeviceAccess:
 
         return unpin
 
-    def check(self, tensors: list, rows: int) -> tuple[int | None, tuple[int, ...]]:
-        """`DeviceCheck` on the tensors' device."""
+    def _clear_last_error(self) -> None:
+        """Reads, and so clears, the CUDA runtime's last error: a failed call leaves it set, and
+        the next launch's check (torch's, the kernels') would report it as that launch's failure.
+        torch's cudart module has no cudaGetLastError; the runtime torch loaded has, by its soname."""
+        major = (self._torch.version.cuda or "").split(".")[0]
+        try:
+            ctypes.CDLL(f"libcudart.so.{major}").cudaGetLastError()
+        except (OSError, AttributeError):
+            log.warning("could not clear the CUDA runtime's last error; the next launch may report it")
+
+    def check(self, tensors: list, rows: int) -> Any:
+        """Starts the NaN/Inf check and digests of one request's bf16 tensors [rows, ...] on their
+        device (gdn_server.kernels.TensorScan): a PendingScan whose result() is (index of the first
+        tensor holding a NaN or Inf, or None; each row's digest)."""
         device = tensors[0].device
         scan = self._scans.get(device)
         if scan is None:

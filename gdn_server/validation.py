@@ -12,8 +12,8 @@ inputs become float tensors here.
 Every input leaves here checked for NaN/Inf: bf16 bytes by gdn_server._wire (the parse, or
 `checked_digests` for the rest: one rule, in the same pass as the digests), f16/f32 bytes by
 gdn_client.proto.checks, a request with any input in device memory on that device, all of its
-inputs together (the check the resolver brings, `resolve.check_device`: one kernel launch and one
-wait). Nothing after validation checks them again.
+inputs together (the check the resolver brings, `resolve.check_device`: one kernel launch, which
+the servicer polls through a PendingCheck). Nothing after validation checks them again.
 
 Tensors by reference (TensorRef, into a shared-memory region the caller registered) become views
 of the region here, through the `resolve` function the servicer passes for the caller

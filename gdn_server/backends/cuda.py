@@ -20,7 +20,8 @@ A launch with tensors in a client's shared memory that the device reads where th
 memory; page-locked host memory for inputs of PARALLEL_COPY_BYTES or more) copies them into the
 device buffer after step 2, by one `segments_copy` (DMA for host memory), and writes outputs whose
 o_ref is device-writable (CUDA memory; a big one in page-locked host memory, by DMA) there after
-step 4 by one more (`_referenced_steps`); such a launch runs directly, not as a graph. `submit` returns at once; `result()` waits for the event. A ring of staging sets lets the scheduler
+step 4 by one more (`_referenced_steps`); such a launch runs directly, not as a graph.
+`submit` returns at once; `result()` waits for the event. A ring of staging sets lets the scheduler
 assemble batch n+1 while batch n runs: a set is reused only after its previous event completed.
 Small launches (GRAPH_MAX_ROWS rows; plain T=1 steps and verifies of every T) replay steps 2-4
 as a CUDA graph captured per staging set at warm-up; bigger ones up to the largest of GRAPH_BUCKETS
