@@ -282,6 +282,42 @@ def test_idle_regions_are_unmapped_a_dead_clients_too(shm):
         assert server.stop() == 0
 
 
+def test_a_page_locked_region_and_its_big_outputs(shm):
+    """What a registry on a GPU server does with a system region, the page-lock recorded instead
+    of made (this box has no GPU): it locks the mapping's bytes at registration; a big output
+    there becomes a tensor over the same bytes (the launch writes it by DMA), a small one and the
+    inputs stay memoryviews; the lock ends with the region, whether its owner unregisters it or
+    the server shuts down."""
+    from gdn_server.limits import SharedMemoryLimits
+    from gdn_server.shared_memory import DMA_OUTPUT_BYTES, SharedMemoryRegistry
+
+    events = []
+
+    class RecordedDevice:  # the part of shared_memory.DeviceAccess a system region meets
+        check = None
+
+        def pin(self, address: int, nbytes: int):
+            events.append(("pin", address, nbytes))
+            return lambda: events.append(("unpin", address))
+
+    registry = SharedMemoryRegistry(SharedMemoryLimits(), RecordedDevice())
+    region = registry.register("me", "io", REGION_BYTES, system=("/" + shm.name, 0))
+    assert region.pinned and events[0][0] == "pin" and events[0][2] >= REGION_BYTES
+    resolve = registry.resolver("me")
+    big = resolve("io", 0, DMA_OUTPUT_BYTES, output=True)
+    assert type(big) is torch.Tensor and not big.is_cuda and big.numel() == DMA_OUTPUT_BYTES
+    big[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    assert bytes(shm.buf[:4]) == bytes([1, 2, 3, 4])  # the same bytes, not a copy
+    assert type(resolve("io", 0, DMA_OUTPUT_BYTES - 2, output=True)) is memoryview
+    assert type(resolve("io", 0, DMA_OUTPUT_BYTES)) is memoryview  # an input: the C check reads it
+    del big
+    registry.unregister("me", "io")
+    assert events[-1] == ("unpin", events[0][1])
+    registry.register("me", "io", REGION_BYTES, system=("/" + shm.name, 0))
+    registry.close()
+    assert [e[0] for e in events] == ["pin", "unpin", "pin", "unpin"]
+
+
 # -- gdn_client ------------------------------------------------------------------------------------
 
 def test_client_passes_region_tensors_by_reference(shm_server):
