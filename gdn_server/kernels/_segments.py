@@ -1,5 +1,5 @@
 """Segment copies and checks by address: the kernels that let a launch use tensors where a client
-left them (CUDA IPC memory, page-locked host memory) instead of where a request's bytes came.
+left them (its CUDA IPC memory on this GPU) instead of where a request's bytes came.
 
 A *segment* is `rows` rows of `row_words` 16-bit words at a device-readable address: one input
 of one request (its B sessions' rows), or one request's share of a launch's output. A table of
@@ -12,10 +12,10 @@ segments (int64 [S, SEGMENT_FIELDS], one row each) drives one launch of either k
   gdn_server.validation's device check gives a retry to match).
 - `segments_copy` copies each segment to its destination address.
 
-One CTA per (segment, row) (rows past 65535 loop): its threads stride over the row's words, so any row length works
-and addresses need only be 2-byte aligned (a reference's offset is the client's choice). A launch
-moves a request's few MB at well over 1 TB/s from device memory; the point is one launch for all
-of a batch's segments instead of one copy call per tensor. Both run on torch's current stream.
+One CTA per (segment, row), a CTA taking every 65535th row past its own where there are more:
+its threads stride over the row's words, so any row length works and addresses need only be
+2-byte aligned (a reference's offset is the client's choice). The point is one launch for all of
+a batch's segments instead of one copy call per tensor. Both run on torch's current stream.
 """
 
 import threading
