@@ -18,6 +18,7 @@ from gdn_server.kernels import (  # noqa: E402
     check_variant,
     compile_all_variants,
     compile_variant,
+    compiled_segments,
     gdn_decode,
     validate_decode_args,
 )
@@ -39,6 +40,13 @@ def test_variant_compiles_for_sm90a(T, H, HV):
     fn = compile_variant(T, H, HV)
     assert fn is compile_variant(T, H, HV)  # cached: compiled once per (T, H, HV)
     assert fn.__tvm_ffi_object__() is not None
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_segment_kernels_compile_for_sm90a(scan):
+    """The check and the copy of tensors in a client's GPU memory (kernels._segments)."""
+    fn = compiled_segments(scan)
+    assert fn is compiled_segments(scan) and fn is not compiled_segments(not scan)
 
 
 def test_compile_all_variants_covers_the_checked_shapes():
