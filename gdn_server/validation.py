@@ -49,8 +49,10 @@ _ALL_BF16 = (gdn_pb2.BF16,) * 5
 # one pass over the bytes; the digest is what a retry of its step must match. gdn_server/_wire.c.
 checked_digests = _wire.checked_digests
 # A tensor reference's resolution (gdn_server.shared_memory.SharedMemoryRegistry.resolver):
-# (region, offset, byte count) -> a buffer of host memory or a CUDA uint8 tensor
-Resolve = Callable[[str, int, int], Any]
+# (region, offset, byte count, output=False) -> a buffer of host memory or a CUDA uint8 tensor
+# (an output: also a pinned CPU uint8 tensor, which the launch writes); its `check_device`
+# starts the check of a request's tensors in device memory (None where there can be none)
+Resolve = Callable[..., Any]
 
 
 def step_limits(shape: ModelShape) -> StepLimits:
