@@ -228,8 +228,13 @@ def test_off_by_default(small_server, shm):
         assert s.status("RegisterSharedMemory", req)[0] == grpc.StatusCode.FAILED_PRECONDITION
         session = s.session()
         ref = decode_request(0, [session], inputs(1), [0])
-        by_reference(ref, shm, "x", output=False)
-        assert s.status("Decode", ref)[0] == grpc.StatusCode.FAILED_PRECONDITION
+        by_reference(ref, shm, "x", names="vb", output=False)
+        code, details = s.status("Decode", ref)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith("v refers to shared memory")
+        only_o = decode_request(0, [session], inputs(1), [0])
+        only_o.o_ref.region, only_o.o_ref.offset = "x", 0
+        code, details = s.status("Decode", only_o)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith("o_ref refers to shared memory")
         assert list(s.rpc.Decode(decode_request(0, [session], inputs(1), [0]), timeout=10).positions) == [1]
     finally:
         s.channel.close()
