@@ -147,18 +147,11 @@ def _step_by_reference(step: CheckedStep, shape: ModelShape, owner: str | None, 
     """The DecodeWork of a step checked by the C parse with inputs or o by reference. The C has
     checked every input's dtype (bf16), shape and inline length, so a reference needs only its
     resolution here (what `_resolved` does for any request, in one pass without layout checks)."""
-    if resolve is None:
-        first = next((INPUT_NAMES[i] for i, x in enumerate(step.inputs) if type(x) is tuple), "o_ref")
-        raise FailedPrecondition(f"{first} refers to shared memory, which this server does not accept "
-                                 "(gdn-server --allow-shared-memory)")
     raw = list(step.inputs)
-    spans = []  # (region, start, end, tensor) of each reference
+    spans: list[tuple[str, int, int, str]] = []  # (region, start, end, tensor) of each reference
     for i, x in enumerate(raw):
         if type(x) is tuple:
-            region, start = x
-            nbytes = 2 * math.prod(step.dims[i])
-            raw[i] = resolve(region, start, nbytes)  # NotFound, or InvalidArgument past its end
-            spans.append((region, start, start + nbytes, INPUT_NAMES[i]))
+            raw[i] = _resolve(x, 2 * math.prod(step.dims[i]), INPUT_NAMES[i], resolve, spans)
     output = None
     if step.o_ref is not None:
         B, T = step.dims[0][0], step.dims[0][1]

@@ -314,14 +314,14 @@ class CudaBackend(Backend):
         #    casting copy for f16/f32 ones; no per-row work. Inputs the device reads where they
         #    are (a client's shared memory) come back, to be copied on the device.
         on_device = _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
-        out_refs = [w for w in batch.works if type(w.output) is torch.Tensor]
+        out_refs = any(type(w.output) is torch.Tensor for w in batch.works)
         # The backend's stream (and its device) becomes the thread's current one and stays so:
         # whatever else runs CUDA work on this thread names its stream itself. Entering and leaving
         # a torch.cuda.stream() context per launch cost about as much host time as the graph's
         # replay (bench/DECISIONS.md, entry 8).
         torch.cuda.set_stream(self.stream)
         if on_device or out_refs:
-            self._referenced_steps(batch, staging, views, kind, on_device, out_refs)
+            self._referenced_steps(batch, staging, views, kind, on_device)
         else:
             graph = staging.graphs.get((kind, rows, T))
             if graph is not None:  # steps 2-4 as captured for this staging set, kind and (rows, T)
@@ -332,12 +332,12 @@ class CudaBackend(Backend):
         return _CudaStep(staging, views, self.device, R)
 
     def _referenced_steps(self, batch: StepBatch, staging: _Staging, views: _Views, kind: str,
-                          on_device: list[tuple[torch.Tensor, int, int]], out_refs: list) -> None:
+                          on_device: list[tuple[torch.Tensor, int, int]]) -> None:
         """A launch's device work where some inputs or outputs are a client's shared memory the
         device reads or writes in place: `_device_steps` with the inputs copied from there into
         the device buffer after its host copy (CUDA memory by one `segments_copy`, page-locked
-        host memory by DMA) and the outputs of `out_refs` (requests whose o_ref is a tensor: CUDA
-        memory, or page-locked host memory) copied into their regions by one more `segments_copy`
+        host memory by DMA) and the outputs of the requests whose o_ref is a tensor (CUDA memory,
+        or page-locked host memory) copied into their regions by one more `segments_copy`
         (torch's copies, DMA, for host memory and for memory of another GPU, which this device's
         kernels do not address)."""
         from gdn_server.kernels import segments_copy
@@ -353,18 +353,17 @@ class CudaBackend(Backend):
                 copies.append((src.reshape(-1).view(torch.uint8), offset))
         n_in = len(segments)
         elsewhere = []  # (output view, region) for outputs in host memory or on another GPU
-        if out_refs:
-            row_bytes = views.out_dev[0].numel() * 2
-            out_base, row = views.out_dev.data_ptr(), 0
-            out_bytes = views.out_dev.view(-1).view(torch.uint8)
-            for w in batch.works:
-                n = len(w.session_ids)
-                if type(w.output) is torch.Tensor:
-                    if w.output.device == here:
-                        segments.append((out_base + row * row_bytes, w.output.data_ptr(), row_bytes // 2, n))
-                    else:
-                        elsewhere.append((out_bytes[row * row_bytes:(row + n) * row_bytes], w.output))
-                row += n
+        row_bytes = views.out_dev[0].numel() * 2
+        out_base, row = views.out_dev.data_ptr(), 0
+        for w in batch.works:
+            n = len(w.session_ids)
+            if type(w.output) is torch.Tensor:
+                if w.output.device == here:
+                    segments.append((out_base + row * row_bytes, w.output.data_ptr(), row_bytes // 2, n))
+                else:
+                    out = views.out_dev[row:row + n].reshape(-1).view(torch.uint8)
+                    elsewhere.append((out, w.output))
+            row += n
         table = staging.segment_table(len(segments))
         if segments:  # each row (src, dst, row words, rows, 0, 0): struct packs a flat list fastest
             struct.pack_into(f"{6 * len(segments)}q", table.host_mem, 0,
