@@ -39,7 +39,7 @@ from gdn_server.shared_memory import SharedMemoryRegistry
 from gdn_server.state_transfer import StateAssembler, encode_state
 from gdn_server.scheduler import settle
 from gdn_server.validation import PendingCheck, decode_work, parse_decode_request, step_limits
-from gdn_server.work import DecodeResult, DecodeWork
+from gdn_server.work import DecodeResult, DecodeWork, DeviceSpan
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,9 @@ def decode_response(result: DecodeResult, output: Any = None) -> bytes:
         return result.reply
     if type(output) is memoryview:
         output[:] = result.out
-    elif result.replayed:  # a uint8 tensor
-        output.copy_(torch.frombuffer(result.out, dtype=torch.uint8))
+    elif result.replayed:  # a DeviceSpan, or a pinned CPU uint8 tensor
+        target = output.tensor() if type(output) is DeviceSpan else output
+        target.copy_(torch.frombuffer(result.out, dtype=torch.uint8))
     return encode_reply(b"", result.shape, result.positions, result.request_id)
 
 
@@ -64,6 +65,7 @@ async def _checked(pending: PendingCheck) -> DecodeWork:
     """The DecodeWork of a request whose inputs are checked on their GPU, polled once per turn of
     the event loop (the check takes tens of microseconds; other requests run meanwhile)."""
     try:
+        await asyncio.sleep(0)  # the requests of this turn of the loop join the same check launch
         while not pending.ready():
             await asyncio.sleep(0)
     except BaseException:  # the call went away: the check's buffers go back all the same

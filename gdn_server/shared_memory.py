@@ -12,8 +12,9 @@ that does not exist. A region is mapped once, at registration:
 
 On a CUDA server (`DeviceAccess`) a system region is also page-locked at registration, so that
 the backend copies its big tensors to the GPU by DMA instead of through its staging buffer, and
-tensors in CUDA regions are checked on their GPU (`DeviceAccess.check`: one kernel launch a
-request, polled) and copied by the backend on the device: nothing of theirs crosses the host.
+tensors in CUDA regions are checked on their GPU (`DeviceAccess.check`: one kernel launch for the
+requests that arrive together, polled) and copied by the backend on the device: nothing of theirs
+crosses the host. A reference into CUDA memory is a `DeviceSpan` (an address), not a tensor view.
 
 It is unmapped when its owner unregisters it, when no request has used it for `idle_s` (a client
 that died must not pin memory for ever: `sweep`), and at shutdown (`close`). A request that holds
@@ -22,8 +23,8 @@ unmapping never pulls memory from under a step in flight. Each owner holds at mo
 `max_regions_per_client` regions of `max_bytes_per_client` bytes in all.
 
 `resolver(owner)` is what the wire layer (gdn_server.validation) gets: a function from (region,
-offset, byte count) to a view of those bytes (a writable memoryview for system memory, a CUDA
-uint8 tensor for device memory), raising NotFound or InvalidArgument, with the check of tensors
+offset, byte count) to a view of those bytes (a writable memoryview for system memory, a
+`DeviceSpan`, an address, for device memory), raising NotFound or InvalidArgument, with the check of tensors
 in device memory as its `check_device`. Nothing below the wire layer learns about regions.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any, Callable
 
 from gdn_server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from gdn_server.limits import MAX_REGION_NAME_LEN, SharedMemoryLimits
+from gdn_server.work import DeviceSpan
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +50,9 @@ SHM_KEY = re.compile(r"/[^/\x00]{1,254}")
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 
 # What resolve(region, offset, nbytes, output=False) returns: a memoryview of system memory, or a
-# CUDA uint8 tensor; for an output (o_ref) of DMA_OUTPUT_BYTES or more in page-locked system
-# memory, a CPU uint8 tensor there, which the CUDA backend's launch writes by DMA (a smaller one
-# is copied when the request is answered: one memcpy costs less than a copy call per request)
+# DeviceSpan of CUDA memory; for an output (o_ref) of DMA_OUTPUT_BYTES or more in page-locked
+# system memory, a CPU uint8 tensor there, which the CUDA backend's launch writes by DMA (a smaller
+# one is copied when the request is answered: one memcpy costs less than a copy call per request)
 Resolver = Callable[..., Any]
 DMA_OUTPUT_BYTES = 512 << 10
 
@@ -107,23 +109,25 @@ class DeviceAccess:
         except (OSError, AttributeError):
             log.warning("could not clear the CUDA runtime's last error; the next launch may report it")
 
-    def check(self, tensors: list, rows: int) -> Any:
-        """Starts the NaN/Inf check and digests of one request's bf16 tensors [rows, ...] on their
-        device (gdn_server.kernels.TensorScan): a PendingScan whose result() is (index of the first
-        tensor holding a NaN or Inf, or None; each row's digest)."""
-        device = tensors[0].device
+    def check(self, spans: list, rows: int) -> Any:
+        """Starts the NaN/Inf check and digests of one request's bf16 tensors [rows, ...] in device
+        memory (DeviceSpans, all on one device) there (gdn_server.kernels.TensorScan): a PendingScan
+        whose result() is (index of the first tensor holding a NaN or Inf, or None; each row's
+        digest)."""
+        device = spans[0].device
         scan = self._scans.get(device)
         if scan is None:
             from gdn_server.kernels import TensorScan
 
             scan = self._scans[device] = TensorScan(device)
-        return scan(tensors, rows)
+        return scan(spans, rows)
 
 
 class Region:
     """One registered region: its bytes (`memory`) and when a request last used it."""
 
-    __slots__ = ("owner", "name", "kind", "byte_size", "memory", "last_used", "_release", "pinned")
+    __slots__ = ("owner", "name", "kind", "byte_size", "memory", "last_used", "_release", "pinned", "_address",
+                 "_device")
 
     def __init__(self, owner: str, name: str, kind: str, byte_size: int, memory: Any,
                  release: Callable[[], None], now: float, pinned: bool = False) -> None:
@@ -135,6 +139,11 @@ class Region:
         self.last_used = now
         self._release = release
         self.pinned = pinned  # system memory page-locked for DMA (a CUDA server's)
+        # CUDA memory: its first byte's address and device index, read once (a reference's view is
+        # a DeviceSpan, an address: no torch call a reference)
+        self._address = self._device = None
+        if kind == "cuda":
+            self._address, self._device = memory.data_ptr(), memory.device.index
 
     def view(self, offset: int, nbytes: int) -> Any:
         """The bytes [offset, offset + nbytes) of the region; InvalidArgument past its end."""
@@ -143,6 +152,8 @@ class Region:
                 f"shared-memory region {self.name!r}: bytes [{offset}, {offset + nbytes}) lie past its end "
                 f"({self.byte_size} bytes)"
             )
+        if self._address is not None:
+            return DeviceSpan(self.memory, offset, nbytes, self._address + offset, self._device)
         return self.memory[offset:offset + nbytes]
 
     def unmap(self) -> None:

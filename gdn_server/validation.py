@@ -12,13 +12,13 @@ inputs become float tensors here.
 Every input leaves here checked for NaN/Inf: bf16 bytes by gdn_server._wire (the parse, or
 `checked_digests` for the rest: one rule, in the same pass as the digests), f16/f32 bytes by
 gdn_client.proto.checks, a request with any input in device memory on that device, all of its
-inputs together (the check the resolver brings, `resolve.check_device`: one kernel launch, which
-the servicer polls through a PendingCheck). Nothing after validation checks them again.
+inputs together (the check the resolver brings, `resolve.check_device`: one kernel launch for the
+requests of a turn of the event loop, which the servicer polls through a PendingCheck). Nothing after validation checks them again.
 
 Tensors by reference (TensorRef, into a shared-memory region the caller registered) become views
 of the region here, through the `resolve` function the servicer passes for the caller
-(gdn_server.shared_memory): host memory as buffers like a message's bytes, device memory as CUDA
-tensors. So the scheduler and the backends see a DecodeWork of views and never learn about
+(gdn_server.shared_memory): host memory as buffers like a message's bytes, device memory as
+DeviceSpans (addresses). So the scheduler and the backends see a DecodeWork of views and never learn about
 regions; an output reference (o_ref) becomes `DecodeWork.output`, where the reply's o goes.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from gdn_server._wire import CheckedStep, StepLimits
 from gdn_server.config import ModelShape
 from gdn_server.errors import FailedPrecondition, InvalidArgument
 from gdn_server.limits import MAX_REQUEST_ID_LEN, MAX_SESSION_ID_LEN
-from gdn_server.work import INPUT_NAMES, DecodeWork
+from gdn_server.work import INPUT_NAMES, DecodeWork, DeviceSpan
 
 MAX_POSITION = _wire.MAX_POSITION  # 2^63 - 1: positions travel as uint64 and are kept as signed 64-bit counts
 TORCH_DTYPE = torch_dtypes()
@@ -49,8 +49,8 @@ _ALL_BF16 = (gdn_pb2.BF16,) * 5
 # one pass over the bytes; the digest is what a retry of its step must match. gdn_server/_wire.c.
 checked_digests = _wire.checked_digests
 # A tensor reference's resolution (gdn_server.shared_memory.SharedMemoryRegistry.resolver):
-# (region, offset, byte count, output=False) -> a buffer of host memory or a CUDA uint8 tensor
-# (an output: also a pinned CPU uint8 tensor, which the launch writes); its `check_device`
+# (region, offset, byte count, output=False) -> a buffer of host memory or a DeviceSpan of device
+# memory (an output: also a pinned CPU uint8 tensor, which the launch writes); its `check_device`
 # starts the check of a request's tensors in device memory (None where there can be none)
 Resolve = Callable[..., Any]
 
@@ -197,10 +197,10 @@ class PendingCheck:
     the caller polls `ready()` (the event loop serves others meanwhile), then `work()` is its
     DecodeWork, or raises InvalidArgument for a NaN or Inf."""
 
-    __slots__ = ("_common", "_tensors", "_scan")
+    __slots__ = ("_common", "_tensors", "_dims", "_scan")
 
-    def __init__(self, common: dict, tensors: dict, scan: Any) -> None:
-        self._common, self._tensors, self._scan = common, tensors, scan
+    def __init__(self, common: dict, tensors: dict, dims: tuple, scan: Any) -> None:
+        self._common, self._tensors, self._dims, self._scan = common, tensors, dims, scan
 
     def ready(self) -> bool:
         return self._scan.ready()
@@ -213,44 +213,26 @@ class PendingCheck:
         bad, digests = self._scan.result()
         if bad is not None:
             raise nonfinite_input(INPUT_NAMES[bad])
-        return DecodeWork(**self._common, **self._tensors, digests=digests)
+        return DecodeWork(**self._common, **self._tensors, input_dims=self._dims, digests=digests)
 
 
 def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequence[tuple[int, ...]],
                   resolve: Resolve | None = None) -> DecodeWork | PendingCheck:
     """The DecodeWork of resolved inputs of checked layout: their NaN/Inf check and digests. A
-    request with an input in device memory gets all five there as bf16 (its host inputs copied
-    over, its other dtypes cast), checked there by `resolve.check_device` (a PendingCheck), and
-    the backend copies them on the device."""
+    request with an input in device memory (a DeviceSpan) gets all five there as bf16 (`_on_device`),
+    checked there by `resolve.check_device` (a PendingCheck), and the backend copies them on the
+    device."""
     B = len(common["session_ids"])
-    on_device = [type(r) is torch.Tensor for r in raw]
+    on_device = [type(r) is DeviceSpan for r in raw]
     if tuple(dtypes) == _ALL_BF16 and not any(on_device):
         bad, digests = checked_digests(raw, B)
         if bad is not None:
             raise nonfinite_input(INPUT_NAMES[bad])
         return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), digests=digests)
-    tensors = {}
     if any(on_device):
-        device = next(r.device for r, there in zip(raw, on_device) if there)
-        made = False  # whether any input was copied or cast here
-        for name, dtype, d, data, there in zip(INPUT_NAMES, dtypes, dims, raw, on_device):
-            torch_dtype = TORCH_DTYPE[dtype]
-            if there and data.data_ptr() % ITEMSIZE_OF[dtype] == 0:
-                t = data.view(torch_dtype)
-            elif there:  # a reference at an offset its dtype's elements do not start on
-                t = data.clone().view(torch_dtype)
-                made = True
-            else:  # a message's bytes or host shared memory, beside device inputs: one copy over
-                t = torch.frombuffer(data, dtype=torch_dtype) if len(data) else torch.empty(0, dtype=torch_dtype)
-                t = t.to(device)
-                made = True
-            if torch_dtype is not torch.bfloat16:
-                t = t.to(torch.bfloat16)
-                made = True
-            tensors[name] = t.view(d)
-        if made:  # those copies run on the thread's current stream; the check runs on its own
-            torch.cuda.current_stream(device).synchronize()
-        return PendingCheck(common, tensors, resolve.check_device(list(tensors.values()), B))
+        spans = _on_device(raw, dtypes, on_device)
+        return PendingCheck(common, dict(zip(INPUT_NAMES, spans)), tuple(dims), resolve.check_device(spans, B))
+    tensors = {}
     for name, dtype, d, data in zip(INPUT_NAMES, dtypes, dims, raw):
         torch_dtype = TORCH_DTYPE[dtype]
         if len(data) and has_nonfinite(data, dtype):
@@ -258,6 +240,31 @@ def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequenc
         tensors[name] = (torch.frombuffer(data, dtype=torch_dtype) if len(data) else torch.empty(0, dtype=torch_dtype)).view(d)
     digests = checked_digests(raw, B, False)[1]  # f16/f32: checked above
     return DecodeWork(**common, **tensors, digests=digests)
+
+
+def _on_device(raw: Sequence[Any], dtypes: Sequence[int], on_device: Sequence[bool]) -> list[DeviceSpan]:
+    """A request's five inputs as bf16 DeviceSpans on the device of its first one in device memory:
+    those already there as bf16 at an even address as they are (no torch call: the common case),
+    the others copied there (message bytes, host shared memory, another GPU's memory), realigned
+    or cast, by torch."""
+    device = next(r.device for r, there in zip(raw, on_device) if there)
+    spans = []
+    made = False  # whether any input was copied or cast here
+    for dtype, data, there in zip(dtypes, raw, on_device):
+        if there and dtype == gdn_pb2.BF16 and data.device == device and data.address % 2 == 0:
+            spans.append(data)
+            continue
+        torch_dtype = TORCH_DTYPE[dtype]
+        if there:  # a copy of its bytes on `device` (CUDA copies bytes at any address)
+            t = data.tensor().to(f"cuda:{device}", copy=True).view(torch_dtype)
+        else:  # a message's bytes or host shared memory, beside device inputs: one copy over
+            t = torch.frombuffer(data, dtype=torch_dtype) if len(data) else torch.empty(0, dtype=torch_dtype)
+            t = t.to(f"cuda:{device}")
+        spans.append(DeviceSpan.of(t.to(torch.bfloat16).contiguous()))
+        made = True
+    if made:  # those copies run on the thread's current stream; the check runs on its own
+        torch.cuda.current_stream(device).synchronize()
+    return spans
 
 
 def _resolve(ref: tuple[str, int], nbytes: int, name: str, resolve: Resolve | None,
@@ -273,7 +280,7 @@ def _resolve(ref: tuple[str, int], nbytes: int, name: str, resolve: Resolve | No
     view = resolve(region, start, nbytes, output=True) if output else resolve(region, start, nbytes)
     end = start + nbytes
     if output:
-        if type(view) is torch.Tensor and view.is_cuda and view.data_ptr() % 2:  # written in bf16 words
+        if type(view) is DeviceSpan and view.address % 2:  # written in bf16 words
             raise InvalidArgument(f"o_ref offset {start} in CUDA memory is odd: o is bf16, so it starts on an even byte")
         for other_region, s, e, other in spans:
             if other_region == region and start < e and s < end:

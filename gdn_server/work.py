@@ -2,12 +2,39 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from gdn_server._wire import encode_reply, reply_o_data
 
 INPUT_NAMES = ("q", "k", "v", "a", "b")
+
+
+class DeviceSpan:
+    """Bytes of GPU memory that a request names (a tensor or o_ref in a client's CUDA region), by
+    address: what the check and the launch need, since both kernels read tables of addresses.
+    Not a tensor view: a view costs a few torch calls per reference on the event loop, where a
+    request through CUDA memory has six references. `memory` (the region's uint8 tensor, or a
+    tensor made for the request) keeps that memory mapped while a request holds the span."""
+
+    __slots__ = ("memory", "offset", "nbytes", "address", "device")
+
+    def __init__(self, memory: torch.Tensor, offset: int, nbytes: int, address: int, device: int) -> None:
+        self.memory = memory
+        self.offset = offset  # in `memory`
+        self.nbytes = nbytes
+        self.address = address  # of the first byte
+        self.device = device  # CUDA device index
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "DeviceSpan":
+        """The span of a whole contiguous CUDA tensor."""
+        return cls(tensor, 0, tensor.numel() * tensor.element_size(), tensor.data_ptr(), tensor.device.index)
+
+    def tensor(self) -> torch.Tensor:
+        """The bytes as a uint8 tensor, for the copies torch makes (to another GPU, a cast)."""
+        return self.memory.view(torch.uint8).reshape(-1)[self.offset:self.offset + self.nbytes]
 
 
 class _Input:
@@ -50,13 +77,13 @@ class DecodeWork:
     b = _Input()  # [B, T, HV]
 
     def __init__(
-        self, layer: int, session_ids: tuple[str, ...], q: torch.Tensor | None = None, k: torch.Tensor | None = None,
-        v: torch.Tensor | None = None, a: torch.Tensor | None = None, b: torch.Tensor | None = None,
+        self, layer: int, session_ids: tuple[str, ...], q: Any = None, k: Any = None, v: Any = None, a: Any = None,
+        b: Any = None,
         positions: tuple[int, ...] | None = None, request_id: str = "", owner: str | None = None,
         owner_key: str | None = None, speculative: bool = False,
         bf16_bytes: tuple[bytes | memoryview, ...] | None = None,
         input_dims: tuple[tuple[int, ...], ...] | None = None,
-        digests: tuple[int, ...] = (), output: "memoryview | torch.Tensor | None" = None,
+        digests: tuple[int, ...] = (), output: "memoryview | torch.Tensor | DeviceSpan | None" = None,
     ) -> None:
         d = self.__dict__
         d.update(
@@ -81,8 +108,8 @@ class DecodeWork:
             if bf16_bytes is None or input_dims is None:
                 raise TypeError("DecodeWork needs q, k, v, a, b, or bf16_bytes and input_dims")
             d["_tokens"] = input_dims[0][1]
-        else:
-            d.update(q=q, k=k, v=v, a=a, b=b, _tokens=int(q.shape[1]))
+        else:  # tensors, or DeviceSpans of bf16 in GPU memory (their shapes in input_dims)
+            d.update(q=q, k=k, v=v, a=a, b=b, _tokens=input_dims[0][1] if input_dims is not None else int(q.shape[1]))
 
     @property
     def nbytes(self) -> int:

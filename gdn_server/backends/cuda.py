@@ -54,7 +54,7 @@ from gdn_server.config import ModelShape
 from gdn_server.kernels import HEAD_DIM, check_variant, ring_bytes_per_row
 from gdn_server.kernels._ring_api import check_ring_variant
 from gdn_server.weights import GateParams
-from gdn_server.work import StepBatch
+from gdn_server.work import DeviceSpan, StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,10 @@ GRAPH_BUCKETS = (12, 16, 24, 32, 48, 64, 96, 128)
 # One row, because that is where it pays: the kernel's reads over PCIe grow with the rows faster
 # than the copies do (bench/DECISIONS.md, entry 7). 0 keeps the copies everywhere.
 MAPPED_MAX_ROWS = 1
+
+# Outputs (DecodeWork.output) the launch writes: GPU memory, and big outputs in page-locked host
+# memory (a pinned CPU uint8 tensor); the others (host memory, the reply) are written on answering
+_WRITTEN_HERE = (DeviceSpan, torch.Tensor)
 
 # What a launch runs (its graphs are keyed by it too)
 PLAIN = "plain"  # gdn_decode, in place
@@ -314,7 +318,7 @@ class CudaBackend(Backend):
         #    casting copy for f16/f32 ones; no per-row work. Inputs the device reads where they
         #    are (a client's shared memory) come back, to be copied on the device.
         on_device = _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
-        out_refs = any(type(w.output) is torch.Tensor for w in batch.works)
+        out_refs = any(type(w.output) in _WRITTEN_HERE for w in batch.works)
         # The backend's stream (and its device) becomes the thread's current one and stays so:
         # whatever else runs CUDA work on this thread names its stream itself. Entering and leaving
         # a torch.cuda.stream() context per launch cost about as much host time as the graph's
@@ -332,37 +336,39 @@ class CudaBackend(Backend):
         return _CudaStep(staging, views, self.device, R)
 
     def _referenced_steps(self, batch: StepBatch, staging: _Staging, views: _Views, kind: str,
-                          on_device: list[tuple[torch.Tensor, int, int]]) -> None:
+                          on_device: list[tuple[DeviceSpan | torch.Tensor, int, int]]) -> None:
         """A launch's device work where some inputs or outputs are a client's shared memory the
         device reads or writes in place: `_device_steps` with the inputs copied from there into
-        the device buffer after its host copy (CUDA memory by one `segments_copy`, page-locked
-        host memory by DMA) and the outputs of the requests whose o_ref is a tensor (CUDA memory,
-        or page-locked host memory) copied into their regions by one more `segments_copy`
-        (torch's copies, DMA, for host memory and for memory of another GPU, which this device's
-        kernels do not address)."""
+        the device buffer after its host copy (this device's memory, DeviceSpans, by one
+        `segments_copy`; page-locked host memory by DMA) and the outputs of the requests whose
+        o_ref is device-written (a DeviceSpan, or page-locked host memory) copied into their
+        regions by one more `segments_copy` (torch's copies, DMA, for host memory and for memory
+        of another GPU, which this device's kernels do not address)."""
         from gdn_server.kernels import segments_copy
 
-        here = self.device
+        here = self.device.index
         dev_base = staging.dev.data_ptr()
         segments = []  # (src, dst, row words, rows) in this device's memory
         copies = []  # (source, offset) for torch to copy: page-locked host memory, another GPU's memory
         for src, offset, n in on_device:
-            if src.device == here:
-                segments.append((src.data_ptr(), dev_base + offset, src.numel() // n, n))  # bf16: a word each
+            if type(src) is not DeviceSpan:
+                copies.append((src, offset))
+            elif src.device == here:
+                segments.append((src.address, dev_base + offset, src.nbytes // 2 // n, n))  # bf16: a word each
             else:
-                copies.append((src.reshape(-1).view(torch.uint8), offset))
+                copies.append((src.tensor(), offset))
         n_in = len(segments)
         elsewhere = []  # (output view, region) for outputs in host memory or on another GPU
         row_bytes = views.out_dev[0].numel() * 2
         out_base, row = views.out_dev.data_ptr(), 0
         for w in batch.works:
             n = len(w.session_ids)
-            if type(w.output) is torch.Tensor:
-                if w.output.device == here:
-                    segments.append((out_base + row * row_bytes, w.output.data_ptr(), row_bytes // 2, n))
-                else:
-                    out = views.out_dev[row:row + n].reshape(-1).view(torch.uint8)
-                    elsewhere.append((out, w.output))
+            output = w.output
+            if type(output) is DeviceSpan and output.device == here:
+                segments.append((out_base + row * row_bytes, output.address, row_bytes // 2, n))
+            elif type(output) in _WRITTEN_HERE:
+                out = views.out_dev[row:row + n].reshape(-1).view(torch.uint8)
+                elsewhere.append((out, output.tensor() if type(output) is DeviceSpan else output))
             row += n
         table = staging.segment_table(len(segments))
         if segments:  # each row (src, dst, row words, rows, 0, 0): struct packs a flat list fastest

@@ -18,7 +18,7 @@ import torch
 
 from gdn_server import _wire
 from gdn_server.config import ModelShape
-from gdn_server.work import StepBatch
+from gdn_server.work import DeviceSpan, StepBatch
 
 ALIGN = 128  # bytes; keeps every carved view 16-byte aligned for the kernel's vector loads
 # A bf16 request input at least this big is copied by torch, whose intra-op thread pool splits
@@ -76,7 +76,7 @@ def carve(buf: torch.Tensor, entry: tuple) -> torch.Tensor:
 
 def fill(
     batch: StepBatch, plan: StagingLayout, host_mem: memoryview, host_bytes: np.ndarray, host_views: dict[str, torch.Tensor]
-) -> list[tuple[torch.Tensor, int, int]]:
+) -> list[tuple[DeviceSpan | torch.Tensor, int, int]]:
     """Copies `batch` into a staging buffer laid out by `plan`: a memcpy per request and input for
     bf16 requests (their raw bytes, all of a batch's in one call of _wire.stage_inputs; torch's
     parallel copy for inputs of PARALLEL_COPY_BYTES or more), a casting copy for the others, then
@@ -89,7 +89,7 @@ def fill(
 
     Inputs the device can read where they are skip the host buffer: returned as (source, byte
     offset in the layout, rows), for the backend to copy into its device buffer after the host
-    buffer's own copy. Those are inputs in device memory (bf16 CUDA tensors of a client's CUDA
+    buffer's own copy. Those are inputs in device memory (bf16 DeviceSpans of a client's CUDA
     shared memory, copied by the segments kernel) and bf16 inputs of PARALLEL_COPY_BYTES or more
     in page-locked host memory (a client's registered system shared memory, a pinned CPU uint8
     tensor copied by DMA; rows 0).
@@ -102,7 +102,7 @@ def fill(
     # (byte offset, bytes per row) of each input: a request's bytes go at offset + first row * per row
     places = [(entries[name][0], entries[name][3] // room) for name in INPUTS]
     raw_requests = []  # (first row, its five inputs' bytes) of the bf16 requests
-    on_device: list[tuple[torch.Tensor, int, int]] = []
+    on_device: list[tuple[DeviceSpan | torch.Tensor, int, int]] = []
     row = 0
     for work in batch.works:
         n = len(work.session_ids)
@@ -111,7 +111,7 @@ def fill(
             raw_requests.append((row, raw))
         else:
             for name, (offset, per_row), part in zip(INPUTS, places, (work.q, work.k, work.v, work.a, work.b)):
-                if part.is_cuda:
+                if type(part) is DeviceSpan:
                     on_device.append((part, offset + row * per_row, n))
                 else:
                     host_views[name][row : row + n].copy_(part)

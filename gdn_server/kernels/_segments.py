@@ -113,83 +113,154 @@ def segments_copy(table, scratch, max_rows: int) -> None:
 
 
 class TensorScan:
-    """The NaN/Inf and digest check of one request's bf16 tensors in device memory, on their device:
-    one table copy, one `segments_scan` and one copy back, on a stream of its own (so it never
-    waits for the launches in flight to end), then an event the caller polls (`PendingScan`), so
-    that the event loop serves other requests meanwhile. For the wire layer's check of
+    """The NaN/Inf and digest check of requests' bf16 tensors in device memory, on their device.
+
+    A request's check joins the open batch (`__call__`, which only writes the table); the batch is
+    launched by the first poll or read of any of its checks: one table copy, one `segments_scan`
+    and one copy back for every request that arrived meanwhile, on a stream of its own (so it never
+    waits for the launches in flight to end), then an event the callers poll (`PendingScan`) while
+    the event loop serves other requests. A caller that yields once before its first poll lets the
+    requests of the same turn of the loop share the launch. For the wire layer's check of
     CUDA-resident inputs, where they enter. Used from one thread (the event loop's)."""
 
     def __init__(self, device: Any) -> None:
         import torch
 
-        self.device = torch.device(device)
+        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         # the highest priority: its few CTAs take SMs as the launches in flight free them, rather
         # than queueing behind those launches' CTAs while the request waits
         self.stream = torch.cuda.Stream(self.device, priority=-1)
-        # buffers of checks whose answer was read: a check in flight holds one (there are as many
-        # as requests waiting for their check at once, which admission bounds)
+        # buffers of batches whose answers were all read: a batch in flight holds one (there are as
+        # many as batches with a request still waiting for its answer, which admission bounds)
         self._free: list[_ScanBuffers] = []
+        self._open: _ScanBatch | None = None
 
-    def __call__(self, tensors: "list[Any]", rows: int) -> "PendingScan":
-        """Starts the check of bf16 tensors [rows, ...] on this device, contiguous, their row words
-        in order making up a row; `PendingScan.result()` is (index of the first tensor holding a
-        NaN or Inf, or None; each row's digest)."""
+    def __call__(self, spans: "list[Any]", rows: int) -> "PendingScan":
+        """Adds the check of bf16 tensors [rows, ...] in device memory (objects with `address` and
+        `nbytes`: gdn_server.work.DeviceSpan), contiguous, their row words in order making up a
+        row; `PendingScan.result()` is (index of the first tensor holding a NaN or Inf, or None;
+        each row's digest)."""
+        batch = self._open
+        if batch is None or not batch.fits(len(spans), rows):
+            if batch is not None:
+                self.launch(batch)
+            buffers = self._free.pop() if self._free else None
+            if buffers is None or not buffers.fits(len(spans), rows):
+                buffers = _ScanBuffers(self.device, max(BATCH_SEGMENTS, len(spans)), max(BATCH_ROWS, rows))
+            batch = self._open = _ScanBatch(buffers)
+        return PendingScan(self, batch, *batch.add(spans, rows))
+
+    def launch(self, batch: "_ScanBatch") -> None:
+        """Starts the batch's check (the open batch is closed by it)."""
         import torch
 
-        S = len(tensors)
-        table_words = S * SEGMENT_FIELDS
-        out_words = (S + rows + 1) // 2
-        n = table_words + out_words
-        buffers = self._free.pop() if self._free else None
-        if buffers is None or buffers.words < n:
-            buffers = _ScanBuffers(self.device, max(n, 1 << 10))
-        host = buffers.host_np
-        offset = 0
-        for s, t in enumerate(tensors):
-            row_words = t.numel() // rows
-            host[s * SEGMENT_FIELDS:(s + 1) * SEGMENT_FIELDS] = (t.data_ptr(), 0, row_words, rows, 0, offset)
-            offset += row_words
-        host[table_words:n] = 0
+        if self._open is batch:
+            self._open = None
+        b = batch.buffers
+        S, rows = batch.segments, batch.rows
         with torch.cuda.stream(self.stream):
-            buffers.dev[:n].copy_(buffers.host[:n], non_blocking=True)
-            table = buffers.dev[:table_words].view(S, SEGMENT_FIELDS)
-            flags = buffers.dev[table_words:n].view(torch.int32)
-            segments_scan(table, flags[:S], flags[S:S + rows], rows)
-            buffers.host[table_words:n].copy_(buffers.dev[table_words:n], non_blocking=True)
-            buffers.done.record(self.stream)
-        return PendingScan(self, buffers, S, rows, table_words, n)
+            b.dev_table[:S].copy_(b.host_table[:S], non_blocking=True)
+            b.dev_out.zero_()
+            segments_scan(b.dev_table[:S], b.dev_out[:S], b.dev_out[b.segments:b.segments + rows], batch.max_rows)
+            b.host_out.copy_(b.dev_out, non_blocking=True)
+            b.done.record(self.stream)
+        batch.launched = True
+
+    def release(self, batch: "_ScanBatch") -> None:
+        """A check of `batch` was read: its buffers are free once every check of it was."""
+        batch.unread -= 1
+        if batch.unread == 0 and batch.launched:
+            self._free.append(batch.buffers)
+
+
+# A batch has room for this many segments (5 a request) and digest rows at least
+BATCH_SEGMENTS = 320
+BATCH_ROWS = 4096
 
 
 class _ScanBuffers:
-    """One check's pinned and device int64 words (the table, then the int32 flags and digests)."""
+    """One batch's pinned and device tables (int64 [segments, SEGMENT_FIELDS]) and answers (int32:
+    a flag per segment, then a digest per row)."""
 
-    def __init__(self, device: Any, words: int) -> None:
+    def __init__(self, device: Any, segments: int, rows: int) -> None:
         import torch
 
-        self.words = words
-        self.host = torch.zeros(words, dtype=torch.int64, pin_memory=True)
-        self.host_np = self.host.numpy()
-        self.dev = torch.empty(words, dtype=torch.int64, device=device)
+        self.segments, self.rows = segments, rows
+        self.host_table = torch.zeros(segments, SEGMENT_FIELDS, dtype=torch.int64, pin_memory=True)
+        self.host_table_np = self.host_table.numpy()
+        self.dev_table = torch.empty(segments, SEGMENT_FIELDS, dtype=torch.int64, device=device)
+        self.host_out = torch.zeros(segments + rows, dtype=torch.int32, pin_memory=True)
+        self.host_out_np = self.host_out.numpy()
+        self.dev_out = torch.empty(segments + rows, dtype=torch.int32, device=device)
         self.done = torch.cuda.Event()
+
+    def fits(self, segments: int, rows: int) -> bool:
+        return segments <= self.segments and rows <= self.rows
+
+
+class _ScanBatch:
+    """The checks of one launch: their segments' table rows, written as they are added."""
+
+    __slots__ = ("buffers", "segments", "rows", "max_rows", "launched", "finished", "unread")
+
+    def __init__(self, buffers: _ScanBuffers) -> None:
+        self.buffers = buffers
+        self.segments = self.rows = self.max_rows = self.unread = 0
+        self.launched = self.finished = False
+
+    def fits(self, segments: int, rows: int) -> bool:
+        return self.buffers.fits(self.segments + segments, self.rows + rows)
+
+    def add(self, spans: "list[Any]", rows: int) -> tuple[int, int, int, int]:
+        """Writes a check's segments; returns (first segment, segments, first row, rows)."""
+        table = self.buffers.host_table_np
+        first_segment, first_row = self.segments, self.rows
+        offset = 0
+        for s, span in enumerate(spans, first_segment):
+            row_words = span.nbytes // 2 // rows
+            table[s] = (span.address, 0, row_words, rows, first_row, offset)
+            offset += row_words
+        self.segments += len(spans)
+        self.rows += rows
+        self.max_rows = max(self.max_rows, rows)
+        self.unread += 1
+        return first_segment, len(spans), first_row, rows
+
+    def done(self) -> bool:
+        if not self.finished:
+            self.finished = self.buffers.done.query()
+        return self.finished
 
 
 class PendingScan:
-    """A started `TensorScan` check: `ready()` polls it, `result()` waits for and reads it (once)."""
+    """A check added to a `TensorScan` batch: `ready()` polls it (launching its batch if it was
+    not yet), `result()` waits for and reads it (once)."""
 
-    __slots__ = ("_scan", "_buffers", "_span")
+    __slots__ = ("_scan", "_batch", "_span")
 
-    def __init__(self, scan: TensorScan, buffers: _ScanBuffers, S: int, rows: int, start: int, end: int) -> None:
-        self._scan, self._buffers, self._span = scan, buffers, (S, rows, start, end)
+    def __init__(self, scan: TensorScan, batch: _ScanBatch, first_segment: int, segments: int, first_row: int,
+                 rows: int) -> None:
+        self._scan, self._batch, self._span = scan, batch, (first_segment, segments, first_row, rows)
 
     def ready(self) -> bool:
-        return self._buffers.done.query()
+        batch = self._batch
+        if not batch.launched:
+            self._scan.launch(batch)
+        return batch.done()
 
     def result(self) -> tuple[int | None, tuple[int, ...]]:
-        buffers = self._buffers
-        buffers.done.synchronize()
-        S, rows, start, end = self._span
-        answer = buffers.host_np[start:end].view(np.int32)
-        bad = next((s for s in range(S) if answer[s]), None)
-        digests = tuple((answer[S:S + rows].astype(np.int64) & 0xFFFFFFFF).tolist())
-        self._scan._free.append(buffers)
+        batch = self._batch
+        if not batch.launched:
+            self._scan.launch(batch)
+        buffers = batch.buffers
+        if not batch.finished:
+            buffers.done.synchronize()
+            batch.finished = True
+        first_segment, S, first_row, rows = self._span
+        answer = buffers.host_out_np
+        flags = answer[first_segment:first_segment + S]
+        bad = next((s for s in range(S) if flags[s]), None)
+        start = buffers.segments + first_row
+        digests = tuple((answer[start:start + rows].astype(np.int64) & 0xFFFFFFFF).tolist())
+        self._scan.release(batch)
         return bad, digests
