@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import struct
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +50,7 @@ from gdn_server.backends.base import Backend, PendingStep, check_state_dtype
 from gdn_server.backends.mapped import device_alias
 from gdn_server.backends.staging import StagingLayout, carve as _carve, fill as _fill_staging, make_layout
 from gdn_server.config import ModelShape
-from gdn_server.kernels import HEAD_DIM, check_variant, ring_bytes_per_row
+from gdn_server.kernels import HEAD_DIM, SegmentTable, check_variant, ring_bytes_per_row
 from gdn_server.kernels._ring_api import check_ring_variant
 from gdn_server.weights import GateParams
 from gdn_server.work import DeviceSpan, StepBatch
@@ -126,7 +125,8 @@ class _Staging:
         self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}  # (kind, R, T) -> launch
         # `host` and `out_host` as tensors on the device (MAPPED_MAX_ROWS), made on first use
         self._mapped: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._segments: _SegmentTable | None = None  # made on the first launch with referenced tensors
+        self._segments: SegmentTable | None = None  # made on the first launch with referenced tensors
+        self.scratch = torch.zeros(1, dtype=torch.int32, device=device)  # segments_copy's unused flag outputs
 
     def mapped(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The pinned input and output buffers as device tensors at the same memory."""
@@ -163,24 +163,12 @@ class _Staging:
     def capacity(self) -> int:
         return self.host.numel()
 
-    def segment_table(self, segments: int) -> "_SegmentTable":
+    def segment_table(self, segments: int) -> SegmentTable:
         """This set's table of `segments_copy` segments, with room for `segments` of them."""
         table = self._segments
-        if table is None or table.host_tensor.shape[0] < segments:
-            table = self._segments = _SegmentTable(self.device, max(64, 2 * segments))
+        if table is None or table.capacity < segments:
+            table = self._segments = SegmentTable(self.device, max(64, 2 * segments))
         return table
-
-
-class _SegmentTable:
-    """A pinned table of segments (kernels.SEGMENT_FIELDS int64 each) and its device twin."""
-
-    def __init__(self, device: torch.device, rows: int) -> None:
-        from gdn_server.kernels import SEGMENT_FIELDS
-
-        self.host_tensor = torch.zeros(rows, SEGMENT_FIELDS, dtype=torch.int64, pin_memory=True)
-        self.host_mem = memoryview(self.host_tensor.numpy()).cast("B")
-        self.dev = torch.empty(rows, SEGMENT_FIELDS, dtype=torch.int64, device=device)
-        self.scratch = torch.zeros(1, dtype=torch.int32, device=device)  # the copy's unused flag outputs
 
 
 @dataclass(frozen=True)
@@ -371,23 +359,20 @@ class CudaBackend(Backend):
                 elsewhere.append((out, output.tensor() if type(output) is DeviceSpan else output))
             row += n
         table = staging.segment_table(len(segments))
-        if segments:  # each row (src, dst, row words, rows, 0, 0): struct packs a flat list fastest
-            struct.pack_into(f"{6 * len(segments)}q", table.host_mem, 0,
-                             *[v for seg in segments for v in (*seg, 0, 0)])
+        table.write(0, [(*seg, 0, 0) for seg in segments])  # each row (src, dst, row words, rows, 0, 0)
         # 2. the host buffer's copy, then what the device reads where it is
         views.dev_all.copy_(views.host_all, non_blocking=True)
         for src, offset in copies:  # a DMA each
             staging.dev[offset:offset + src.numel()].copy_(src, non_blocking=True)
-        if segments:
-            table.dev[: len(segments)].copy_(table.host_tensor[: len(segments)], non_blocking=True)
+        dev_table = table.upload(len(segments)) if segments else None
         if n_in:
-            segments_copy(table.dev[:n_in], table.scratch, max(n for *_, n in segments[:n_in]))
+            segments_copy(dev_table[:n_in], staging.scratch, max(n for *_, n in segments[:n_in]))
         # 3. the kernels
         self._launch_kernel(views.dev, views.out_dev, kind)
         # 4. the outputs: to the host buffer (answers, retries) and to the regions that asked
         views.out_host.copy_(views.out_dev, non_blocking=True)
         if len(segments) > n_in:
-            segments_copy(table.dev[n_in:len(segments)], table.scratch, max(n for *_, n in segments[n_in:]))
+            segments_copy(dev_table[n_in:], staging.scratch, max(n for *_, n in segments[n_in:]))
         for out, region in elsewhere:
             region.copy_(out, non_blocking=True)
 

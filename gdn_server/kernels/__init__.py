@@ -22,13 +22,14 @@ from ._api import (
     validate_decode_args,
 )
 from ._ring_api import compile_ring, folded_base, new_ring, ring_bytes_per_row, ring_fold, ring_verify
-from ._segments import SEGMENT_FIELDS, TensorScan, compiled_segments, segments_copy, segments_scan
+from ._segments import SEGMENT_FIELDS, SegmentTable, TensorScan, compiled_segments, segments_copy, segments_scan
 
 __all__ = [
     "CHECKED_HEADS",
     "HEAD_DIM",
     "SEGMENT_FIELDS",
     "SUPPORTED_T",
+    "SegmentTable",
     "TensorScan",
     "UNROLLED_T",
     "Variant",
