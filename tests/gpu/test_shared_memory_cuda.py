@@ -3,9 +3,12 @@ region from gdn_client) and a real server process on the GPU with --allow-shared
 outputs equal those of the same inputs sent inline, bit for bit, in the region and in the reply;
 a host region works on the GPU server too (big tensors by DMA from the page-locked region); a
 request with a NaN in GPU memory is refused with nothing applied; f32 tensors and a mix of region
-and inline tensors work; the server refuses a handle that does not open.
+and inline tensors work; clients stepping at once through GPU memory each get their own answers;
+the server refuses a handle that does not open.
 """
 from __future__ import annotations
+
+import concurrent.futures
 
 import grpc
 import pytest
@@ -83,6 +86,48 @@ def test_a_nan_in_gpu_memory_is_refused_with_nothing_applied_and_f32_and_mixes_w
             got = client.decode_batch(0, shared, q, *(mixed[n] for n in "kvab"))
             want = client.decode_batch(0, inline, *mixed.values())
             assert torch.equal(got.cpu(), want)
+
+
+def test_concurrent_clients_through_gpu_memory_each_get_their_own_answers(gpu_server):
+    """Requests of several clients at once share the server's check launches (their checks join
+    one batch when they arrive together): each still gets the outputs of its own inputs, and a
+    NaN refuses only the request that holds it."""
+    def run(index: int) -> list[str]:
+        problems = []
+        with Client(gpu_server.address) as client:
+            B = 1 + index % 3
+            inline = [client.create_session() for _ in range(B)]
+            shared = [client.create_session(colocate_with=inline[0]) for _ in range(B)]
+            with client.shared_memory(1 << 20, device="cuda") as mem:
+                for step in range(6):
+                    x = random_inputs(B, 1, H, HV, gen=torch.Generator().manual_seed(100 * index + step),
+                                      dtype=torch.bfloat16)
+                    t = {n: mem.tensor(x[n].shape) for n in NAMES}
+                    for n in NAMES:
+                        t[n].copy_(x[n])
+                    poisoned = index == 3 and step == 2
+                    if poisoned:
+                        t["k"][0, 0, 1, 2] = float("inf")
+                    torch.cuda.synchronize()
+                    if poisoned:
+                        try:
+                            client.decode_batch(step % 2, shared, *t.values())
+                            problems.append(f"client {index}: an Inf in k was applied")
+                        except InvalidArgumentError:
+                            pass
+                    else:
+                        got = client.decode_batch(step % 2, shared, *t.values())
+                        want = client.decode_batch(step % 2, inline, *x.values())
+                        if not torch.equal(got.cpu(), want):
+                            problems.append(f"client {index} step {step}: outputs differ from inline")
+                    mem.reset()
+            for s_ in inline + shared:
+                client.close_session(s_)
+        return problems
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        problems = [p for found in pool.map(run, range(8)) for p in found]
+    assert problems == []
 
 
 def test_a_handle_that_does_not_open_is_invalid_argument(gpu_server):
