@@ -20,6 +20,9 @@ def reference_digests(tensors: list[torch.Tensor], rows: int) -> list[int]:
 
 
 def spans(tensors: list[torch.Tensor]) -> list[DeviceSpan]:
+    """The tensors' spans, once their writes are done: the scan runs on a stream of its own and
+    reads them as they are (a client finishes its writes before it sends a request)."""
+    torch.cuda.synchronize()
     return [DeviceSpan.of(t) for t in tensors]
 
 
