@@ -18,8 +18,9 @@ crosses the host. A reference into CUDA memory is a `DeviceSpan` (an address), n
 
 It is unmapped when its owner unregisters it, when no request has used it for `idle_s` (a client
 that died must not pin memory for ever: `sweep`), and at shutdown (`close`). A request that holds
-views of a region keeps that memory mapped until it is answered (the views hold the mapping), so
-unmapping never pulls memory from under a step in flight. Each owner holds at most
+views of a region keeps that memory mapped until it is answered (a system region's memoryviews
+hold its mapping; a CUDA region's DeviceSpans hold its tensor, whose last reference closes the IPC
+mapping), so unmapping never pulls memory from under a step in flight. Each owner holds at most
 `max_regions_per_client` regions of `max_bytes_per_client` bytes in all.
 
 `resolver(owner)` is what the wire layer (gdn_server.validation) gets: a function from (region,
@@ -36,6 +37,7 @@ import os
 import re
 import stat
 import time
+import weakref
 from typing import Any, Callable
 
 from gdn_server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -55,6 +57,10 @@ CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 # one is copied when the request is answered: one memcpy costs less than a copy call per request)
 Resolver = Callable[..., Any]
 DMA_OUTPUT_BYTES = 512 << 10
+
+
+def _nothing() -> None:
+    pass
 
 
 class DeviceAccess:
@@ -217,7 +223,13 @@ class SharedMemoryRegistry:
                 raise InvalidArgument(f"a CUDA IPC handle has {CUDA_IPC_HANDLE_BYTES} bytes, got {len(handle)}")
             if device < 0:
                 raise InvalidArgument(f"CUDA device {device} is not a device ordinal")
-            memory, release = self._device.open_cuda(handle, device, byte_size)
+            memory, close = self._device.open_cuda(handle, device, byte_size)
+            # The mapping closes once nothing holds its tensor: a request's DeviceSpans hold it
+            # until the request is answered (its launch done), so a region unregistered, swept or
+            # shut while a step reads it closes after that step, never under it (the kernels
+            # would fault on a closed mapping, and such a fault ends every request of the process)
+            weakref.finalize(memory, close).atexit = False  # at exit the driver frees it anyway
+            release = _nothing
             kind = "cuda"
         region = Region(owner, name, kind, byte_size, memory, release, self._clock(), pinned)
         self._regions[(owner, name)] = region

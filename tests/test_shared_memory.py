@@ -323,6 +323,47 @@ def test_a_page_locked_region_and_its_big_outputs(shm):
     assert [e[0] for e in events] == ["pin", "unpin", "pin", "unpin"]
 
 
+def test_a_cuda_region_closes_after_the_last_request_holding_it():
+    """A CUDA region's IPC mapping (opened by a stand-in here: this box has no GPU) stays open
+    while a request holds a reference into it, whether its owner unregistered it or the server
+    shut down meanwhile, and closes when the last such reference goes; a reference is an address
+    into the mapping (a DeviceSpan), not a copy."""
+    import gc
+
+    from gdn_server.limits import SharedMemoryLimits
+    from gdn_server.shared_memory import SharedMemoryRegistry
+    from gdn_server.work import DeviceSpan
+
+    closed = []
+
+    class Mapping:  # what DeviceAccess.open_cuda returns: a CUDA uint8 tensor of the region
+        device = torch.device("cpu")  # only its index is read
+        base = 1 << 40
+
+        def data_ptr(self) -> int:
+            return self.base
+
+    class StandInDevice:
+        check = None
+
+        def open_cuda(self, handle: bytes, device: int, nbytes: int):
+            return Mapping(), lambda: closed.append(handle)
+
+    registry = SharedMemoryRegistry(SharedMemoryLimits(), StandInDevice())
+    handle = bytes(range(64))
+    registry.register("me", "gpu", 1 << 20, cuda=(handle, 0))
+    span = registry.resolver("me")("gpu", 4096, 512)
+    assert type(span) is DeviceSpan and span.address == Mapping.base + 4096 and span.nbytes == 512
+    registry.unregister("me", "gpu")
+    gc.collect()
+    assert closed == []  # a request still holds it
+    del span
+    assert closed == [handle]
+    registry.register("me", "gpu", 1 << 20, cuda=(handle, 0))
+    registry.close()
+    assert closed == [handle, handle]  # nothing held it: closed with the registry
+
+
 # -- gdn_client ------------------------------------------------------------------------------------
 
 def test_client_passes_region_tensors_by_reference(shm_server):
