@@ -183,10 +183,6 @@ class SharedMemoryRegistry:
     def __len__(self) -> int:
         return len(self._regions)
 
-    @property
-    def accepts_cuda(self) -> bool:
-        return self._device is not None
-
     def register(self, owner: str, name: str, byte_size: int, *, system: tuple[str, int] | None = None,
                  cuda: tuple[bytes, int] | None = None) -> Region:
         """Maps a region for `owner`: `system` (key, offset) or `cuda` (ipc handle, device).

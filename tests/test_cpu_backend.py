@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from gdn_server.backends import default_cpu_sessions
-import dataclasses
 import random
 
 from gdn_server.backends.cpu import CpuBackend
-from gdn_server.backends.torch_math import gdn_step_fp32
+from gdn_server.backends.torch_math import StepWorkspace, exp_lane_aligned
 from gdn_server.config import PRESETS, ModelShape
 from gdn_server.kernels import folded_base
 from gdn_server.weights import random_gate_params
@@ -136,8 +135,9 @@ def test_steps_chain_like_the_reference():
         assert rel_err(backend.read_rows([0]), state) < 2.5e-3, step
 
 
-def test_gdn_step_fp32_matches_the_reference():
-    """The fp32 step as the GPU backend's torch fallback calls it: state [B, HV, V, K] updated in place."""
+def test_the_workspace_step_on_an_fp32_state_matches_the_reference():
+    """StepWorkspace.run, the CPU backend's math, on fp32 states [B, HV, V, K] updated in place:
+    within fp32 rounding of the float64 reference (the backend's pool tests allow bf16's)."""
     gen = torch.Generator().manual_seed(5)
     B, T, H, HV, K = 3, 4, 2, 4, 128
     state = 0.1 * torch.randn(B, HV, K, K, generator=gen)
@@ -146,7 +146,9 @@ def test_gdn_step_fp32_matches_the_reference():
     a, b = torch.randn(B, T, HV, generator=gen), torch.randn(B, T, HV, generator=gen)
     A_log, dt_bias = torch.rand(B, HV, generator=gen) * 2.7, torch.randn(B, HV, generator=gen) - 4
     o_ref, s_ref = gdn_reference_step(state, q, k, v, a, b, A_log, dt_bias, K ** -0.5)
-    o = gdn_step_fp32(state, q, k, v, a, b, A_log, dt_bias, K ** -0.5)
+    work = StepWorkspace(B, T, H, HV, K, K, K ** -0.5, state.device, state, 1.0, 20.0)
+    neg_A = exp_lane_aligned(A_log).neg_()
+    o = work.run(state, work.S5, q, k, v, a, b, neg_A[:, None, :], dt_bias[:, None, :])
     assert rel_err(o, o_ref) < 1e-5 and rel_err(state, s_ref) < 1e-5
 
 

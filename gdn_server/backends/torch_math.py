@@ -1,4 +1,4 @@
-"""The decode step in vectorised torch (fp32 math), shared by the CPU backend and GPU fallbacks.
+"""The decode step in vectorised torch (fp32 math): the CPU backend's, the one torch implementation.
 
 Vectorised over rows and heads; the only Python loop is over the T tokens of a step, whose
 recurrence is sequential. Written for few-row launches on the CPU, where each torch call costs a
@@ -181,24 +181,3 @@ def fold_ring(
     weighted = ring_u[:, :, :P] * (G_P - ring_g[:, :P]).exp_()[:, None, :]  # [HV, V, P]
     out.view(H, HV // H * V, K).baddbmm_(weighted.view(H, HV // H * V, P), ring_k[:, :P])
     return out
-
-
-def gdn_step_fp32(
-    state: torch.Tensor,  # [B, HV, V, K] float32, updated in place
-    q: torch.Tensor,  # [B, T, H, K]
-    k: torch.Tensor,  # [B, T, H, K]
-    v: torch.Tensor,  # [B, T, HV, V]
-    a: torch.Tensor,  # [B, T, HV]
-    b: torch.Tensor,  # [B, T, HV]
-    A_log: torch.Tensor,  # [B, HV] float32, each row's layer already gathered
-    dt_bias: torch.Tensor,  # [B, HV] float32
-    scale: float,
-    softplus_beta: float = 1.0,
-    softplus_threshold: float = 20.0,
-) -> torch.Tensor:
-    """Applies T tokens to `state` (kept fp32 between tokens) and returns o [B, T, HV, V] float32."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    plan = StepWorkspace(B, T, H, HV, V, K, scale, state.device, state, softplus_beta, softplus_threshold)
-    neg_A = exp_lane_aligned(A_log).neg_()
-    return plan.run(state, plan.S5, q, k, v, a, b, neg_A[:, None, :], dt_bias[:, None, :])
