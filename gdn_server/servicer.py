@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 def decode_response(result: DecodeResult, output: Any = None) -> bytes:
     """The serialized DecodeResponse of a step's result: its reply as encoded; with `output` (a
     request's o_ref, as a view of its region), o is in the region and the reply's o has its dtype
-    and shape only. A memoryview (host memory) gets o here; a tensor (CUDA memory, or big
-    page-locked host memory: gdn_server.shared_memory) got it from the launch
+    and shape only. A memoryview (host memory) gets o here; a DeviceSpan (GPU memory) or a pinned
+    CPU tensor (big page-locked host memory: gdn_server.shared_memory) got it from the launch
     (gdn_server/backends/cuda.py), unless the answer is a retry's, from the kept output."""
     if output is None:
         return result.reply

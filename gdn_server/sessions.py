@@ -105,8 +105,8 @@ class Session:
     # committed ring entries P per layer; while a draft is open there, its base
     hist: list[int] = field(default_factory=list)
     drafts: dict[int, Draft] = field(default_factory=dict)  # layer -> uncommitted speculative step
-    # home_row of every layer, for the planner to read per session (the method, or the product,
-    # costs twice the lookup in a B = 256 request)
+    # the pool row of every layer, slot * num_layers + layer, made once: home_row and the planner
+    # read it (the product, or a method call, costs twice the lookup in a B = 256 request)
     pool_rows: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -118,7 +118,7 @@ class Session:
 
     def home_row(self, layer: int) -> int:
         """The pool row of the session's state at `layer`."""
-        return self.slot * self.num_layers + layer
+        return self.pool_rows[layer]
 
     def launch_hist(self, layer: int) -> int:
         """The ring entries a next step at `layer` reads as committed: P, and an open draft's
@@ -363,7 +363,7 @@ class SessionTable:
     def hist_rows(self, session: Session) -> tuple[list[int], list[int]]:
         """(pool rows, committed entries P) of every layer of `session`: what `Backend.fold`
         takes before the session's state is read or copied as a whole; then `folded`."""
-        return [session.home_row(layer) for layer in range(session.num_layers)], list(session.hist)
+        return list(session.pool_rows), list(session.hist)
 
     def folded(self, session: Session) -> None:
         """Every layer's committed entries are in the state now (`Backend.fold`): P = 0."""

@@ -25,8 +25,8 @@ mapping), so unmapping never pulls memory from under a step in flight. Each owne
 
 `resolver(owner)` is what the wire layer (gdn_server.validation) gets: a function from (region,
 offset, byte count) to a view of those bytes (a writable memoryview for system memory, a
-`DeviceSpan`, an address, for device memory), raising NotFound or InvalidArgument, with the check of tensors
-in device memory as its `check_device`. Nothing below the wire layer learns about regions.
+`DeviceSpan`, an address, for device memory), raising NotFound or InvalidArgument, with the
+check of tensors in device memory as its `check_device`. Nothing below the wire layer learns about regions.
 """
 from __future__ import annotations
 
@@ -294,9 +294,9 @@ def map_system(key: str, offset: int, byte_size: int, pin: Callable[[int, int], 
                ) -> tuple[memoryview, Callable[[], None], bool]:
     """Maps bytes [offset, offset + byte_size) of the shm object `key` read-write: its memoryview,
     the function that unmaps it (at once, or once the last view of it is gone) and whether it is
-    page-locked (by `pin` (address, bytes) -> unpin, where given and the driver agrees). InvalidArgument where `key` is not a plain
-    shm_open name, or the object is not there, not a regular file the server may read and write,
-    or smaller than offset + byte_size."""
+    page-locked (by `pin` (address, bytes) -> unpin, where given and the driver agrees).
+    InvalidArgument where `key` is not a plain shm_open name, or the object is not there, not a
+    regular file the server may read and write, or smaller than offset + byte_size."""
     if SHM_KEY.fullmatch(key) is None or key in ("/.", "/.."):
         raise InvalidArgument(f"shared-memory key {key[:64]!r} is not a plain shm_open name (\"/name\", no other '/')")
     try:

@@ -13,13 +13,14 @@ Every input leaves here checked for NaN/Inf: bf16 bytes by gdn_server._wire (the
 `checked_digests` for the rest: one rule, in the same pass as the digests), f16/f32 bytes by
 gdn_client.proto.checks, a request with any input in device memory on that device, all of its
 inputs together (the check the resolver brings, `resolve.check_device`: one kernel launch for the
-requests of a turn of the event loop, which the servicer polls through a PendingCheck). Nothing after validation checks them again.
+requests of a turn of the event loop, which the servicer polls through a PendingCheck). Nothing
+after validation checks them again.
 
 Tensors by reference (TensorRef, into a shared-memory region the caller registered) become views
 of the region here, through the `resolve` function the servicer passes for the caller
 (gdn_server.shared_memory): host memory as buffers like a message's bytes, device memory as
-DeviceSpans (addresses). So the scheduler and the backends see a DecodeWork of views and never learn about
-regions; an output reference (o_ref) becomes `DecodeWork.output`, where the reply's o goes.
+DeviceSpans (addresses). So the scheduler and the backends see a DecodeWork of views and never
+learn about regions; an output reference (o_ref) becomes `DecodeWork.output`, where the reply's o goes.
 """
 from __future__ import annotations
 

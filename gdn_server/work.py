@@ -145,8 +145,8 @@ class DecodeResult:
         self.shape = shape
         self.positions = positions
         self.request_id = request_id
-        # answered from a kept output, not by a launch: an o_ref in device memory, which a launch
-        # writes itself (gdn_server/backends/cuda.py), is written from `out` instead
+        # answered from a kept output, not by a launch: an o_ref a launch writes itself (GPU memory,
+        # big page-locked host memory: gdn_server/backends/cuda.py) is written from `out` instead
         self.replayed = replayed
 
     def __repr__(self) -> str:
