@@ -63,7 +63,6 @@
 #include <structmember.h>
 #include <stdint.h>
 #include <string.h>
-#include <pthread.h>
 
 #define N_INPUTS 5
 #define BF16 1 /* gdn.v1.DType.BF16 */
@@ -271,79 +270,12 @@ static int check_and_digest_rows(const uint8_t *const *data, const Py_ssize_t *l
     return -1;
 }
 
-/* A big request's check and digests (PARALLEL_BYTES or more) are split into THREADS shares of
-   its rows run side by side, with the GIL released: one core reads memory at a few GB/s on a
-   serving host, so a B = 256 qwen3-next step's 4.2 MB took one core 290-640 us on the H200 host.
-   A thread is started per share, not kept in a pool: starting and joining three costs tens of
-   microseconds, a small part of such a request's check, and requests this big are few. */
-#define PARALLEL_BYTES (1 << 20)
-#define THREADS 4
-
-/* fn(share[0]), ..., fn(share[count - 1]) (each `size` bytes apart), share 0 on this thread and
-   the others on threads of their own, the GIL released; a share whose thread cannot be started
-   runs here. The caller holds the GIL. */
-static void run_shares(void *(*fn)(void *), void *share, size_t size, int count) {
-    pthread_t thread[THREADS];
-    int started[THREADS] = {0};
-    char *at = share;
-    Py_BEGIN_ALLOW_THREADS
-    for (int k = 1; k < count; k++) started[k] = pthread_create(&thread[k], NULL, fn, at + k * size) == 0;
-    fn(at);
-    for (int k = 1; k < count; k++) {
-        if (started[k]) pthread_join(thread[k], NULL);
-        else fn(at + k * size);
-    }
-    Py_END_ALLOW_THREADS
-}
-
-typedef struct {
-    const uint8_t *data[N_INPUTS];
-    Py_ssize_t len[N_INPUTS], rows;
-    int check, bad;
-    uint32_t *out;
-} CheckShare;
-
-static void *check_share(void *arg) {
-    CheckShare *s = arg;
-    s->bad = check_and_digest_rows(s->data, s->len, s->rows, s->check, s->out);
-    return NULL;
-}
-
-/* check_and_digest_rows, in THREADS shares of the rows where the bytes are PARALLEL_BYTES or
-   more (a row's digest is its own, an input's verdict the first of its shares'); the caller
-   holds the GIL. */
-static int check_and_digest(const uint8_t *const *data, const Py_ssize_t *len, Py_ssize_t rows, int check,
-                            uint32_t *out) {
-    Py_ssize_t total = 0;
-    for (int i = 0; i < N_INPUTS; i++) total += len[i];
-    int shares = total >= PARALLEL_BYTES ? (rows < THREADS ? (int)rows : THREADS) : 1;
-    if (shares <= 1) return check_and_digest_rows(data, len, rows, check, out);
-    CheckShare share[THREADS];
-    for (Py_ssize_t k = 0, first = 0; k < shares; k++) {
-        Py_ssize_t n = rows / shares + (k < rows % shares);
-        for (int i = 0; i < N_INPUTS; i++) {
-            Py_ssize_t per_row = len[i] / rows;
-            share[k].data[i] = data[i] + first * per_row;
-            share[k].len[i] = n * per_row;
-        }
-        share[k].rows = n;
-        share[k].check = check;
-        share[k].out = out + first;
-        first += n;
-    }
-    run_shares(check_share, share, sizeof(CheckShare), shares);
-    int bad = -1;
-    for (int k = 0; k < shares; k++)
-        if (share[k].bad >= 0 && (bad < 0 || share[k].bad < bad)) bad = share[k].bad;
-    return bad;
-}
-
 /* The checked_digests of data[i] (len[i] bytes each) as (bad, digests); NULL with an error set
    only where memory ran out. */
 static PyObject *checked_digest_pair(const uint8_t *const *data, const Py_ssize_t *len, Py_ssize_t rows, int check) {
     uint32_t *crcs = PyMem_Malloc(sizeof(uint32_t) * (size_t)rows);
     if (crcs == NULL) return PyErr_NoMemory();
-    int bad = check_and_digest(data, len, rows, check, crcs);
+    int bad = check_and_digest_rows(data, len, rows, check, crcs);
     PyObject *tuple = PyTuple_New(bad < 0 ? rows : 0);
     for (Py_ssize_t r = 0; tuple != NULL && bad < 0 && r < rows; r++) {
         PyObject *n = PyLong_FromUnsignedLong(crcs[r]);

@@ -329,25 +329,6 @@ def test_checked_digests_finds_every_nonfinite_bf16_where_the_checks_do(rows, pe
                     assert _wire.checked_digests(raw, rows) == (index, ()) == (first_nonfinite(raw, gdn_pb2.BF16), ())
 
 
-def test_a_big_request_checked_by_several_threads_gives_the_one_threads_answer():
-    """Inputs of 1 MiB or more are checked and digested in shares of rows by several threads
-    (gdn_server/_wire.c, PARALLEL_CHECK_BYTES): the digests are each row's as the oracle gives them,
-    rows split unevenly between the shares, and the input named for a NaN or Inf is the first input
-    holding one, wherever the shares found them."""
-    rows, per_row = 67, (4096, 4096, 8192, 64, 64)  # 1.1 MB: qwen3-next rows, 67 = 17 + 3 x 16
-    rng = np.random.default_rng(7)
-    clean = [rng.integers(0, 1 << 16, rows * n // 2, dtype=np.uint16) & 0xBF7F for n in per_row]
-    raw = [x.tobytes() for x in clean]
-    assert sum(map(len, raw)) >= 1 << 20
-    assert _wire.checked_digests(raw, rows) == (None, digests_in_python(raw, rows))
-    for late_row, late_input, early_row, early_input in ((66, 0, 0, 2), (0, 1, 66, 4), (40, 3, 41, 3)):
-        poisoned = [x.copy() for x in clean]
-        poisoned[late_input][late_row * per_row[late_input] // 2] = 0x7F80
-        poisoned[early_input][early_row * per_row[early_input] // 2 + 1] = 0xFFC1
-        want = min(late_input, early_input)
-        assert _wire.checked_digests([x.tobytes() for x in poisoned], rows) == (want, ())
-
-
 def test_checked_digests_reads_whole_words_of_each_row():
     """Rows of an odd number of bytes (not a bf16 step's, but checked_digests takes them): each
     row's words are its own, its last byte in none, as when the rows were checked one by one,
