@@ -23,8 +23,10 @@ the ratios, not absolute figures across calls.
         --clients 1,8 --batch-sessions 16 --duration 2       # a smoke run on any machine
 
 Parts with the same server flags share one server process, started afresh for them. With several
---server-tree, every part runs against each tree in turn (parts named "<tree>:<part>"), so a
-before/after pair sees the host in the same state.
+--server-tree, a server of each tree runs side by side (the idle ones take no CPU; --max-sessions
+bounds the GPU memory each holds) and every part runs against each tree in turn, round by round
+(parts named "<tree>:<part>"): with --rounds 3, A B A B A B rather than A A A B B B, so that a
+host whose speed drifts within the call moves both trees' figures alike.
 Prints one table; writes bench/out/serve-<UTC time>.json (every gdn-loadtest document, the
 server and load commands, date, commit and this command line).
 """
@@ -40,7 +42,7 @@ import common
 
 def parts(args: argparse.Namespace) -> list[tuple[str, list[str], list[str]]]:
     """(name, extra server flags, gdn-loadtest flags) of each part to run."""
-    timing = ["--duration", str(args.duration), "--rounds", str(args.rounds), *shlex.split(args.load_flags)]
+    timing = ["--duration", str(args.duration), *shlex.split(args.load_flags)]  # one round a run: main() repeats
     stream = ["--mode", "stream", "--tokens", "1", "--clients", args.clients,
               "--processes", str(args.load_processes), *timing]
     modes = [m for m in args.shared_memory.split(",") if m]
@@ -67,14 +69,14 @@ def table(results: list[dict]) -> str:
             e = echoes.get((r["clients"], r["batch"], r.get("round", 0)))
             p50 = r["latency_ms"]["p50"]
             rows.append([
-                part["part"], r["clients"], r["batch"], common.fmt(r["steps_per_s"]), f"{p50:.3f}",
+                part["part"], part.get("round", 0), r["clients"], r["batch"], common.fmt(r["steps_per_s"]), f"{p50:.3f}",
                 f"{r['latency_ms']['p99']:.3f}", common.fmt(common.rows_per_launch(r), ".1f"),
                 common.fmt(e and e["steps_per_s"]), f"{e['latency_ms']['p50']:.3f}" if e else "-",
                 f"{100 * r['steps_per_s'] / e['steps_per_s']:.0f}%" if e else "-",
                 f"{p50 / e['latency_ms']['p50']:.2f}x" if e else "-",
             ])
     return common.markdown_table(
-        ["part", "clients", "B", "steps/s", "p50 ms", "p99 ms", "rows/launch", "echo steps/s", "echo p50 ms",
+        ["part", "round", "clients", "B", "steps/s", "p50 ms", "p99 ms", "rows/launch", "echo steps/s", "echo p50 ms",
          "steps/s % of echo", "p50 / echo p50"], rows)
 
 
@@ -88,7 +90,9 @@ def main() -> None:
     p.add_argument("--shared-memory", default="", help="also run the stream and big parts with the tensors in "
                                                        "shared memory of these kinds: system, cuda (e.g. system,cuda)")
     p.add_argument("--duration", type=float, default=4.0, help="seconds per run")
-    p.add_argument("--rounds", type=int, default=1, help="pairs of runs (ours, then the echo's) per point")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="pairs of runs (ours, then the echo's) per point; with several trees, each round "
+                        "runs every tree before the next round starts")
     p.add_argument("--load-processes", type=int, default=4,
                    help="load processes of the stream parts (the echo's too): one Python process costs "
                         "~40-60 us of CPU per step and would bound a run near 64 clients by itself")
@@ -114,15 +118,24 @@ def main() -> None:
         for server_flags, group in groups.items():
             cmd = common.server_command(args.device, args.model, args.max_sessions,
                                         [*server_flags, *shlex.split(args.server_flags)])
-            for tree in trees:
-                label = f"{tree}:" if len(trees) > 1 else ""
-                with common.Server(cmd, cwd=tree if tree not in (None, ".") else None) as server:
-                    for name, load_flags in group:
-                        doc = common.run_loadtest(server.target, Path(tmp) / f"{name}.json", load_flags)
-                        results.append({"part": label + name, "server_tree": tree,
-                                        "server_command": common.shown(cmd),
-                                        "loadtest_flags": shlex.join(load_flags), "loadtest": doc})
-                    common.write_json(path, {"args": vars(args), "parts": results})  # survives a failure
+            servers = [common.Server(cmd, cwd=tree if tree not in (None, ".") else None) for tree in trees]
+            try:
+                for server in servers:  # their warm-ups overlap
+                    server.start()
+                for server in servers:
+                    server.wait()
+                for round_index in range(args.rounds):
+                    for tree, server in zip(trees, servers):
+                        label = f"{tree}:" if len(trees) > 1 else ""
+                        for name, load_flags in group:
+                            doc = common.run_loadtest(server.target, Path(tmp) / f"{name}.json", load_flags)
+                            results.append({"part": label + name, "round": round_index, "server_tree": tree,
+                                            "server_command": common.shown(cmd),
+                                            "loadtest_flags": shlex.join(load_flags), "loadtest": doc})
+                        common.write_json(path, {"args": vars(args), "parts": results})  # survives a failure
+            finally:
+                for server in servers:
+                    server.stop()
     print()
     print(table(results))
     print(f"\nwrote {path}")
