@@ -69,8 +69,8 @@ def table(results: list[dict]) -> str:
             e = echoes.get((r["clients"], r["batch"], r.get("round", 0)))
             p50 = r["latency_ms"]["p50"]
             rows.append([
-                part["part"], part.get("round", 0), r["clients"], r["batch"], common.fmt(r["steps_per_s"]), f"{p50:.3f}",
-                f"{r['latency_ms']['p99']:.3f}", common.fmt(common.rows_per_launch(r), ".1f"),
+                part["part"], part.get("round", 0), r["clients"], r["batch"], common.fmt(r["steps_per_s"]),
+                f"{p50:.3f}", f"{r['latency_ms']['p99']:.3f}", common.fmt(common.rows_per_launch(r), ".1f"),
                 common.fmt(e and e["steps_per_s"]), f"{e['latency_ms']['p50']:.3f}" if e else "-",
                 f"{100 * r['steps_per_s'] / e['steps_per_s']:.0f}%" if e else "-",
                 f"{p50 / e['latency_ms']['p50']:.2f}x" if e else "-",
