@@ -39,7 +39,7 @@ from gdn_server.shared_memory import SharedMemoryRegistry
 from gdn_server.state_transfer import StateAssembler, encode_state
 from gdn_server.scheduler import settle
 from gdn_server.validation import PendingCheck, decode_work, parse_decode_request, step_limits
-from gdn_server.work import DecodeResult, DecodeWork, DeviceSpan
+from gdn_server.work import LAUNCH_WRITTEN, DecodeResult, DecodeWork, DeviceSpan
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def decode_response(result: DecodeResult, output: Any = None) -> bytes:
     (gdn_server/backends/cuda.py), unless the answer is a retry's, from the kept output."""
     if output is None:
         return result.reply
-    if type(output) is memoryview:
+    if type(output) not in LAUNCH_WRITTEN:  # a memoryview of host memory
         output[:] = result.out
     elif result.replayed:  # a DeviceSpan, or a pinned CPU uint8 tensor
         target = output.tensor() if type(output) is DeviceSpan else output

@@ -37,6 +37,12 @@ class DeviceSpan:
         return self.memory.view(torch.uint8).reshape(-1)[self.offset:self.offset + self.nbytes]
 
 
+# Outputs (DecodeWork.output) that a GPU launch writes itself: GPU memory (a DeviceSpan) and big
+# outputs in page-locked host memory (a pinned CPU uint8 tensor, gdn_server.shared_memory); o for
+# host memory (a memoryview) and for the reply is written when the request is answered
+LAUNCH_WRITTEN = (DeviceSpan, torch.Tensor)
+
+
 class _Input:
     """A DecodeWork input (q, k, v, a or b), built from the request's raw bf16 bytes on first use.
 

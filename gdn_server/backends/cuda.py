@@ -53,7 +53,7 @@ from gdn_server.config import ModelShape
 from gdn_server.kernels import HEAD_DIM, SegmentTable, check_variant, ring_bytes_per_row
 from gdn_server.kernels._ring_api import check_ring_variant
 from gdn_server.weights import GateParams
-from gdn_server.work import DeviceSpan, StepBatch
+from gdn_server.work import LAUNCH_WRITTEN, DeviceSpan, StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,6 @@ GRAPH_BUCKETS = (12, 16, 24, 32, 48, 64, 96, 128)
 # One row, because that is where it pays: the kernel's reads over PCIe grow with the rows faster
 # than the copies do (bench/DECISIONS.md, entry 7). 0 keeps the copies everywhere.
 MAPPED_MAX_ROWS = 1
-
-# Outputs (DecodeWork.output) the launch writes: GPU memory, and big outputs in page-locked host
-# memory (a pinned CPU uint8 tensor); the others (host memory, the reply) are written on answering
-_WRITTEN_HERE = (DeviceSpan, torch.Tensor)
 
 # What a launch runs (its graphs are keyed by it too)
 PLAIN = "plain"  # gdn_decode, in place
@@ -306,7 +302,7 @@ class CudaBackend(Backend):
         #    casting copy for f16/f32 ones; no per-row work. Inputs the device reads where they
         #    are (a client's shared memory) come back, to be copied on the device.
         on_device = _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
-        out_refs = any(type(w.output) in _WRITTEN_HERE for w in batch.works)
+        out_refs = any(type(w.output) in LAUNCH_WRITTEN for w in batch.works)
         # The backend's stream (and its device) becomes the thread's current one and stays so:
         # whatever else runs CUDA work on this thread names its stream itself. Entering and leaving
         # a torch.cuda.stream() context per launch cost about as much host time as the graph's
@@ -354,7 +350,7 @@ class CudaBackend(Backend):
             output = w.output
             if type(output) is DeviceSpan and output.device == here:
                 segments.append((out_base + row * row_bytes, output.address, row_bytes // 2, n))
-            elif type(output) in _WRITTEN_HERE:
+            elif type(output) in LAUNCH_WRITTEN:
                 out = views.out_dev[row:row + n].reshape(-1).view(torch.uint8)
                 elsewhere.append((out, output.tensor() if type(output) is DeviceSpan else output))
             row += n
