@@ -21,7 +21,9 @@ disjoint row sets rotated so the state is cold in L2, device time by CUDA-graph 
   launch as a serving batch of sessions at different fills has it); an accept costs no launch;
 - step, random accepts: fills of a steady state with 1..T accepted tokens, uniform;
 - every row folds; the fold kernel alone (every row a full ring);
-- our plain T-token step into scratch states (the path the ring replaces).
+- our plain T-token step into scratch states (the path the ring replaces);
+- the state read floor: the verify's rows' states read by a kernel that does nothing else
+  (bench/state_floor.py), what a verify that never writes the state cannot beat.
 FlashInfer's ring verify is timed when flashinfer imports on the host; otherwise its figures are
 the ones measured on an H200 in issue 48 (REFERENCE_US), and the output says so.
 
@@ -44,6 +46,7 @@ REPO = common.REPO
 
 
 ref = common.reference()
+from state_floor import state_floor_us  # noqa: E402
 from gdn_server.kernels._ring_api import RING, folded_base, new_ring, ring_fold, ring_verify  # noqa: E402
 
 DEV = "cuda"
@@ -308,7 +311,10 @@ def bench(rows, gen, log, N=4096):
                      fold_all_us=(verify, [RING]), fold_only_us=(fold_only, [RING]))
         for name, (fn, fills) in cases.items():
             try:
-                r[name] = time_device(Sets(B, T, H, HV, N, fills, gen).call(fn))
+                sets = Sets(B, T, H, HV, N, fills, gen)
+                r[name] = time_device(sets.call(fn))
+                if name == "verify_us":  # what reading these rows' states costs, nothing else
+                    r["state_read_floor_us"] = state_floor_us(pool, [s[0] for s in sets.sets], write=False)
             except Exception as e:  # noqa: BLE001
                 r[name] = None
                 log(f"time {name} B={B} T={T} failed: {e!r}")
@@ -342,13 +348,16 @@ def to_markdown(res):
     lines = [f"# History-ring kernels on {res['device']} ({res['date']}), commit {res['commit']}", "",
              f"Device time per launch, CUDA-graph replay, median; H=16, HV=32, K=V=128, 4096-row {res['state_dtype']} pool, 16 rotated "
              "row sets. FlashInfer: " + res["flashinfer"] + ".", "",
-             "| B | T | FlashInfer ring verify | ours verify | step, full accepts (folds) | step, random accepts (folds) "
-             "| every row folds | fold kernel | plain T-step to scratch | full-accept step / FlashInfer |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "State read floor: the verify's rows' states read and nothing else (bench/state_floor.py).", "",
+             "| B | T | FlashInfer ring verify | ours verify | state read floor | step, full accepts (folds) "
+             "| step, random accepts (folds) | every row folds | fold kernel | plain T-step to scratch "
+             "| full-accept step / FlashInfer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["timings"]:
         fi, st = r.get("flashinfer_issue48_us"), r.get("step_full_us")
         ratio = f"{st / fi:.2f}" if fi and st else "-"
-        lines.append(f"| {r['B']} | {r['T']} | {f(fi)} | {f(r.get('verify_us'))} | {f(st)} ({r['fold_rate_full']:.0%}) | "
+        lines.append(f"| {r['B']} | {r['T']} | {f(fi)} | {f(r.get('verify_us'))} | {f(r.get('state_read_floor_us'))} | "
+                     f"{f(st)} ({r['fold_rate_full']:.0%}) | "
                      f"{f(r.get('step_random_us'))} ({r['fold_rate_random']:.0%}) | {f(r.get('fold_all_us'))} | "
                      f"{f(r.get('fold_only_us'))} | {f(r.get('plain_scratch_us'))} | {ratio} |")
     if res.get("checks"):
