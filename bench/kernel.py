@@ -24,9 +24,12 @@ Timings (the method by which the reference figures in REFERENCE_US, FlashInfer's
 seed kernel on an H200, were measured; the table repeats them): H=16, HV=32, a 4096-slot (4 GiB) pool, random slots, 16 rotated slot sets, device time
 by CUDA-graph replay (triton.testing.do_bench_cudagraph, median), host time per call by do_bench
 and by a plain loop; side by side with fla's fused_recurrent (gathering the state from the pool
-and scattering it back) and torch eager fp32, and with the state floor: the same slots' states
-read and written back in place by a kernel that does nothing else (bench/state_floor.py), the
-plainest kernel that moves a step's bytes.
+and scattering it back) and torch eager fp32, and with a plain copy: the same slots' states read
+and written back in place by a kernel that does nothing else (bench/state_copy.py), the plainest
+kernel that moves a step's bytes. With `--state-dtype float32`, FlashInfer's fp32-state kernels
+(its pool-indexed T = 1 kernel, its MTP kernel for T = 2..4) are timed on the same slots and
+inputs where their modules (flashinfer.gdn_kernels) import; elsewhere the table gives issue 49's
+figures for them, marked *.
 
 The candidate sweep times tilings of the kernel (compile_variant's options) and names the fastest
 correct one per T beside the shipped default (default_variant): where another wins, the default
@@ -50,7 +53,7 @@ REPO = common.REPO
 
 
 ref = common.reference()
-from state_floor import state_floor_us  # noqa: E402
+from state_copy import state_copy_us  # noqa: E402
 from gdn_server.kernels import (  # noqa: E402
     CHECKED_HEADS, SUPPORTED_T, UNROLLED_T, compile_variant, default_variant, gdn_decode,
 )
@@ -490,13 +493,14 @@ def bench_rows(rows, pool, gen, log, with_baselines=True):
             fla_step = make_fla_step()
         except Exception as e:  # noqa: BLE001
             log(f"fla unavailable: {e!r}")
+    fi_step = flashinfer_fp32_step(pool, scale, log) if STATE == torch.float32 else None
     results = []
     for B, T in rows:
         rot = Rotation(B, T, H, HV, pool, gen=gen)
         r = dict(B=B, T=T)
         r["ours_us"] = time_device(rot.call(ours))
-        r["state_floor_us"] = state_floor_us(pool, [s[0] for s in rot.sets], write=True)
-        r["pct_of_floor"] = 100 * r["state_floor_us"] / r["ours_us"]
+        r["state_copy_us"] = state_copy_us(pool, [s[0] for s in rot.sets], write=True)
+        r["pct_of_copy"] = 100 * r["state_copy_us"] / r["ours_us"]
         r["GBs"] = bytes_moved(B, T, H, HV) / r["ours_us"] / 1e3
         if B == 1:
             r["ours_host_do_bench_us"], r["ours_host_loop_us"] = time_host(rot.call(ours))
@@ -509,7 +513,12 @@ def bench_rows(rows, pool, gen, log, with_baselines=True):
                     log(f"fla B={B} T={T} failed: {e!r}")
             r["torch_us"] = time_device(rot.call(lambda *x: torch_eager_step(*x, scale)), rep_ms=100)
         if STATE == torch.float32:
-            if (B, T) in REFERENCE_FP32_US:
+            if fi_step is not None and T in FLASHINFER_FP32_T:
+                try:
+                    r["flashinfer_here_us"] = r["flashinfer_us"] = time_device(rot.call(fi_step))
+                except Exception as e:  # noqa: BLE001
+                    log(f"FlashInfer B={B} T={T} failed: {e!r}")
+            if "flashinfer_us" not in r and (B, T) in REFERENCE_FP32_US:
                 r["flashinfer_us"] = REFERENCE_FP32_US[(B, T)]
             if (B, T) in TARGETS_FP32:
                 r["target_us"] = TARGETS_FP32[(B, T)]
@@ -522,6 +531,33 @@ def bench_rows(rows, pool, gen, log, with_baselines=True):
         log(f"time {json.dumps(r)}")
         results.append(r)
     return results
+
+
+FLASHINFER_FP32_T = (1, 2, 3, 4)  # its pool-indexed T = 1 kernel, and its MTP kernel for T = 2..4
+
+
+def flashinfer_fp32_step(pool, scale, log):
+    """FlashInfer's fp32-state decode over `pool` as a Rotation callable (T = 1: its pool-indexed
+    gdn_decode_pretranspose kernel; T > 1: its MTP kernel writing the state back), where its
+    modules import on this host; else None. Its A_log and dt_bias are per head: layer 0's."""
+    try:
+        from flashinfer.gdn_kernels.gdn_decode_mtp import get_tile_v_mtp, get_vec_size_mtp, run_mtp_decode
+        from flashinfer.gdn_kernels.gdn_decode_pretranspose import run_pretranspose_decode
+    except Exception as e:  # noqa: BLE001
+        log(f"FlashInfer's fp32 kernels do not import here ({type(e).__name__}): its column is issue 49's figures")
+        return None
+    N, HV = pool.shape[0], pool.shape[1]
+
+    def step(pool_, slots, layers, q, k, v, a, b, A_log, dt_bias, out):
+        B, T, H = q.shape[0], q.shape[1], q.shape[2]
+        if T == 1:
+            run_pretranspose_decode(pool_, A_log[0], a, dt_bias[0], q, k, v, b, out, B, 1, H, HV, D, D, scale, True,
+                                    use_pool_indexing=True, initial_state_indices=slots)
+        else:
+            run_mtp_decode(pool_.view(N * HV, D, D), pool_, A_log[0], a, dt_bias[0], q, k, v, b, out, slots, B, T, H,
+                           HV, D, D, N, T, get_tile_v_mtp(B, T, num_v_heads=HV, v_dim=D), get_vec_size_mtp(B, T),
+                           scale, True, False, False)
+    return step
 
 
 def sweep_variants(variants, batches, pool, gen, log):
@@ -569,20 +605,27 @@ def fla_check(gen, log):
         return dict(error=repr(e))
 
 
+def fi_mark(r) -> str:
+    """'*' where the FlashInfer figure is a reference one, not timed in this run."""
+    return "*" if r.get("flashinfer_us") is not None and "flashinfer_here_us" not in r else ""
+
+
 def to_markdown(res):
     lines = [f"# GDN decode kernel on {res['device']} ({time.strftime('%Y-%m-%d')}), {res['state_dtype']} state pool", "",
              "Device time per call, CUDA-graph replay, median; H=16, HV=32, 4096-slot pool, 16 rotated slot sets.",
-             "state floor = the same slots' states read and written back in place and nothing else "
-             "(bench/state_floor.py, fastest tiling); % = state floor / ours; GB/s = bytes moved (state read+write + "
-             "q/k/v/a/b/o) / ours.", "",
-             f"| B | T | ours | state floor | % | GB/s | FlashInfer {res['state_dtype']} state (anchor) | seed (anchor) | "
+             "plain copy = the same slots' states read and written back in place and nothing else "
+             "(bench/state_copy.py, fastest tiling); % = plain copy / ours; GB/s = bytes moved (state read+write + "
+             "q/k/v/a/b/o) / ours. FlashInfer: timed here on the same slots and inputs where its kernels import, "
+             "else a reference figure (*).", "",
+             f"| B | T | ours | plain copy | % | GB/s | FlashInfer {res['state_dtype']} state | seed (anchor) | "
              "fla (here) | torch fp32 (here) | target |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["timings"]:
         f = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
         host = f" (host {r['ours_host_loop_us']:.1f})" if "ours_host_loop_us" in r else ""
-        lines.append(f"| {r['B']} | {r['T']} | {r['ours_us']:.1f}{host} | {f(r.get('state_floor_us'))} | "
-                     f"{r['pct_of_floor']:.0f}% | {r['GBs']:,.0f} | {f(r.get('flashinfer_us'))} | {f(r.get('seed_us'))} | "
+        lines.append(f"| {r['B']} | {r['T']} | {r['ours_us']:.1f}{host} | {f(r.get('state_copy_us'))} | "
+                     f"{r['pct_of_copy']:.0f}% | {r['GBs']:,.0f} | {f(r.get('flashinfer_us'))}{fi_mark(r)} | "
+                     f"{f(r.get('seed_us'))} | "
                      f"{f(r.get('fla_us'))} | {f(r.get('torch_us'))} | {f(r.get('target_us'))} |")
     lines += ["", "## Correctness (relative error vs float64 reference)", "",
               "| B | T | H:HV | padding rows | out | state | untouched slots | ok |", "|---|---|---|---|---|---|---|---|"]

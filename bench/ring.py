@@ -22,10 +22,12 @@ disjoint row sets rotated so the state is cold in L2, device time by CUDA-graph 
 - step, random accepts: fills of a steady state with 1..T accepted tokens, uniform;
 - every row folds; the fold kernel alone (every row a full ring);
 - our plain T-token step into scratch states (the path the ring replaces);
-- the state read floor: the verify's rows' states read by a kernel that does nothing else
-  (bench/state_floor.py), what a verify that never writes the state cannot beat.
-FlashInfer's ring verify is timed when flashinfer imports on the host; otherwise its figures are
-the ones measured on an H200 in issue 48 (REFERENCE_US), and the output says so.
+- a plain read: the verify's rows' states read by a kernel that does nothing else
+  (bench/state_copy.py), the plainest kernel that reads what a verify must.
+FlashInfer's ring verify (T = 4, 8) is timed on the verify's rows, fills, tokens and pool when
+its module (flashinfer.gdn_kernels.gdn_decode_bf16_wy_ucache) imports on the host, over a ring of
+its own format; otherwise its figures are the ones measured on an H200 in issue 48
+(REFERENCE_US), marked * in the table.
 
 Writes bench/out/ring-<UTC time>.json (or under --out) with the date, commit and command, and
 prints the tables last.
@@ -46,7 +48,7 @@ REPO = common.REPO
 
 
 ref = common.reference()
-from state_floor import state_floor_us  # noqa: E402
+from state_copy import state_copy_us  # noqa: E402
 from gdn_server.kernels._ring_api import RING, folded_base, new_ring, ring_fold, ring_verify  # noqa: E402
 
 DEV = "cuda"
@@ -290,6 +292,11 @@ def bench(rows, gen, log, N=4096):
     except Exception as e:  # noqa: BLE001
         gdn_decode = None
         log(f"plain step unavailable: {e!r}")
+    fi_verify = flashinfer_verify(log) if STATE_DTYPE == torch.bfloat16 else None
+    if fi_verify is not None:  # its own ring format: normalised keys, bf16 corrections [RING, V], G
+        fi_ring = (torch.nn.functional.normalize(torch.randn(N, H, RING, D, device=DEV, generator=gen), dim=-1).to(torch.bfloat16),
+                   (torch.randn(N, HV, RING, D, device=DEV, generator=gen) * 0.1).to(torch.bfloat16),
+                   -torch.rand(N, HV, RING, device=DEV, generator=gen).cumsum(-1))
 
     def verify(rows_, hist, x, out):
         ring_verify(pool, rows_, hist, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"],
@@ -314,7 +321,12 @@ def bench(rows, gen, log, N=4096):
                 sets = Sets(B, T, H, HV, N, fills, gen)
                 r[name] = time_device(sets.call(fn))
                 if name == "verify_us":  # what reading these rows' states costs, nothing else
-                    r["state_read_floor_us"] = state_floor_us(pool, [s[0] for s in sets.sets], write=False)
+                    r["state_read_us"] = state_copy_us(pool, [s[0] for s in sets.sets], write=False)
+                    if fi_verify is not None and T in FLASHINFER_T:  # the same rows, fills, tokens and pool
+                        try:
+                            r["flashinfer_us"] = time_device(sets.call(flashinfer_call(fi_verify, pool, fi_ring, sets)))
+                        except Exception as e:  # noqa: BLE001
+                            log(f"time FlashInfer B={B} T={T} failed: {e!r}")
             except Exception as e:  # noqa: BLE001
                 r[name] = None
                 log(f"time {name} B={B} T={T} failed: {e!r}")
@@ -332,31 +344,49 @@ def bench(rows, gen, log, N=4096):
     return res
 
 
-def flashinfer_status(log):
+FLASHINFER_T = (4, 8)  # the T its ring verify is built for
+
+
+def flashinfer_verify(log):
+    """FlashInfer's ring verify (gdn_decode_bf16_wy_ucache.gated_delta_rule_mtp_ucache) where it
+    imports on this host, else None."""
     try:
-        import flashinfer  # noqa: F401
-        from flashinfer.gdn_kernels import gdn_decode_bf16_wy_ucache  # noqa: F401
-        return "importable (not yet timed by this script: figures below are issue 48's)"
+        from flashinfer.gdn_kernels.gdn_decode_bf16_wy_ucache import gated_delta_rule_mtp_ucache
     except Exception as e:  # noqa: BLE001
-        msg = f"not installed on this host ({type(e).__name__}): its figures are issue 48's H200 table"
-        log(f"FlashInfer {msg}")
-        return msg
+        log(f"FlashInfer's ring verify does not import here ({type(e).__name__}): its column is issue 48's table")
+        return None
+    return gated_delta_rule_mtp_ucache
+
+
+def flashinfer_call(fi_verify, pool, fi_ring, sets):
+    """FlashInfer's verify of a Sets entry (rows, hist, tokens, out) over `pool` and its own ring,
+    with one (A_log, dt_bias) pair for every set (it caches their bf16 casts by tensor)."""
+    x0 = sets.sets[0][2]
+    A_log, dt_bias = x0["A_log"][0], x0["dt_bias"][0]
+
+    def call(rows, hist, x, out):
+        fi_verify(A_log, x["a"], dt_bias, q=x["q"], k=x["k"], v=x["v"], b=x["b"], initial_state_source=pool,
+                  initial_state_indices=rows, k_cache=fi_ring[0], u_cache=fi_ring[1], g_cache=fi_ring[2],
+                  hist_len=hist, output=out)
+    return call
 
 
 def to_markdown(res):
     f = lambda x, s=".1f": "-" if x is None else format(x, s)  # noqa: E731
     lines = [f"# History-ring kernels on {res['device']} ({res['date']}), commit {res['commit']}", "",
              f"Device time per launch, CUDA-graph replay, median; H=16, HV=32, K=V=128, 4096-row {res['state_dtype']} pool, 16 rotated "
-             "row sets. FlashInfer: " + res["flashinfer"] + ".", "",
-             "State read floor: the verify's rows' states read and nothing else (bench/state_floor.py).", "",
-             "| B | T | FlashInfer ring verify | ours verify | state read floor | step, full accepts (folds) "
+             "row sets. FlashInfer's ring verify: timed on the same rows, fills and tokens where it imports (T = 4, 8), "
+             "else issue 48's H200 figure (marked *).", "",
+             "Plain read: the verify's rows' states read and nothing else (bench/state_copy.py).", "",
+             "| B | T | FlashInfer ring verify | ours verify | plain read | step, full accepts (folds) "
              "| step, random accepts (folds) | every row folds | fold kernel | plain T-step to scratch "
              "| full-accept step / FlashInfer |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["timings"]:
-        fi, st = r.get("flashinfer_issue48_us"), r.get("step_full_us")
+        fi, st = r.get("flashinfer_us") or r.get("flashinfer_issue48_us"), r.get("step_full_us")
         ratio = f"{st / fi:.2f}" if fi and st else "-"
-        lines.append(f"| {r['B']} | {r['T']} | {f(fi)} | {f(r.get('verify_us'))} | {f(r.get('state_read_floor_us'))} | "
+        mark = "" if r.get("flashinfer_us") or fi is None else "*"
+        lines.append(f"| {r['B']} | {r['T']} | {f(fi)}{mark} | {f(r.get('verify_us'))} | {f(r.get('state_read_us'))} | "
                      f"{f(st)} ({r['fold_rate_full']:.0%}) | "
                      f"{f(r.get('step_random_us'))} ({r['fold_rate_random']:.0%}) | {f(r.get('fold_all_us'))} | "
                      f"{f(r.get('fold_only_us'))} | {f(r.get('plain_scratch_us'))} | {ratio} |")
@@ -399,7 +429,6 @@ def main():
 
     res = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=common.git_commit(),
                state_dtype=args.state_dtype)
-    res["flashinfer"] = flashinfer_status(log)
     path = common.out_path("ring", args.out)
     if not args.skip_checks:
         res["checks"] = check_sequences(gen, log, tuple(int(t) for t in args.check_t.split(",")))

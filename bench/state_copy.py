@@ -1,14 +1,13 @@
-"""The floor of a step's state traffic on this GPU, measured in the same run as the kernels.
+"""A plain copy of a step's state traffic on this GPU, timed in the same run as the kernels.
 
 A decode step reads each batch row's state (one [HV, 128, 128] block of the pool at the row's
 slot) and, for a plain step, writes it back in place; a speculative verify only reads it. The
-kernels below do exactly that and nothing else (Triton, one program per tile of one (row, head)
-state), so their time is what the access pattern itself costs: the state's bytes from random
-slots, the DRAM's mix of reads and writes, the launch and its tail. A fixed copy ceiling (bytes
-over a bandwidth) says how far a kernel is from the hardware; this says how far it is from the
-plainest kernel that moves the same bytes.
+kernels below do that and nothing else (Triton, one program per tile of one (row, head) state):
+the plainest kernel that moves the same bytes from the same slots. It is a yardstick, not a
+floor: a kernel that streams its tiles more cleverly can beat it (FlashInfer's fp32 T = 1 kernel
+ran 1% below it at B = 512 on the H200, bench/RESULTS.md).
 
-    us = state_floor_us(pool, slot_sets, write=True)   # best of TILINGS, CUDA-graph median
+    us = state_copy_us(pool, slot_sets, write=True)   # best of TILINGS, CUDA-graph median
 """
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-# (elements per program, warps): the tilings timed; the floor is the fastest. 4096 fp32 elements
+# (elements per program, warps): the tilings timed; the copy's time is the fastest. 4096 fp32 elements
 # is a 32-row tile of one head, as the decode kernel's CTA holds.
 TILINGS = ((4096, 4), (8192, 4), (16384, 8))
 
@@ -40,7 +39,7 @@ def _state_pass(pool, slots, sink, TILE: tl.constexpr, TILES: tl.constexpr, HEAD
         tl.store(sink + pid, tl.sum(x.to(tl.float32), axis=0))  # one value per tile: the loads stay live
 
 
-def state_floor_us(pool: torch.Tensor, slot_sets: Sequence[torch.Tensor], write: bool = True, rep_ms: int = 100) -> float:
+def state_copy_us(pool: torch.Tensor, slot_sets: Sequence[torch.Tensor], write: bool = True, rep_ms: int = 100) -> float:
     """Device time of reading (and, with `write`, rewriting in place) the states of one slot set
     of a pool [N, HV, V, K], the sets rotated call by call as the kernels' timings rotate theirs;
     the fastest of TILINGS, each the median of a CUDA-graph replay."""
