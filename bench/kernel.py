@@ -26,10 +26,10 @@ by CUDA-graph replay (triton.testing.do_bench_cudagraph, median), host time per 
 and by a plain loop; side by side with fla's fused_recurrent (gathering the state from the pool
 and scattering it back) and torch eager fp32, and with a plain copy: the same slots' states read
 and written back in place by a kernel that does nothing else (bench/state_copy.py), the plainest
-kernel that moves a step's bytes. With `--state-dtype float32`, FlashInfer's fp32-state kernels
-(its pool-indexed T = 1 kernel, its MTP kernel for T = 2..4) are timed on the same slots and
-inputs where their modules (flashinfer.gdn_kernels) import; elsewhere the table gives issue 49's
-figures for them, marked *.
+kernel that moves a step's bytes. FlashInfer's kernels for the pool's dtype (T = 1..4, the state
+written back) are timed on the same slots and inputs where their modules (flashinfer.gdn_kernels)
+import; elsewhere the table gives reference figures for them (REFERENCE_US, REFERENCE_FP32_US),
+marked *.
 
 The candidate sweep times tilings of the kernel (compile_variant's options) and names the fastest
 correct one per T beside the shipped default (default_variant): where another wins, the default
@@ -493,7 +493,7 @@ def bench_rows(rows, pool, gen, log, with_baselines=True):
             fla_step = make_fla_step()
         except Exception as e:  # noqa: BLE001
             log(f"fla unavailable: {e!r}")
-    fi_step = flashinfer_fp32_step(pool, scale, log) if STATE == torch.float32 else None
+    fi_step = flashinfer_step(pool, scale, log)
     results = []
     for B, T in rows:
         rot = Rotation(B, T, H, HV, pool, gen=gen)
@@ -512,13 +512,13 @@ def bench_rows(rows, pool, gen, log, with_baselines=True):
                     r["fla_us"] = None
                     log(f"fla B={B} T={T} failed: {e!r}")
             r["torch_us"] = time_device(rot.call(lambda *x: torch_eager_step(*x, scale)), rep_ms=100)
+        if fi_step is not None and T in FLASHINFER_T:  # the same slots and inputs
+            try:
+                r["flashinfer_here_us"] = time_device(rot.call(fi_step))
+            except Exception as e:  # noqa: BLE001
+                log(f"FlashInfer B={B} T={T} failed: {e!r}")
         if STATE == torch.float32:
-            if fi_step is not None and T in FLASHINFER_FP32_T:
-                try:
-                    r["flashinfer_here_us"] = r["flashinfer_us"] = time_device(rot.call(fi_step))
-                except Exception as e:  # noqa: BLE001
-                    log(f"FlashInfer B={B} T={T} failed: {e!r}")
-            if "flashinfer_us" not in r and (B, T) in REFERENCE_FP32_US:
+            if (B, T) in REFERENCE_FP32_US:
                 r["flashinfer_us"] = REFERENCE_FP32_US[(B, T)]
             if (B, T) in TARGETS_FP32:
                 r["target_us"] = TARGETS_FP32[(B, T)]
@@ -528,27 +528,40 @@ def bench_rows(rows, pool, gen, log, with_baselines=True):
                 r["seed_us"], r["flashinfer_us"], r["fla_anchor_us"], r["torch_anchor_us"] = a
             if (B, T) in TARGETS:
                 r["target_us"] = TARGETS[(B, T)]
+        if "flashinfer_here_us" in r:
+            r["flashinfer_us"] = r["flashinfer_here_us"]
         log(f"time {json.dumps(r)}")
         results.append(r)
     return results
 
 
-FLASHINFER_FP32_T = (1, 2, 3, 4)  # its pool-indexed T = 1 kernel, and its MTP kernel for T = 2..4
+FLASHINFER_T = (1, 2, 3, 4)  # the T its kernels are timed at here
 
 
-def flashinfer_fp32_step(pool, scale, log):
-    """FlashInfer's fp32-state decode over `pool` as a Rotation callable (T = 1: its pool-indexed
-    gdn_decode_pretranspose kernel; T > 1: its MTP kernel writing the state back), where its
-    modules import on this host; else None. Its A_log and dt_bias are per head: layer 0's."""
+def flashinfer_step(pool, scale, log):
+    """FlashInfer's decode over `pool` (bf16 or fp32 state) as a Rotation callable, state written
+    back, where its modules import on this host; else None. bf16: gdn_decode_bf16_state's T = 1
+    and MTP entry points; fp32: the pool-indexed gdn_decode_pretranspose kernel at T = 1 and
+    gdn_decode_mtp's kernel for T > 1. Its A_log and dt_bias are per head: layer 0's."""
     try:
-        from flashinfer.gdn_kernels.gdn_decode_mtp import get_tile_v_mtp, get_vec_size_mtp, run_mtp_decode
-        from flashinfer.gdn_kernels.gdn_decode_pretranspose import run_pretranspose_decode
+        if pool.dtype == torch.bfloat16:
+            from flashinfer.gdn_kernels.gdn_decode_bf16_state import gated_delta_rule, gated_delta_rule_mtp
+        else:
+            from flashinfer.gdn_kernels.gdn_decode_mtp import get_tile_v_mtp, get_vec_size_mtp, run_mtp_decode
+            from flashinfer.gdn_kernels.gdn_decode_pretranspose import run_pretranspose_decode
     except Exception as e:  # noqa: BLE001
-        log(f"FlashInfer's fp32 kernels do not import here ({type(e).__name__}): its column is issue 49's figures")
+        log(f"FlashInfer's kernels do not import here ({type(e).__name__}): its column gives reference figures")
         return None
     N, HV = pool.shape[0], pool.shape[1]
 
-    def step(pool_, slots, layers, q, k, v, a, b, A_log, dt_bias, out):
+    def bf16_step(pool_, slots, layers, q, k, v, a, b, A_log, dt_bias, out):
+        kw = dict(q=q, k=k, v=v, b=b, initial_state_source=pool_, initial_state_indices=slots, output=out, scale=scale)
+        if q.shape[1] == 1:
+            gated_delta_rule(A_log[0], a, dt_bias[0], **kw)
+        else:
+            gated_delta_rule_mtp(A_log[0], a, dt_bias[0], disable_state_update=False, **kw)
+
+    def fp32_step(pool_, slots, layers, q, k, v, a, b, A_log, dt_bias, out):
         B, T, H = q.shape[0], q.shape[1], q.shape[2]
         if T == 1:
             run_pretranspose_decode(pool_, A_log[0], a, dt_bias[0], q, k, v, b, out, B, 1, H, HV, D, D, scale, True,
@@ -557,7 +570,7 @@ def flashinfer_fp32_step(pool, scale, log):
             run_mtp_decode(pool_.view(N * HV, D, D), pool_, A_log[0], a, dt_bias[0], q, k, v, b, out, slots, B, T, H,
                            HV, D, D, N, T, get_tile_v_mtp(B, T, num_v_heads=HV, v_dim=D), get_vec_size_mtp(B, T),
                            scale, True, False, False)
-    return step
+    return bf16_step if pool.dtype == torch.bfloat16 else fp32_step
 
 
 def sweep_variants(variants, batches, pool, gen, log):
