@@ -14,29 +14,33 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import triton
-import triton.language as tl
+
+try:  # GPU hosts; importing this module (and the scripts that do, for their --help) needs no Triton
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
 
 # (elements per program, warps): the tilings timed; the copy's time is the fastest. 4096 fp32 elements
 # is a 32-row tile of one head, as the decode kernel's CTA holds.
 TILINGS = ((4096, 4), (8192, 4), (16384, 8))
 
-
-@triton.jit
-def _state_pass(pool, slots, sink, TILE: tl.constexpr, TILES: tl.constexpr, HEAD: tl.constexpr, HV: tl.constexpr,
-                WRITE: tl.constexpr):
-    pid = tl.program_id(0)
-    tile = pid % TILES
-    head = (pid // TILES) % HV
-    row = pid // (TILES * HV)
-    slot = tl.load(slots + row).to(tl.int64)
-    base = pool + slot * (HV * HEAD) + head * HEAD + tile * TILE
-    offs = tl.arange(0, TILE)
-    x = tl.load(base + offs)
-    if WRITE:
-        tl.store(base + offs, x)  # in place, as a step writes its state back
-    else:
-        tl.store(sink + pid, tl.sum(x.to(tl.float32), axis=0))  # one value per tile: the loads stay live
+if triton is not None:
+    @triton.jit
+    def _state_pass(pool, slots, sink, TILE: tl.constexpr, TILES: tl.constexpr, HEAD: tl.constexpr, HV: tl.constexpr,
+                    WRITE: tl.constexpr):
+        pid = tl.program_id(0)
+        tile = pid % TILES
+        head = (pid // TILES) % HV
+        row = pid // (TILES * HV)
+        slot = tl.load(slots + row).to(tl.int64)
+        base = pool + slot * (HV * HEAD) + head * HEAD + tile * TILE
+        offs = tl.arange(0, TILE)
+        x = tl.load(base + offs)
+        if WRITE:
+            tl.store(base + offs, x)  # in place, as a step writes its state back
+        else:
+            tl.store(sink + pid, tl.sum(x.to(tl.float32), axis=0))  # one value per tile: the loads stay live
 
 
 def state_copy_us(pool: torch.Tensor, slot_sets: Sequence[torch.Tensor], write: bool = True, rep_ms: int = 100) -> float:
@@ -55,8 +59,8 @@ def state_copy_us(pool: torch.Tensor, slot_sets: Sequence[torch.Tensor], write: 
         def run():
             slots = slot_sets[i[0] % len(slot_sets)]
             i[0] += 1
-            _state_pass[(B * HV * (head // tile),)](pool, slots, sink, TILE=tile, TILES=head // tile, HEAD=head, HV=HV,
-                                                    WRITE=write, num_warps=warps)
+            _state_pass[(B * HV * (head // tile),)](pool, slots, sink, TILE=tile, TILES=head // tile, HEAD=head,
+                                                    HV=HV, WRITE=write, num_warps=warps)
 
         run()
         torch.cuda.synchronize()
