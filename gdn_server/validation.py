@@ -153,10 +153,7 @@ def _step_by_reference(step: CheckedStep, shape: ModelShape, owner: str | None, 
     for i, x in enumerate(raw):
         if type(x) is tuple:
             raw[i] = _resolve(x, 2 * math.prod(step.dims[i]), INPUT_NAMES[i], resolve, spans)
-    output = None
-    if step.o_ref is not None:
-        B, T = step.dims[0][0], step.dims[0][1]
-        output = _resolve(step.o_ref, 2 * B * T * shape.num_v_heads * shape.head_dim_v, "o_ref", resolve, spans)
+    output = _resolve_output(step.o_ref, step.dims, shape, resolve, spans)
     common = dict(
         layer=step.layer, session_ids=step.session_ids, positions=step.positions, request_id=step.request_id,
         speculative=step.speculative, owner=owner, owner_key=owner_key, output=output,
@@ -186,11 +183,7 @@ def _resolved(raw: Sequence[Any], refs: Sequence[tuple[str, int] | None], o_ref:
         except WireFormatError as e:
             raise InvalidArgument(str(e)) from None
         out.append(_resolve(ref, ITEMSIZE_OF[dtype] * math.prod(d), name, resolve, spans))
-    output = None
-    if o_ref is not None:
-        B, T = dims[0][0], dims[0][1]
-        output = _resolve(o_ref, 2 * B * T * shape.num_v_heads * shape.head_dim_v, "o_ref", resolve, spans)
-    return tuple(out), output
+    return tuple(out), _resolve_output(o_ref, dims, shape, resolve, spans)
 
 
 class PendingCheck:
@@ -266,6 +259,15 @@ def _on_device(raw: Sequence[Any], dtypes: Sequence[int], on_device: Sequence[bo
     if made:  # those copies run on the thread's current stream; the check runs on its own
         torch.cuda.current_stream(device).synchronize()
     return spans
+
+
+def _resolve_output(o_ref: tuple[str, int] | None, dims: Sequence[tuple[int, ...]], shape: ModelShape,
+                    resolve: Resolve | None, spans: list[tuple[str, int, int, str]]) -> Any:
+    """Where o goes: the view of its bf16 [B, T, HV, V] bytes at `o_ref`, or None (in the reply)."""
+    if o_ref is None:
+        return None
+    B, T = dims[0][0], dims[0][1]
+    return _resolve(o_ref, 2 * B * T * shape.num_v_heads * shape.head_dim_v, "o_ref", resolve, spans)
 
 
 def _resolve(ref: tuple[str, int], nbytes: int, name: str, resolve: Resolve | None,
