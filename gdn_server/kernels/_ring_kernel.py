@@ -37,10 +37,11 @@ written after it.
 
 Memory. A CTA waits for memory once: as it starts it loads its first head's state into
 registers and copies every head's values and ring corrections into shared memory with cp.async
-(no registers held while in flight); a long verify (T >= PREFETCH_FROM_T) also asks L2 for its
-later heads' states. Outputs and ring entries leave through a warp's own shared tile as whole
-32-byte sectors (2-byte stores would write sectors partly, which the memory system pays for as
-read-modify-writes and extra L2 traffic).
+(no registers held while in flight); a long verify (T >= PREFETCH_FROM_T) instead asks L2 for
+every head's state as it starts and reads the first into registers after its prologue, whose
+solves would otherwise hold those registers too. Outputs and ring entries leave through a warp's
+own shared tile as whole 32-byte sectors (2-byte stores would write sectors partly, which the
+memory system pays for as read-modify-writes and extra L2 traffic).
 
 Tensor cores (mma.sync m16n8k16, fp32 accumulate) do the products:
 - S0 [k_1..k_T, q_1..q_T]: A = 16 state rows, B = the raw bf16 tokens (exact inputs), 16 MMAs
@@ -85,9 +86,10 @@ THREADS = 32 * WARPS
 MAX_T = 8  # the step's tokens are one n8 tile
 EPS = 1e-6
 PADDED = HEAD_DIM + 32  # bf16 row stride of the shared key tables
-# A verify of this many tokens or more asks L2 for its later value heads' states when it starts:
-# its prologue (Grams, solves) is long enough to hide the prefetch, a shorter one's is not and
-# the extra traffic in flight slows it (bench/DECISIONS.md, kernel entry 4)
+# A verify of this many tokens or more asks L2 for its value heads' states when it starts and
+# reads the first into registers after its prologue: the prologue (Grams, solves) is long enough
+# to hide the prefetch, a shorter one's is not and the extra traffic in flight slows it
+# (bench/DECISIONS.md, kernel entry 4)
 PREFETCH_FROM_T = 5
 # Two CTAs per SM (registers capped at 128): one CTA's barriers and tables overlap the other's
 # state loads. The carveout stays the driver's default (-1); naming it keeps the compile from
@@ -244,15 +246,37 @@ def _row_products(rA: cute.Tensor, sTok32: cute.Tensor, g, c, acc: cute.Tensor, 
 
 
 @cute.jit
-def _row_norms(rA: cute.Tensor, r: int) -> Float32:
-    """Sum of squares of row r of a `_load_rows` fragment, over the row's 4 lanes."""
-    acc = Float32(0.0)
+def _table_rows(sA32: cute.Tensor, sTok32: cute.Tensor, g, c, acc: cute.Tensor, products: cutlass.Constexpr = True):
+    """Rows g and g + 8 of a shared [rows, 64] Int32 (bf16 pairs) table: their sums of squares
+    over K (each over the row's 4 lanes), and with `products` acc[:, n] += A B_n as
+    `_row_products` takes them. The rows come a 16-byte chunk at a time, so 8 registers of them are
+    live rather than 32 (the tables are built while the CTA's first state rows sit in registers)."""
+    rA = cute.make_rmem_tensor((4, 2), Int32)
+    rB = cute.make_rmem_tensor((4, 2), Int32)
+    ss0 = Float32(0.0)
+    ss1 = Float32(0.0)
     for s in cutlass.range_constexpr(4):
+        for r in cutlass.range_constexpr(2):
+            _load16(sA32[g + 8 * r, None], 4 * s + c, rA[None, r])
         for i in cutlass.range_constexpr(4):
-            lo, hi = _unpack(rA[i, s, r], "bf16")
-            acc = acc + lo * lo + hi * hi
-    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
-    return acc + cute.arch.shuffle_sync_bfly(acc, offset=2)
+            lo, hi = _unpack(rA[i, 0], "bf16")
+            ss0 = ss0 + lo * lo + hi * hi
+            lo, hi = _unpack(rA[i, 1], "bf16")
+            ss1 = ss1 + lo * lo + hi * hi
+        if cutlass.const_expr(products):
+            for n in cutlass.range_constexpr(2):
+                _load16(sTok32[8 * n + g, None], 4 * s + c, rB[None, n])
+            for hf in cutlass.range_constexpr(2):
+                a = [rA[2 * hf, 0], rA[2 * hf, 1], rA[2 * hf + 1, 0], rA[2 * hf + 1, 1]]
+                for n in cutlass.range_constexpr(2):
+                    d = _mma("bf16", a, [rB[2 * hf, n], rB[2 * hf + 1, n]], [acc[i, n] for i in range(4)])
+                    for i in cutlass.range_constexpr(4):
+                        acc[i, n] = d[i]
+    ss0 = ss0 + cute.arch.shuffle_sync_bfly(ss0, offset=1)
+    ss0 = ss0 + cute.arch.shuffle_sync_bfly(ss0, offset=2)
+    ss1 = ss1 + cute.arch.shuffle_sync_bfly(ss1, offset=1)
+    ss1 = ss1 + cute.arch.shuffle_sync_bfly(ss1, offset=2)
+    return ss0, ss1
 
 
 @cute.jit
@@ -554,11 +578,14 @@ class RingVerifyKernel:
             #    copied to shared memory without holding registers: a CTA waits for memory once,
             #    not once per head
             rS = _state_fragment(fp32)
-            _load_state(s32[slot, qh * group, None, None], row0, c, rS, fp32)
             if cutlass.const_expr(T >= PREFETCH_FROM_T):
+                # a long prologue: every head's state asked of L2 now, the first read into registers
+                # after it (its solves would otherwise hold those 32 registers too)
                 if tidx == 0:
-                    for h in cutlass.range_constexpr(1, group):
+                    for h in cutlass.range_constexpr(group):
                         _prefetch_l2(s32[slot, qh * group + h, None, None], HEAD_DIM * HEAD_DIM * (4 if fp32 else 2))
+            else:
+                _load_state(s32[slot, qh * group, None, None], row0, c, rS, fp32)
             atom = _async_copy_atom()
             _stage_rows(atom, _heads_first(v32[b, None, None, None]), sV32, qh * group, group, T, 16, tidx)
             # every row's whole ring, P = 0 too: the rows go back whole, and bytes past the new
@@ -596,29 +623,23 @@ class RingVerifyKernel:
 
             # 2. norms and Grams: warp 0 the ring keys with the tokens, warp 1 the step's keys
             if warp == 0:
-                rA = cute.make_rmem_tensor((4, 4, 2), Int32)
-                _load_rows(sRK32, g, c, rA)
-                for r in cutlass.range_constexpr(2):
-                    ss = _row_norms(rA, r)
-                    if c == 0:
-                        sRn[g + 8 * r] = cute.math.rsqrt(ss + EPS, fastmath=True)
                 acc = cute.make_rmem_tensor((4, 2), Float32)
                 acc.fill(0.0)
-                _row_products(rA, sTok32, g, c, acc)
+                ss0, ss1 = _table_rows(sRK32, sTok32, g, c, acc)
+                if c == 0:
+                    sRn[g] = cute.math.rsqrt(ss0 + EPS, fastmath=True)
+                    sRn[g + 8] = cute.math.rsqrt(ss1 + EPS, fastmath=True)
                 for n in cutlass.range_constexpr(2):
                     for i in cutlass.range_constexpr(4):
                         sGram[0, n, g + 8 * (i // 2), 2 * c + i % 2] = acc[i, n]
             if warp == 1:
-                rA = cute.make_rmem_tensor((4, 4, 2), Int32)
-                _load_rows(sTok32, g, c, rA)  # rows k_g, q_g
-                ssk = _row_norms(rA, 0)
-                ssq = _row_norms(rA, 1)
+                acc = cute.make_rmem_tensor((4, 2), Float32)
+                acc.fill(0.0)
+                # rows k_g, q_g; rows g: k_g . (k|q)_t; rows g + 8 (q_g . x) unused
+                ssk, ssq = _table_rows(sTok32, sTok32, g, c, acc)
                 if c == 0:
                     sTn[0, g] = cute.math.rsqrt(ssk + EPS, fastmath=True)
                     sTn[1, g] = cute.math.rsqrt(ssq + EPS, fastmath=True) * scale
-                acc = cute.make_rmem_tensor((4, 2), Float32)
-                acc.fill(0.0)
-                _row_products(rA, sTok32, g, c, acc)  # rows g: k_g . (k|q)_t; rows g + 8 (q_g . x) unused
                 for n in cutlass.range_constexpr(2):
                     for i in cutlass.range_constexpr(2):
                         sGram[1, n, g, 2 * c + i] = acc[i, n]
@@ -668,19 +689,18 @@ class RingVerifyKernel:
             cute.arch.sync_threads()
 
             # 4. the value heads, one after another; each warp its 16 rows
+            if cutlass.const_expr(T >= PREFETCH_FROM_T):
+                _load_state(s32[slot, qh * group, None, None], row0, c, rS, fp32)
             rU = cute.make_rmem_tensor((2, 2), Int32)
             rV = cute.make_rmem_tensor((4,), Float32)
             acc = cute.make_rmem_tensor((4, 2), Float32)
             for h in cutlass.range_constexpr(group):
                 head = qh * group + h
                 gS = s32[slot, head, None, None]
-                _ring_u_regs(sU[h, None, None], P, row0, c, rU)
-                for i in cutlass.range_constexpr(4):
-                    t = 2 * c + i % 2
-                    rV[i] = Float32(0.0)
-                    if t < T:
-                        rV[i] = sV[h, t, row0 + 8 * (i // 2)].to(Float32)
+                # the corrections and values are read from shared memory where they are used, so
+                # that they hold no registers across the state's products
                 if fold:
+                    _ring_u_regs(sU[h, None, None], P, row0, c, rU)
                     _fold_rows(rS, rU, sKw[h, None, None], sDec[h], g, c, fp32)
                     _store_state(rS, gS, row0, c, fp32)
                 acc.fill(0.0)
@@ -691,6 +711,7 @@ class RingVerifyKernel:
                     for i in cutlass.range_constexpr(4):
                         acc[i, n] = acc[i, n] * sSc[h, n, 2 * c + i % 2]
                 if peff > 0:
+                    _ring_u_regs(sU[h, None, None], P, row0, c, rU)
                     a = [rU[0, 0], rU[0, 1], rU[1, 0], rU[1, 1]]
                     for n in cutlass.range_constexpr(2):
                         for hl in cutlass.range_constexpr(2):
@@ -698,6 +719,11 @@ class RingVerifyKernel:
                                      [acc[i, n] for i in range(4)])
                             for i in cutlass.range_constexpr(4):
                                 acc[i, n] = d[i]
+                for i in cutlass.range_constexpr(4):
+                    t = 2 * c + i % 2
+                    rV[i] = Float32(0.0)
+                    if t < T:
+                        rV[i] = sV[h, t, row0 + 8 * (i // 2)].to(Float32)
                 # w = beta (v - r) as bf16 head + tail: the A operand [v, (j head | j tail)]
                 w = []
                 for i in cutlass.range_constexpr(4):
@@ -707,8 +733,7 @@ class RingVerifyKernel:
                 w1 = _split(w[2], w[3], "bf16")
                 aw = [w0[0], w1[0], w0[1], w1[1]]
                 zero = Int32(0)
-                out = []
-                for m in cutlass.range_constexpr(2):  # Tm (the corrections), M2 (the outputs)
+                for m in cutlass.range_constexpr(2):  # Tm (the corrections), M2 (the outputs), each stored at once
                     hi = sTM[h, 0, m, g, c]
                     lo = sTM[h, 1, m, g, c]
                     d = [Float32(0.0)] * 4
@@ -716,9 +741,10 @@ class RingVerifyKernel:
                         d = [acc[i, 1] for i in range(4)]
                     d = _mma("bf16", aw, [hi, hi], d)
                     d = _mma("bf16", aw, [lo, zero], d)
-                    out.append(d)
-                _store_ring_u(out[0], sU[h, None, None], u32[slot, head, None, None], peff, warp, lane, g, c, T)
-                _store_outputs(out[1], sO32[warp, None, None], o32, b, head, warp, lane, g, c, T)
+                    if cutlass.const_expr(m == 0):
+                        _store_ring_u(d, sU[h, None, None], u32[slot, head, None, None], peff, warp, lane, g, c, T)
+                    else:
+                        _store_outputs(d, sO32[warp, None, None], o32, b, head, warp, lane, g, c, T)
         else:
             if tidx < HEAD_DIM:  # padding row: zero outputs
                 for h in cutlass.range_constexpr(group):
@@ -850,12 +876,10 @@ class RingFoldKernel:
                 sGr[h, j] = cutlass.select_(j < P, gj, Float32(0.0))
             cute.arch.sync_threads()
             if warp == 0:
-                rA = cute.make_rmem_tensor((4, 4, 2), Int32)
-                _load_rows(sRK32, g, c, rA)
-                for r in cutlass.range_constexpr(2):
-                    ss = _row_norms(rA, r)
-                    if c == 0:
-                        sRn[g + 8 * r] = cute.math.rsqrt(ss + EPS, fastmath=True)
+                ss0, ss1 = _table_rows(sRK32, sRK32, g, c, None, products=False)
+                if c == 0:
+                    sRn[g] = cute.math.rsqrt(ss0 + EPS, fastmath=True)
+                    sRn[g + 8] = cute.math.rsqrt(ss1 + EPS, fastmath=True)
             cute.arch.sync_threads()
             _fold_tables(sRK, sRn, sGr, sKw, sDec, P, group, tidx)
             cute.arch.cp_async_wait_group(0)
