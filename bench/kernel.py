@@ -715,7 +715,7 @@ def main():
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--skip-baselines", action="store_true")
     p.add_argument("--skip-sweep", action="store_true")
-    p.add_argument("--variants", default="1:2x4:inline,1:2x4:prep,1:2x4:inline+rs,1:2x4:prep+rs,"
+    p.add_argument("--variants", default="1:1x4:inline,1:2x4:inline,1:2x4:prep,1:2x4:inline+rs,1:2x4:prep+rs,"
                    "2:2x4:inline,2:2x4:prep,2:2x4:prep+rs,2:1x8:prep,2:1x8:prep+rs,2:4x4:prep,"
                    "4:2x4:inline,4:2x4:prep,4:2x4:prep+rs,4:1x8:prep,4:1x8:prep+rs,4:4x4:prep,"
                    "8:2x4:prep,8:2x4:prep+rs,8:4x4:prep",

@@ -56,7 +56,10 @@ normalised query, a token is
 
 (the inline path uses raw q, k and folds 1/|q|, 1/|k| into the scalars). 3 FMAs per state element
 and token; S = gamma * U is formed once, when the state is written (gamma is folded into U early
-if it falls below RESCALE_BELOW, so 1/gamma stays finite). This is the recurrence of docs/protocol.md,
+if it falls below RESCALE_BELOW, so 1/gamma stays finite). A one-token inline step needs no
+lazy decay: each row becomes S = g S + delta k^ once its dots are known, and goes to memory right
+then, so that a CTA's stores start while its later rows are still computing (bench/DECISIONS.md,
+entry 1). This is the recurrence of docs/protocol.md,
 section 4 (decay, delta rule, o = S_new . q), rearranged, in fp32; a bf16 state is rounded once,
 when it is written.
 """
@@ -68,7 +71,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Int32
 
 HEAD_DIM = 128  # K = V = 128, the only size the kernel supports
 LANES_PER_ROW = 8  # lanes sharing one V-row
@@ -340,6 +343,11 @@ class GdnDecodeKernel:
                     gamma = self._rescaled(st, gamma * rgate[0])
                     self._rows(mV, mO, st, rqk[None, None, 1], rqk[None, None, 0], b, t, head, row0, c,
                                gamma, gamma, rgate[1], rgate[2], cute.arch.rcp_approx(gamma))
+            elif cutlass.const_expr(T == 1 and not cfg.scatter):
+                qv, kv, rq, rk, kq = _load_qk(mQ, mK, b, 0, qk_head, c, scale, vec)
+                decay, beta = _gates(mA[b, 0, head], mB[b, 0, head], neg_a, dt_bias, softplus_beta, softplus_threshold)
+                self._rows_stored(mS, mOutSlot, mV, mO, st, sraw, kv, qv, b, head, row0, c,
+                                  rk, rq, decay, beta, kq)
             else:
                 for t in cutlass.range_constexpr(T):
                     qv, kv, rq, rk, kq = _load_qk(mQ, mK, b, t, qk_head, c, scale, vec)
@@ -350,6 +358,8 @@ class GdnDecodeKernel:
                                gamma * rk, gamma * rq, beta, kq, rk * cute.arch.rcp_approx(gamma))
 
             out_slot = mOutSlot[b]
+            if cutlass.const_expr(T == 1 and not cfg.prep and not cfg.scatter):
+                out_slot = Int32(-1)  # written row by row above
             if out_slot >= 0:
                 gOut = mS[out_slot, head, None, None]  # [V, K]
                 for i in cutlass.range_constexpr(ELEMS_PER_THREAD * R):
@@ -367,6 +377,48 @@ class GdnDecodeKernel:
             if c < R:
                 for t in cutlass.range_constexpr(T):
                     mO[b, t, head, row0 + c * row_stride] = BFloat16(0.0)
+
+    @cute.jit
+    def _rows_stored(self, mS: cute.Tensor, mOutSlot: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, st: cute.Tensor,
+                     sraw: cute.Tensor, kv, qv, b, head, row0, c, rk: Float32, rq: Float32, decay: Float32,
+                     beta: Float32, kq: Float32):
+        """One token (T = 1, raw q and k) over the thread's rows, each row's new state
+        S = decay S + delta k^ written as soon as it is formed: o = decay (S.q^) + delta (q^.k^),
+        delta = beta (v - decay (S.k^))."""
+        R, vec = self.cfg.rows_per_thread, self.cfg.vec
+        runs = ELEMS_PER_THREAD // vec
+        row_stride = ROWS_PER_WARP * self.cfg.warps
+        out_slot = mOutSlot[b]
+        gOut = mS[cutlass.max(out_slot, Int32(0)), head, None, None]
+        gk, gq = decay * rk, decay * rq
+        o_mine = Float32(0.0)
+        for p in cutlass.range_constexpr(R):
+            sk = Float32(0.0)
+            sq = Float32(0.0)
+            for i in cutlass.range_constexpr(ELEMS_PER_THREAD):
+                u = st[i % vec, i // vec, p]
+                sk = sk + u * kv[i]
+                sq = sq + u * qv[i]
+            sk = _sum8(sk)
+            sq = _sum8(sq)
+            vv = mV[b, 0, head, row0 + p * row_stride].to(Float32)
+            delta = beta * (vv - gk * sk)
+            o = gq * sq + delta * kq
+            dk = delta * rk
+            for i in cutlass.range_constexpr(ELEMS_PER_THREAD):
+                st[i % vec, i // vec, p] = st[i % vec, i // vec, p] * decay + dk * kv[i]
+            if c == p:
+                o_mine = o
+            if out_slot >= 0:
+                if cutlass.const_expr(self.cfg.state_dtype != "float32"):
+                    sraw[None, None, p].store(st[None, None, p].load().to(self.cfg.state_type))
+                for h in cutlass.range_constexpr(runs):
+                    cute.autovec_copy(
+                        sraw[None, h, p],
+                        cute.flat_divide(gOut[row0 + p * row_stride, None], (vec,))[None, c + LANES_PER_ROW * h],
+                    )
+        if c < R:
+            mO[b, 0, head, row0 + c * row_stride] = o_mine.to(BFloat16)
 
     @cute.jit
     def _rescaled(self, st: cute.Tensor, gamma: Float32) -> Float32:
