@@ -48,9 +48,11 @@ _lock = threading.Lock()
 
 def default_variant(T: int, H: int, HV: int, state_dtype: str = "bfloat16") -> Variant:
     """The variant `gdn_decode` uses for a (T, H, HV) shape and state dtype: the fastest of
-    bench/kernel.py's candidates on an H200: T = 1 inline with one warp a CTA, T = 2 prep, T >= 3
-    prep with the reduce-scatter (bench/DECISIONS.md, entries 1 and 2)."""
-    return Variant(T, H, HV, warps=1 if T == 1 else 2, prep=T > 1, scatter=T > 2, state_dtype=state_dtype)
+    bench/kernel.py's candidates on an H200: T = 1 inline, T = 2 prep, T >= 3 prep with the
+    reduce-scatter; one warp a CTA for T <= 2 and for an fp32 state's T = 3, two otherwise
+    (bench/DECISIONS.md, entries 1 and 2)."""
+    one_warp = T <= 2 or (T == 3 and state_dtype == "float32")
+    return Variant(T, H, HV, warps=1 if one_warp else 2, prep=T > 1, scatter=T > 2, state_dtype=state_dtype)
 
 
 def check_variant(T: int, H: int, HV: int, state_dtype: str = "bfloat16") -> None:
