@@ -332,6 +332,7 @@ class GdnDecodeKernel:
             # back when the state is written. The decay is one value per (row, head), so the
             # rescale branch below is uniform across the CTA.
             gamma = Float32(1.0)
+            rows_stored = T == 1 and not cfg.prep and not cfg.scatter  # as they are formed, below
             if cutlass.const_expr(cfg.prep):
                 rgate = cute.make_rmem_tensor((4,), Float32)
                 rqk = cute.make_rmem_tensor((4, 4, 2), Float32)  # [4, g, q|k]
@@ -343,7 +344,7 @@ class GdnDecodeKernel:
                     gamma = self._rescaled(st, gamma * rgate[0])
                     self._rows(mV, mO, st, rqk[None, None, 1], rqk[None, None, 0], b, t, head, row0, c,
                                gamma, gamma, rgate[1], rgate[2], cute.arch.rcp_approx(gamma))
-            elif cutlass.const_expr(T == 1 and not cfg.scatter):
+            elif cutlass.const_expr(rows_stored):
                 qv, kv, rq, rk, kq = _load_qk(mQ, mK, b, 0, qk_head, c, scale, vec)
                 decay, beta = _gates(mA[b, 0, head], mB[b, 0, head], neg_a, dt_bias, softplus_beta, softplus_threshold)
                 self._rows_stored(mS, mOutSlot, mV, mO, st, sraw, kv, qv, b, head, row0, c,
@@ -358,9 +359,7 @@ class GdnDecodeKernel:
                                gamma * rk, gamma * rq, beta, kq, rk * cute.arch.rcp_approx(gamma))
 
             out_slot = mOutSlot[b]
-            if cutlass.const_expr(T == 1 and not cfg.prep and not cfg.scatter):
-                out_slot = Int32(-1)  # written row by row above
-            if out_slot >= 0:
+            if cutlass.const_expr(not rows_stored) and out_slot >= 0:
                 gOut = mS[out_slot, head, None, None]  # [V, K]
                 for i in cutlass.range_constexpr(ELEMS_PER_THREAD * R):
                     st[i] = st[i] * gamma
