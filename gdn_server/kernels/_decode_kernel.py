@@ -347,8 +347,10 @@ class GdnDecodeKernel:
             elif cutlass.const_expr(rows_stored):
                 qv, kv, rq, rk, kq = _load_qk(mQ, mK, b, 0, qk_head, c, scale, vec)
                 decay, beta = _gates(mA[b, 0, head], mB[b, 0, head], neg_a, dt_bias, softplus_beta, softplus_threshold)
-                self._rows_stored(mS, mOutSlot, mV, mO, st, sraw, kv, qv, b, head, row0, c,
-                                  rk, rq, decay, beta, kq)
+                out_slot = mOutSlot[b]
+                written = (mS[cutlass.max(out_slot, Int32(0)), head, None, None], out_slot, sraw)
+                self._rows(mV, mO, st, kv, qv, b, 0, head, row0, c, decay * rk, decay * rq, beta, kq, rk,
+                           decay=decay, written=written)
             else:
                 for t in cutlass.range_constexpr(T):
                     qv, kv, rq, rk, kq = _load_qk(mQ, mK, b, t, qk_head, c, scale, vec)
@@ -366,11 +368,7 @@ class GdnDecodeKernel:
                 if cutlass.const_expr(cfg.state_dtype != "float32"):
                     sraw.store(st.load().to(cfg.state_type))
                 for p in cutlass.range_constexpr(R):
-                    for h in cutlass.range_constexpr(runs):
-                        cute.autovec_copy(
-                            sraw[None, h, p],
-                            cute.flat_divide(gOut[row0 + p * row_stride, None], (vec,))[None, c + LANES_PER_ROW * h],
-                        )
+                    self._store_row(sraw, gOut, row0 + p * row_stride, c, p)
         else:
             # Padding row: no state access, zero outputs.
             if c < R:
@@ -378,46 +376,11 @@ class GdnDecodeKernel:
                     mO[b, t, head, row0 + c * row_stride] = BFloat16(0.0)
 
     @cute.jit
-    def _rows_stored(self, mS: cute.Tensor, mOutSlot: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, st: cute.Tensor,
-                     sraw: cute.Tensor, kv, qv, b, head, row0, c, rk: Float32, rq: Float32, decay: Float32,
-                     beta: Float32, kq: Float32):
-        """One token (T = 1, raw q and k) over the thread's rows, each row's new state
-        S = decay S + delta k^ written as soon as it is formed: o = decay (S.q^) + delta (q^.k^),
-        delta = beta (v - decay (S.k^))."""
-        R, vec = self.cfg.rows_per_thread, self.cfg.vec
-        runs = ELEMS_PER_THREAD // vec
-        row_stride = ROWS_PER_WARP * self.cfg.warps
-        out_slot = mOutSlot[b]
-        gOut = mS[cutlass.max(out_slot, Int32(0)), head, None, None]
-        gk, gq = decay * rk, decay * rq
-        o_mine = Float32(0.0)
-        for p in cutlass.range_constexpr(R):
-            sk = Float32(0.0)
-            sq = Float32(0.0)
-            for i in cutlass.range_constexpr(ELEMS_PER_THREAD):
-                u = st[i % vec, i // vec, p]
-                sk = sk + u * kv[i]
-                sq = sq + u * qv[i]
-            sk = _sum8(sk)
-            sq = _sum8(sq)
-            vv = mV[b, 0, head, row0 + p * row_stride].to(Float32)
-            delta = beta * (vv - gk * sk)
-            o = gq * sq + delta * kq
-            dk = delta * rk
-            for i in cutlass.range_constexpr(ELEMS_PER_THREAD):
-                st[i % vec, i // vec, p] = st[i % vec, i // vec, p] * decay + dk * kv[i]
-            if c == p:
-                o_mine = o
-            if out_slot >= 0:
-                if cutlass.const_expr(self.cfg.state_dtype != "float32"):
-                    sraw[None, None, p].store(st[None, None, p].load().to(self.cfg.state_type))
-                for h in cutlass.range_constexpr(runs):
-                    cute.autovec_copy(
-                        sraw[None, h, p],
-                        cute.flat_divide(gOut[row0 + p * row_stride, None], (vec,))[None, c + LANES_PER_ROW * h],
-                    )
-        if c < R:
-            mO[b, 0, head, row0 + c * row_stride] = o_mine.to(BFloat16)
+    def _store_row(self, sraw: cute.Tensor, gOut: cute.Tensor, row, c, p):
+        """The thread's slices of its row p (`sraw`, in the state's dtype) to row `row` of gOut [V, K]."""
+        vec = self.cfg.vec
+        for h in cutlass.range_constexpr(ELEMS_PER_THREAD // vec):
+            cute.autovec_copy(sraw[None, h, p], cute.flat_divide(gOut[row, None], (vec,))[None, c + LANES_PER_ROW * h])
 
     @cute.jit
     def _rescaled(self, st: cute.Tensor, gamma: Float32) -> Float32:
@@ -430,9 +393,11 @@ class GdnDecodeKernel:
 
     @cute.jit
     def _rows(self, mV: cute.Tensor, mO: cute.Tensor, st: cute.Tensor, kv, qv, b, t, head, row0, c,
-              gk: Float32, gq: Float32, beta: Float32, kq: Float32, dk_scale: Float32):
+              gk: Float32, gq: Float32, beta: Float32, kq: Float32, dk_scale: Float32, decay=None, written=None):
         """One token over the thread's rows: o = gq (U.qv) + delta kq, U += delta dk_scale kv,
-        delta = beta (v - gk (U.kv)); lane c < R of each row group writes o of row c."""
+        delta = beta (v - gk (U.kv)); lane c < R of each row group writes o of row c. With `decay`
+        (a one-token step without lazy decay) U becomes decay U + delta dk_scale kv instead; with
+        `written` = (gOut [V, K], out slot, sraw) each row goes to gOut once formed (slot >= 0)."""
         R, vec = self.cfg.rows_per_thread, self.cfg.vec
         row_stride = ROWS_PER_WARP * self.cfg.warps
         if cutlass.const_expr(self.cfg.scatter):
@@ -453,9 +418,18 @@ class GdnDecodeKernel:
                 o = gq * sq + delta * kq
                 dk = delta * dk_scale
                 for i in cutlass.range_constexpr(ELEMS_PER_THREAD):
-                    st[i % vec, i // vec, p] = st[i % vec, i // vec, p] + dk * kv[i]
+                    if cutlass.const_expr(decay is None):
+                        st[i % vec, i // vec, p] = st[i % vec, i // vec, p] + dk * kv[i]
+                    else:
+                        st[i % vec, i // vec, p] = st[i % vec, i // vec, p] * decay + dk * kv[i]
                 if c == p:
                     o_mine = o
+                if cutlass.const_expr(written is not None):
+                    gOut, out_slot, sraw = written
+                    if out_slot >= 0:
+                        if cutlass.const_expr(self.cfg.state_dtype != "float32"):
+                            sraw[None, None, p].store(st[None, None, p].load().to(self.cfg.state_type))
+                        self._store_row(sraw, gOut, row0 + p * row_stride, c, p)
             if c < R:
                 mO[b, t, head, row0 + c * row_stride] = o_mine.to(BFloat16)
 
