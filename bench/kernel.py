@@ -230,6 +230,8 @@ def drift_both(steps, log, B=32, H=16, HV=32, seed=4321):
     from gdn_server.config import ModelShape
     from gdn_server.weights import random_gate_params
 
+    from gdn_server.kernels import folded_base, new_ring, ring_fold, ring_verify
+
     gen = torch.Generator(device=DEV).manual_seed(seed)
     gates = random_gate_params(ModelShape(1, H, HV), seed)
     A_log, dt_bias = gates.A_log.to(DEV), gates.dt_bias.to(DEV)  # [1, HV]
@@ -238,10 +240,18 @@ def drift_both(steps, log, B=32, H=16, HV=32, seed=4321):
     dtypes = (torch.bfloat16, torch.float32)
     pools = {dt: torch.zeros(B, HV, D, D, device=DEV, dtype=dt) for dt in dtypes}
     outs = {dt: torch.empty(B, 1, HV, D, device=DEV, dtype=torch.bfloat16) for dt in dtypes}
+    # the same steps through the history ring (each token committed as it is taken, a fold when
+    # the ring is full), the form a large launch of plain steps takes in the server
+    ring_pools = {dt: torch.zeros(B, HV, D, D, device=DEV, dtype=dt) for dt in dtypes}
+    rings = {dt: new_ring(B, H, HV) for dt in dtypes}
+    ring_outs = {dt: torch.empty(B, 1, HV, D, device=DEV, dtype=torch.bfloat16) for dt in dtypes}
+    P = 0
     S = torch.zeros(B, HV, D, D, device=DEV, dtype=torch.float64)
     scale = 1.0 / math.sqrt(D)
     err_out = {dt: torch.empty(steps, device=DEV, dtype=torch.float64) for dt in dtypes}
     err_state = {dt: {} for dt in dtypes}
+    err_out_ring = {dt: torch.empty(steps, device=DEV, dtype=torch.float64) for dt in dtypes}
+    err_state_ring = {dt: {} for dt in dtypes}
     marks = {1, 16, 64, 256, 1024, steps} | set(range(512, steps + 1, 512))
     t0 = time.time()
     for n in range(1, steps + 1):
@@ -249,8 +259,11 @@ def drift_both(steps, log, B=32, H=16, HV=32, seed=4321):
         q, k = (torch.randn(B, 1, H, D, device=DEV, generator=gen).to(bf) for _ in range(2))
         v = torch.randn(B, 1, HV, D, device=DEV, generator=gen).to(bf)
         a, b = (torch.randn(B, 1, HV, device=DEV, generator=gen).to(bf) for _ in range(2))
+        hist = torch.full((B,), P, device=DEV, dtype=torch.int32)
         for dt in dtypes:
             gdn_decode(pools[dt], slots, layers, q, k, v, a, b, A_log, dt_bias, outs[dt])
+            ring_verify(ring_pools[dt], slots, hist, layers, q, k, v, a, b, A_log, dt_bias, *rings[dt], ring_outs[dt])
+        P = folded_base(P, 1) + 1
         S_before = S.clone() if n == 2 else None
         o = reference_step64(S, q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, scale)
         if S_before is not None:  # the vectorised reference is tests/reference.py's
@@ -261,21 +274,26 @@ def drift_both(steps, log, B=32, H=16, HV=32, seed=4321):
         norm = o.norm()
         for dt in dtypes:
             err_out[dt][n - 1] = (outs[dt][:, 0].double() - o).norm() / norm
+            err_out_ring[dt][n - 1] = (ring_outs[dt][:, 0].double() - o).norm() / norm
             if n in marks:
                 err_state[dt][n] = ref.rel_err(pools[dt], S)
+                folded = ring_pools[dt].clone()  # the state with the ring's P entries folded in
+                ring_fold(folded, slots, torch.full((B,), P, device=DEV, dtype=torch.int32), *rings[dt])
+                err_state_ring[dt][n] = ref.rel_err(folded, S)
     torch.cuda.synchronize()
     rows = []
     for dt in dtypes:
-        e = err_out[dt].cpu()
-        name = str(dt)[6:]
-        rows.append(dict(state_dtype=name, steps=steps, B=B, out_at={m: float(e[m - 1]) for m in sorted(marks)},
-                         state_at=err_state[dt], worst_out=float(e.max()), mean_out=float(e.mean()),
-                         final_state=err_state[dt][steps]))
-        log(f"drift {name}: {steps} steps B={B}: state {err_state[dt][steps]:.2e} at the end "
-            f"(at {sorted(marks)}: {', '.join(f'{err_state[dt][m]:.1e}' for m in sorted(marks))}); "
-            f"output worst {e.max():.2e}, mean {e.mean():.2e}, last {e[-1]:.2e}")
+        for path, eo, es in (("", err_out, err_state), (" through the ring", err_out_ring, err_state_ring)):
+            e = eo[dt].cpu()
+            name = str(dt)[6:]
+            rows.append(dict(state_dtype=name, path=path.strip() or "plain", steps=steps, B=B,
+                             out_at={m: float(e[m - 1]) for m in sorted(marks)}, state_at=es[dt],
+                             worst_out=float(e.max()), mean_out=float(e.mean()), final_state=es[dt][steps]))
+            log(f"drift {name}{path}: {steps} steps B={B}: state {es[dt][steps]:.2e} at the end "
+                f"(at {sorted(marks)}: {', '.join(f'{es[dt][m]:.1e}' for m in sorted(marks))}); "
+                f"output worst {e.max():.2e}, mean {e.mean():.2e}, last {e[-1]:.2e}")
     log(f"drift took {time.time() - t0:.1f} s; fp32 state / bf16 state at the end: "
-        f"{rows[1]['final_state'] / rows[0]['final_state']:.2e}")
+        f"{rows[2]['final_state'] / rows[0]['final_state']:.2e}")
     return rows
 
 
@@ -648,15 +666,20 @@ def to_markdown(res):
     for d in res.get("drift", []):
         lines.append(f"\nDrift, {d['steps']} steps B={d['B']} T={d['T']}: worst out {d['err_out']:.2e}, state {d['err_state']:.2e}, ok={d['ok']}")
     if res.get("drift_both"):
-        bf, fp = res["drift_both"]
-        lines += ["", f"## Drift: {bf['steps']} one-token steps, B={bf['B']}, bf16 and fp32 pools on the same inputs, "
-                  "against float64 never rounded (relative error)", "",
-                  "| step | state, bf16 pool | state, fp32 pool | output, bf16 pool | output, fp32 pool |",
-                  "|---|---|---|---|---|"]
-        for m in sorted(bf["state_at"]):
-            lines.append(f"| {m} | {bf['state_at'][m]:.2e} | {fp['state_at'][m]:.2e} | {bf['out_at'][m]:.2e} | "
-                         f"{fp['out_at'][m]:.2e} |")
-        lines.append(f"| worst output over all steps | | | {bf['worst_out']:.2e} | {fp['worst_out']:.2e} |")
+        runs = res["drift_both"]  # per pool: the plain kernel, then the same steps through the ring
+        first = runs[0]
+        names = [f"{r['state_dtype']} pool{'' if r['path'] == 'plain' else ', ring'}" for r in runs]
+        lines += ["", f"## Drift: {first['steps']} one-token steps, B={first['B']}, bf16 and fp32 pools on the same "
+                  "inputs, each step by the plain kernel and through the history ring (committed at once, folded "
+                  "when full), against float64 never rounded (relative error)", "",
+                  "| step | " + " | ".join(f"state, {n}" for n in names) + " | "
+                  + " | ".join(f"output, {n}" for n in names) + " |",
+                  "|---|" + "---|" * (2 * len(runs))]
+        for m in sorted(first["state_at"]):
+            lines.append(f"| {m} | " + " | ".join(f"{r['state_at'][m]:.2e}" for r in runs) + " | "
+                         + " | ".join(f"{r['out_at'][m]:.2e}" for r in runs) + " |")
+        lines.append("| worst output over all steps | " + " | " * len(runs)
+                     + " | ".join(f"{r['worst_out']:.2e}" for r in runs) + " |")
     for d in res.get("out_slots", []):
         lines.append(f"\nout_slots B={d['B']} T={d['T']}: out {d['err_out']:.2e}, written state {d['err_state']:.2e}, "
                      f"other slots untouched={d['untouched_ok']}, ok={d['ok']}")

@@ -21,7 +21,8 @@ disjoint row sets rotated so the state is cold in L2, device time by CUDA-graph 
   launch as a serving batch of sessions at different fills has it); an accept costs no launch;
 - step, random accepts: fills of a steady state with 1..T accepted tokens, uniform;
 - every row folds; the fold kernel alone (every row a full ring);
-- our plain T-token step into scratch states (the path the ring replaces);
+- our plain T-token step (`gdn_decode`, the states written in place): where "step, full accepts"
+  is faster, a launch of plain steps runs through the ring instead (gdn_server/planner.py);
 - a plain read: the verify's rows' states read by a kernel that does nothing else
   (bench/state_copy.py), the plainest kernel that reads what a verify must.
 FlashInfer's ring verify (T = 4, 8) is timed on the verify's rows, fills, tokens and pool when
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import time
 import traceback
@@ -305,9 +305,8 @@ def bench(rows, gen, log, N=4096):
     def fold_only(rows_, hist, x, out):
         ring_fold(pool, rows_, hist, *ring)
 
-    def plain(rows_, hist, x, out):  # read the row's state, write a scratch slot (the other half of the pool)
-        gdn_decode(pool, rows_, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], out,
-                   out_slots=(rows_ + N // 2) % N)
+    def plain(rows_, hist, x, out):  # the plain step, states written in place
+        gdn_decode(pool, rows_, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], out)
 
     res = []
     for B, T in rows:
@@ -332,9 +331,9 @@ def bench(rows, gen, log, N=4096):
                 log(f"time {name} B={B} T={T} failed: {e!r}")
         if gdn_decode is not None:
             try:
-                r["plain_scratch_us"] = time_device(Sets(B, T, H, HV, N // 2, [0], gen).call(plain))
+                r["plain_us"] = time_device(Sets(B, T, H, HV, N, [0], gen).call(plain))
             except Exception as e:  # noqa: BLE001
-                r["plain_scratch_us"] = None
+                r["plain_us"] = None
                 log(f"time plain B={B} T={T} failed: {e!r}")
         r["flashinfer_issue48_us"] = REFERENCE_US.get((B, T))
         state_mb = B * HV * D * D * pool.element_size() / 1e6
@@ -379,7 +378,7 @@ def to_markdown(res):
              "else issue 48's H200 figure (marked *).", "",
              "Plain read: the verify's rows' states read and nothing else (bench/state_copy.py).", "",
              "| B | T | FlashInfer ring verify | ours verify | plain read | step, full accepts (folds) "
-             "| step, random accepts (folds) | every row folds | fold kernel | plain T-step to scratch "
+             "| step, random accepts (folds) | every row folds | fold kernel | plain T-step "
              "| full-accept step / FlashInfer |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["timings"]:
@@ -389,7 +388,7 @@ def to_markdown(res):
         lines.append(f"| {r['B']} | {r['T']} | {f(fi)}{mark} | {f(r.get('verify_us'))} | {f(r.get('state_read_us'))} | "
                      f"{f(st)} ({r['fold_rate_full']:.0%}) | "
                      f"{f(r.get('step_random_us'))} ({r['fold_rate_random']:.0%}) | {f(r.get('fold_all_us'))} | "
-                     f"{f(r.get('fold_only_us'))} | {f(r.get('plain_scratch_us'))} | {ratio} |")
+                     f"{f(r.get('fold_only_us'))} | {f(r.get('plain_us'))} | {ratio} |")
     if res.get("checks"):
         lines += ["", "## Correctness (worst relative error vs float64, over the sequence)", "",
                   "| B | T | H:HV | verifies | folds | out | folded state | fold kernel | ok |",
