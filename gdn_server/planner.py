@@ -13,16 +13,19 @@ Glossary (the names the scheduler, the session table and the backends share):
 - *P* / *committed entries*: the ring entries that are part of a session's state at a layer
   (`Session.hist`; a launch's `StepBatch.hist` is each row's P at launch time).
 - *draft*: an uncommitted speculative step of a session at a layer (`sessions.Draft`), its ring
-  entries after the committed ones; a *verify* is the launch that runs drafts.
+  entries after the committed ones; a *verify* is a launch that appends ring entries and writes
+  no state: the drafts' launch, and a launch of plain steps with at least the backend's
+  `ring_min_rows` rows, whose entries are committed at once (cheaper there than writing the states).
 - *round plan* (`RoundPlan`): what one scheduler round launches and what waits; a *launch*
   (`Launch`) is one backend call of it, one T and kind (plain or verify), its batch and members
   (`Admitted`, one per request). (The backends' own per-shape layouts are
   `staging.StagingLayout` and `torch_math.StepWorkspace`.)
 
 A round plan holds one launch per (T, speculative), at most `max_batch_rows` rows in all (a single
-bigger request still goes alone). A session has at most one row in a plan; a request whose session
-is already in it, or behind an earlier deferred request, is deferred, so each session's requests
-apply in arrival order. Checks that depend on session state run here, when the session's earlier steps are known to
+bigger request still goes alone); once the round is planned, a launch of plain steps with
+`ring_min_rows` rows or more becomes a verify (`StepBatch.verify`). A session has at most one row
+in a plan; a request whose session is already in it, or behind an earlier deferred request, is
+deferred, so each session's requests apply in arrival order. Checks that depend on session state run here, when the session's earlier steps are known to
 be applied. Requests are atomic: every session of one is checked before any row is added.
 
 - Answers decided while planning (errors, retries answered from kept outputs) are returned as
@@ -142,11 +145,16 @@ class Planner:
     """Admission, routing and answers for one device's session table (not slotted: a test
     replaces `admit` on the instance)."""
 
-    def __init__(self, sessions: SessionTable, max_batch_rows: int, shape: ModelShape) -> None:
+    def __init__(self, sessions: SessionTable, max_batch_rows: int, shape: ModelShape,
+                 ring_min_rows: int | None = None) -> None:
         self.sessions = sessions
         self.max_batch_rows = max_batch_rows
         self._heads = shape.num_v_heads
         self._head_dim = shape.head_dim_v
+        # plain launches of this many rows or more run as verifies (`Backend.ring_min_rows`), for
+        # the T a verify takes
+        self.ring_min_rows = ring_min_rows
+        self._ring_max_tokens = shape.max_speculative_tokens
 
     def plan(self, items: list[Item], quiet: bool) -> RoundPlan:
         """Plans `items` (in arrival order); `quiet`: nothing is in flight on the device, so a
@@ -198,11 +206,16 @@ class Planner:
             key = (work.tokens, work.speculative)
             launch = batches.get(key)
             if launch is None:
-                launch = batches[key] = Launch(StepBatch(work.tokens, speculative=work.speculative))
+                launch = batches[key] = Launch(StepBatch(work.tokens, verify=work.speculative))
             launch.add(member)
             if idx != last:  # what is busy matters to later items only
                 busy.update(ids)
             rows += n
+        if self.ring_min_rows is not None:
+            for (tokens, speculative), launch in batches.items():
+                if (not speculative and launch.batch.num_rows >= self.ring_min_rows
+                        and tokens <= self._ring_max_tokens):
+                    launch.batch.verify = True
         return plan
 
     def admit(self, item: DecodeItem) -> list[Session] | DecodeResult | GdnError:
@@ -300,11 +313,12 @@ class Planner:
 def launched(launch: Launch, now: float, table: SessionTable) -> None:
     """`launch` is queued on the device: each session's record moves (`SessionTable.steps_queued`),
     so later requests see the new positions, drafts and P."""
-    tokens = launch.batch.tokens
+    batch = launch.batch
+    tokens, in_ring = batch.tokens, batch.verify
     for m in launch.members:
         work = m.item.work
         m.record = record = StepRecord(tokens, len(m.sessions), work.speculative)
-        m.positions = table.steps_queued(m.sessions, work.layer, record, work.digests, now, m.hist)
+        m.positions = table.steps_queued(m.sessions, work.layer, record, work.digests, now, m.hist, in_ring)
 
 
 def roll_back(member: Admitted, table: SessionTable) -> None:

@@ -84,7 +84,7 @@ class Scheduler:
         self.backend = backend
         self.sessions = sessions
         self.config = config
-        self._planner = Planner(sessions, config.max_batch_rows, backend.shape)
+        self._planner = Planner(sessions, config.max_batch_rows, backend.shape, backend.ring_min_rows)
         self.stats = SchedulerStats()
         # metrics hooks, called on the event loop's thread
         self.on_launch: Callable[[int, float], None] | None = None  # (rows, device s)

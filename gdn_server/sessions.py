@@ -15,6 +15,8 @@ P + T would overflow the ring and the backend folds the P entries into the state
     a next step there    accepts the open draft whole first: P = base + T
     the draft dropped    P = base (--speculative-timeout-s; entries past P are garbage)
     a plain step         the backend folds P entries into the state first; P = 0
+    a plain step, run    its entries are appended as a draft's and committed at once:
+      as a verify        P = folded_base(P, T) + T (a launch of Backend.ring_min_rows rows or more)
     fork, export, read   `Backend.fold` first (`hist_rows` / `folded`), then the state as it is
 
 Every change of a session's record is a method of `SessionTable` (creation, removal, a step
@@ -285,14 +287,15 @@ class SessionTable:
     # -- a session's record changes as its steps are queued, fail or are settled ----------------
     def steps_queued(
         self, sessions: list[Session], layer: int, record: StepRecord, digests: tuple[int, ...], now: float,
-        hists: list[int],
+        hists: list[int], in_ring: bool = False,
     ) -> tuple[int, ...]:
         """A step of `sessions` at `layer` (session i is row i of `record`, its inputs digested as
         digests[i], where given), launched with hists[i] committed ring entries
         (`Session.launch_hist`), is queued on the device: for each session an open draft at the
         layer is accepted whole, the position moves by the step's tokens, the step becomes the one
-        a retry is answered from; a plain step leaves the ring folded (P = 0), a draft
-        (`record.speculative`) is open until Commit, its entries after folded_base(hist, T).
+        a retry is answered from; a draft (`record.speculative`) is open until Commit, its entries
+        after folded_base(hist, T); a plain step leaves the ring folded (P = 0), or, launched as a
+        verify (`in_ring`), its entries committed after the others (P = folded_base(hist, T) + T).
         Returns the new positions. One call per request, which makes no LastStep per session (each
         is rewritten in place): a B = 256 plain step spends ~0.2 us a session here."""
         tokens = record.tokens
@@ -316,10 +319,10 @@ class SessionTable:
                 session.drafts[layer] = Draft(base, tokens, count - tokens)
                 session.hist[layer] = base
         else:
-            for session in sessions:
+            for session, hist in zip(sessions, hists):
                 if session.drafts:
                     session.drafts.pop(layer, None)
-                session.hist[layer] = 0
+                session.hist[layer] = folded_base(hist, tokens) + tokens if in_ring else 0
         return tuple(after)
 
     def step_failed(self, session: Session, layer: int, record: StepRecord, hist: int) -> None:

@@ -167,8 +167,11 @@ class StepBatch:
 
     `hist` is each row's committed ring entries P at launch time (gdn_server.sessions: the ring).
     A plain batch folds the rows with P > 0 into their states first, then writes the states; a
-    verify batch (`speculative`) reads the states and writes only ring entries [base, base + T),
-    base = folded_base(P, T) (a row whose P + T entries would overflow its ring folds first).
+    verify batch (`verify`) reads the states and writes only ring entries [base, base + T),
+    base = folded_base(P, T) (a row whose P + T entries would overflow its ring folds first). Its
+    rows are drafts, or the plain steps of a launch big enough to run through the ring
+    (gdn_server.planner: `Backend.ring_min_rows`); the session table, not the backend, tells them
+    apart.
 
     Inputs stay in the requests they arrived in (`works`); the backend copies them into its own
     staging buffer (bf16 bytes with memcpys, or one concatenation per input), so the scheduler does
@@ -180,7 +183,7 @@ class StepBatch:
     layers: list[int] = field(default_factory=list)  # layer per row
     works: list[DecodeWork] = field(default_factory=list)  # the requests, in row order
     hist: list[int] = field(default_factory=list)  # committed ring entries P per row, at launch
-    speculative: bool = False  # a verify batch: every row is a draft
+    verify: bool = False  # a verify batch: every row appends ring entries, no state is written
 
     @property
     def num_rows(self) -> int:

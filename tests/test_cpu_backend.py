@@ -167,7 +167,7 @@ class _RingModel:
     def step(self, rows: list[int], layer: int, T: int, gen: torch.Generator, speculative: bool) -> None:
         b = self.backend
         work = _work(b.shape, layer, len(rows), T, gen)
-        batch = StepBatch(T, speculative=speculative)
+        batch = StepBatch(T, verify=speculative)
         hist = [self.launch_hist(row) for row in rows]
         batch.add(work, rows, hist)
         pool = b.read_rows(rows)
@@ -254,11 +254,11 @@ def test_a_verify_answers_as_the_plain_step_from_the_folded_state():
     shape = ModelShape(num_layers=1, num_q_heads=2, num_v_heads=4, state_dtype="float32")
     backend = _backend(shape, seed=11, sessions=1)
     gen = torch.Generator().manual_seed(11)
-    draft = StepBatch(6, speculative=True)
+    draft = StepBatch(6, verify=True)
     draft.add(_work(shape, 0, 1, 6, gen), [0], [0])
     backend.submit(draft).result()  # 6 entries, all committed below
     work = _work(shape, 0, 1, 4, gen)
-    verify = StepBatch(4, speculative=True)
+    verify = StepBatch(4, verify=True)
     verify.add(work, [0], [6])
     spec = backend.submit(verify).result().clone()
     backend.fold([0], [6])

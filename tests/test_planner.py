@@ -56,7 +56,7 @@ def test_one_launch_per_T_and_kind_up_to_the_row_cap_and_each_session_once_in_ar
     launch = plan.launches[1, False]
     assert [m.first_row for m in launch.members] == [0, 2]
     assert launch.batch.rows == [table.get(s).home_row(0) for s in (a, b, d)] and launch.batch.hist == [0, 0, 0]
-    assert not launch.batch.speculative and plan.launches[1, True].batch.speculative
+    assert not launch.batch.verify and plan.launches[1, True].batch.verify
 
 
 def test_a_control_item_runs_first_when_quiet_else_it_is_a_barrier_for_what_follows():
@@ -140,13 +140,51 @@ def test_the_ring_folds_where_a_draft_would_overflow_it_and_commit_is_bookkeepin
     assert s.hist == [0, 0]
 
 
+def test_a_large_launch_of_plain_steps_runs_as_a_verify_and_commits_its_entries():
+    table = _table()
+    sessions = [table.create() for _ in range(5)]
+    planner = Planner(table, 16, SHAPE, ring_min_rows=3)
+    s = sessions[0]
+    _step(planner, table, s, 2, speculative=True)  # s has an open draft of 2 at layer 0
+    # below the backend's rows: in place, the ring folded; from them on: a verify, entries committed
+    small = planner.plan([DecodeItem(_work([t.id for t in sessions[3:]]), print)], quiet=True).launches[1, False]
+    assert not small.batch.verify
+    plan = planner.plan([DecodeItem(_work([t.id for t in sessions[:3]], T=4, seed=1), print),
+                         DecodeItem(_work([t.id for t in sessions[3:]], T=4, speculative=True, seed=2), print)],
+                        quiet=True)
+    plain, drafts = plan.launches[4, False], plan.launches[4, True]
+    assert plain.batch.verify and drafts.batch.verify and plain.batch.hist == [2, 0, 0]
+    assert s.hist[0] == 0 and s.drafts  # planning applied nothing
+    _run(planner, plain, table)
+    # s's draft was accepted whole, then the step's 4 entries committed after it; no draft is open
+    assert [t.hist[0] for t in sessions[:3]] == [6, 4, 4] and not s.drafts and s.positions[0] == 6
+    assert s.last_steps[0].record.speculative is False  # a retry of it is a plain step
+    # a ring that would overflow is folded first by the verify: the step's entries start it again
+    for seed in range(3, 6):
+        _run(planner, planner.plan([DecodeItem(_work([t.id for t in sessions[:3]], T=4, seed=seed), print)],
+                                   quiet=True).launches[4, False], table)
+    assert [t.hist[0] for t in sessions[:3]] == [4, 16, 16] and s.positions[0] == 18
+    # a failed launch puts back the P it was launched with
+    plan = planner.plan([DecodeItem(_work([t.id for t in sessions[:3]], T=4, seed=6), print)], quiet=True)
+    launch = plan.launches[4, False]
+    launched(launch, 0.0, table)
+    assert [t.hist[0] for t in sessions[:3]] == [8, 4, 4]
+    roll_back(launch.members[0], table)
+    assert [t.hist[0] for t in sessions[:3]] == [4, 16, 16] and s.positions[0] == 18
+    # a small launch after them folds what is committed (the backend does) and writes the states
+    small = planner.plan([DecodeItem(_work([s.id], seed=7), print)], quiet=True).launches[1, False]
+    assert not small.batch.verify and small.batch.hist == [4]
+    _run(planner, small, table)
+    assert s.hist[0] == 0
+
+
 def test_a_launch_record_built_directly_applies_and_rolls_back():
     table = _table()
     s, t = table.create(), table.create()
     planner = _planner(table)
     _step(planner, table, s, 3, speculative=True)  # s has an open draft of 3 at layer 0
     work = _work([s.id, t.id], T=2, speculative=True, seed=5)
-    launch = Launch(StepBatch(2, speculative=True))
+    launch = Launch(StepBatch(2, verify=True))
     launch.add(Admitted(DecodeItem(work, print), [s, t], [s.home_row(0), t.home_row(0)], [3, 0]))
     assert launch.batch.rows == [s.home_row(0), t.home_row(0)] and launch.batch.hist == [3, 0]
     launched(launch, 0.0, table)

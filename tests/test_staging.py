@@ -32,7 +32,7 @@ def _work(rows: int, dtype: torch.dtype, seed: int) -> DecodeWork:
 def _staged(works: list[DecodeWork], room: int | None = None, speculative: bool = False):
     """`works` as one batch (pool rows 10, 11, ...; a verify batch where speculative), filled into
     a buffer of 0xAB bytes laid out for `room` rows (the batch's rows by default)."""
-    batch = StepBatch(1, speculative=speculative)
+    batch = StepBatch(1, verify=speculative)
     slot = 10
     for w in works:
         slots = list(range(slot, slot + w.rows))

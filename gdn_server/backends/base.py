@@ -11,11 +11,13 @@ summed since the ring's start, so that the state with a row's first P entries ap
 
     S_P = e^{G_P} S_0 + sum_{i<P} e^{G_P - G_i} u_i k_i^T
 
-A verify batch (`StepBatch.speculative`) answers from that state without writing it and appends
+A verify batch (`StepBatch.verify`) answers from that state without writing it and appends
 its T tokens' entries at base = folded_base(P, T); a fold writes S_P into the state (rounded to
-the pool dtype then, and only then). The scheduler keeps a few handles in
-flight (scheduler.LOOP_MAX_IN_FLIGHT at most), so a backend may overlap the next batches' assembly
-with this one's run.
+the pool dtype then, and only then). Where a backend's verify with the fold amortized costs less
+than its plain step, `ring_min_rows` says from how many rows a launch of plain steps runs as a
+verify, each row's entries committed at once (gdn_server.planner). The scheduler keeps a few
+handles in flight (scheduler.LOOP_MAX_IN_FLIGHT at most), so a backend may overlap the next
+batches' assembly with this one's run.
 State-changing session operations (`reset`, `copy`, `read`, `write`, `fold`) are only called
 when no step is in flight.
 """
@@ -70,6 +72,10 @@ def check_state_dtype(state: torch.Tensor, pool_dtype: torch.dtype) -> None:
 class Backend(ABC):
     name: str  # "cpu-torch" or "cuda-cute"
     device_name: str = "cpu"  # what ModelInfo.devices reports
+    # A launch of plain steps with at least this many rows runs as a verify (its entries committed
+    # at once, the fold amortized over the ring's 16 entries); None: plain steps always write the
+    # states. Set where it measures faster at every T from that many rows on.
+    ring_min_rows: int | None = None
 
     def __init__(self, shape: ModelShape, gates: GateParams, max_sessions: int, scale: float | None) -> None:
         if gates.A_log.shape != (shape.num_layers, shape.num_v_heads):
@@ -99,7 +105,7 @@ class Backend(ABC):
     def submit(self, batch: StepBatch) -> PendingStep:
         """Starts one call over all rows of `batch` (distinct pool rows, one T). A plain batch
         folds each row's `hist` entries into its state first (rows with none are read as they
-        are), then runs the step, which writes the states. A verify batch (`batch.speculative`)
+        are), then runs the step, which writes the states. A verify batch (`batch.verify`)
         answers from each state with its `hist` entries applied and writes only ring entries
         [base, base + T), base = folded_base(P, T): a row whose P + T entries would overflow its
         ring folds them into its state first, in the same call. Inputs come checked for NaN/Inf

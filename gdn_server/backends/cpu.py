@@ -229,7 +229,7 @@ class CpuBackend(Backend):
         # (index_copy_ of bf16 rows ran 5x slower than a copy_ per row)
         views = self._row_views
         state = [views[row] if row in views else self._row_view(row) for row in batch.rows]
-        verify, hist = batch.speculative, batch.hist
+        verify, hist = batch.verify, batch.hist
         rings = [self._ring_view(row) if verify or p else None for row, p in zip(batch.rows, hist)]
         chunk = self._chunk_rows
         # every buffer the launch needs exists before the first state is written (StepWorkspace.run

@@ -1,12 +1,13 @@
 """CUDA backend ("cuda-cute"): the state pool and its history rings on the GPU, one CuTe DSL launch per batch.
 
 Every pool row (a session's state at one layer) has a history ring beside it (`kernels.new_ring`):
-a speculative (verify) batch runs `ring_verify`, which reads the states and writes only ring
-entries (folding first a row whose P + T entries would overflow its ring); an accept is the
-caller's bookkeeping (`StepBatch.hist`, each row's committed entries P). A plain batch folds the
-rows with P > 0 (`ring_fold`, on the same stream right before the step) and then runs `gdn_decode`,
-which writes the states in place. `fold` folds rows on demand (before a fork, export, snapshot or
-read of a session).
+a verify batch runs `ring_verify`, which reads the states and writes only ring entries (folding
+first a row whose P + T entries would overflow its ring); an accept is the caller's bookkeeping
+(`StepBatch.hist`, each row's committed entries P). Its rows are drafts, or, over a bf16 pool, the
+plain steps of a launch of RING_MIN_ROWS rows or more, which cost less that way than written in
+place. A smaller plain batch folds the rows with P > 0 (`ring_fold`, on the same stream right
+before the step) and then runs `gdn_decode`, which writes the states in place. `fold` folds rows
+on demand (before a fork, export, snapshot or read of a session).
 
 Per batch, on the backend's own stream:
   1. the requests' inputs are copied into one pinned host staging buffer (a memcpy per request
@@ -27,10 +28,10 @@ Small launches (GRAPH_MAX_ROWS rows; plain T=1 steps and verifies of every T) re
 as a CUDA graph captured per staging set at warm-up; bigger ones up to the largest of GRAPH_BUCKETS
 are padded to the next bucket's rows (padding rows touch no state or ring) and replay that
 bucket's graph. A plain launch with a fold launches directly: plain steps of rows with ring
-entries follow a draft only, and their graphs would double the captures. Graphs by bucket, not
-one per row count: a replay is one host call where a direct launch makes three (copy, kernel,
-copy), and a few buckets keep the captures (per staging set) few, at the cost of padding rows'
-device time. The graphs of up to MAPPED_MAX_ROWS rows hold the kernel alone: it reads the pinned
+entries follow a draft or a launch run as a verify only, and their graphs would double the
+captures. Graphs by bucket, not one per row count: a replay is one host call where a direct
+launch makes three (copy, kernel, copy), and a few buckets keep the captures (per staging set)
+few, at the cost of padding rows' device time. The graphs of up to MAPPED_MAX_ROWS rows hold the kernel alone: it reads the pinned
 staging buffer and writes the pinned outputs in place (gdn_server/backends/mapped.py), with no
 copy before or after it.
 
@@ -75,6 +76,15 @@ GRAPH_BUCKETS = (12, 16, 24, 32, 48, 64, 96, 128)
 # One row, because that is where it pays: the kernel's reads over PCIe grow with the rows faster
 # than the copies do (bench/DECISIONS.md, entry 7). 0 keeps the copies everywhere.
 MAPPED_MAX_ROWS = 1
+
+# A launch of plain steps over a bf16 pool with at least this many rows runs as a verify, each
+# row's entries committed at once (`Backend.ring_min_rows`): reading the states and writing T ring
+# entries, with the fold of a full ring amortized, costs less than reading and writing the states
+# from 16 rows on at every T <= 4, 24-33% less at B = 512 (H200, bench/ring.py; bench/DECISIONS.md,
+# entry 4), and the state is rounded to bf16 once per fold instead of once per step. An fp32 pool's
+# plain steps stay in place: its ring's fp16 corrections would hold its state to ~3e-4 of float64
+# where in place it stays within ~1e-5.
+RING_MIN_ROWS = 16
 
 # What a launch runs (its graphs are keyed by it too)
 PLAIN = "plain"  # gdn_decode, in place
@@ -235,6 +245,7 @@ class CudaBackend(Backend):
             max_sessions = max(1, min(MAX_DEFAULT_SESSIONS, budget // per_session))
         super().__init__(shape, gates, max_sessions, scale)
         self.device_name = torch.cuda.get_device_name(self.device)
+        self.ring_min_rows = RING_MIN_ROWS if shape.state_dtype == "bfloat16" else None
         from gdn_server.kernels import gdn_decode, new_ring, ring_fold, ring_verify  # each compiles on first use
 
         self._decode, self._ring_verify, self._ring_fold = gdn_decode, ring_verify, ring_fold
@@ -287,7 +298,7 @@ class CudaBackend(Backend):
 
     def submit(self, batch: StepBatch) -> PendingStep:
         R, T = len(batch.rows), batch.tokens
-        if batch.speculative:
+        if batch.verify:
             kind = VERIFY
         else:
             kind = FOLD_PLAIN if any(batch.hist) else PLAIN

@@ -55,7 +55,7 @@ def step_batch(T: int, requests, num_layers: int, hist: dict[int, int] | None = 
         works.append(x if isinstance(x, DecodeWork) else _work(layer, members, x))
     hist = hist or {}
     return StepBatch(tokens=T, rows=rows, layers=layers, works=works, hist=[hist.get(r, 0) for r in rows],
-                     speculative=speculative)
+                     verify=speculative)
 
 
 def _requests(rng: random.Random, gen: torch.Generator, shape: ModelShape, sessions: int, T: int, rows: int,
@@ -233,6 +233,44 @@ def test_server_on_the_gpu_matches_the_reference():
                     x = random_inputs(3, step % 4 + 1, 16, 32, gen=gen, dtype=(torch.bfloat16, torch.float32)[step % 2])
                     reply = stub.Decode(decode_request(layer, sessions, x), timeout=120)
                     assert rel_err(tensor_from_proto(reply.o), ref.step(layer, sessions, **x)) < 1e-2
+
+
+def test_large_plain_launches_run_through_the_ring_and_match_the_reference():
+    """A bf16 server runs a launch of RING_MIN_ROWS rows or more of plain steps as a verify with
+    its entries committed: over enough steps that every ring fills and folds, with T = 1..4, a
+    fork (which folds first) and small launches in between (which fold and write in place), the
+    outputs follow the float64 reference, and a fork steps exactly as its source."""
+    from gdn_server.backends.cuda import RING_MIN_ROWS
+
+    shape = ModelShape(num_layers=2, num_q_heads=16, num_v_heads=32)
+    gates = random_gate_params(shape, seed=11)
+    fp32 = ModelShape(num_layers=2, num_q_heads=16, num_v_heads=32, state_dtype="float32")
+    assert CudaBackend(fp32, gates, max_sessions=1).ring_min_rows is None  # an fp32 pool's steps stay in place
+    assert CudaBackend(shape, gates, max_sessions=1).ring_min_rows == RING_MIN_ROWS
+    ref = ReferenceModel(gates.A_log, gates.dt_bias)
+    gen = torch.Generator().manual_seed(12)
+    B = RING_MIN_ROWS + 2
+    with start_server("--device", "cuda", "--devices", "0", "--layers", "2", "--q-heads", "16", "--v-heads", "32",
+                      "--seed", "11", "--max-sessions", str(B + 2), timeout=300) as srv:
+        with grpc.insecure_channel(srv.address) as channel:
+            stub = gdn_pb2_grpc.GdnDecodeStub(channel)
+            sessions = [stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=60).session_id for _ in range(B)]
+            worst = 0.0
+            for step in range(14):  # 35 tokens a layer: two folds of every ring
+                layer = step % 2
+                T = (1, 4, 2, 3)[step // 2 % 4]
+                group = sessions if step % 5 != 4 else sessions[:3]  # a small launch: fold, then in place
+                x = random_inputs(len(group), T, 16, 32, gen=gen)
+                reply = stub.Decode(decode_request(layer, group, x), timeout=120)
+                worst = max(worst, rel_err(tensor_from_proto(reply.o), ref.step(layer, group, **x)))
+            assert worst < OUT_TOL, worst
+            fork = stub.ForkSession(gdn_pb2.ForkSessionRequest(session_id=sessions[0]), timeout=60).session_id
+            pair = [sessions[0], fork]
+            for step in range(3):  # B + 1 rows: through the ring
+                same, others = random_inputs(1, 2, 16, 32, gen=gen), random_inputs(B - 1, 2, 16, 32, gen=gen)
+                x = {name: torch.cat([same[name], same[name], others[name]]) for name in same}
+                o = tensor_from_proto(stub.Decode(decode_request(step % 2, pair + sessions[1:], x), timeout=120).o)
+                assert torch.equal(o[0], o[1])
 
 
 @pytest.mark.parametrize("mapped_rows", [None, 0, 4], ids=["default", "copies", "mapped-up-to-4"])
