@@ -205,25 +205,6 @@ def check_drift(B, T, H, HV, steps, gen, log):
     return dict(B=B, T=T, H=H, HV=HV, steps=steps, err_out=worst_out, err_state=worst_state, ok=ok)
 
 
-def reference_step64(S, q, k, v, a, b, A_log, dt_bias, scale):
-    """One token of docs/protocol.md section 4 in float64 for every row and head at once: S
-    [B, HV, V, K] float64 is updated in place; q, k [B, H, K], v [B, HV, V], a, b, A_log,
-    dt_bias [B or 1, HV]; returns o [B, HV, V] float64. tests/reference.py's gdn_reference_step,
-    vectorised over the heads for thousands of steps (drift_both checks the two agree)."""
-    group = v.shape[1] // q.shape[1]
-    q, k, v = q.double(), k.double(), v.double()
-    qn = (q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * scale).repeat_interleave(group, 1)
-    kn = (k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(group, 1)
-    x = a.double() + dt_bias.double()
-    softplus = torch.where(x <= 20.0, torch.log1p(torch.exp(x)), x)
-    decay = torch.exp(-torch.exp(A_log.double()) * softplus)
-    beta = torch.sigmoid(b.double())
-    S.mul_(decay[..., None, None])
-    pred = torch.einsum("bjvk,bjk->bjv", S, kn)
-    S.add_((beta[..., None] * (v - pred))[..., None] * kn[..., None, :])
-    return torch.einsum("bjvk,bjk->bjv", S, qn)
-
-
 def drift_both(steps, log, B=32, H=16, HV=32, seed=4321):
     """`steps` one-token steps of B rows through a bf16 and an fp32 pool on the same inputs, each
     against one float64 state never rounded; gates from the server's distribution (long memories)."""
@@ -265,7 +246,7 @@ def drift_both(steps, log, B=32, H=16, HV=32, seed=4321):
             ring_verify(ring_pools[dt], slots, hist, layers, q, k, v, a, b, A_log, dt_bias, *rings[dt], ring_outs[dt])
         P = folded_base(P, 1) + 1
         S_before = S.clone() if n == 2 else None
-        o = reference_step64(S, q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, scale)
+        o = ref.token_all_heads(S, q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, scale)
         if S_before is not None:  # the vectorised reference is tests/reference.py's
             o_ref, s_ref = reference(S_before, q, k, v, a, b, A_log, dt_bias, layers)
             agree = max(ref.rel_err(o, o_ref[:, 0]), ref.rel_err(S, s_ref))

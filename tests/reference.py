@@ -53,6 +53,26 @@ def gdn_reference_step(
     return out, S
 
 
+def token_all_heads(S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                    b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """One token of `gdn_reference_step` for every row and head at once, in float64, for runs of
+    thousands of steps (the bench scripts' drift runs): S [B, HV, V, K] float64 is updated in
+    place; q, k [B, H, K], v [B, HV, V], a, b [B, HV], A_log and dt_bias [B or 1, HV]; returns
+    o [B, HV, V] float64. tests/test_reference.py holds it to `gdn_reference_step`."""
+    group = v.shape[1] // q.shape[1]
+    q, k, v = q.double(), k.double(), v.double()
+    qn = (q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * scale).repeat_interleave(group, 1)
+    kn = (k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(group, 1)
+    x = a.double() + dt_bias.double()
+    softplus = torch.where(x <= 20.0, torch.log1p(torch.exp(x)), x)
+    decay = torch.exp(-torch.exp(A_log.double()) * softplus)
+    beta = torch.sigmoid(b.double())
+    S.mul_(decay[..., None, None])
+    pred = torch.einsum("bjvk,bjk->bjv", S, kn)
+    S.add_((beta[..., None] * (v - pred))[..., None] * kn[..., None, :])
+    return torch.einsum("bjvk,bjk->bjv", S, qn)
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """||x - ref|| / ||ref|| in float64; NaN anywhere gives inf."""
     x64, r64 = x.double(), ref.double()
