@@ -17,8 +17,10 @@ rounded to the pool's dtype once per step; a CUDA-graph replay; every candidate 
 
 Drift (`--drift-steps N`): N consecutive one-token steps of B=32 rows with the server's gate
 distribution (weights.random_gate_params: long memories), run through a bf16 pool and an fp32
-pool on the same inputs, each against one float64 state that is never rounded: the output's
-error at every step and the state's every 64 steps, both dtypes side by side.
+pool on the same inputs, each by the plain kernel and through the history ring (each token
+committed as it is taken, the ring folded when full: how a bf16 server runs launches of 16 rows
+or more), each against one float64 state that is never rounded: the output's error at every
+step and the state's at marks, the four side by side.
 
 Timings (the method by which the reference figures in REFERENCE_US, FlashInfer's kernel and the
 seed kernel on an H200, were measured; the table repeats them): H=16, HV=32, a 4096-slot (4 GiB) pool, random slots, 16 rotated slot sets, device time
@@ -206,12 +208,12 @@ def check_drift(B, T, H, HV, steps, gen, log):
 
 
 def drift_both(steps, log, B=32, H=16, HV=32, seed=4321):
-    """`steps` one-token steps of B rows through a bf16 and an fp32 pool on the same inputs, each
-    against one float64 state never rounded; gates from the server's distribution (long memories)."""
+    """`steps` one-token steps of B rows through a bf16 and an fp32 pool on the same inputs, in
+    place and through the ring, each against one float64 state never rounded; gates from the
+    server's distribution (long memories)."""
     from gdn_server.config import ModelShape
-    from gdn_server.weights import random_gate_params
-
     from gdn_server.kernels import folded_base, new_ring, ring_fold, ring_verify
+    from gdn_server.weights import random_gate_params
 
     gen = torch.Generator(device=DEV).manual_seed(seed)
     gates = random_gate_params(ModelShape(1, H, HV), seed)
@@ -728,7 +730,8 @@ def main():
     p.add_argument("--state-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="the state pool's dtype for the sweep, checks and timings")
     p.add_argument("--drift-steps", type=int, default=0,
-                   help="also run this many steps through a bf16 and an fp32 pool on the same inputs (0: not)")
+                   help="also run this many steps through a bf16 and an fp32 pool, in place and through the "
+                        "ring, on the same inputs (0: not)")
     args = p.parse_args()
     global STATE
     STATE = getattr(torch, args.state_dtype)
