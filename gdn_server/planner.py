@@ -14,16 +14,16 @@ Glossary (the names the scheduler, the session table and the backends share):
   (`Session.hist`; a launch's `StepBatch.hist` is each row's P at launch time).
 - *draft*: an uncommitted speculative step of a session at a layer (`sessions.Draft`), its ring
   entries after the committed ones; a *verify* is a launch that appends ring entries and writes
-  no state: the drafts' launch, and a launch of plain steps with at least the backend's
-  `ring_min_rows` rows, whose entries are committed at once (cheaper there than writing the states).
+  no state: the drafts' launch, and, where the backend sets `ring_min_rows`, a launch of plain
+  steps whose entries are committed at once (`Planner._through_ring` says which).
 - *round plan* (`RoundPlan`): what one scheduler round launches and what waits; a *launch*
   (`Launch`) is one backend call of it, one T and kind (plain or verify), its batch and members
   (`Admitted`, one per request). (The backends' own per-shape layouts are
   `staging.StagingLayout` and `torch_math.StepWorkspace`.)
 
 A round plan holds one launch per (T, speculative), at most `max_batch_rows` rows in all (a single
-bigger request still goes alone); once the round is planned, a launch of plain steps with
-`ring_min_rows` rows or more becomes a verify (`StepBatch.verify`). A session has at most one row
+bigger request still goes alone); once the round is planned, a launch of plain steps may become
+a verify (`StepBatch.verify`, `Planner._through_ring`). A session has at most one row
 in a plan; a request whose session is already in it, or behind an earlier deferred request, is
 deferred, so each session's requests apply in arrival order. Checks that depend on session state run here, when the session's earlier steps are known to
 be applied. Requests are atomic: every session of one is checked before any row is added.
@@ -53,6 +53,7 @@ from typing import Any, Callable
 
 from gdn_server.config import ModelShape
 from gdn_server.errors import FailedPrecondition, GdnError
+from gdn_server.kernels import folded_base
 from gdn_server.sessions import Session, SessionTable, StepRecord
 from gdn_server.work import DecodeResult, DecodeWork, StepBatch
 
@@ -213,10 +214,21 @@ class Planner:
             rows += n
         if self.ring_min_rows is not None:
             for (tokens, speculative), launch in batches.items():
-                if (not speculative and launch.batch.num_rows >= self.ring_min_rows
-                        and tokens <= self._ring_max_tokens):
+                if not speculative and tokens <= self._ring_max_tokens and self._through_ring(launch.batch):
                     launch.batch.verify = True
         return plan
+
+    def _through_ring(self, batch: StepBatch) -> bool:
+        """Whether a launch of plain steps runs as a verify: one of ring_min_rows rows or more, where
+        that costs less than writing the states; or a smaller one with entries committed in some
+        row and room for its tokens in every row's ring, where writing the states would first cost
+        a fold of those rows (a launch, and a read and write of their states) that the verify puts
+        off to when a ring fills. A small launch that would fill a ring folds and writes in place,
+        so sessions that stay in small launches are back on the plain kernel within 16 tokens."""
+        if batch.num_rows >= self.ring_min_rows:
+            return True
+        most = max(batch.hist)
+        return most > 0 and folded_base(most, batch.tokens) == most
 
     def admit(self, item: DecodeItem) -> list[Session] | DecodeResult | GdnError:
         """Checks sessions, owner and positions, once the sessions' earlier steps are applied.

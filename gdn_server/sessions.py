@@ -16,7 +16,7 @@ P + T would overflow the ring and the backend folds the P entries into the state
     the draft dropped    P = base (--speculative-timeout-s; entries past P are garbage)
     a plain step         the backend folds P entries into the state first; P = 0
     a plain step, run    its entries are appended as a draft's and committed at once:
-      as a verify        P = folded_base(P, T) + T (a launch of Backend.ring_min_rows rows or more)
+      as a verify        P = folded_base(P, T) + T (which launches: planner.Planner._through_ring)
     fork, export, read   `Backend.fold` first (`hist_rows` / `folded`), then the state as it is
 
 Every change of a session's record is a method of `SessionTable` (creation, removal, a step

@@ -146,7 +146,7 @@ def test_a_large_launch_of_plain_steps_runs_as_a_verify_and_commits_its_entries(
     planner = Planner(table, 16, SHAPE, ring_min_rows=3)
     s = sessions[0]
     _step(planner, table, s, 2, speculative=True)  # s has an open draft of 2 at layer 0
-    # below the backend's rows: in place, the ring folded; from them on: a verify, entries committed
+    # below the backend's rows, nothing committed: in place; from them on: a verify, entries committed
     small = planner.plan([DecodeItem(_work([t.id for t in sessions[3:]]), print)], quiet=True).launches[1, False]
     assert not small.batch.verify
     plan = planner.plan([DecodeItem(_work([t.id for t in sessions[:3]], T=4, seed=1), print),
@@ -171,11 +171,22 @@ def test_a_large_launch_of_plain_steps_runs_as_a_verify_and_commits_its_entries(
     assert [t.hist[0] for t in sessions[:3]] == [8, 4, 4]
     roll_back(launch.members[0], table)
     assert [t.hist[0] for t in sessions[:3]] == [4, 16, 16] and s.positions[0] == 18
-    # a small launch after them folds what is committed (the backend does) and writes the states
-    small = planner.plan([DecodeItem(_work([s.id], seed=7), print)], quiet=True).launches[1, False]
-    assert not small.batch.verify and small.batch.hist == [4]
+    # a small launch whose rows have entries committed and room for its tokens appends too: writing
+    # the states would first cost a fold of those rows
+    small = planner.plan([DecodeItem(_work([s.id, sessions[3].id], T=3, seed=7), print)], quiet=True)
+    small = small.launches[3, False]
+    assert small.batch.verify and small.batch.hist == [4, 0]
     _run(planner, small, table)
-    assert s.hist[0] == 0
+    assert s.hist[0] == 7 and sessions[3].hist[0] == 3
+    # one that would fill a ring folds and writes in place (the backend folds): back on the plain
+    # kernel; so is a small launch with nothing committed
+    t = sessions[1]
+    small = planner.plan([DecodeItem(_work([s.id, t.id], seed=8), print)], quiet=True).launches[1, False]
+    assert not small.batch.verify and small.batch.hist == [7, 16]
+    _run(planner, small, table)
+    assert s.hist[0] == 0 and t.hist[0] == 0
+    small = planner.plan([DecodeItem(_work([s.id, t.id], seed=9), print)], quiet=True).launches[1, False]
+    assert not small.batch.verify
 
 
 def test_a_launch_record_built_directly_applies_and_rolls_back():

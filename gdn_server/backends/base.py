@@ -73,8 +73,9 @@ class Backend(ABC):
     name: str  # "cpu-torch" or "cuda-cute"
     device_name: str = "cpu"  # what ModelInfo.devices reports
     # A launch of plain steps with at least this many rows runs as a verify (its entries committed
-    # at once, the fold amortized over the ring's 16 entries); None: plain steps always write the
-    # states. Set where it measures faster at every T from that many rows on.
+    # at once, the fold amortized over the ring's 16 entries), and so does a smaller one whose rows
+    # have entries committed and room for its tokens (gdn_server.planner); None: plain steps always
+    # write the states. Set where it measures faster at every T from that many rows on.
     ring_min_rows: int | None = None
 
     def __init__(self, shape: ModelShape, gates: GateParams, max_sessions: int, scale: float | None) -> None:

@@ -5,8 +5,10 @@ a verify batch runs `ring_verify`, which reads the states and writes only ring e
 first a row whose P + T entries would overflow its ring); an accept is the caller's bookkeeping
 (`StepBatch.hist`, each row's committed entries P). Its rows are drafts, or, over a bf16 pool, the
 plain steps of a launch of RING_MIN_ROWS rows or more, which cost less that way than written in
-place. A smaller plain batch folds the rows with P > 0 (`ring_fold`, on the same stream right
-before the step) and then runs `gdn_decode`, which writes the states in place. `fold` folds rows
+place (and of a smaller launch whose rows have entries committed and room for more:
+`planner.Planner._through_ring`). Another plain batch folds the rows with P > 0 (`ring_fold`, on
+the same stream right before the step) and then runs `gdn_decode`, which writes the states in
+place. `fold` folds rows
 on demand (before a fork, export, snapshot or read of a session).
 
 Per batch, on the backend's own stream:
@@ -27,8 +29,8 @@ assemble batch n+1 while batch n runs: a set is reused only after its previous e
 Small launches (GRAPH_MAX_ROWS rows; plain T=1 steps and verifies of every T) replay steps 2-4
 as a CUDA graph captured per staging set at warm-up; bigger ones up to the largest of GRAPH_BUCKETS
 are padded to the next bucket's rows (padding rows touch no state or ring) and replay that
-bucket's graph. A plain launch with a fold launches directly: plain steps of rows with ring
-entries follow a draft or a launch run as a verify only, and their graphs would double the
+bucket's graph. A plain launch with a fold launches directly: it runs only where a small launch
+would fill a ring (or, over an fp32 pool, after drafts), and graphs of it would double the
 captures. Graphs by bucket, not one per row count: a replay is one host call where a direct
 launch makes three (copy, kernel, copy), and a few buckets keep the captures (per staging set)
 few, at the cost of padding rows' device time. The graphs of up to MAPPED_MAX_ROWS rows hold the kernel alone: it reads the pinned

@@ -238,8 +238,9 @@ def test_server_on_the_gpu_matches_the_reference():
 def test_large_plain_launches_run_through_the_ring_and_match_the_reference():
     """A bf16 server runs a launch of RING_MIN_ROWS rows or more of plain steps as a verify with
     its entries committed: over enough steps that every ring fills and folds, with T = 1..4, a
-    fork (which folds first) and small launches in between (which fold and write in place), the
-    outputs follow the float64 reference, and a fork steps exactly as its source."""
+    fork (which folds first) and small launches in between (which append where their rings have
+    room, else fold and write in place), the outputs follow the float64 reference, and a fork
+    steps exactly as its source."""
     from gdn_server.backends.cuda import RING_MIN_ROWS
 
     shape = ModelShape(num_layers=2, num_q_heads=16, num_v_heads=32)
