@@ -25,8 +25,9 @@ A round plan holds one launch per (T, speculative), at most `max_batch_rows` row
 bigger request still goes alone); once the round is planned, a launch of plain steps may become
 a verify (`StepBatch.verify`, `Planner._through_ring`). A session has at most one row
 in a plan; a request whose session is already in it, or behind an earlier deferred request, is
-deferred, so each session's requests apply in arrival order. Checks that depend on session state run here, when the session's earlier steps are known to
-be applied. Requests are atomic: every session of one is checked before any row is added.
+deferred, so each session's requests apply in arrival order. Checks that depend on session state
+run here, when the session's earlier steps are known to be applied. Requests are atomic: every
+session of one is checked before any row is added.
 
 - Answers decided while planning (errors, retries answered from kept outputs) are returned as
   (item, answer) pairs: planning calls no answer callback, and the driver gives them, in arrival order,
