@@ -169,9 +169,8 @@ class StepBatch:
     A plain batch folds the rows with P > 0 into their states first, then writes the states; a
     verify batch (`verify`) reads the states and writes only ring entries [base, base + T),
     base = folded_base(P, T) (a row whose P + T entries would overflow its ring folds first). Its
-    rows are drafts, or the plain steps of a launch big enough to run through the ring
-    (gdn_server.planner: `Backend.ring_min_rows`); the session table, not the backend, tells them
-    apart.
+    rows are drafts, or plain steps the planner runs through the ring (`Planner._through_ring`);
+    the session table, not the backend, tells them apart.
 
     Inputs stay in the requests they arrived in (`works`); the backend copies them into its own
     staging buffer (bf16 bytes with memcpys, or one concatenation per input), so the scheduler does

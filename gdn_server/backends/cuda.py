@@ -8,8 +8,7 @@ plain steps of a launch of RING_MIN_ROWS rows or more, which cost less that way 
 place (and of a smaller launch whose rows have entries committed and room for more:
 `planner.Planner._through_ring`). Another plain batch folds the rows with P > 0 (`ring_fold`, on
 the same stream right before the step) and then runs `gdn_decode`, which writes the states in
-place. `fold` folds rows
-on demand (before a fork, export, snapshot or read of a session).
+place. `fold` folds rows on demand (before a fork, export, snapshot or read of a session).
 
 Per batch, on the backend's own stream:
   1. the requests' inputs are copied into one pinned host staging buffer (a memcpy per request
@@ -33,9 +32,9 @@ bucket's graph. A plain launch with a fold launches directly: it runs only where
 would fill a ring (or, over an fp32 pool, after drafts), and graphs of it would double the
 captures. Graphs by bucket, not one per row count: a replay is one host call where a direct
 launch makes three (copy, kernel, copy), and a few buckets keep the captures (per staging set)
-few, at the cost of padding rows' device time. The graphs of up to MAPPED_MAX_ROWS rows hold the kernel alone: it reads the pinned
-staging buffer and writes the pinned outputs in place (gdn_server/backends/mapped.py), with no
-copy before or after it.
+few, at the cost of padding rows' device time. The graphs of up to MAPPED_MAX_ROWS rows hold the
+kernel alone: it reads the pinned staging buffer and writes the pinned outputs in place
+(gdn_server/backends/mapped.py), with no copy before or after it.
 
 The backend takes only shapes its kernels cover (K = V = 128, HV a multiple of H and at most 8
 times it): others are served by the CPU backend, the one torch implementation of the math and of
