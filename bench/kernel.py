@@ -226,7 +226,7 @@ def drift_both(steps, log, B=32, H=16, HV=32, seed=4321):
     # the same steps through the history ring (each token committed as it is taken, a fold when
     # the ring is full), the form a large launch of plain steps takes in the server
     ring_pools = {dt: torch.zeros(B, HV, D, D, device=DEV, dtype=dt) for dt in dtypes}
-    rings = {dt: new_ring(B, H, HV) for dt in dtypes}
+    rings = {dt: new_ring(B, H, HV, state_dtype=str(dt).removeprefix("torch.")) for dt in dtypes}
     ring_outs = {dt: torch.empty(B, 1, HV, D, device=DEV, dtype=torch.bfloat16) for dt in dtypes}
     P = 0
     S = torch.zeros(B, HV, D, D, device=DEV, dtype=torch.float64)

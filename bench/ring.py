@@ -55,6 +55,11 @@ from gdn_server.kernels._ring_api import RING, folded_base, new_ring, ring_fold,
 
 DEV = "cuda"
 STATE_DTYPE = torch.bfloat16  # the pool's dtype: --state-dtype
+
+
+def state_name() -> str:
+    """The pool's dtype by name, as the ring API takes it."""
+    return str(STATE_DTYPE).removeprefix("torch.")
 D = 128
 TOL = 2e-3
 # (B, T): FlashInfer's ring verify (ring holding P entries, its flush not counted), us on an H200, issue 48
@@ -87,7 +92,7 @@ class RingRun:
         self.B, self.H, self.HV, self.gen = B, H, HV, gen
         N = 2 * B + spare
         self.pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(STATE_DTYPE)
-        self.ring = new_ring(N, H, HV)
+        self.ring = new_ring(N, H, HV, state_dtype=state_name())
         for r in self.ring:  # stale entries past the fill must never matter: poison them
             r.copy_(torch.randn(r.shape, device=DEV, generator=gen).to(r.dtype) * 100)
         self.rows = torch.randperm(N, device=DEV, generator=gen)[:B].to(torch.int32)
@@ -194,7 +199,7 @@ def check_graph(gen, log):
     # the fills below commit entries that RingRun poisons (they would overflow to inf and NaN,
     # which no equality holds): keys, small corrections and falling log-decays, as a verify writes
     run.ring[0].copy_(torch.randn(run.ring[0].shape, device=DEV, generator=gen).to(torch.bfloat16))
-    run.ring[1].copy_((torch.randn(run.ring[1].shape, device=DEV, generator=gen) * 0.1).to(torch.float16))
+    run.ring[1].copy_((torch.randn(run.ring[1].shape, device=DEV, generator=gen) * 0.1).to(run.ring[1].dtype))
     run.ring[2].copy_(-torch.rand(run.ring[2].shape, device=DEV, generator=gen).cumsum(-1))
     hist = torch.tensor([[0, 5, 12, 16][i % 4] for i in range(B)], device=DEV, dtype=torch.int32)
     x = ref.kernel_inputs(B, T, H, HV, 3, gen, device=DEV)
@@ -245,7 +250,7 @@ def check_drift(steps, gen, log, B=32, H=16, HV=32, T=4):
               layers=torch.zeros(B, device=DEV, dtype=torch.int32))
     rows = torch.arange(B, device=DEV, dtype=torch.int32)
     pools = {path: torch.zeros(B, HV, D, D, device=DEV, dtype=STATE_DTYPE) for path in ("ring", "plain")}
-    ring = new_ring(B, H, HV)
+    ring = new_ring(B, H, HV, state_dtype=state_name())
     S = torch.zeros(B, HV, D, D, device=DEV, dtype=torch.float64)
     rnd = random.Random(5)
     P, worst, accepted = 0, dict(ring=0.0, plain=0.0), 0
@@ -269,7 +274,7 @@ def check_drift(steps, gen, log, B=32, H=16, HV=32, T=4):
     folded = pools["ring"].clone()
     ring_fold(folded, rows, torch.full((B,), P, device=DEV, dtype=torch.int32), *ring)
     torch.cuda.synchronize()
-    r = dict(steps=steps, B=B, T=T, tokens=accepted, state_dtype=str(STATE_DTYPE)[6:],
+    r = dict(steps=steps, B=B, T=T, tokens=accepted, state_dtype=state_name(),
              ring_out=worst["ring"], plain_out=worst["plain"],
              ring_state=ref.rel_err(folded.double(), S), plain_state=ref.rel_err(pools["plain"].double(), S),
              seconds=round(time.time() - t0, 1))
@@ -332,7 +337,7 @@ def time_device(fn, rep_ms=200):
 def bench(rows, gen, log, N=4096):
     H, HV = 16, 32
     pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(STATE_DTYPE)
-    ring = new_ring(N, H, HV)
+    ring = new_ring(N, H, HV, state_dtype=state_name())
     for r in ring:
         r.copy_(torch.randn(r.shape, device=DEV, generator=gen).to(r.dtype))
     ring[2].copy_(-torch.rand(ring[2].shape, device=DEV, generator=gen).cumsum(-1))  # G: falling, as log-decays sum

@@ -10,7 +10,7 @@ import torch
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from gdn_server.kernels._ring_api import (  # noqa: E402
-    RING, check_ring_variant, compile_ring, folded_base, new_ring, ring_shapes, validate_ring_args,
+    RING, check_ring_variant, compile_ring, folded_base, new_ring, ring_bytes_per_row, ring_shapes, validate_ring_args,
 )
 
 D = 128
@@ -49,7 +49,7 @@ def test_folded_base_is_the_kernels_rule():
 
 def _args(B=3, T=4, H=16, HV=32, N=5, state_dtype=torch.bfloat16):
     bf = torch.bfloat16
-    ring_k, ring_u, ring_g = new_ring(N, H, HV, device="cpu")
+    ring_k, ring_u, ring_g = new_ring(N, H, HV, device="cpu", state_dtype=str(state_dtype).removeprefix("torch."))
     return dict(
         state=torch.zeros(N, HV, D, D, dtype=state_dtype), rows=torch.arange(B, dtype=torch.int32),
         hist=torch.zeros(B, dtype=torch.int32), ring_k=ring_k, ring_u=ring_u, ring_g=ring_g,
@@ -87,3 +87,16 @@ def test_bad_argument_is_a_value_error(name, value):
     args[name] = value
     with pytest.raises(ValueError):
         _check(args)
+
+
+def test_corrections_follow_the_state_dtype():
+    """An fp32 state's ring holds fp32 corrections (fp16 ones would cap its accuracy), a bf16
+    state's fp16 ones; either kind beside the other state is a ValueError naming ring_u."""
+    assert new_ring(1, 16, 32, device="cpu", state_dtype="float32")[1].dtype == torch.float32
+    assert new_ring(1, 16, 32, device="cpu")[1].dtype == torch.float16
+    assert ring_bytes_per_row(16, 32, "float32") - ring_bytes_per_row(16, 32) == 32 * D * RING * 2
+    for state_dtype, other in ((torch.bfloat16, torch.float32), (torch.float32, torch.float16)):
+        args = _args(state_dtype=state_dtype)
+        args["ring_u"] = args["ring_u"].to(other)
+        with pytest.raises(ValueError, match="ring_u"):
+            _check(args)

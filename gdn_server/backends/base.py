@@ -91,11 +91,11 @@ class Backend(ABC):
         self.pool_rows = max_sessions * shape.num_layers
 
     def ring_bytes_per_row(self) -> int:
-        """Bytes of one pool row's history ring: the device ring's (bf16 k, fp16 u, fp32 G), unless
-        a backend stores its ring otherwise."""
+        """Bytes of one pool row's history ring: the device ring's (`kernels.ring_dtypes` beside the
+        pool's state dtype), unless a backend stores its ring otherwise."""
         from gdn_server.kernels import ring_bytes_per_row
 
-        return ring_bytes_per_row(self.shape.num_q_heads, self.shape.num_v_heads)
+        return ring_bytes_per_row(self.shape.num_q_heads, self.shape.num_v_heads, self.shape.state_dtype)
 
     @property
     def pool_bytes(self) -> int:

@@ -3,10 +3,10 @@
 Every pool row (a session's state at one layer) has a history ring beside it (`kernels.new_ring`):
 a verify batch runs `ring_verify`, which reads the states and writes only ring entries (folding
 first a row whose P + T entries would overflow its ring); an accept is the caller's bookkeeping
-(`StepBatch.hist`, each row's committed entries P). Its rows are drafts, or, over a bf16 pool, the
-plain steps of a launch of RING_MIN_ROWS rows or more, which cost less that way than written in
-place (and of a smaller launch whose rows have entries committed and room for more:
-`planner.Planner._through_ring`). Another plain batch folds the rows with P > 0 (`ring_fold`, on
+(`StepBatch.hist`, each row's committed entries P). Its rows are drafts, or the plain steps of a
+launch of RING_MIN_ROWS rows or more (16 over a bf16 pool, 64 over an fp32 one), which cost less
+that way than written in place (and of a smaller launch whose rows have entries committed and
+room for more: `planner.Planner._through_ring`). Another plain batch folds the rows with P > 0 (`ring_fold`, on
 the same stream right before the step) and then runs `gdn_decode`, which writes the states in
 place. `fold` folds rows on demand (before a fork, export, snapshot or read of a session).
 
@@ -29,10 +29,9 @@ Small launches (GRAPH_MAX_ROWS rows; plain T=1 steps and verifies of every T) re
 as a CUDA graph captured per staging set at warm-up; bigger ones up to the largest of GRAPH_BUCKETS
 are padded to the next bucket's rows (padding rows touch no state or ring) and replay that
 bucket's graph. A plain launch with a fold launches directly: it runs only where a small launch
-would fill a ring (or, over an fp32 pool, after drafts), and graphs of it would double the
-captures. Graphs by bucket, not one per row count: a replay is one host call where a direct
-launch makes three (copy, kernel, copy), and a few buckets keep the captures (per staging set)
-few, at the cost of padding rows' device time. The graphs of up to MAPPED_MAX_ROWS rows hold the
+would fill a ring, and graphs of it would double the captures. Graphs by bucket, not one per row
+count: a replay is one host call where a direct launch makes three (copy, kernel, copy), and a
+few buckets keep the captures (per staging set) few, at the cost of padding rows' device time. The graphs of up to MAPPED_MAX_ROWS rows hold the
 kernel alone: it reads the pinned staging buffer and writes the pinned outputs in place
 (gdn_server/backends/mapped.py), with no copy before or after it.
 
@@ -78,14 +77,15 @@ GRAPH_BUCKETS = (12, 16, 24, 32, 48, 64, 96, 128)
 # than the copies do (bench/DECISIONS.md, entry 7). 0 keeps the copies everywhere.
 MAPPED_MAX_ROWS = 1
 
-# A launch of plain steps over a bf16 pool with at least this many rows runs as a verify, each
-# row's entries committed at once (`Backend.ring_min_rows`): reading the states and writing T ring
-# entries, with the fold of a full ring amortized, costs less than reading and writing the states
-# from 16 rows on at every T <= 4, 24-33% less at B = 512 (H200, bench/ring.py; bench/DECISIONS.md,
-# entry 4), and the state is rounded to bf16 once per fold instead of once per step. An fp32 pool's
-# plain steps stay in place: its ring's fp16 corrections would hold its state to ~3e-4 of float64
-# where in place it stays within ~1e-5.
-RING_MIN_ROWS = 16
+# A launch of plain steps with at least this many rows (by the pool's state dtype) runs as a
+# verify, each row's entries committed at once (`Backend.ring_min_rows`): reading the states and
+# writing T ring entries, with the fold of a full ring amortized, costs less than reading and
+# writing the states (H200, bench/ring.py; bench/DECISIONS.md, entry 4): for bf16 from 16 rows on at
+# every T <= 4, 24-33% less at B = 512; for fp32 from 64 rows on, 3-7% less at B = 64 and 12-16% at
+# B = 512 (below 64 rows its fold's three-product operands cost more than the write saves at
+# T = 2). Either state drifts no more than in place: a bf16 state is rounded once per fold
+# instead of once per step, an fp32 state's ring keeps fp32 corrections.
+RING_MIN_ROWS = dict(bfloat16=16, float32=64)
 
 # What a launch runs (its graphs are keyed by it too)
 PLAIN = "plain"  # gdn_decode, in place
@@ -242,18 +242,18 @@ class CudaBackend(Backend):
             # every session's states and their history rings fit in a fraction of free memory
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * POOL_MEMORY_FRACTION * memory_share)
-            per_session = shape.state_bytes_per_session + shape.num_layers * ring_bytes_per_row(H, HV)
+            per_session = shape.state_bytes_per_session + shape.num_layers * ring_bytes_per_row(H, HV, shape.state_dtype)
             max_sessions = max(1, min(MAX_DEFAULT_SESSIONS, budget // per_session))
         super().__init__(shape, gates, max_sessions, scale)
         self.device_name = torch.cuda.get_device_name(self.device)
-        self.ring_min_rows = RING_MIN_ROWS if shape.state_dtype == "bfloat16" else None
+        self.ring_min_rows = RING_MIN_ROWS[shape.state_dtype]
         from gdn_server.kernels import gdn_decode, new_ring, ring_fold, ring_verify  # each compiles on first use
 
         self._decode, self._ring_verify, self._ring_fold = gdn_decode, ring_verify, ring_fold
         self.state_pool = torch.zeros(self.pool_rows, HV, V, K, dtype=self.pool_dtype, device=self.device)
         # (ring_k, ring_u, ring_g), one ring per pool row; entries past a row's P are never read
         # (the kernels mask them), so the rings need no clearing when a row is reset or reused
-        self.rings = new_ring(self.pool_rows, H, HV, device=self.device)
+        self.rings = new_ring(self.pool_rows, H, HV, device=self.device, state_dtype=shape.state_dtype)
         self.A_log = gates.A_log.float().contiguous().to(self.device)
         self.dt_bias = gates.dt_bias.float().contiguous().to(self.device)
         self.stream = torch.cuda.Stream(self.device)

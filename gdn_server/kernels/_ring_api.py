@@ -32,26 +32,32 @@ def folded_base(P: int, T: int) -> int:
 
 
 def ring_shapes(num_rows: int, H: int, HV: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of a pool's ring tensors: ring_k (bf16), ring_u (fp16), ring_g (fp32)."""
+    """Shapes of a pool's ring tensors: ring_k, ring_u, ring_g (`ring_dtypes`)."""
     return dict(ring_k=(num_rows, H, RING, HEAD_DIM), ring_u=(num_rows, HV, HEAD_DIM, RING), ring_g=(num_rows, HV, RING))
 
 
-RING_DTYPE_BYTES = dict(ring_k=2, ring_u=2, ring_g=4)  # bf16, fp16, fp32
+def ring_dtypes(state_dtype: str = "bfloat16") -> dict[str, str]:
+    """Element types of the ring tensors beside a state pool of `state_dtype`: raw keys bf16 (the
+    inputs, exact), log-decays fp32, corrections fp16 beside a bf16 state and fp32 beside an fp32
+    one (fp16 corrections would put 2^-12 into every fold of a state that keeps 2^-24)."""
+    return dict(ring_k="bfloat16", ring_u="float32" if state_dtype == "float32" else "float16", ring_g="float32")
 
 
-def ring_bytes_per_row(H: int, HV: int) -> int:
+_BYTES = dict(bfloat16=2, float16=2, float32=4)
+
+
+def ring_bytes_per_row(H: int, HV: int, state_dtype: str = "bfloat16") -> int:
     """Device bytes of one pool row's ring tensors (what a pool's memory budget counts beside its state)."""
-    return sum(math.prod(shape) * RING_DTYPE_BYTES[name] for name, shape in ring_shapes(1, H, HV).items())
+    dtypes = ring_dtypes(state_dtype)
+    return sum(math.prod(shape) * _BYTES[dtypes[name]] for name, shape in ring_shapes(1, H, HV).items())
 
 
-def new_ring(num_rows: int, H: int, HV: int, device: Any = "cuda"):
-    """Zeroed ring tensors (ring_k, ring_u, ring_g) for a pool of `num_rows` states."""
+def new_ring(num_rows: int, H: int, HV: int, device: Any = "cuda", state_dtype: str = "bfloat16"):
+    """Zeroed ring tensors (ring_k, ring_u, ring_g) for a pool of `num_rows` states of `state_dtype`."""
     import torch
 
-    shapes = ring_shapes(num_rows, H, HV)
-    return (torch.zeros(shapes["ring_k"], dtype=torch.bfloat16, device=device),
-            torch.zeros(shapes["ring_u"], dtype=torch.float16, device=device),
-            torch.zeros(shapes["ring_g"], dtype=torch.float32, device=device))
+    shapes, dtypes = ring_shapes(num_rows, H, HV), ring_dtypes(state_dtype)
+    return tuple(torch.zeros(shapes[name], dtype=getattr(torch, dtypes[name]), device=device) for name in shapes)
 
 
 def check_ring_variant(T: int, H: int, HV: int, state_dtype: str = "bfloat16") -> None:
@@ -86,7 +92,8 @@ def _compile(T: int, H: int, HV: int, state_dtype: str) -> Callable[..., Any]:
 
     state = fake(STATE_TYPES[state_dtype], (rows, HV, D, D), 16)
     row_idx, hist = fake(Int32, (batch,), 4), fake(Int32, (batch,), 4)
-    ring = (fake(BFloat16, (rows, H, RING, D), 16), fake(Float16, (rows, HV, D, RING), 16), fake(Float32, (rows, HV, RING), 16))
+    ring = (fake(BFloat16, (rows, H, RING, D), 16), fake(Float32 if state_dtype == "float32" else Float16, (rows, HV, D, RING), 16),
+            fake(Float32, (rows, HV, RING), 16))
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     cfg = RingConfig(T, H, HV, state_dtype)
     if T == 0:
@@ -118,7 +125,7 @@ def validate_ring_args(state, rows, hist, ring_k, ring_u, ring_g, *, layers=None
     if not isinstance(state, torch.Tensor) or state.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"state must be a torch.bfloat16 or torch.float32 tensor, got {getattr(state, 'dtype', type(state).__name__)}")
     dtypes = dict(state=state.dtype, rows=torch.int32, hist=torch.int32, layers=torch.int32, A_log=torch.float32, dt_bias=torch.float32,
-                  ring_u=torch.float16, ring_g=torch.float32)
+                  **{name: getattr(torch, dt) for name, dt in ring_dtypes(str(state.dtype).removeprefix("torch.")).items()})
     for name, t in named.items():
         want = dtypes.get(name, torch.bfloat16)
         if t.dtype != want:
@@ -173,8 +180,8 @@ def ring_verify(state, rows, hist, layers, q, k, v, a, b, A_log, dt_bias, ring_k
             into its state first and appends at entry 0 (`folded_base`).
     layers  [B] int32 layer of each row, indexes A_log and dt_bias [L, HV] fp32
     q, k    [B, T, H, 128] bf16;  v [B, T, HV, 128] bf16;  a, b [B, T, HV] bf16; T = 1..8
-    ring_k  [rows, H, 16, 128] bf16, ring_u [rows, HV, 128, 16] fp16, ring_g [rows, HV, 16] fp32
-            (`new_ring`): entries [base, base + T) are written
+    ring_k  [rows, H, 16, 128] bf16, ring_u [rows, HV, 128, 16] fp16 (fp32 beside an fp32 state),
+            ring_g [rows, HV, 16] fp32 (`new_ring`): entries [base, base + T) are written
     out     [B, T, HV, 128] bf16, written in full
     """
     key = _key(q.shape[1] if getattr(q, "dim", lambda: 0)() == 4 else -1, state, ring_k)

@@ -26,7 +26,9 @@ Ring layout (per pool row, i.e. per (session, layer); RING = 16 entries):
                                    would put 2^-9 relative error in every update)
     ring_u [N, HV, V, RING]  fp16  corrections u, entry index fastest: a V-row's entries are one
                                    32-byte sector and the A operand of a matrix product as loaded
-                                   (fp16 keeps 3 more bits than bf16 in the same bytes)
+                                   (fp16 keeps 3 more bits than bf16 in the same bytes). Beside
+                                   an fp32 state they are fp32 (64-byte rows), split into fp16
+                                   head + tail operands where read.
     ring_g [N, HV, RING]     fp32  G_j, the log-decay from the checkpoint through entry j
 
 Work split. One CTA of 8 warps per (batch row, q/k head) handles the HV/H value heads that share
@@ -46,10 +48,12 @@ memory system pays for as read-modify-writes and extra L2 traffic).
 Tensor cores (mma.sync m16n8k16, fp32 accumulate) do the products:
 - S0 [k_1..k_T, q_1..q_T]: A = 16 state rows, B = the raw bf16 tokens (exact inputs), 16 MMAs
   per warp and head; the 1/|k|, scale/|q| and e^{G} factors scale the fp32 results.
-- the ring part: A = the rows' fp16 corrections (exact), B = the [16 x 2T] coefficients split
-  into fp16 hi + lo parts (two MMAs give ~fp32 accuracy).
+- the ring part: A = the rows' fp16 corrections (exact; an fp32 state's fp32 ones as head +
+  tail), B = the [16 x 2T] coefficients split into fp16 hi + lo parts (two MMAs give ~fp32
+  accuracy; three with a correction's tail).
 - u = Tm w, o = r_q + M2 w: the fp32 w split into bf16 hi + lo, and Tm, M2 split the same way.
-- the fold: S = e^{G_P} S0 + U (w_j k^_j): A = fp16 corrections, B = hi + lo fp16 weighted keys.
+- the fold: S = e^{G_P} S0 + U (w_j k^_j): A = fp16 corrections, B = fp16 weighted keys (for an
+  fp32 state both as head + tail, three MMAs).
 - per CTA, the Grams of the tokens with the ring's and the step's keys.
 The K dimension is permuted consistently on both operands, so that a thread's state fragment is
 two 16-byte loads per row chunk, identical for the state as the A operand (verify) and as the
@@ -61,10 +65,11 @@ The state's dtype is a compile-time parameter (`RingConfig.state_dtype`), as in 
 a bf16 state is the A operand as loaded and a fold rounds it to bf16 once; an fp32 state's
 fragment holds the same K elements as fp32 (two 16-byte loads per chunk), is split into bf16
 head + tail A operands for the products (two MMAs, ~2^-16 relative: a bf16 operand would put
-2^-9 in every correction) and is the fold's accumulator as it is, stored without rounding. The
-ring keeps its dtypes for both: an fp32 state's folds carry the fp16 corrections' 2^-11.
-An fp32 fragment is twice the registers, so that variant runs one CTA per SM instead of two
-(no 128-register cap to spill under).
+2^-9 in every correction) and is the fold's accumulator as it is, stored without rounding. Its
+ring's corrections are fp32 and a fold's operands head + tail: fp16 corrections would hold an
+fp32 state 36x above its drift in place (bench/RESULTS.md, the drift of drafts). An fp32
+fragment is twice the registers, so that variant runs one CTA per SM instead of two (no
+128-register cap to spill under).
 """
 from __future__ import annotations
 
@@ -326,16 +331,32 @@ def _heads_first(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0, 2]))
 
 
+def _ring_u_fragment(fp32: bool) -> cute.Tensor:
+    """Registers for `_ring_u_regs`: [2 pairs, 2 rows, head | tail] packed fp16 pairs (no tail
+    for a bf16 state)."""
+    return cute.make_rmem_tensor((2, 2, 2 if fp32 else 1), Int32)
+
+
 @cute.jit
-def _ring_u_regs(sU: cute.Tensor, P, row0, c, rU: cute.Tensor):
-    """The rows' corrections of entries 4c..4c+3 from the head's staged ring (sU [V, 8] Int32 fp16
-    pairs; rU[p, r] = entries 4c + 2p, +1 of row r), entries >= P zeroed (a stale slot must not
-    meet a zero weight as inf * 0; unstaged shared memory is never more than a select's input)."""
+def _ring_u_regs(sU: cute.Tensor, P, row0, c, rU: cute.Tensor, fp32: cutlass.Constexpr = False):
+    """The rows' corrections of entries 4c..4c+3 from the head's staged ring as A operands
+    (rU[p, r, 0] = entries 4c + 2p, +1 of row r), entries >= P zeroed (a stale slot must not
+    meet a zero weight as inf * 0; unstaged shared memory is never more than a select's input).
+    A bf16 state's ring holds them as fp16 (sU [V, 8] Int32 pairs), an fp32 state's as fp32
+    (sU [V, 16] fp32 bits), split here into fp16 head rU[p, r, 0] and tail rU[p, r, 1]."""
+    sUf = cute.recast_tensor(sU, Float32)
     for p in cutlass.range_constexpr(2):
         j = 4 * c + 2 * p
         for r in cutlass.range_constexpr(2):
-            x = sU[row0 + 8 * r, 2 * c + p]
-            rU[p, r] = cutlass.select_(j + 1 < P, x, cutlass.select_(j < P, x & Int32(0xFFFF), Int32(0)))
+            if cutlass.const_expr(fp32):
+                x0 = cutlass.select_(j < P, sUf[row0 + 8 * r, j], Float32(0.0))
+                x1 = cutlass.select_(j + 1 < P, sUf[row0 + 8 * r, j + 1], Float32(0.0))
+                parts = _split(x0, x1, "f16")
+                rU[p, r, 0] = parts[0]
+                rU[p, r, 1] = parts[1]
+            else:
+                x = sU[row0 + 8 * r, 2 * c + p]
+                rU[p, r, 0] = cutlass.select_(j + 1 < P, x, cutlass.select_(j < P, x & Int32(0xFFFF), Int32(0)))
 
 
 @cute.jit
@@ -358,30 +379,44 @@ def _store_outputs(o: list, sO32: cute.Tensor, mO32: cute.Tensor, b, head, warp,
 
 
 @cute.jit
-def _store_ring_u(u: list, sU: cute.Tensor, gU32: cute.Tensor, peff, warp, lane, g, c, T: int):
+def _store_ring_u(u: list, sU: cute.Tensor, gU32: cute.Tensor, peff, warp, lane, g, c, T: int,
+                  fp32: cutlass.Constexpr = False):
     """The step's corrections (u[i]: row 16 warp + g + 8 (i // 2), token 2c + i % 2, entry
-    peff + token) written into the head's staged ring rows (sU [V, 8] Int32 fp16 pairs, this warp's
-    16 rows its own), which then go out whole: 32 bytes a row, one 16-byte store per lane. Entries
-    past the new ones carry whatever sU held: nothing reads a ring past its P."""
-    sU16 = cute.recast_tensor(sU, Float16)
+    peff + token) written into the head's staged ring rows (sU [V, 8 | 16] Int32: fp16 pairs for a
+    bf16 state, fp32 for an fp32 one; this warp's 16 rows its own), which then go out whole: 32
+    (64) bytes a row, one (two) 16-byte stores per lane. Entries past the new ones carry whatever
+    sU held: nothing reads a ring past its P."""
     cute.arch.sync_warp()  # every lane has read its corrections from these rows
-    for i in cutlass.range_constexpr(4):
-        t = 2 * c + i % 2
-        if t < T:
-            sU16[16 * warp + g + 8 * (i // 2), peff + t] = u[i].to(Float16)
+    if cutlass.const_expr(fp32):
+        sUf = cute.recast_tensor(sU, Float32)
+        for i in cutlass.range_constexpr(4):
+            t = 2 * c + i % 2
+            if t < T:
+                sUf[16 * warp + g + 8 * (i // 2), peff + t] = u[i]
+    else:
+        sU16 = cute.recast_tensor(sU, Float16)
+        for i in cutlass.range_constexpr(4):
+            t = 2 * c + i % 2
+            if t < T:
+                sU16[16 * warp + g + 8 * (i // 2), peff + t] = u[i].to(Float16)
     cute.arch.sync_warp()
-    row = 16 * warp + lane // 2
-    cute.autovec_copy(cute.flat_divide(sU[row, None], (4,))[None, lane % 2],
-                      cute.flat_divide(gU32[row, None], (4,))[None, lane % 2])
+    chunks = 4 if fp32 else 2
+    for it in cutlass.range_constexpr(chunks // 2):
+        idx = lane + 32 * it
+        row = 16 * warp + idx // chunks
+        cute.autovec_copy(cute.flat_divide(sU[row, None], (4,))[None, idx % chunks],
+                          cute.flat_divide(gU32[row, None], (4,))[None, idx % chunks])
 
 
 @cute.jit
 def _fold_rows(rS: cute.Tensor, rU: cute.Tensor, sKw: cute.Tensor, decay: Float32, g, c, fp32: cutlass.Constexpr = False):
     """rS (`_state_fragment`) <- e^{G_P} S0 + U (w_j k^_j): 16 n8 tiles, the
-    accumulator of tile 4s + i the thread's own state chunk s, elements [2i, 2i + 2). w_j k^_j is
-    one fp16 operand, not head + tail: its 2^-12 rounding is a quarter of the bf16 rounding of
-    the state that follows, and the tail's operands would cost 32 registers (the occupancy)."""
-    a = [rU[0, 0], rU[0, 1], rU[1, 0], rU[1, 1]]
+    accumulator of tile 4s + i the thread's own state chunk s, elements [2i, 2i + 2). For a bf16
+    state, U and w_j k^_j are one fp16 operand each: their 2^-12 roundings are a quarter of the
+    bf16 rounding of the state that follows, and tails would cost 32 registers (the occupancy).
+    An fp32 state takes both as fp16 head + tail (three products: head head, head tail, tail
+    head; about 2^-22), or each fold would put 2^-12 into a state that keeps 2^-24."""
+    a = [rU[0, 0, 0], rU[0, 1, 0], rU[1, 0, 0], rU[1, 1, 0]]
     for s in cutlass.range_constexpr(4):
         for i in cutlass.range_constexpr(4):
             if cutlass.const_expr(fp32):
@@ -393,6 +428,8 @@ def _fold_rows(rS: cute.Tensor, rU: cute.Tensor, sKw: cute.Tensor, decay: Float3
             kp = 32 * s + 8 * (g // 2) + 2 * i + g % 2  # the K element of column g of this tile
             d = _mma("f16", a, [sKw[kp, 2 * c], sKw[kp, 2 * c + 1]], d)
             if cutlass.const_expr(fp32):
+                d = _mma("f16", a, [sKw[kp, 8 + 2 * c], sKw[kp, 8 + 2 * c + 1]], d)
+                d = _mma("f16", [rU[0, 0, 1], rU[0, 1, 1], rU[1, 0, 1], rU[1, 1, 1]], [sKw[kp, 2 * c], sKw[kp, 2 * c + 1]], d)
                 for r in cutlass.range_constexpr(2):
                     for e in cutlass.range_constexpr(2):
                         rS[(2 * i + e) % 4, (2 * i + e) // 4, s, r] = d[2 * r + e]
@@ -416,9 +453,10 @@ def _stage_ring_keys(rk32: cute.Tensor, sRK32: cute.Tensor, P, tidx):
 
 @cute.jit
 def _fold_tables(sRK: cute.Tensor, sRn: cute.Tensor, sGr: cute.Tensor, sKw: cute.Tensor, sDec: cute.Tensor,
-                 P, group: int, tidx):
-    """sKw[h, k, entries] = w_j k^_j in fp16, w_j = e^{G_P - G_j} (0 past P),
-    and sDec[h] = e^{G_P}: thread -> K element tidx % 128, entries 8 (tidx // 128) .. +8."""
+                 P, group: int, tidx, fp32: cutlass.Constexpr = False):
+    """sKw[h, k, entries] = w_j k^_j in fp16 (an fp32 state's: fp16 heads, then their tails from
+    column 8), w_j = e^{G_P - G_j} (0 past P), and sDec[h] = e^{G_P}: thread -> K element
+    tidx % 128, entries 8 (tidx // 128) .. +8."""
     k = tidx % HEAD_DIM
     jh = tidx // HEAD_DIM
     for h in cutlass.range_constexpr(group):
@@ -429,7 +467,12 @@ def _fold_tables(sRK: cute.Tensor, sRn: cute.Tensor, sGr: cute.Tensor, sKw: cute
             for d in cutlass.range_constexpr(2):
                 w = cute.math.exp(gp - sGr[h, j + d], fastmath=True) * sRn[j + d]
                 x.append(cutlass.select_(j + d < P, sRK[j + d, k].to(Float32) * w, Float32(0.0)))
-            sKw[h, k, 4 * jh + e] = _pack(x[0], x[1], "f16")
+            if cutlass.const_expr(fp32):
+                parts = _split(x[0], x[1], "f16")
+                sKw[h, k, 4 * jh + e] = parts[0]
+                sKw[h, k, 8 + 4 * jh + e] = parts[1]
+            else:
+                sKw[h, k, 4 * jh + e] = _pack(x[0], x[1], "f16")
         if tidx == h:
             sDec[h] = cute.math.exp(gp, fastmath=True)
 
@@ -447,6 +490,11 @@ class RingConfig:
     @property
     def fp32(self) -> bool:
         return self.state_dtype == "float32"
+
+    @property
+    def u_words(self) -> int:
+        """32-bit words of a ring-correction row (16 entries): fp16 for a bf16 state, fp32 for an fp32 one."""
+        return RING * (4 if self.fp32 else 2) // 4
 
     @property
     def occupancy(self) -> dict:
@@ -550,9 +598,9 @@ class RingVerifyKernel:
         sSc = smem.allocate_tensor(Float32, _row_major((group, 2, 8)), byte_alignment=16)  # e^{G_t} / |k_t|, .. |q_t|
         sCR = smem.allocate_tensor(Int32, _row_major((group, 2, 2, 8, RING // 2)), byte_alignment=16)  # [h, hi|lo, k|q, t, j/2]
         sTM = smem.allocate_tensor(Int32, _row_major((group, 2, 2, 8, 4)), byte_alignment=16)  # [h, hi|lo, Tm|M2, t, j/2]
-        sKw = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, RING // 2)), byte_alignment=16)
+        sKw = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, cfg.u_words)), byte_alignment=16)
         sDec = smem.allocate_tensor(Float32, _row_major((group,)), byte_alignment=16)
-        sU = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, RING // 2)), byte_alignment=16)  # ring u, fp16 pairs
+        sU = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, cfg.u_words)), byte_alignment=16)  # ring u
         sV32 = smem.allocate_tensor(Int32, _row_major((group, T, HEAD_DIM // 2)), byte_alignment=16)  # v, bf16 pairs
         sV = cute.recast_tensor(sV32, BFloat16)
         sO32 = smem.allocate_tensor(Int32, _row_major((WARPS, 8, 8)), byte_alignment=16)  # per warp [token, bf16 pairs]
@@ -590,7 +638,7 @@ class RingVerifyKernel:
             _stage_rows(atom, _heads_first(v32[b, None, None, None]), sV32, qh * group, group, T, 16, tidx)
             # every row's whole ring, P = 0 too: the rows go back whole, and bytes past the new
             # entries must be what was there (a launch's memory is a function of its inputs)
-            _stage_rows(atom, u32[slot, None, None, None], sU, qh * group, group, HEAD_DIM, 2, tidx)
+            _stage_rows(atom, u32[slot, None, None, None], sU, qh * group, group, HEAD_DIM, cfg.u_words // 4, tidx)
             cute.arch.cp_async_commit_group()
             tmp = cute.make_rmem_tensor((4,), Int32)  # thread -> (k|q, token, 16-byte chunk)
             tmp.fill(0)
@@ -672,7 +720,7 @@ class RingVerifyKernel:
             if warp < group:
                 self._solve_tables(sLg, sBeta, sGr, sGram, sTn, sTM, warp, lane, peff)
             if fold:
-                _fold_tables(sRK, sRn, sGr, sKw, sDec, P, group, tidx)
+                _fold_tables(sRK, sRn, sGr, sKw, sDec, P, group, tidx, fp32)
             # the step's entries join the ring (after the barrier above: nothing reads the ring's
             # keys or G from memory past it, so a fold's slots can be reused)
             if tidx < group * T:
@@ -691,7 +739,7 @@ class RingVerifyKernel:
             # 4. the value heads, one after another; each warp its 16 rows
             if cutlass.const_expr(T >= PREFETCH_FROM_T):
                 _load_state(s32[slot, qh * group, None, None], row0, c, rS, fp32)
-            rU = cute.make_rmem_tensor((2, 2), Int32)
+            rU = _ring_u_fragment(fp32)
             rV = cute.make_rmem_tensor((4,), Float32)
             acc = cute.make_rmem_tensor((4, 2), Float32)
             for h in cutlass.range_constexpr(group):
@@ -700,7 +748,7 @@ class RingVerifyKernel:
                 # the corrections and values are read from shared memory where they are used, so
                 # that they hold no registers across the state's products
                 if fold:
-                    _ring_u_regs(sU[h, None, None], P, row0, c, rU)
+                    _ring_u_regs(sU[h, None, None], P, row0, c, rU, fp32)
                     _fold_rows(rS, rU, sKw[h, None, None], sDec[h], g, c, fp32)
                     _store_state(rS, gS, row0, c, fp32)
                 acc.fill(0.0)
@@ -711,11 +759,12 @@ class RingVerifyKernel:
                     for i in cutlass.range_constexpr(4):
                         acc[i, n] = acc[i, n] * sSc[h, n, 2 * c + i % 2]
                 if peff > 0:
-                    _ring_u_regs(sU[h, None, None], P, row0, c, rU)
-                    a = [rU[0, 0], rU[0, 1], rU[1, 0], rU[1, 1]]
-                    for n in cutlass.range_constexpr(2):
-                        for hl in cutlass.range_constexpr(2):
-                            d = _mma("f16", a, [sCR[h, hl, n, g, 2 * c], sCR[h, hl, n, g, 2 * c + 1]],
+                    _ring_u_regs(sU[h, None, None], P, row0, c, rU, fp32)
+                    # corrections x coefficients (head, tail); an fp32 state's corrections' tails too
+                    for m in cutlass.range_constexpr(3 if fp32 else 2):  # (part, hl): (0, 0), (0, 1), (1, 0)
+                        a = [rU[0, 0, m // 2], rU[0, 1, m // 2], rU[1, 0, m // 2], rU[1, 1, m // 2]]
+                        for n in cutlass.range_constexpr(2):
+                            d = _mma("f16", a, [sCR[h, m % 2, n, g, 2 * c], sCR[h, m % 2, n, g, 2 * c + 1]],
                                      [acc[i, n] for i in range(4)])
                             for i in cutlass.range_constexpr(4):
                                 acc[i, n] = d[i]
@@ -742,7 +791,7 @@ class RingVerifyKernel:
                     d = _mma("bf16", aw, [hi, hi], d)
                     d = _mma("bf16", aw, [lo, zero], d)
                     if cutlass.const_expr(m == 0):
-                        _store_ring_u(d, sU[h, None, None], u32[slot, head, None, None], peff, warp, lane, g, c, T)
+                        _store_ring_u(d, sU[h, None, None], u32[slot, head, None, None], peff, warp, lane, g, c, T, fp32)
                     else:
                         _store_outputs(d, sO32[warp, None, None], o32, b, head, warp, lane, g, c, T)
         else:
@@ -850,9 +899,9 @@ class RingFoldKernel:
         sRK32 = cute.recast_tensor(sRK, Int32)
         sRn = smem.allocate_tensor(Float32, _row_major((RING,)), byte_alignment=16)
         sGr = smem.allocate_tensor(Float32, _row_major((group, RING)), byte_alignment=16)
-        sKw = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, RING // 2)), byte_alignment=16)
+        sKw = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, cfg.u_words)), byte_alignment=16)
         sDec = smem.allocate_tensor(Float32, _row_major((group,)), byte_alignment=16)
-        sU = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, RING // 2)), byte_alignment=16)
+        sU = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, cfg.u_words)), byte_alignment=16)
 
         fp32 = cfg.fp32
         s32 = mS if cutlass.const_expr(fp32) else cute.recast_tensor(mS, Int32)
@@ -866,7 +915,7 @@ class RingFoldKernel:
         if P > 0:  # uniform per CTA
             rS = _state_fragment(fp32)
             _load_state(s32[slot, qh * group, None, None], row0, c, rS, fp32)
-            _stage_rows(_async_copy_atom(), u32[slot, None, None, None], sU, qh * group, group, HEAD_DIM, 2, tidx)
+            _stage_rows(_async_copy_atom(), u32[slot, None, None, None], sU, qh * group, group, HEAD_DIM, cfg.u_words // 4, tidx)
             cute.arch.cp_async_commit_group()
             _stage_ring_keys(rk32[slot, qh, None, None], sRK32, P, tidx)
             if tidx < group * RING:
@@ -881,14 +930,14 @@ class RingFoldKernel:
                     sRn[g] = cute.math.rsqrt(ss0 + EPS, fastmath=True)
                     sRn[g + 8] = cute.math.rsqrt(ss1 + EPS, fastmath=True)
             cute.arch.sync_threads()
-            _fold_tables(sRK, sRn, sGr, sKw, sDec, P, group, tidx)
+            _fold_tables(sRK, sRn, sGr, sKw, sDec, P, group, tidx, fp32)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
-            rU = cute.make_rmem_tensor((2, 2), Int32)
+            rU = _ring_u_fragment(fp32)
             for h in cutlass.range_constexpr(group):
                 head = qh * group + h
                 gS = s32[slot, head, None, None]
-                _ring_u_regs(sU[h, None, None], P, row0, c, rU)
+                _ring_u_regs(sU[h, None, None], P, row0, c, rU, fp32)
                 _fold_rows(rS, rU, sKw[h, None, None], sDec[h], g, c, fp32)
                 _store_state(rS, gS, row0, c, fp32)
                 if cutlass.const_expr(h + 1 < group):

@@ -29,7 +29,7 @@ from util import decode_request, random_inputs
 DEV = "cuda"
 STATE_DTYPES = ["bfloat16", "float32"]
 # against the CPU backend / float64: outputs are bf16 either way; a bf16 state is held to its
-# rounding, an fp32 one to fp32 arithmetic (plain steps) or to the ring's fp16 corrections (folds)
+# rounding, an fp32 one to fp32 arithmetic
 OUT_TOL = 1e-2
 # f16 and f32 wire inputs are rounded to bf16 on the GPU (the kernels' input dtype) and used as
 # sent on the CPU: with an fp32 state that input rounding (2^-9), not the state's, bounds agreement
@@ -235,24 +235,23 @@ def test_server_on_the_gpu_matches_the_reference():
                     assert rel_err(tensor_from_proto(reply.o), ref.step(layer, sessions, **x)) < 1e-2
 
 
-def test_large_plain_launches_run_through_the_ring_and_match_the_reference():
-    """A bf16 server runs a launch of RING_MIN_ROWS rows or more of plain steps as a verify with
-    its entries committed: over enough steps that every ring fills and folds, with T = 1..4, a
-    fork (which folds first) and small launches in between (which append where their rings have
-    room, else fold and write in place), the outputs follow the float64 reference, and a fork
-    steps exactly as its source."""
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+def test_large_plain_launches_run_through_the_ring_and_match_the_reference(state_dtype):
+    """A server runs a launch of RING_MIN_ROWS rows or more (by its state dtype) of plain steps
+    as a verify with its entries committed: over enough steps that every ring fills and folds,
+    with T = 1..4, a fork (which folds first) and small launches in between (which append where
+    their rings have room, else fold and write in place), the outputs follow the float64
+    reference, and a fork steps exactly as its source."""
     from gdn_server.backends.cuda import RING_MIN_ROWS
 
-    shape = ModelShape(num_layers=2, num_q_heads=16, num_v_heads=32)
+    shape = ModelShape(num_layers=2, num_q_heads=16, num_v_heads=32, state_dtype=state_dtype)
     gates = random_gate_params(shape, seed=11)
-    fp32 = ModelShape(num_layers=2, num_q_heads=16, num_v_heads=32, state_dtype="float32")
-    assert CudaBackend(fp32, gates, max_sessions=1).ring_min_rows is None  # an fp32 pool's steps stay in place
-    assert CudaBackend(shape, gates, max_sessions=1).ring_min_rows == RING_MIN_ROWS
+    assert CudaBackend(shape, gates, max_sessions=1).ring_min_rows == RING_MIN_ROWS[state_dtype]
     ref = ReferenceModel(gates.A_log, gates.dt_bias)
     gen = torch.Generator().manual_seed(12)
-    B = RING_MIN_ROWS + 2
+    B = RING_MIN_ROWS[state_dtype] + 2
     with start_server("--device", "cuda", "--devices", "0", "--layers", "2", "--q-heads", "16", "--v-heads", "32",
-                      "--seed", "11", "--max-sessions", str(B + 2), timeout=300) as srv:
+                      "--seed", "11", "--max-sessions", str(B + 2), "--state-dtype", state_dtype, timeout=300) as srv:
         with grpc.insecure_channel(srv.address) as channel:
             stub = gdn_pb2_grpc.GdnDecodeStub(channel)
             sessions = [stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=60).session_id for _ in range(B)]

@@ -17,7 +17,10 @@ from reference import gdn_reference_step, kernel_inputs, rel_err
 
 D = 128
 DEV = "cuda"
-TOL = 2e-3  # issue 48's accuracy target for every output and every folded state
+TOL = 2e-3  # issue 48's accuracy target for every output (bf16) and every folded bf16 state
+# an fp32 state's folds keep it near its own precision: the ring's fp32 corrections and the
+# fold's head + tail operands (fp16 corrections left ~1e-4 after a fold)
+STATE_TOL = {torch.bfloat16: TOL, torch.float32: 1e-5}
 
 
 def _ring_api():
@@ -44,7 +47,7 @@ def _run_sequence(B, T, H, HV, steps, seed, state_dtype=torch.bfloat16):
     rnd = random.Random(seed)
     N = 2 * B + 4
     pool = (torch.randn(N, HV, D, D, device=DEV, generator=gen) * 0.5).to(state_dtype)
-    ring = api.new_ring(N, H, HV)
+    ring = api.new_ring(N, H, HV, state_dtype=str(state_dtype).removeprefix("torch."))
     for r in ring:  # entries past a row's fill are stale: poison them
         r.copy_(torch.randn(r.shape, device=DEV, generator=gen).to(r.dtype) * 100)
     rows = torch.randperm(N, device=DEV, generator=gen)[:B].to(torch.int32)
@@ -104,8 +107,8 @@ def test_verify_sequence_matches_reference(B, T, H, HV, state_dtype):
           f"ring_fold {e_fold:.2e}")
     assert folds > 0
     assert worst_out < TOL, f"outputs: {worst_out:.2e}"
-    assert worst_state < TOL, f"folded states: {worst_state:.2e}"
-    assert e_fold < TOL, f"ring_fold: {e_fold:.2e}"
+    assert worst_state < STATE_TOL[state_dtype], f"folded states: {worst_state:.2e}"
+    assert e_fold < STATE_TOL[state_dtype], f"ring_fold: {e_fold:.2e}"
 
 
 def test_bad_arguments_raise_value_error():
