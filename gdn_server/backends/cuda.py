@@ -6,9 +6,9 @@ first a row whose P + T entries would overflow its ring); an accept is the calle
 (`StepBatch.hist`, each row's committed entries P). Its rows are drafts, or the plain steps of a
 launch of RING_MIN_ROWS rows or more (16 over a bf16 pool, 64 over an fp32 one), which cost less
 that way than written in place (and of a smaller launch whose rows have entries committed and
-room for more: `planner.Planner._through_ring`). Another plain batch folds the rows with P > 0 (`ring_fold`, on
-the same stream right before the step) and then runs `gdn_decode`, which writes the states in
-place. `fold` folds rows on demand (before a fork, export, snapshot or read of a session).
+room for more: `planner.Planner._through_ring`). Another plain batch folds the rows with P > 0
+(`ring_fold`, on the same stream right before the step) and then runs `gdn_decode`, which writes
+the states in place. `fold` folds rows on demand (before a fork, export, snapshot or read of a session).
 
 Per batch, on the backend's own stream:
   1. the requests' inputs are copied into one pinned host staging buffer (a memcpy per request
@@ -31,9 +31,10 @@ are padded to the next bucket's rows (padding rows touch no state or ring) and r
 bucket's graph. A plain launch with a fold launches directly: it runs only where a small launch
 would fill a ring, and graphs of it would double the captures. Graphs by bucket, not one per row
 count: a replay is one host call where a direct launch makes three (copy, kernel, copy), and a
-few buckets keep the captures (per staging set) few, at the cost of padding rows' device time. The graphs of up to MAPPED_MAX_ROWS rows hold the
-kernel alone: it reads the pinned staging buffer and writes the pinned outputs in place
-(gdn_server/backends/mapped.py), with no copy before or after it.
+few buckets keep the captures (per staging set) few, at the cost of padding rows' device time.
+The graphs of up to MAPPED_MAX_ROWS rows hold the kernel alone: it reads the pinned staging
+buffer and writes the pinned outputs in place (gdn_server/backends/mapped.py), with no copy
+before or after it.
 
 The backend takes only shapes its kernels cover (K = V = 128, HV a multiple of H and at most 8
 times it): others are served by the CPU backend, the one torch implementation of the math and of
@@ -80,11 +81,11 @@ MAPPED_MAX_ROWS = 1
 # A launch of plain steps with at least this many rows (by the pool's state dtype) runs as a
 # verify, each row's entries committed at once (`Backend.ring_min_rows`): reading the states and
 # writing T ring entries, with the fold of a full ring amortized, costs less than reading and
-# writing the states (H200, bench/ring.py; bench/DECISIONS.md, entry 4): for bf16 from 16 rows on at
-# every T <= 4, 24-33% less at B = 512; for fp32 from 64 rows on, 3-7% less at B = 64 and 12-16% at
-# B = 512 (below 64 rows its fold's three-product operands cost more than the write saves at
-# T = 2). Either state drifts no more than in place: a bf16 state is rounded once per fold
-# instead of once per step, an fp32 state's ring keeps fp32 corrections.
+# writing the states (H200, bench/ring.py; bench/DECISIONS.md, entry 4). bf16: from 16 rows on at
+# every T <= 4, 24-33% less at B = 512. fp32: from 64 rows on at every T measured, 3-7% less at
+# B = 64 and 6-16% at B = 512; at 32 rows T = 2 is slower through the ring (39.5 against 38.4 us).
+# Neither state drifts more than in place: a bf16 state is rounded once per fold instead of once
+# per step, an fp32 state's ring keeps fp32 corrections.
 RING_MIN_ROWS = dict(bfloat16=16, float32=64)
 
 # What a launch runs (its graphs are keyed by it too)
