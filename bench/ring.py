@@ -55,11 +55,6 @@ from gdn_server.kernels._ring_api import RING, folded_base, new_ring, ring_fold,
 
 DEV = "cuda"
 STATE_DTYPE = torch.bfloat16  # the pool's dtype: --state-dtype
-
-
-def state_name() -> str:
-    """The pool's dtype by name, as the ring API takes it."""
-    return str(STATE_DTYPE).removeprefix("torch.")
 D = 128
 TOL = 2e-3
 # (B, T): FlashInfer's ring verify (ring holding P entries, its flush not counted), us on an H200, issue 48
@@ -82,6 +77,11 @@ def reference_tokens(S, x, live):
         outs.append(o.to(DEV))
         states.append(S.to(DEV))
     return torch.cat(outs, 1), states
+
+
+def state_name() -> str:
+    """The pool's dtype by name, as the ring API takes it."""
+    return str(STATE_DTYPE).removeprefix("torch.")
 
 
 class RingRun:
