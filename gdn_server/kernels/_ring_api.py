@@ -92,8 +92,9 @@ def _compile(T: int, H: int, HV: int, state_dtype: str) -> Callable[..., Any]:
 
     state = fake(STATE_TYPES[state_dtype], (rows, HV, D, D), 16)
     row_idx, hist = fake(Int32, (batch,), 4), fake(Int32, (batch,), 4)
-    ring = (fake(BFloat16, (rows, H, RING, D), 16), fake(Float32 if state_dtype == "float32" else Float16, (rows, HV, D, RING), 16),
-            fake(Float32, (rows, HV, RING), 16))
+    cute_types = dict(bfloat16=BFloat16, float16=Float16, float32=Float32)
+    dtypes = ring_dtypes(state_dtype)
+    ring = tuple(fake(cute_types[dtypes[name]], shape, 16) for name, shape in ring_shapes(rows, H, HV).items())
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     cfg = RingConfig(T, H, HV, state_dtype)
     if T == 0:
