@@ -387,18 +387,12 @@ def _store_ring_u(u: list, sU: cute.Tensor, gU32: cute.Tensor, peff, warp, lane,
     (64) bytes a row, one (two) 16-byte stores per lane. Entries past the new ones carry whatever
     sU held: nothing reads a ring past its P."""
     cute.arch.sync_warp()  # every lane has read its corrections from these rows
-    if cutlass.const_expr(fp32):
-        sUf = cute.recast_tensor(sU, Float32)
-        for i in cutlass.range_constexpr(4):
-            t = 2 * c + i % 2
-            if t < T:
-                sUf[16 * warp + g + 8 * (i // 2), peff + t] = u[i]
-    else:
-        sU16 = cute.recast_tensor(sU, Float16)
-        for i in cutlass.range_constexpr(4):
-            t = 2 * c + i % 2
-            if t < T:
-                sU16[16 * warp + g + 8 * (i // 2), peff + t] = u[i].to(Float16)
+    elem = Float32 if fp32 else Float16
+    sUe = cute.recast_tensor(sU, elem)
+    for i in cutlass.range_constexpr(4):
+        t = 2 * c + i % 2
+        if t < T:
+            sUe[16 * warp + g + 8 * (i // 2), peff + t] = u[i].to(elem)
     cute.arch.sync_warp()
     chunks = 4 if fp32 else 2
     for it in cutlass.range_constexpr(chunks // 2):
