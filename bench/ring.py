@@ -3,6 +3,7 @@
     python bench/ring.py                   # checks, then the timing table
     python bench/ring.py --skip-checks     # the timing table only
     python bench/ring.py --state-dtype float32   # the same over an fp32 state pool
+    python bench/ring.py --skip-checks --verify-width narrow   # every verify CTA over one q/k head
 
 Checks (against tests/reference.py in float64): sequences of verifies with random accepts over
 batches whose rows sit at different ring fills, so that one launch holds rows that fold and rows
@@ -51,10 +52,11 @@ REPO = common.REPO
 
 ref = common.reference()
 from state_copy import state_copy_us  # noqa: E402
-from gdn_server.kernels._ring_api import RING, folded_base, new_ring, ring_fold, ring_verify  # noqa: E402
+from gdn_server.kernels._ring_api import RING, folded_base, new_ring, ring_fold, ring_verify, wide_qk_heads  # noqa: E402
 
 DEV = "cuda"
 STATE_DTYPE = torch.bfloat16  # the pool's dtype: --state-dtype
+VERIFY_WIDTH = "auto"  # q/k heads per verify CTA: --verify-width
 D = 128
 TOL = 2e-3
 # (B, T): FlashInfer's ring verify (ring holding P entries, its flush not counted), us on an H200, issue 48
@@ -353,8 +355,10 @@ def bench(rows, gen, log, N=4096):
                    -torch.rand(N, HV, RING, device=DEV, generator=gen).cumsum(-1))
 
     def verify(rows_, hist, x, out):
+        T = x["q"].shape[1]
+        qk_heads = dict(auto=None, narrow=1, wide=wide_qk_heads(T, H, HV))[VERIFY_WIDTH]
         ring_verify(pool, rows_, hist, x["layers"], x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"],
-                    *ring, out)
+                    *ring, out, qk_heads=qk_heads)
 
     def fold_only(rows_, hist, x, out):
         ring_fold(pool, rows_, hist, *ring)
@@ -427,8 +431,8 @@ def flashinfer_call(fi_verify, pool, fi_ring, sets):
 def to_markdown(res):
     f = lambda x, s=".1f": "-" if x is None else format(x, s)  # noqa: E731
     lines = [f"# History-ring kernels on {res['device']} ({res['date']}), commit {res['commit']}", "",
-             f"Device time per launch, CUDA-graph replay, median; H=16, HV=32, K=V=128, 4096-row {res['state_dtype']} pool, 16 rotated "
-             "row sets. FlashInfer's ring verify: timed on the same rows, fills and tokens where it imports (T = 4, 8), "
+             f"Device time per launch, CUDA-graph replay, median; H=16, HV=32, K=V=128, 4096-row {res['state_dtype']} pool, "
+             f"verify CTA width {res.get('verify_width', 'auto')}, 16 rotated row sets. FlashInfer's ring verify: timed on the same rows, fills and tokens where it imports (T = 4, 8), "
              "else issue 48's H200 figure (marked *).", "",
              "Plain read: the verify's rows' states read and nothing else (bench/state_copy.py).", "",
              "| B | T | FlashInfer ring verify | ours verify | plain read | step, full accepts (folds) "
@@ -469,9 +473,12 @@ def main():
     ap.add_argument("--out", default=None, help="folder for the JSON (default bench/out)")
     ap.add_argument("--state-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="the state pool's dtype (each its own compiled kernel)")
+    ap.add_argument("--verify-width", choices=("auto", "narrow", "wide"), default="auto",
+                    help="q/k heads per verify CTA in the timings: by launch size as served (auto), one, or the widest")
     args = ap.parse_args()
-    global STATE_DTYPE
+    global STATE_DTYPE, VERIFY_WIDTH
     STATE_DTYPE = getattr(torch, args.state_dtype)
+    VERIFY_WIDTH = args.verify_width
     random.seed(0)
     gen = torch.Generator(device=DEV).manual_seed(0)
     lines = []
@@ -481,7 +488,7 @@ def main():
         lines.append(msg)
 
     res = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=common.git_commit(),
-               state_dtype=args.state_dtype)
+               state_dtype=args.state_dtype, verify_width=args.verify_width)
     path = common.out_path("ring", args.out)
     if not args.skip_checks:
         res["checks"] = check_sequences(gen, log, tuple(int(t) for t in args.check_t.split(",") if t))

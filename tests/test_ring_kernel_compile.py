@@ -10,7 +10,8 @@ import torch
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from gdn_server.kernels._ring_api import (  # noqa: E402
-    RING, check_ring_variant, compile_ring, folded_base, new_ring, ring_bytes_per_row, ring_shapes, validate_ring_args,
+    RING, WIDE_VERIFY_MIN_CTAS, check_ring_variant, compile_ring, folded_base, new_ring, ring_bytes_per_row, ring_shapes,
+    ring_variants, validate_ring_args, verify_qk_heads, wide_qk_heads,
 )
 
 D = 128
@@ -25,6 +26,26 @@ def test_compiles_for_sm90a(T, H, HV, state_dtype):
     fn = compile_ring(T, H, HV, state_dtype)
     assert fn is compile_ring(T, H, HV, state_dtype)  # cached per state dtype
     assert fn.__tvm_ffi_object__() is not None
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("T,H,HV,wide", [(1, 16, 32, 2), (4, 16, 32, 2), (4, 32, 32, 4), (2, 8, 32, 1), (5, 16, 32, 1)])
+def test_wide_verify_ctas_compile_for_sm90a(T, H, HV, wide, state_dtype):
+    assert wide_qk_heads(T, H, HV) == wide
+    assert ring_variants(T, H, HV) == tuple(sorted({1, wide}))
+    if wide > 1:
+        assert compile_ring(T, H, HV, state_dtype, wide) is not compile_ring(T, H, HV, state_dtype)
+
+
+def test_launch_size_picks_the_cta_width():
+    assert verify_qk_heads(512, 4, 16, 32) == 2 and verify_qk_heads(16, 4, 16, 32) == 1
+    assert verify_qk_heads(512, 8, 16, 32) == 1  # a long verify keeps one q/k head
+    big = WIDE_VERIFY_MIN_CTAS  # rows enough at any H
+    assert verify_qk_heads(big, 1, 32, 32) == 4 and verify_qk_heads(big, 1, 8, 32) == 1
+    with pytest.raises(ValueError):
+        compile_ring(4, 16, 32, "bfloat16", 4)
+    with pytest.raises(ValueError):
+        compile_ring(8, 16, 32, "bfloat16", 2)
 
 
 def test_state_dtypes_are_separate_kernels():

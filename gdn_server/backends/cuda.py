@@ -420,13 +420,14 @@ class CudaBackend(Backend):
         for staging in self._ring:
             for rows in range(1, self._rows_hint + 1):
                 staging.views_for(self._plan(rows, 1), (rows, 1))
-        from gdn_server.kernels import compile_ring, compile_variant
+        from gdn_server.kernels import compile_ring, compile_variant, ring_variants
 
         s = self.shape
         for T in range(1, s.max_tokens_per_step + 1):  # plain steps longer than this are refused upstream
             compile_variant(T, s.num_q_heads, s.num_v_heads, state_dtype=s.state_dtype)
         for T in range(s.max_speculative_tokens + 1):  # T = 0: the fold
-            compile_ring(T, s.num_q_heads, s.num_v_heads, s.state_dtype)
+            for qk_heads in ring_variants(T, s.num_q_heads, s.num_v_heads):  # CTA widths by launch size
+                compile_ring(T, s.num_q_heads, s.num_v_heads, s.state_dtype, qk_heads)
         try:
             self._capture_graphs()
         except Exception:  # a driver or library that cannot capture: launch directly

@@ -21,7 +21,9 @@ from ._api import (
     gdn_decode,
     validate_decode_args,
 )
-from ._ring_api import compile_ring, folded_base, new_ring, ring_bytes_per_row, ring_dtypes, ring_fold, ring_verify
+from ._ring_api import (
+    compile_ring, folded_base, new_ring, ring_bytes_per_row, ring_dtypes, ring_fold, ring_variants, ring_verify,
+)
 from ._segments import SEGMENT_FIELDS, SegmentTable, TensorScan, compiled_segments, segments_copy, segments_scan
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "ring_bytes_per_row",
     "ring_dtypes",
     "ring_fold",
+    "ring_variants",
     "ring_verify",
     "segments_copy",
     "segments_scan",

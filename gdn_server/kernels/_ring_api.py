@@ -22,8 +22,25 @@ from ._api import STATE_DTYPES, cached_compile, check_placement, fake, fake_step
 HEAD_DIM = 128
 RING = 16  # entries per (pool row, head); `_ring_kernel.RING`
 MAX_T = 8
+# A verify of this many tokens or more asks L2 for its value heads' states when it starts and
+# reads the first into registers after its prologue: the prologue (Grams, solves) is long enough
+# to hide the prefetch, a shorter one's is not and the extra traffic in flight slows it
+# (bench/DECISIONS.md, kernel entry 4)
+PREFETCH_FROM_T = 5
+# A short verify's CTA covers as many q/k heads as make this many value heads: its prologue
+# (tokens, Grams, solves) is the chain its first state load waits behind, and four value heads
+# amortize it best (bench/DECISIONS.md, entry 4: 8-10% less time at B = 512, T = 1 and 4 than
+# one q/k head of qwen3-next's two value heads; eight were faster only at T = 1, and would need
+# more shared memory than two CTAs an SM have). A long verify keeps one q/k head: its prologue
+# hides its prefetch, and four value heads measured no faster there.
+VERIFY_VALUE_HEADS = 4
+# ...but only where a launch has that many wide CTAs: fewer, wider CTAs fill the GPU's slots in
+# fewer, less even waves (bench/DECISIONS.md, entry 4; qwen3-next, a step with full accepts, us
+# narrow / wide: B = 48 rows, 384 wide CTAs, T = 1 25.7 / 28.5 and T = 4 31.3 / 36.7; about even
+# at B = 64 to 128; B = 512 216.4 / 196.2 and 258.8 / 238.7)
+WIDE_VERIFY_MIN_CTAS = 1024
 
-_cache: dict[tuple[int, int, int, str], Callable[..., Any]] = {}
+_cache: dict[tuple[int, int, int, str, int], Callable[..., Any]] = {}
 
 
 def folded_base(P: int, T: int) -> int:
@@ -60,6 +77,25 @@ def new_ring(num_rows: int, H: int, HV: int, device: Any = "cuda", state_dtype: 
     return tuple(torch.zeros(shapes[name], dtype=getattr(torch, dtypes[name]), device=device) for name in shapes)
 
 
+def wide_qk_heads(T: int, H: int, HV: int) -> int:
+    """q/k heads of a wide verify CTA for (T, H, HV): as many as make VERIFY_VALUE_HEADS value heads
+    (at most four, two warps each for the Grams; a divisor of H), 1 where there is no wider CTA
+    (a verify of PREFETCH_FROM_T tokens or more, or a q/k head with that many value heads)."""
+    if T >= PREFETCH_FROM_T or T < 1 or H < 1 or HV % H:
+        return 1
+    q = min(4, max(1, VERIFY_VALUE_HEADS // (HV // H)))
+    while H % q:
+        q -= 1
+    return q
+
+
+def verify_qk_heads(B: int, T: int, H: int, HV: int) -> int:
+    """q/k heads one CTA of a verify launch of B rows covers: the wide CTA's (`wide_qk_heads`)
+    where that launch still has WIDE_VERIFY_MIN_CTAS CTAs, else 1."""
+    q = wide_qk_heads(T, H, HV)
+    return q if B * (H // q) >= WIDE_VERIFY_MIN_CTAS else 1
+
+
 def check_ring_variant(T: int, H: int, HV: int, state_dtype: str = "bfloat16") -> None:
     """Raise ValueError unless the ring kernels support this (T, H, HV) and state dtype; T = 0 is
     the fold."""
@@ -71,15 +107,22 @@ def check_ring_variant(T: int, H: int, HV: int, state_dtype: str = "bfloat16") -
         raise ValueError(f"HV={HV} must be a multiple of H={H}, at most 8 times it")
 
 
-def compile_ring(T: int, H: int, HV: int, state_dtype: str = "bfloat16") -> Callable[..., Any]:
+def compile_ring(T: int, H: int, HV: int, state_dtype: str = "bfloat16", qk_heads: int = 1) -> Callable[..., Any]:
     """Compile (or fetch) the verify of T tokens (T = 0: the fold) for (H, HV) over a state pool of
-    `state_dtype` (one of STATE_DTYPES, a compile-time parameter of one kernel); no GPU needed
-    (set CUTE_DSL_ARCH=sm_90a without one)."""
+    `state_dtype` (one of STATE_DTYPES, a compile-time parameter of one kernel), its CTAs over
+    `qk_heads` q/k heads (1, or `wide_qk_heads`); no GPU needed (set CUTE_DSL_ARCH=sm_90a without one)."""
     check_ring_variant(T, H, HV, state_dtype)
-    return cached_compile(_cache, (T, H, HV, state_dtype), lambda: _compile(T, H, HV, state_dtype))
+    if qk_heads not in (1, wide_qk_heads(T, H, HV)):
+        raise ValueError(f"qk_heads={qk_heads} for T={T}, H={H}, HV={HV}: 1 or {wide_qk_heads(T, H, HV)}")
+    return cached_compile(_cache, (T, H, HV, state_dtype, qk_heads), lambda: _compile(T, H, HV, state_dtype, qk_heads))
 
 
-def _compile(T: int, H: int, HV: int, state_dtype: str) -> Callable[..., Any]:
+def ring_variants(T: int, H: int, HV: int) -> tuple[int, ...]:
+    """The `qk_heads` a launch of T tokens may use (`verify_qk_heads`): what to compile ahead."""
+    return tuple(sorted({1, wide_qk_heads(T, H, HV)}))
+
+
+def _compile(T: int, H: int, HV: int, state_dtype: str, qk_heads: int) -> Callable[..., Any]:
     import cutlass.cute as cute
     from cutlass import BFloat16, Float16, Float32, Int32
     from cutlass.cute.runtime import make_fake_stream
@@ -96,7 +139,7 @@ def _compile(T: int, H: int, HV: int, state_dtype: str) -> Callable[..., Any]:
     dtypes = ring_dtypes(state_dtype)
     ring = tuple(fake(cute_types[dtypes[name]], shape, 16) for name, shape in ring_shapes(rows, H, HV).items())
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    cfg = RingConfig(T, H, HV, state_dtype)
+    cfg = RingConfig(T, H, HV, state_dtype, qk_heads)
     if T == 0:
         return cute.compile(RingFoldKernel(cfg), state, row_idx, hist, *ring, stream, options="--enable-tvm-ffi")
     return cute.compile(
@@ -170,7 +213,8 @@ def _key(T: int, state, ring_k) -> tuple:
 
 
 def ring_verify(state, rows, hist, layers, q, k, v, a, b, A_log, dt_bias, ring_k, ring_u, ring_g, out,
-                *, scale: float | None = None, softplus_beta: float = 1.0, softplus_threshold: float = 20.0):
+                *, scale: float | None = None, softplus_beta: float = 1.0, softplus_threshold: float = 20.0,
+                qk_heads: int | None = None):
     """A speculative step of T tokens for B rows over their history rings, in one launch; returns `out`.
 
     state   [rows, HV, 128, 128] bf16 or fp32 checkpoints (the kernel compiled for its dtype): read;
@@ -184,13 +228,17 @@ def ring_verify(state, rows, hist, layers, q, k, v, a, b, A_log, dt_bias, ring_k
     ring_k  [rows, H, 16, 128] bf16, ring_u [rows, HV, 128, 16] fp16 (fp32 beside an fp32 state),
             ring_g [rows, HV, 16] fp32 (`new_ring`): entries [base, base + T) are written
     out     [B, T, HV, 128] bf16, written in full
+    qk_heads q/k heads per CTA: None picks by the launch's size (`verify_qk_heads`); tests and
+            benchmarks name one (1 or `wide_qk_heads`) to run both at any B
     """
     key = _key(q.shape[1] if getattr(q, "dim", lambda: 0)() == 4 else -1, state, ring_k)
     if key not in _checked:
         validate_ring_args(state, rows, hist, ring_k, ring_u, ring_g, layers=layers, q=q, k=k, v=v, a=a, b=b,
                            A_log=A_log, dt_bias=dt_bias, out=out)
         _checked.add(key)
-    fn = compile_ring(*key).__tvm_ffi_object__()
+    if qk_heads is None:
+        qk_heads = verify_qk_heads(q.shape[0], *key[:3])
+    fn = compile_ring(*key, qk_heads=qk_heads).__tvm_ffi_object__()
     if q.shape[0] == 0:
         return out
     scale = 1.0 / math.sqrt(HEAD_DIM) if scale is None else scale

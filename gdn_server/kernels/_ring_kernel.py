@@ -31,11 +31,12 @@ Ring layout (per pool row, i.e. per (session, layer); RING = 16 entries):
                                    head + tail operands where read.
     ring_g [N, HV, RING]     fp32  G_j, the log-decay from the checkpoint through entry j
 
-Work split. One CTA of 8 warps per (batch row, q/k head) handles the HV/H value heads that share
-the head's keys one after another; warp w owns V-rows [16w, 16w + 16) of each. Owning every
-reader and writer of a row's ring keys in one CTA is what lets a verify fold a full ring and
-reuse its slots in the same launch: the ring is read into shared memory before one barrier and
-written after it.
+Work split. One verify CTA of 8 warps per (batch row, `RingConfig.qk_heads` q/k heads: one, or
+in a launch of many rows enough for four value heads, `_ring_api.verify_qk_heads`) handles their
+value heads one after another; warp w owns V-rows [16w, 16w + 16) of each. Owning every reader and writer of a row's ring keys in one
+CTA is what lets a verify fold a full ring and reuse its slots in the same launch: the ring is
+read into shared memory before one barrier and written after it. The fold kernel takes one q/k
+head a CTA.
 
 Memory. A CTA waits for memory once: as it starts it loads its first head's state into
 registers and copies every head's values and ring corrections into shared memory with cp.async
@@ -84,6 +85,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T as _ir
 
+from ._ring_api import PREFETCH_FROM_T
+
 RING = 16  # entries per (pool row, head): one k16 step of the products
 HEAD_DIM = 128
 WARPS = 8
@@ -91,11 +94,8 @@ THREADS = 32 * WARPS
 MAX_T = 8  # the step's tokens are one n8 tile
 EPS = 1e-6
 PADDED = HEAD_DIM + 32  # bf16 row stride of the shared key tables
-# A verify of this many tokens or more asks L2 for its value heads' states when it starts and
-# reads the first into registers after its prologue: the prologue (Grams, solves) is long enough
-# to hide the prefetch, a shorter one's is not and the extra traffic in flight slows it
-# (bench/DECISIONS.md, kernel entry 4)
-PREFETCH_FROM_T = 5
+# A verify of PREFETCH_FROM_T tokens or more asks L2 for its value heads' states when it starts
+# and reads the first into registers after its prologue (`_ring_api.PREFETCH_FROM_T`)
 # Two CTAs per SM (registers capped at 128): one CTA's barriers and tables overlap the other's
 # state loads. The carveout stays the driver's default (-1); naming it keeps the compile from
 # asking a GPU for its shared memory size, so the kernels also compile where there is none.
@@ -447,20 +447,22 @@ def _stage_ring_keys(rk32: cute.Tensor, sRK32: cute.Tensor, P, tidx):
 
 @cute.jit
 def _fold_tables(sRK: cute.Tensor, sRn: cute.Tensor, sGr: cute.Tensor, sKw: cute.Tensor, sDec: cute.Tensor,
-                 P, group: int, tidx, fp32: cutlass.Constexpr = False):
+                 P, heads: int, group: int, tidx, fp32: cutlass.Constexpr = False):
     """sKw[h, k, entries] = w_j k^_j in fp16 (an fp32 state's: fp16 heads, then their tails from
-    column 8), w_j = e^{G_P - G_j} (0 past P), and sDec[h] = e^{G_P}: thread -> K element
-    tidx % 128, entries 8 (tidx // 128) .. +8."""
+    column 8), w_j = e^{G_P - G_j} (0 past P), and sDec[h] = e^{G_P}, for the CTA's `heads` value
+    heads (value head h reads the keys of its q/k head h // group: sRK [q/k heads, RING, K],
+    sRn [q/k heads, RING]): thread -> K element tidx % 128, entries 8 (tidx // 128) .. +8."""
     k = tidx % HEAD_DIM
     jh = tidx // HEAD_DIM
-    for h in cutlass.range_constexpr(group):
+    for h in cutlass.range_constexpr(heads):
+        qi = h // group
         gp = sGr[h, P - 1]
         for e in cutlass.range_constexpr(4):
             j = 8 * jh + 2 * e
             x = []
             for d in cutlass.range_constexpr(2):
-                w = cute.math.exp(gp - sGr[h, j + d], fastmath=True) * sRn[j + d]
-                x.append(cutlass.select_(j + d < P, sRK[j + d, k].to(Float32) * w, Float32(0.0)))
+                w = cute.math.exp(gp - sGr[h, j + d], fastmath=True) * sRn[qi, j + d]
+                x.append(cutlass.select_(j + d < P, sRK[qi, j + d, k].to(Float32) * w, Float32(0.0)))
             if cutlass.const_expr(fp32):
                 parts = _split(x[0], x[1], "f16")
                 sKw[h, k, 4 * jh + e] = parts[0]
@@ -480,10 +482,16 @@ class RingConfig:
     H: int
     HV: int
     state_dtype: str = "bfloat16"  # the pool's element type, one of STATE_DTYPES
+    qk_heads: int = 1  # q/k heads one verify CTA covers (`_ring_api.verify_qk_heads`); the fold's is 1
 
     @property
     def fp32(self) -> bool:
         return self.state_dtype == "float32"
+
+    @property
+    def group(self) -> int:
+        """Value heads per q/k head."""
+        return self.HV // self.H
 
     @property
     def u_words(self) -> int:
@@ -506,13 +514,14 @@ class RingVerifyKernel:
 
     def __init__(self, cfg: RingConfig):
         if (not 1 <= cfg.T <= MAX_T or cfg.H < 1 or cfg.HV % cfg.H or cfg.HV // cfg.H > WARPS
-                or cfg.state_dtype not in STATE_DTYPES):
+                or cfg.state_dtype not in STATE_DTYPES or not 1 <= cfg.qk_heads <= WARPS // 2 or cfg.H % cfg.qk_heads):
             raise ValueError(f"bad ring verify config {cfg}")
         self.cfg = cfg
 
     def __repr__(self) -> str:
         c = self.cfg
-        return f"GdnRingVerify_T{c.T}_H{c.H}_HV{c.HV}{c.name_suffix}"
+        wide = f"_qk{c.qk_heads}" if c.qk_heads > 1 else ""
+        return f"GdnRingVerify_T{c.T}_H{c.H}_HV{c.HV}{wide}{c.name_suffix}"
 
     @cute.jit
     def __call__(
@@ -540,7 +549,8 @@ class RingVerifyKernel:
         self.kernel(
             mS, mRow, mHist, mLayer, mQ, mK, mV, mA, mB, mALog, mDtBias, mRingK, mRingU, mRingG, mO,
             scale, softplus_beta, softplus_threshold,
-        ).launch(grid=(mRow.shape[0] * self.cfg.H, 1, 1), block=(THREADS, 1, 1), stream=stream, **self.cfg.occupancy)
+        ).launch(grid=(mRow.shape[0] * (self.cfg.H // self.cfg.qk_heads), 1, 1), block=(THREADS, 1, 1), stream=stream,
+                 **self.cfg.occupancy)
 
     @cute.kernel
     def kernel(
@@ -566,36 +576,41 @@ class RingVerifyKernel:
     ):
         cfg = self.cfg
         T = cfg.T
-        group = cfg.HV // cfg.H
+        group = cfg.group
+        Q = cfg.qk_heads  # q/k heads of this CTA
+        heads = Q * group  # its value heads: h = 0..heads-1 is value head head0 + h, of q/k head qh0 + h // group
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = tidx // 32
         lane = tidx % 32
         g = lane // 4
         c = lane % 4
-        b = bidx // cfg.H
-        qh = bidx % cfg.H
+        b = bidx // (cfg.H // Q)
+        qh0 = (bidx % (cfg.H // Q)) * Q
+        head0 = qh0 * group
         row0 = 16 * warp + g  # this thread's V-rows: row0, row0 + 8
 
         smem = cutlass.memory.SmemAllocator()
         # rows padded to 320 bytes: a quarter warp's 16-byte reads of rows g, g + 1 hit distinct banks
-        sRK = smem.allocate_tensor(BFloat16, cute.make_layout((RING, HEAD_DIM), stride=(PADDED, 1)), byte_alignment=16)
+        sRK = smem.allocate_tensor(BFloat16, cute.make_layout((Q, RING, HEAD_DIM), stride=(RING * PADDED, PADDED, 1)),
+                                   byte_alignment=16)
         sRK32 = cute.recast_tensor(sRK, Int32)
-        sTok = smem.allocate_tensor(BFloat16, cute.make_layout((16, HEAD_DIM), stride=(PADDED, 1)), byte_alignment=16)
-        sTok32 = cute.recast_tensor(sTok, Int32)  # raw k_0..k_7, q_0..q_7 (zeros past T)
-        sGram = smem.allocate_tensor(Float32, _row_major((2, 2, RING, 8)), byte_alignment=16)  # [ring|step, k|q, j, t]
-        sTn = smem.allocate_tensor(Float32, _row_major((2, 8)), byte_alignment=16)  # 1/|k_t|, scale/|q_t|
-        sRn = smem.allocate_tensor(Float32, _row_major((RING,)), byte_alignment=16)  # 1/|ring k_j|
-        sLg = smem.allocate_tensor(Float32, _row_major((group, 8)), byte_alignment=16)  # log-decays
-        sBeta = smem.allocate_tensor(Float32, _row_major((group, 8)), byte_alignment=16)
-        sGr = smem.allocate_tensor(Float32, _row_major((group, RING)), byte_alignment=16)  # ring G_j
-        sSc = smem.allocate_tensor(Float32, _row_major((group, 2, 8)), byte_alignment=16)  # e^{G_t} / |k_t|, .. |q_t|
-        sCR = smem.allocate_tensor(Int32, _row_major((group, 2, 2, 8, RING // 2)), byte_alignment=16)  # [h, hi|lo, k|q, t, j/2]
-        sTM = smem.allocate_tensor(Int32, _row_major((group, 2, 2, 8, 4)), byte_alignment=16)  # [h, hi|lo, Tm|M2, t, j/2]
-        sKw = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, cfg.u_words)), byte_alignment=16)
-        sDec = smem.allocate_tensor(Float32, _row_major((group,)), byte_alignment=16)
-        sU = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, cfg.u_words)), byte_alignment=16)  # ring u
-        sV32 = smem.allocate_tensor(Int32, _row_major((group, T, HEAD_DIM // 2)), byte_alignment=16)  # v, bf16 pairs
+        sTok = smem.allocate_tensor(BFloat16, cute.make_layout((Q, 16, HEAD_DIM), stride=(16 * PADDED, PADDED, 1)),
+                                    byte_alignment=16)
+        sTok32 = cute.recast_tensor(sTok, Int32)  # per q/k head: raw k_0..k_7, q_0..q_7 (zeros past T)
+        sGram = smem.allocate_tensor(Float32, _row_major((Q, 2, 2, RING, 8)), byte_alignment=16)  # [qi, ring|step, k|q, j, t]
+        sTn = smem.allocate_tensor(Float32, _row_major((Q, 2, 8)), byte_alignment=16)  # 1/|k_t|, scale/|q_t|
+        sRn = smem.allocate_tensor(Float32, _row_major((Q, RING)), byte_alignment=16)  # 1/|ring k_j|
+        sLg = smem.allocate_tensor(Float32, _row_major((heads, 8)), byte_alignment=16)  # log-decays
+        sBeta = smem.allocate_tensor(Float32, _row_major((heads, 8)), byte_alignment=16)
+        sGr = smem.allocate_tensor(Float32, _row_major((heads, RING)), byte_alignment=16)  # ring G_j
+        sSc = smem.allocate_tensor(Float32, _row_major((heads, 2, 8)), byte_alignment=16)  # e^{G_t} / |k_t|, .. |q_t|
+        sCR = smem.allocate_tensor(Int32, _row_major((heads, 2, 2, 8, RING // 2)), byte_alignment=16)  # [h, hi|lo, k|q, t, j/2]
+        sTM = smem.allocate_tensor(Int32, _row_major((heads, 2, 2, 8, 4)), byte_alignment=16)  # [h, hi|lo, Tm|M2, t, j/2]
+        sKw = smem.allocate_tensor(Int32, _row_major((heads, HEAD_DIM, cfg.u_words)), byte_alignment=16)
+        sDec = smem.allocate_tensor(Float32, _row_major((heads,)), byte_alignment=16)
+        sU = smem.allocate_tensor(Int32, _row_major((heads, HEAD_DIM, cfg.u_words)), byte_alignment=16)  # ring u
+        sV32 = smem.allocate_tensor(Int32, _row_major((heads, T, HEAD_DIM // 2)), byte_alignment=16)  # v, bf16 pairs
         sV = cute.recast_tensor(sV32, BFloat16)
         sO32 = smem.allocate_tensor(Int32, _row_major((WARPS, 8, 8)), byte_alignment=16)  # per warp [token, bf16 pairs]
 
@@ -624,75 +639,79 @@ class RingVerifyKernel:
                 # a long prologue: every head's state asked of L2 now, the first read into registers
                 # after it (its solves would otherwise hold those 32 registers too)
                 if tidx == 0:
-                    for h in cutlass.range_constexpr(group):
-                        _prefetch_l2(s32[slot, qh * group + h, None, None], HEAD_DIM * HEAD_DIM * (4 if fp32 else 2))
+                    for h in cutlass.range_constexpr(heads):
+                        _prefetch_l2(s32[slot, head0 + h, None, None], HEAD_DIM * HEAD_DIM * (4 if fp32 else 2))
             else:
-                _load_state(s32[slot, qh * group, None, None], row0, c, rS, fp32)
+                _load_state(s32[slot, head0, None, None], row0, c, rS, fp32)
             atom = _async_copy_atom()
-            _stage_rows(atom, _heads_first(v32[b, None, None, None]), sV32, qh * group, group, T, 16, tidx)
+            _stage_rows(atom, _heads_first(v32[b, None, None, None]), sV32, head0, heads, T, 16, tidx)
             # every row's whole ring, P = 0 too: the rows go back whole, and bytes past the new
             # entries must be what was there (a launch's memory is a function of its inputs)
-            _stage_rows(atom, u32[slot, None, None, None], sU, qh * group, group, HEAD_DIM, cfg.u_words // 4, tidx)
+            _stage_rows(atom, u32[slot, None, None, None], sU, head0, heads, HEAD_DIM, cfg.u_words // 4, tidx)
             cute.arch.cp_async_commit_group()
-            tmp = cute.make_rmem_tensor((4,), Int32)  # thread -> (k|q, token, 16-byte chunk)
-            tmp.fill(0)
-            n = tidx // 128
-            t = (tidx // 16) % 8
-            if t < T:
-                if n == 0:
-                    _load16(k32[b, t, qh, None], tidx % 16, tmp)
-                else:
-                    _load16(q32[b, t, qh, None], tidx % 16, tmp)
-            cute.autovec_copy(tmp, cute.flat_divide(sTok32[8 * n + t, None], (4,))[None, tidx % 16])
-            _stage_ring_keys(rk32[slot, qh, None, None], sRK32, P, tidx)
-            if tidx < group * 8:
+            for qi in cutlass.range_constexpr(Q):
+                tmp = cute.make_rmem_tensor((4,), Int32)  # thread -> (k|q, token, 16-byte chunk)
+                tmp.fill(0)
+                n = tidx // 128
+                t = (tidx // 16) % 8
+                if t < T:
+                    if n == 0:
+                        _load16(k32[b, t, qh0 + qi, None], tidx % 16, tmp)
+                    else:
+                        _load16(q32[b, t, qh0 + qi, None], tidx % 16, tmp)
+                cute.autovec_copy(tmp, cute.flat_divide(sTok32[qi, 8 * n + t, None], (4,))[None, tidx % 16])
+                _stage_ring_keys(rk32[slot, qh0 + qi, None, None], sRK32[qi, None, None], P, tidx)
+            if tidx < heads * 8:
                 h = tidx // 8
                 t = tidx % 8
                 lg = Float32(0.0)
                 beta = Float32(0.0)
                 if t < T:
-                    head = qh * group + h
+                    head = head0 + h
                     lg, beta = _log_gates(mA[b, t, head], mB[b, t, head], -cute.math.exp(mALog[layer, head], fastmath=True),
                                           mDtBias[layer, head], softplus_beta, softplus_threshold)
                 sLg[h, t] = lg
                 sBeta[h, t] = beta
-            if tidx < group * RING:
+            if tidx < heads * RING:
                 h = tidx // RING
                 j = tidx % RING
-                gj = mRingG[slot, qh * group + h, j]
+                gj = mRingG[slot, head0 + h, j]
                 sGr[h, j] = cutlass.select_(j < P, gj, Float32(0.0))
             cute.arch.sync_threads()
 
-            # 2. norms and Grams: warp 0 the ring keys with the tokens, warp 1 the step's keys
-            if warp == 0:
-                acc = cute.make_rmem_tensor((4, 2), Float32)
-                acc.fill(0.0)
-                ss0, ss1 = _table_rows(sRK32, sTok32, g, c, acc)
-                if c == 0:
-                    sRn[g] = cute.math.rsqrt(ss0 + EPS, fastmath=True)
-                    sRn[g + 8] = cute.math.rsqrt(ss1 + EPS, fastmath=True)
-                for n in cutlass.range_constexpr(2):
-                    for i in cutlass.range_constexpr(4):
-                        sGram[0, n, g + 8 * (i // 2), 2 * c + i % 2] = acc[i, n]
-            if warp == 1:
-                acc = cute.make_rmem_tensor((4, 2), Float32)
-                acc.fill(0.0)
-                # rows k_g, q_g; rows g: k_g . (k|q)_t; rows g + 8 (q_g . x) unused
-                ssk, ssq = _table_rows(sTok32, sTok32, g, c, acc)
-                if c == 0:
-                    sTn[0, g] = cute.math.rsqrt(ssk + EPS, fastmath=True)
-                    sTn[1, g] = cute.math.rsqrt(ssq + EPS, fastmath=True) * scale
-                for n in cutlass.range_constexpr(2):
-                    for i in cutlass.range_constexpr(2):
-                        sGram[1, n, g, 2 * c + i] = acc[i, n]
+            # 2. norms and Grams, per q/k head qi: warp 2 qi the ring keys with the tokens, warp
+            #    2 qi + 1 the step's keys
+            for qi in cutlass.range_constexpr(Q):
+                if warp == 2 * qi:
+                    acc = cute.make_rmem_tensor((4, 2), Float32)
+                    acc.fill(0.0)
+                    ss0, ss1 = _table_rows(sRK32[qi, None, None], sTok32[qi, None, None], g, c, acc)
+                    if c == 0:
+                        sRn[qi, g] = cute.math.rsqrt(ss0 + EPS, fastmath=True)
+                        sRn[qi, g + 8] = cute.math.rsqrt(ss1 + EPS, fastmath=True)
+                    for n in cutlass.range_constexpr(2):
+                        for i in cutlass.range_constexpr(4):
+                            sGram[qi, 0, n, g + 8 * (i // 2), 2 * c + i % 2] = acc[i, n]
+                if warp == 2 * qi + 1:
+                    acc = cute.make_rmem_tensor((4, 2), Float32)
+                    acc.fill(0.0)
+                    # rows k_g, q_g; rows g: k_g . (k|q)_t; rows g + 8 (q_g . x) unused
+                    ssk, ssq = _table_rows(sTok32[qi, None, None], sTok32[qi, None, None], g, c, acc)
+                    if c == 0:
+                        sTn[qi, 0, g] = cute.math.rsqrt(ssk + EPS, fastmath=True)
+                        sTn[qi, 1, g] = cute.math.rsqrt(ssq + EPS, fastmath=True) * scale
+                    for n in cutlass.range_constexpr(2):
+                        for i in cutlass.range_constexpr(2):
+                            sGram[qi, 1, n, g, 2 * c + i] = acc[i, n]
             cute.arch.sync_threads()
 
             # 3. per-head tables
             # ring coefficients e^{G_t - G_j} (k^_j . k^_t | q^_t) as fp16 head + tail: (h, k|q, t, j pair)
-            for it in cutlass.range_constexpr((group * 128 + THREADS - 1) // THREADS):
+            for it in cutlass.range_constexpr((heads * 128 + THREADS - 1) // THREADS):
                 idx = tidx + it * THREADS
-                if idx < group * 128:
+                if idx < heads * 128:
                     h = idx // 128
+                    qi = h // group
                     n = (idx // 64) % 2
                     t = (idx // 8) % 8
                     jp = idx % 8
@@ -700,44 +719,48 @@ class RingVerifyKernel:
                     x = []
                     for d in cutlass.range_constexpr(2):
                         j = 2 * jp + d
-                        val = cute.math.exp(gt - sGr[h, j], fastmath=True) * sRn[j] * sTn[n, t] * sGram[0, n, j, t]
+                        val = (cute.math.exp(gt - sGr[h, j], fastmath=True) * sRn[qi, j] * sTn[qi, n, t]
+                               * sGram[qi, 0, n, j, t])
                         x.append(cutlass.select_(j < peff, cutlass.select_(t < T, val, Float32(0.0)), Float32(0.0)))
                     hi, lo = _split(x[0], x[1], "f16")
                     sCR[h, 0, n, t, jp] = hi
                     sCR[h, 1, n, t, jp] = lo
-            if tidx < group * 16:
+            if tidx < heads * 16:
                 h = tidx // 16
                 n = (tidx // 8) % 2
                 t = tidx % 8
                 gt = self._g_at(sLg, sGr, h, t, peff)
-                sSc[h, n, t] = cutlass.select_(t < T, cute.math.exp(gt, fastmath=True) * sTn[n, t], Float32(0.0))
-            if warp < group:
-                self._solve_tables(sLg, sBeta, sGr, sGram, sTn, sTM, warp, lane, peff)
+                sSc[h, n, t] = cutlass.select_(t < T, cute.math.exp(gt, fastmath=True) * sTn[h // group, n, t], Float32(0.0))
+            if warp < heads:
+                qi = warp // group
+                self._solve_tables(sLg, sBeta, sGr, sGram[qi, None, None, None, None], sTn[qi, None, None], sTM, warp,
+                                   lane, peff)
             if fold:
-                _fold_tables(sRK, sRn, sGr, sKw, sDec, P, group, tidx, fp32)
+                _fold_tables(sRK, sRn, sGr, sKw, sDec, P, heads, group, tidx, fp32)
             # the step's entries join the ring (after the barrier above: nothing reads the ring's
             # keys or G from memory past it, so a fold's slots can be reused)
-            if tidx < group * T:
+            if tidx < heads * T:
                 h = tidx // T
                 t = tidx % T
-                mRingG[slot, qh * group + h, peff + t] = self._g_at(sLg, sGr, h, t, peff)
+                mRingG[slot, head0 + h, peff + t] = self._g_at(sLg, sGr, h, t, peff)
             if tidx < T * 16:
                 t = tidx // 16
                 ch = tidx % 16
-                tmp = cute.make_rmem_tensor((4,), Int32)
-                _load16(sTok32[t, None], ch, tmp)
-                cute.autovec_copy(tmp, cute.flat_divide(rk32[slot, qh, peff + t, None], (4,))[None, ch])
+                for qi in cutlass.range_constexpr(Q):
+                    tmp = cute.make_rmem_tensor((4,), Int32)
+                    _load16(sTok32[qi, t, None], ch, tmp)
+                    cute.autovec_copy(tmp, cute.flat_divide(rk32[slot, qh0 + qi, peff + t, None], (4,))[None, ch])
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 
             # 4. the value heads, one after another; each warp its 16 rows
             if cutlass.const_expr(T >= PREFETCH_FROM_T):
-                _load_state(s32[slot, qh * group, None, None], row0, c, rS, fp32)
+                _load_state(s32[slot, head0, None, None], row0, c, rS, fp32)
             rU = _ring_u_fragment(fp32)
             rV = cute.make_rmem_tensor((4,), Float32)
             acc = cute.make_rmem_tensor((4, 2), Float32)
-            for h in cutlass.range_constexpr(group):
-                head = qh * group + h
+            for h in cutlass.range_constexpr(heads):
+                head = head0 + h
                 gS = s32[slot, head, None, None]
                 # the corrections and values are read from shared memory where they are used, so
                 # that they hold no registers across the state's products
@@ -746,8 +769,8 @@ class RingVerifyKernel:
                     _fold_rows(rS, rU, sKw[h, None, None], sDec[h], g, c, fp32)
                     _store_state(rS, gS, row0, c, fp32)
                 acc.fill(0.0)
-                _row_products(rS, sTok32, g, c, acc, fp32)  # [v, t]: S k_t | S q_t, raw
-                if cutlass.const_expr(h + 1 < group):
+                _row_products(rS, sTok32[h // group, None, None], g, c, acc, fp32)  # [v, t]: S k_t | S q_t, raw
+                if cutlass.const_expr(h + 1 < heads):
                     _load_state(s32[slot, head + 1, None, None], row0, c, rS, fp32)
                 for n in cutlass.range_constexpr(2):
                     for i in cutlass.range_constexpr(4):
@@ -790,9 +813,9 @@ class RingVerifyKernel:
                         _store_outputs(d, sO32[warp, None, None], o32, b, head, warp, lane, g, c, T)
         else:
             if tidx < HEAD_DIM:  # padding row: zero outputs
-                for h in cutlass.range_constexpr(group):
+                for h in cutlass.range_constexpr(heads):
                     for t in cutlass.range_constexpr(T):
-                        mO[b, t, qh * group + h, tidx] = BFloat16(0.0)
+                        mO[b, t, head0 + h, tidx] = BFloat16(0.0)
 
     @cute.jit
     def _g_at(self, sLg: cute.Tensor, sGr: cute.Tensor, h, t, peff) -> Float32:
@@ -845,7 +868,7 @@ class RingFoldKernel:
     rounded once; module docstring); the caller then sets the row's P to 0."""
 
     def __init__(self, cfg: RingConfig):
-        if cfg.T != 0 or cfg.H < 1 or cfg.HV % cfg.H or cfg.state_dtype not in STATE_DTYPES:
+        if cfg.T != 0 or cfg.H < 1 or cfg.HV % cfg.H or cfg.state_dtype not in STATE_DTYPES or cfg.qk_heads != 1:
             raise ValueError(f"bad ring fold config {cfg}")
         self.cfg = cfg
 
@@ -889,9 +912,11 @@ class RingFoldKernel:
         row0 = 16 * warp + g
 
         smem = cutlass.memory.SmemAllocator()
-        sRK = smem.allocate_tensor(BFloat16, cute.make_layout((RING, HEAD_DIM), stride=(PADDED, 1)), byte_alignment=16)
-        sRK32 = cute.recast_tensor(sRK, Int32)
-        sRn = smem.allocate_tensor(Float32, _row_major((RING,)), byte_alignment=16)
+        # the key tables of one q/k head, shaped as the verify's (`_fold_tables`)
+        sRK = smem.allocate_tensor(BFloat16, cute.make_layout((1, RING, HEAD_DIM), stride=(RING * PADDED, PADDED, 1)),
+                                   byte_alignment=16)
+        sRK32 = cute.recast_tensor(sRK, Int32)[0, None, None]
+        sRn = smem.allocate_tensor(Float32, _row_major((1, RING)), byte_alignment=16)
         sGr = smem.allocate_tensor(Float32, _row_major((group, RING)), byte_alignment=16)
         sKw = smem.allocate_tensor(Int32, _row_major((group, HEAD_DIM, cfg.u_words)), byte_alignment=16)
         sDec = smem.allocate_tensor(Float32, _row_major((group,)), byte_alignment=16)
@@ -921,10 +946,10 @@ class RingFoldKernel:
             if warp == 0:
                 ss0, ss1 = _table_rows(sRK32, sRK32, g, c, None, products=False)
                 if c == 0:
-                    sRn[g] = cute.math.rsqrt(ss0 + EPS, fastmath=True)
-                    sRn[g + 8] = cute.math.rsqrt(ss1 + EPS, fastmath=True)
+                    sRn[0, g] = cute.math.rsqrt(ss0 + EPS, fastmath=True)
+                    sRn[0, g + 8] = cute.math.rsqrt(ss1 + EPS, fastmath=True)
             cute.arch.sync_threads()
-            _fold_tables(sRK, sRn, sGr, sKw, sDec, P, group, tidx, fp32)
+            _fold_tables(sRK, sRn, sGr, sKw, sDec, P, group, group, tidx, fp32)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
             rU = _ring_u_fragment(fp32)

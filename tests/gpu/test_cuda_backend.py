@@ -238,18 +238,21 @@ def test_server_on_the_gpu_matches_the_reference():
 @pytest.mark.parametrize("state_dtype", STATE_DTYPES)
 def test_large_plain_launches_run_through_the_ring_and_match_the_reference(state_dtype):
     """A server runs a launch of RING_MIN_ROWS rows or more (by its state dtype) of plain steps
-    as a verify with its entries committed: over enough steps that every ring fills and folds,
-    with T = 1..4, a fork (which folds first) and small launches in between (which append where
-    their rings have room, else fold and write in place), the outputs follow the float64
-    reference, and a fork steps exactly as its source."""
+    as a verify with its entries committed (here rows enough for wide verify CTAs,
+    `verify_qk_heads`): over enough steps that every ring fills and folds, with T = 1..4, a fork
+    (which folds first) and small launches in between (narrow CTAs; they append where their rings
+    have room, else fold and write in place), the outputs follow the float64 reference, and a
+    fork steps exactly as its source."""
     from gdn_server.backends.cuda import RING_MIN_ROWS
+    from gdn_server.kernels._ring_api import verify_qk_heads
 
     shape = ModelShape(num_layers=2, num_q_heads=16, num_v_heads=32, state_dtype=state_dtype)
     gates = random_gate_params(shape, seed=11)
     assert CudaBackend(shape, gates, max_sessions=1).ring_min_rows == RING_MIN_ROWS[state_dtype]
     ref = ReferenceModel(gates.A_log, gates.dt_bias)
     gen = torch.Generator().manual_seed(12)
-    B = RING_MIN_ROWS[state_dtype] + 2
+    B = max(RING_MIN_ROWS[state_dtype] + 2, 130)
+    assert verify_qk_heads(B, 1, 16, 32) > 1 and verify_qk_heads(3, 1, 16, 32) == 1
     with start_server("--device", "cuda", "--devices", "0", "--layers", "2", "--q-heads", "16", "--v-heads", "32",
                       "--seed", "11", "--max-sessions", str(B + 2), "--state-dtype", state_dtype, timeout=300) as srv:
         with grpc.insecure_channel(srv.address) as channel:

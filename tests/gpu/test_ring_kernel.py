@@ -15,6 +15,8 @@ import torch
 
 from reference import gdn_reference_step, kernel_inputs, rel_err
 
+from gdn_server.kernels._ring_api import ring_variants
+
 D = 128
 DEV = "cuda"
 TOL = 2e-3  # issue 48's accuracy target for every output (bf16) and every folded bf16 state
@@ -41,7 +43,7 @@ def _reference(S, x, live):
     return torch.cat(outs, 1), states
 
 
-def _run_sequence(B, T, H, HV, steps, seed, state_dtype=torch.bfloat16):
+def _run_sequence(B, T, H, HV, steps, seed, state_dtype=torch.bfloat16, qk_heads=None):
     api = _ring_api()
     gen = torch.Generator(device=DEV).manual_seed(seed)
     rnd = random.Random(seed)
@@ -70,7 +72,7 @@ def _run_sequence(B, T, H, HV, steps, seed, state_dtype=torch.bfloat16):
         before = pool.clone(), [r.clone() for r in ring]
         out = torch.full((B, T, HV, D), float("nan"), device=DEV, dtype=torch.bfloat16)
         api.ring_verify(pool, rows, torch.tensor(hist, device=DEV, dtype=torch.int32), x["layers"], x["q"], x["k"],
-                        x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], *ring, out)
+                        x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"], *ring, out, qk_heads=qk_heads)
         torch.cuda.synchronize()
         o_ref, states = _reference(model, x, live)
         worst_out = max(worst_out, rel_err(out[live].float(), o_ref))
@@ -96,14 +98,18 @@ def _run_sequence(B, T, H, HV, steps, seed, state_dtype=torch.bfloat16):
 CASES = [(T, 16, 32) for T in range(1, 9)] + [(T, H, HV) for H, HV in ((8, 32), (32, 32)) for T in (2, 4, 8)]
 
 
+# every CTA width at every B: a launch picks one by its size (`verify_qk_heads`)
+WIDTH_CASES = [(T, H, HV, qk) for T, H, HV in CASES for qk in ring_variants(T, H, HV)]
+
+
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("T,H,HV", CASES)
+@pytest.mark.parametrize("T,H,HV,qk_heads", WIDTH_CASES)
 @pytest.mark.parametrize("B", [1, 7, 40])
-def test_verify_sequence_matches_reference(B, T, H, HV, state_dtype):
+def test_verify_sequence_matches_reference(B, T, H, HV, qk_heads, state_dtype):
     steps = 2 * 16 // T + 3  # every row folds at least once
     worst_out, worst_state, folds, e_fold = _run_sequence(B, T, H, HV, steps, seed=B * 100 + T * 10 + H,
-                                                          state_dtype=state_dtype)
-    print(f"ring {state_dtype} B={B} T={T} H={H} HV={HV}: outputs {worst_out:.2e}, folded states {worst_state:.2e}, "
+                                                          state_dtype=state_dtype, qk_heads=qk_heads)
+    print(f"ring {state_dtype} qk_heads={qk_heads} B={B} T={T} H={H} HV={HV}: outputs {worst_out:.2e}, folded states {worst_state:.2e}, "
           f"ring_fold {e_fold:.2e}")
     assert folds > 0
     assert worst_out < TOL, f"outputs: {worst_out:.2e}"
