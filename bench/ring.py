@@ -30,7 +30,10 @@ disjoint row sets rotated so the state is cold in L2, device time by CUDA-graph 
 FlashInfer's ring verify (T = 4, 8) is timed on the verify's rows, fills, tokens and pool when
 its module (flashinfer.gdn_kernels.gdn_decode_bf16_wy_ucache) imports on the host, over a ring of
 its own format; otherwise its figures are the ones measured on an H200 in issue 48
-(REFERENCE_US), marked * in the table.
+(REFERENCE_US), marked * in the table. Its fused verify-and-flush kernel
+(gdn_decode_bf16_wy_ucache_flush, a 32-slot ring whose cursor the caller commits) is timed the
+way "step, full accepts" is, where it imports: rows at the fills of its own steady state with
+every token accepted (a fraction T/16 flush in each launch), the cursors left as they are.
 
 Writes bench/out/ring-<UTC time>.json (or under --out) with the date, commit and command, and
 prints the tables last.
@@ -349,10 +352,15 @@ def bench(rows, gen, log, N=4096):
         gdn_decode = None
         log(f"plain step unavailable: {e!r}")
     fi_verify = flashinfer_verify(log) if STATE_DTYPE == torch.bfloat16 else None
+    fi_flush = flashinfer_flush(log) if STATE_DTYPE == torch.bfloat16 else None
     if fi_verify is not None:  # its own ring format: normalised keys, bf16 corrections [RING, V], G
         fi_ring = (torch.nn.functional.normalize(torch.randn(N, H, RING, D, device=DEV, generator=gen), dim=-1).to(torch.bfloat16),
                    (torch.randn(N, HV, RING, D, device=DEV, generator=gen) * 0.1).to(torch.bfloat16),
                    -torch.rand(N, HV, RING, device=DEV, generator=gen).cumsum(-1))
+    if fi_flush is not None:  # the flush kernel's ring has 32 slots, a window of at most 16
+        fi_ring32 = (torch.nn.functional.normalize(torch.randn(N, H, 2 * RING, D, device=DEV, generator=gen), dim=-1).to(torch.bfloat16),
+                     (torch.randn(N, HV, 2 * RING, D, device=DEV, generator=gen) * 0.1).to(torch.bfloat16),
+                     -torch.rand(N, HV, 2 * RING, device=DEV, generator=gen).cumsum(-1))
 
     def verify(rows_, hist, x, out):
         T = x["q"].shape[1]
@@ -387,6 +395,12 @@ def bench(rows, gen, log, N=4096):
             except Exception as e:  # noqa: BLE001
                 r[name] = None
                 log(f"time {name} B={B} T={T} failed: {e!r}")
+        if fi_flush is not None and T in FLASHINFER_T:
+            try:
+                sets = Sets(B, T, H, HV, N, flashinfer_full_fills(T), gen)
+                r["flashinfer_flush_us"] = time_device(sets.call(flashinfer_flush_call(fi_flush, pool, fi_ring32, sets, gen)))
+            except Exception as e:  # noqa: BLE001
+                log(f"time FlashInfer's flush B={B} T={T} failed: {e!r}")
         if gdn_decode is not None:
             try:
                 r["plain_us"] = time_device(Sets(B, T, H, HV, N, [0], gen).call(plain))
@@ -428,6 +442,39 @@ def flashinfer_call(fi_verify, pool, fi_ring, sets):
     return call
 
 
+def flashinfer_flush(log):
+    """FlashInfer's fused verify and flush (gdn_decode_bf16_wy_ucache_flush.
+    gated_delta_rule_mtp_ucache_flush) where it imports on this host, else None."""
+    try:
+        from flashinfer.gdn_kernels.gdn_decode_bf16_wy_ucache_flush import gated_delta_rule_mtp_ucache_flush
+    except Exception as e:  # noqa: BLE001
+        log(f"FlashInfer's ring flush does not import here ({type(e).__name__}): not timed")
+        return None
+    return gated_delta_rule_mtp_ucache_flush
+
+
+def flashinfer_full_fills(T):
+    """The fills its flush kernel meets with every token accepted: a row flushes (and restarts its
+    window with the T new entries) when P + T would pass 16, so P runs T, 2T, .., 16."""
+    return list(range(T, RING + 1, T))
+
+
+def flashinfer_flush_call(fi_flush, pool, fi_ring32, sets, gen):
+    """FlashInfer's verify and flush of a Sets entry over `pool` and its 32-slot ring. The cursors
+    (hist_len, cache_base) are left for the caller to commit, as a graph-captured server does, so
+    every replay meets the same fills."""
+    x0 = sets.sets[0][2]
+    A_log, dt_bias = x0["A_log"][0], x0["dt_bias"][0]
+    B = x0["q"].shape[0]
+    base = torch.randint(0, 2 * RING, (B,), device=DEV, dtype=torch.int32, generator=gen)
+
+    def call(rows, hist, x, out):
+        fi_flush(A_log, x["a"], dt_bias, q=x["q"], k=x["k"], v=x["v"], b=x["b"], initial_state_source=pool,
+                 initial_state_indices=rows, k_cache=fi_ring32[0], u_cache=fi_ring32[1], g_cache=fi_ring32[2],
+                 hist_len=hist, cache_base=base, restart_hist_on_flush=False, output=out)
+    return call
+
+
 def to_markdown(res):
     f = lambda x, s=".1f": "-" if x is None else format(x, s)  # noqa: E731
     lines = [f"# History-ring kernels on {res['device']} ({res['date']}), commit {res['commit']}", "",
@@ -437,8 +484,8 @@ def to_markdown(res):
              "Plain read: the verify's rows' states read and nothing else (bench/state_copy.py).", "",
              "| B | T | FlashInfer ring verify | ours verify | plain read | step, full accepts (folds) "
              "| step, random accepts (folds) | every row folds | fold kernel | plain T-step "
-             "| full-accept step / FlashInfer |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| full-accept step / FlashInfer | FlashInfer verify + flush, full accepts |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res.get("timings", ()):
         fi, st = r.get("flashinfer_us") or r.get("flashinfer_issue48_us"), r.get("step_full_us")
         ratio = f"{st / fi:.2f}" if fi and st else "-"
@@ -446,7 +493,7 @@ def to_markdown(res):
         lines.append(f"| {r['B']} | {r['T']} | {f(fi)}{mark} | {f(r.get('verify_us'))} | {f(r.get('state_read_us'))} | "
                      f"{f(st)} ({r['fold_rate_full']:.0%}) | "
                      f"{f(r.get('step_random_us'))} ({r['fold_rate_random']:.0%}) | {f(r.get('fold_all_us'))} | "
-                     f"{f(r.get('fold_only_us'))} | {f(r.get('plain_us'))} | {ratio} |")
+                     f"{f(r.get('fold_only_us'))} | {f(r.get('plain_us'))} | {ratio} | {f(r.get('flashinfer_flush_us'))} |")
     if res.get("checks"):
         lines += ["", "## Correctness (worst relative error vs float64, over the sequence)", "",
                   "| B | T | H:HV | verifies | folds | out | folded state | fold kernel | ok |",
