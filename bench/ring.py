@@ -41,6 +41,7 @@ prints the tables last.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import random
@@ -351,16 +352,13 @@ def bench(rows, gen, log, N=4096):
     except Exception as e:  # noqa: BLE001
         gdn_decode = None
         log(f"plain step unavailable: {e!r}")
-    fi_verify = flashinfer_verify(log) if STATE_DTYPE == torch.bfloat16 else None
-    fi_flush = flashinfer_flush(log) if STATE_DTYPE == torch.bfloat16 else None
-    if fi_verify is not None:  # its own ring format: normalised keys, bf16 corrections [RING, V], G
-        fi_ring = (torch.nn.functional.normalize(torch.randn(N, H, RING, D, device=DEV, generator=gen), dim=-1).to(torch.bfloat16),
-                   (torch.randn(N, HV, RING, D, device=DEV, generator=gen) * 0.1).to(torch.bfloat16),
-                   -torch.rand(N, HV, RING, device=DEV, generator=gen).cumsum(-1))
+    bf16 = STATE_DTYPE == torch.bfloat16
+    fi_verify = flashinfer_kernel("gdn_decode_bf16_wy_ucache", "gated_delta_rule_mtp_ucache", log) if bf16 else None
+    fi_flush = flashinfer_kernel("gdn_decode_bf16_wy_ucache_flush", "gated_delta_rule_mtp_ucache_flush", log) if bf16 else None
+    if fi_verify is not None:
+        fi_ring = flashinfer_ring(N, H, HV, RING, gen)
     if fi_flush is not None:  # the flush kernel's ring has 32 slots, a window of at most 16
-        fi_ring32 = (torch.nn.functional.normalize(torch.randn(N, H, 2 * RING, D, device=DEV, generator=gen), dim=-1).to(torch.bfloat16),
-                     (torch.randn(N, HV, 2 * RING, D, device=DEV, generator=gen) * 0.1).to(torch.bfloat16),
-                     -torch.rand(N, HV, 2 * RING, device=DEV, generator=gen).cumsum(-1))
+        fi_ring32 = flashinfer_ring(N, H, HV, 2 * RING, gen)
 
     def verify(rows_, hist, x, out):
         T = x["q"].shape[1]
@@ -398,7 +396,11 @@ def bench(rows, gen, log, N=4096):
         if fi_flush is not None and T in FLASHINFER_T:
             try:
                 sets = Sets(B, T, H, HV, N, flashinfer_full_fills(T), gen)
-                r["flashinfer_flush_us"] = time_device(sets.call(flashinfer_flush_call(fi_flush, pool, fi_ring32, sets, gen)))
+                # its cursors left for the caller to commit, as a graph-captured server does, so
+                # every replay meets the same fills
+                base = torch.randint(0, 2 * RING, (B,), device=DEV, dtype=torch.int32, generator=gen)
+                r["flashinfer_flush_us"] = time_device(sets.call(flashinfer_call(
+                    fi_flush, pool, fi_ring32, sets, cache_base=base, restart_hist_on_flush=False)))
             except Exception as e:  # noqa: BLE001
                 log(f"time FlashInfer's flush B={B} T={T} failed: {e!r}")
         if gdn_decode is not None:
@@ -418,39 +420,22 @@ def bench(rows, gen, log, N=4096):
 FLASHINFER_T = (4, 8)  # the T its ring verify is built for
 
 
-def flashinfer_verify(log):
-    """FlashInfer's ring verify (gdn_decode_bf16_wy_ucache.gated_delta_rule_mtp_ucache) where it
-    imports on this host, else None."""
+def flashinfer_kernel(module, name, log):
+    """FlashInfer's `name` from flashinfer.gdn_kernels.`module` where it imports on this host, else
+    None (its verify's column then shows issue 48's figures)."""
     try:
-        from flashinfer.gdn_kernels.gdn_decode_bf16_wy_ucache import gated_delta_rule_mtp_ucache
+        return getattr(importlib.import_module(f"flashinfer.gdn_kernels.{module}"), name)
     except Exception as e:  # noqa: BLE001
-        log(f"FlashInfer's ring verify does not import here ({type(e).__name__}): its column is issue 48's table")
+        log(f"FlashInfer's {module}.{name} does not import here ({type(e).__name__}): not timed")
         return None
-    return gated_delta_rule_mtp_ucache
 
 
-def flashinfer_call(fi_verify, pool, fi_ring, sets):
-    """FlashInfer's verify of a Sets entry (rows, hist, tokens, out) over `pool` and its own ring,
-    with one (A_log, dt_bias) pair for every set (it caches their bf16 casts by tensor)."""
-    x0 = sets.sets[0][2]
-    A_log, dt_bias = x0["A_log"][0], x0["dt_bias"][0]
-
-    def call(rows, hist, x, out):
-        fi_verify(A_log, x["a"], dt_bias, q=x["q"], k=x["k"], v=x["v"], b=x["b"], initial_state_source=pool,
-                  initial_state_indices=rows, k_cache=fi_ring[0], u_cache=fi_ring[1], g_cache=fi_ring[2],
-                  hist_len=hist, output=out)
-    return call
-
-
-def flashinfer_flush(log):
-    """FlashInfer's fused verify and flush (gdn_decode_bf16_wy_ucache_flush.
-    gated_delta_rule_mtp_ucache_flush) where it imports on this host, else None."""
-    try:
-        from flashinfer.gdn_kernels.gdn_decode_bf16_wy_ucache_flush import gated_delta_rule_mtp_ucache_flush
-    except Exception as e:  # noqa: BLE001
-        log(f"FlashInfer's ring flush does not import here ({type(e).__name__}): not timed")
-        return None
-    return gated_delta_rule_mtp_ucache_flush
+def flashinfer_ring(N, H, HV, slots, gen):
+    """Random ring tensors in FlashInfer's format, `slots` entries a row: normalised keys, bf16
+    corrections [slots, V], falling G."""
+    return (torch.nn.functional.normalize(torch.randn(N, H, slots, D, device=DEV, generator=gen), dim=-1).to(torch.bfloat16),
+            (torch.randn(N, HV, slots, D, device=DEV, generator=gen) * 0.1).to(torch.bfloat16),
+            -torch.rand(N, HV, slots, device=DEV, generator=gen).cumsum(-1))
 
 
 def flashinfer_full_fills(T):
@@ -459,19 +444,17 @@ def flashinfer_full_fills(T):
     return list(range(T, RING + 1, T))
 
 
-def flashinfer_flush_call(fi_flush, pool, fi_ring32, sets, gen):
-    """FlashInfer's verify and flush of a Sets entry over `pool` and its 32-slot ring. The cursors
-    (hist_len, cache_base) are left for the caller to commit, as a graph-captured server does, so
-    every replay meets the same fills."""
+def flashinfer_call(fi_kernel, pool, fi_ring, sets, **extra):
+    """FlashInfer's verify (or verify and flush, with its `extra` arguments) of a Sets entry (rows,
+    hist, tokens, out) over `pool` and its own ring, with one (A_log, dt_bias) pair for every set
+    (it caches their bf16 casts by tensor)."""
     x0 = sets.sets[0][2]
     A_log, dt_bias = x0["A_log"][0], x0["dt_bias"][0]
-    B = x0["q"].shape[0]
-    base = torch.randint(0, 2 * RING, (B,), device=DEV, dtype=torch.int32, generator=gen)
 
     def call(rows, hist, x, out):
-        fi_flush(A_log, x["a"], dt_bias, q=x["q"], k=x["k"], v=x["v"], b=x["b"], initial_state_source=pool,
-                 initial_state_indices=rows, k_cache=fi_ring32[0], u_cache=fi_ring32[1], g_cache=fi_ring32[2],
-                 hist_len=hist, cache_base=base, restart_hist_on_flush=False, output=out)
+        fi_kernel(A_log, x["a"], dt_bias, q=x["q"], k=x["k"], v=x["v"], b=x["b"], initial_state_source=pool,
+                  initial_state_indices=rows, k_cache=fi_ring[0], u_cache=fi_ring[1], g_cache=fi_ring[2],
+                  hist_len=hist, output=out, **extra)
     return call
 
 

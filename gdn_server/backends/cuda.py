@@ -82,8 +82,8 @@ MAPPED_MAX_ROWS = 1
 # verify, each row's entries committed at once (`Backend.ring_min_rows`): reading the states and
 # writing T ring entries, with the fold of a full ring amortized, costs less than reading and
 # writing the states (H200, bench/ring.py; bench/DECISIONS.md, entry 4). bf16: from 16 rows on at
-# every T <= 4, 24-33% less at B = 512. fp32: from 64 rows on at every T measured, 3-7% less at
-# B = 64 and 6-16% at B = 512; at 32 rows T = 2 is slower through the ring (39.5 against 38.4 us).
+# every T <= 4, 27-38% less at B = 512. fp32: from 64 rows on at every T measured, 3-7% less at
+# B = 64 and 12-26% at B = 512; at 32 rows T = 2 is slower through the ring (39.5 against 38.4 us).
 # Neither state drifts more than in place: a bf16 state is rounded once per fold instead of once
 # per step, an fp32 state's ring keeps fp32 corrections.
 RING_MIN_ROWS = dict(bfloat16=16, float32=64)

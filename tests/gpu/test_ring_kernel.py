@@ -15,7 +15,7 @@ import torch
 
 from reference import gdn_reference_step, kernel_inputs, rel_err
 
-from gdn_server.kernels._ring_api import ring_variants
+from gdn_server.kernels import _ring_api as api
 
 D = 128
 DEV = "cuda"
@@ -23,12 +23,6 @@ TOL = 2e-3  # issue 48's accuracy target for every output (bf16) and every folde
 # an fp32 state's folds keep it near its own precision (the ring's fp32 corrections, the fold's
 # head + tail operands): a fold with fp16 operands would fail this
 STATE_TOL = {torch.bfloat16: TOL, torch.float32: 1e-5}
-
-
-def _ring_api():
-    from gdn_server.kernels import _ring_api
-
-    return _ring_api
 
 
 def _reference(S, x, live):
@@ -44,7 +38,6 @@ def _reference(S, x, live):
 
 
 def _run_sequence(B, T, H, HV, steps, seed, state_dtype=torch.bfloat16, qk_heads=None):
-    api = _ring_api()
     gen = torch.Generator(device=DEV).manual_seed(seed)
     rnd = random.Random(seed)
     N = 2 * B + 4
@@ -99,7 +92,7 @@ CASES = [(T, 16, 32) for T in range(1, 9)] + [(T, H, HV) for H, HV in ((8, 32), 
 
 
 # every CTA width at every B: a launch picks one by its size (`verify_qk_heads`)
-WIDTH_CASES = [(T, H, HV, qk) for T, H, HV in CASES for qk in ring_variants(T, H, HV)]
+WIDTH_CASES = [(T, H, HV, qk) for T, H, HV in CASES for qk in api.ring_variants(T, H, HV)]
 
 
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -118,7 +111,6 @@ def test_verify_sequence_matches_reference(B, T, H, HV, qk_heads, state_dtype):
 
 
 def test_bad_arguments_raise_value_error():
-    api = _ring_api()
     B, T, H, HV = 2, 4, 16, 32
     gen = torch.Generator(device=DEV).manual_seed(1)
     pool = torch.zeros(4, HV, D, D, device=DEV, dtype=torch.bfloat16)
