@@ -255,7 +255,8 @@ def test_large_plain_launches_run_through_the_ring_and_match_the_reference(state
     assert verify_qk_heads(B, 1, 16, 32) > 1 and verify_qk_heads(3, 1, 16, 32) == 1
     with start_server("--device", "cuda", "--devices", "0", "--layers", "2", "--q-heads", "16", "--v-heads", "32",
                       "--seed", "11", "--max-sessions", str(B + 2), "--state-dtype", state_dtype, timeout=300) as srv:
-        with grpc.insecure_channel(srv.address) as channel:
+        # a T = 4 reply of B rows is 4.3 MB, past grpc's default 4 MiB a message
+        with grpc.insecure_channel(srv.address, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
             stub = gdn_pb2_grpc.GdnDecodeStub(channel)
             sessions = [stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=60).session_id for _ in range(B)]
             worst = 0.0
