@@ -39,7 +39,7 @@ from gdn_server.shared_memory import SharedMemoryRegistry
 from gdn_server.state_transfer import StateAssembler, encode_state
 from gdn_server.scheduler import settle
 from gdn_server.validation import PendingCheck, decode_work, parse_decode_request, step_limits
-from gdn_server.work import LAUNCH_WRITTEN, DecodeResult, DecodeWork, DeviceSpan
+from gdn_server.work import DecodeResult, DecodeWork, DeviceSpan
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +48,15 @@ log = logging.getLogger(__name__)
 def decode_response(result: DecodeResult, output: Any = None) -> bytes:
     """The serialized DecodeResponse of a step's result: its reply as encoded; with `output` (a
     request's o_ref, as a view of its region), o is in the region and the reply's o has its dtype
-    and shape only. A memoryview (host memory) gets o here; a DeviceSpan (GPU memory) or a pinned
-    CPU tensor (big page-locked host memory: gdn_server.shared_memory) got it from the launch
-    (gdn_server/backends/cuda.py), unless the answer is a retry's, from the kept output."""
+    and shape only. A memoryview (host memory) gets o here; a DeviceSpan (memory a GPU writes in
+    place: gdn_server.shared_memory) got it from the launch (gdn_server/backends/cuda.py), unless
+    the answer is a retry's, from the kept output."""
     if output is None:
         return result.reply
-    if type(output) not in LAUNCH_WRITTEN:  # a memoryview of host memory
+    if type(output) is not DeviceSpan:  # a memoryview of host memory
         output[:] = result.out
-    elif result.replayed:  # a DeviceSpan, or a pinned CPU uint8 tensor
-        target = output.tensor() if type(output) is DeviceSpan else output
-        target.copy_(torch.frombuffer(result.out, dtype=torch.uint8))
+    elif result.replayed:
+        output.tensor().copy_(torch.frombuffer(result.out, dtype=torch.uint8))
     return encode_reply(b"", result.shape, result.positions, result.request_id)
 
 

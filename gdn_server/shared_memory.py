@@ -10,23 +10,26 @@ that does not exist. A region is mapped once, at registration:
 - cuda: device memory of another process, opened from its CUDA IPC handle on the GPU it lives on
   (gdn_client.proto.cuda_ipc), on a server whose backend is CUDA.
 
-On a CUDA server (`DeviceAccess`) a system region is also page-locked at registration, so that
-the backend copies its big tensors to the GPU by DMA instead of through its staging buffer, and
-tensors in CUDA regions are checked on their GPU (`DeviceAccess.check`: one kernel launch for the
-requests that arrive together, polled) and copied by the backend on the device: nothing of theirs
-crosses the host. A reference into CUDA memory is a `DeviceSpan` (an address), not a tensor view.
+On a CUDA server (`DeviceAccess`) a system region is also page-locked at registration, which
+makes it readable and writable by the GPUs at its own address. Tensors in CUDA regions, and the
+references of a big request (one with a tensor of DEVICE_READ_BYTES or more) into page-locked
+memory, are `DeviceSpan`s (addresses), not views: the GPU checks them (`DeviceAccess.check`: one
+kernel launch for the requests that arrive together, polled), the backend's launch reads them
+and writes o there, and none of their bytes pass through the server's CPU.
 
 It is unmapped when its owner unregisters it, when no request has used it for `idle_s` (a client
 that died must not pin memory for ever: `sweep`), and at shutdown (`close`). A request that holds
-views of a region keeps that memory mapped until it is answered (a system region's memoryviews
-hold its mapping; a CUDA region's DeviceSpans hold its tensor, whose last reference closes the IPC
-mapping), so unmapping never pulls memory from under a step in flight. Each owner holds at most
-`max_regions_per_client` regions of `max_bytes_per_client` bytes in all.
+views of a region keeps that memory mapped until it is answered (a memoryview holds its system
+region's mapping; a DeviceSpan holds its region's tensor, whose last reference closes the IPC
+mapping, or ends the page-lock and then the mapping), so unmapping never pulls memory from under
+a step in flight. Each owner holds at most `max_regions_per_client` regions of
+`max_bytes_per_client` bytes in all.
 
 `resolver(owner)` is what the wire layer (gdn_server.validation) gets: a function from (region,
-offset, byte count) to a view of those bytes (a writable memoryview for system memory, a
-`DeviceSpan`, an address, for device memory), raising NotFound or InvalidArgument, with the
-check of tensors in device memory as its `check_device`. Nothing below the wire layer learns about regions.
+offset, byte count, device_read) to a view of those bytes (a writable memoryview of system
+memory, or a `DeviceSpan` of memory the GPU reads in place), raising NotFound or
+InvalidArgument, with the check of tensors the GPU reads as its `check_device`. Nothing below the
+wire layer learns about regions.
 """
 from __future__ import annotations
 
@@ -51,12 +54,14 @@ SHM_DIR = "/dev/shm"  # where Linux keeps shm_open's objects
 SHM_KEY = re.compile(r"/[^/\x00]{1,254}")
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 
-# What resolve(region, offset, nbytes, output=False) returns: a memoryview of system memory, or a
-# DeviceSpan of CUDA memory; for an output (o_ref) of DMA_OUTPUT_BYTES or more in page-locked
-# system memory, a CPU uint8 tensor there, which the CUDA backend's launch writes by DMA (a smaller
-# one is copied when the request is answered: one memcpy costs less than a copy call per request)
+# What resolve(region, offset, nbytes, device_read=False) returns: a DeviceSpan of CUDA memory, or
+# with device_read of page-locked system memory at an even address; else a memoryview
 Resolver = Callable[..., Any]
-DMA_OUTPUT_BYTES = 512 << 10
+# A request with a tensor of this many bytes or more in page-locked memory is read by the GPU
+# there: the check on the GPU and the launch's own reads cost less than the CPU's pass over its
+# bytes (NaN/Inf check and digests) and the DMA calls; a smaller one is checked and copied by
+# the CPU, which answers sooner than a check launch can
+DEVICE_READ_BYTES = 512 << 10
 
 
 def _nothing() -> None:
@@ -75,6 +80,8 @@ class DeviceAccess:
 
         self._torch = torch
         self._devices = [torch.device(d) for d in devices]
+        # the GPU that checks the tensors in page-locked host memory (every GPU can read them)
+        self.host_check_device = self._devices[0].index
         self._open_handle, self._ipc_error = open_handle, CudaIpcError
         self._scans: dict = {}
 
@@ -87,15 +94,19 @@ class DeviceAccess:
             raise InvalidArgument(f"CUDA IPC handle on device {device} does not open: {e}") from None
 
     def pin(self, address: int, nbytes: int) -> Callable[[], None] | None:
-        """Page-locks host memory for DMA; returns its unpin (which first waits for the devices'
-        queued work, some of which may still read it), or None where the driver refuses (the
-        region then works through the staging buffer)."""
+        """Page-locks host memory, mapped for every GPU at its own address (what a 64-bit host's
+        unified addressing gives); returns its unpin (which first waits for the devices' queued
+        work, some of which may still read it), or None where the driver refuses or the GPU would
+        see it at another address (the region then works through the staging buffer)."""
         cudart = self._torch.cuda.cudart()
         error = int(cudart.cudaHostRegister(address, nbytes, 0))
+        if error == 0 and not self._same_address(address):
+            cudart.cudaHostUnregister(address)
+            error = -1
         if error != 0:
             self._clear_last_error()
-            log.warning("a system shared-memory region could not be page-locked (CUDA error %d); its tensors "
-                        "go through the staging buffer", error)
+            log.warning("a system shared-memory region could not be page-locked at its own address (CUDA error "
+                        "%d); its tensors go through the staging buffer", error)
             return None
 
         def unpin() -> None:
@@ -105,19 +116,31 @@ class DeviceAccess:
 
         return unpin
 
+    def _same_address(self, address: int) -> bool:
+        """Whether the GPUs see page-locked `address` at that address (cudaHostGetDevicePointer)."""
+        pointer = ctypes.c_void_p()
+        try:
+            error = self._cudart().cudaHostGetDevicePointer(ctypes.byref(pointer), ctypes.c_void_p(address), 0)
+        except (OSError, AttributeError):
+            return False
+        return error == 0 and pointer.value == address
+
+    def _cudart(self) -> Any:
+        """The CUDA runtime torch loaded, by its soname, for the calls torch's cudart module lacks."""
+        return ctypes.CDLL(f"libcudart.so.{(self._torch.version.cuda or '').split('.')[0]}")
+
     def _clear_last_error(self) -> None:
         """Reads, and so clears, the CUDA runtime's last error: a failed call leaves it set, and
         the next launch's check (torch's, the kernels') would report it as that launch's failure.
-        torch's cudart module has no cudaGetLastError; the runtime torch loaded has, by its soname."""
-        major = (self._torch.version.cuda or "").split(".")[0]
+        torch's cudart module has no cudaGetLastError."""
         try:
-            ctypes.CDLL(f"libcudart.so.{major}").cudaGetLastError()
+            self._cudart().cudaGetLastError()
         except (OSError, AttributeError):
             log.warning("could not clear the CUDA runtime's last error; the next launch may report it")
 
     def check(self, spans: list, rows: int) -> Any:
-        """Starts the NaN/Inf check and digests of one request's bf16 tensors [rows, ...] in device
-        memory (DeviceSpans, all on one device) there (gdn_server.kernels.TensorScan): a PendingScan
+        """Starts the NaN/Inf check and digests of one request's bf16 tensors [rows, ...] that a
+        GPU reads (DeviceSpans, all on one device) there (gdn_server.kernels.TensorScan): a PendingScan
         whose result() is (index of the first tensor holding a NaN or Inf, or None; each row's
         digest)."""
         device = spans[0].device
@@ -132,11 +155,12 @@ class DeviceAccess:
 class Region:
     """One registered region: its bytes (`memory`) and when a request last used it."""
 
-    __slots__ = ("owner", "name", "kind", "byte_size", "memory", "last_used", "_release", "pinned", "_address",
-                 "_device")
+    __slots__ = ("owner", "name", "kind", "byte_size", "memory", "last_used", "_release", "_device_memory",
+                 "_address", "_device")
 
     def __init__(self, owner: str, name: str, kind: str, byte_size: int, memory: Any,
-                 release: Callable[[], None], now: float, pinned: bool = False) -> None:
+                 release: Callable[[], None], now: float, device_memory: Any = None,
+                 device: int | None = None) -> None:
         self.owner = owner
         self.name = name
         self.kind = kind  # "system" or "cuda"
@@ -144,28 +168,39 @@ class Region:
         self.memory = memory  # memoryview (system) or CUDA uint8 tensor (cuda) of byte_size bytes
         self.last_used = now
         self._release = release
-        self.pinned = pinned  # system memory page-locked for DMA (a CUDA server's)
-        # CUDA memory: its first byte's address and device index, read once (a reference's view is
-        # a DeviceSpan, an address: no torch call a reference)
+        # What a GPU reads in place: the CUDA tensor, or a page-locked system region's bytes as a
+        # CPU uint8 tensor (None: not page-locked); a reference's DeviceSpan holds it, and with it
+        # the mapping or the page-lock. Its first byte's address and the device that checks its
+        # tensors, read once (a reference is an address: no torch call a reference).
+        self._device_memory = device_memory
         self._address = self._device = None
-        if kind == "cuda":
-            self._address, self._device = memory.data_ptr(), memory.device.index
+        if device_memory is not None:
+            self._address = device_memory.data_ptr()
+            self._device = device_memory.device.index if kind == "cuda" else device
 
-    def view(self, offset: int, nbytes: int) -> Any:
-        """The bytes [offset, offset + nbytes) of the region; InvalidArgument past its end."""
+    @property
+    def pinned(self) -> bool:
+        """A system region page-locked, which a CUDA server's GPUs read and write in place."""
+        return self.kind == "system" and self._device_memory is not None
+
+    def view(self, offset: int, nbytes: int, device_read: bool = False) -> Any:
+        """The bytes [offset, offset + nbytes) of the region: a DeviceSpan of CUDA memory, and with
+        `device_read` of page-locked memory at an even address (the GPU's copies move bf16
+        words); else a memoryview. InvalidArgument past its end."""
         if offset > self.byte_size or nbytes > self.byte_size - offset:
             raise InvalidArgument(
                 f"shared-memory region {self.name!r}: bytes [{offset}, {offset + nbytes}) lie past its end "
                 f"({self.byte_size} bytes)"
             )
-        if self._address is not None:
-            return DeviceSpan(self.memory, offset, nbytes, self._address + offset, self._device)
+        address = self._address
+        if address is not None and (self.kind == "cuda" or device_read and (address + offset) % 2 == 0):
+            return DeviceSpan(self._device_memory, offset, nbytes, address + offset, self._device)
         return self.memory[offset:offset + nbytes]
 
     def unmap(self) -> None:
         """Drops the registry's hold on the memory: unmapped now, or when the last request using
         it is answered."""
-        self.memory = None
+        self.memory = self._device_memory = None
         self._release()
 
 
@@ -206,11 +241,13 @@ class SharedMemoryRegistry:
                 f"a client maps at most {lim.max_bytes_per_client} bytes of shared memory; it holds {held}, "
                 f"this region would add {byte_size}"
             )
-        pinned = False
+        device_memory = device_index = None
         if system is not None:
-            memory, release, pinned = map_system(system[0], system[1], byte_size,
-                                                 None if self._device is None else self._device.pin)
+            memory, release, device_memory = map_system(system[0], system[1], byte_size,
+                                                        None if self._device is None else self._device.pin)
             kind = "system"
+            if device_memory is not None:
+                device_index = self._device.host_check_device
         else:
             handle, device = cuda
             if self._device is None:
@@ -226,8 +263,8 @@ class SharedMemoryRegistry:
             # would fault on a closed mapping, and such a fault ends every request of the process)
             weakref.finalize(memory, close).atexit = False  # at exit the driver frees it anyway
             release = _nothing
-            kind = "cuda"
-        region = Region(owner, name, kind, byte_size, memory, release, self._clock(), pinned)
+            device_memory, kind = memory, "cuda"
+        region = Region(owner, name, kind, byte_size, memory, release, self._clock(), device_memory, device_index)
         self._regions[(owner, name)] = region
         self._held[owner] = (regions + 1, held + byte_size)
         return region
@@ -247,20 +284,16 @@ class SharedMemoryRegistry:
         return len(mine)
 
     def resolver(self, owner: str) -> Resolver:
-        """The resolve(region, offset, nbytes) of `owner`'s requests (see the module docstring)."""
+        """The resolve(region, offset, nbytes, device_read=False) of `owner`'s requests (see the
+        module docstring and `Region.view`)."""
         regions, clock = self._regions, self._clock
 
-        def resolve(name: str, offset: int, nbytes: int, output: bool = False) -> Any:
+        def resolve(name: str, offset: int, nbytes: int, device_read: bool = False) -> Any:
             region = regions.get((owner, name))
             if region is None:
                 raise NotFound(f"no shared-memory region {name!r}")
             region.last_used = clock()
-            view = region.view(offset, nbytes)
-            if output and region.pinned and nbytes >= DMA_OUTPUT_BYTES:
-                import torch  # a CUDA server's: loaded
-
-                return torch.frombuffer(view, dtype=torch.uint8)  # the launch writes it by DMA
-            return view
+            return region.view(offset, nbytes, device_read)
 
         resolve.check_device = None if self._device is None else self._device.check  # type: ignore[attr-defined]
         return resolve
@@ -291,12 +324,13 @@ class SharedMemoryRegistry:
 
 
 def map_system(key: str, offset: int, byte_size: int, pin: Callable[[int, int], Callable[[], None] | None] | None = None,
-               ) -> tuple[memoryview, Callable[[], None], bool]:
+               ) -> tuple[memoryview, Callable[[], None], Any]:
     """Maps bytes [offset, offset + byte_size) of the shm object `key` read-write: its memoryview,
-    the function that unmaps it (at once, or once the last view of it is gone) and whether it is
-    page-locked (by `pin` (address, bytes) -> unpin, where given and the driver agrees).
-    InvalidArgument where `key` is not a plain shm_open name, or the object is not there, not a
-    regular file the server may read and write, or smaller than offset + byte_size."""
+    the function that unmaps it (at once, or once the last view of it is gone) and, where `pin`
+    (address, bytes) -> unpin page-locks it, the same bytes as a CPU uint8 tensor (else None),
+    whose last reference ends the page-lock. InvalidArgument where `key` is not a plain shm_open
+    name, or the object is not there, not a regular file the server may read and write, or
+    smaller than offset + byte_size."""
     if SHM_KEY.fullmatch(key) is None or key in ("/.", "/.."):
         raise InvalidArgument(f"shared-memory key {key[:64]!r} is not a plain shm_open name (\"/name\", no other '/')")
     try:
@@ -316,18 +350,24 @@ def map_system(key: str, offset: int, byte_size: int, pin: Callable[[int, int], 
                             offset=start)
     finally:
         os.close(fd)
-    unpin = None
+    locked = None
     if pin is not None:
         anchor = ctypes.c_char.from_buffer(mapping)  # the mapping's address (the export ends with it)
         address = ctypes.addressof(anchor)
         del anchor
         unpin = pin(address, len(mapping))
+        if unpin is not None:
+            import torch  # a CUDA server's: loaded
+
+            # The page-lock lasts as long as this tensor (the region's, then the DeviceSpans' of the
+            # requests in flight): a launch that reads or writes it never meets unlocked memory. It
+            # holds an export of the mapping, so the unmap follows the unpin.
+            locked = torch.frombuffer(mapping, dtype=torch.uint8, count=byte_size, offset=offset - start)
+            weakref.finalize(locked, unpin).atexit = False  # at exit the driver drops the lock anyway
     whole = memoryview(mapping)
     view = whole[offset - start:]
 
     def release() -> None:
-        if unpin is not None:  # before the unmap, and once no queued copy reads it
-            unpin()
         view.release()
         whole.release()
         try:
@@ -335,4 +375,4 @@ def map_system(key: str, offset: int, byte_size: int, pin: Callable[[int, int], 
         except BufferError:  # a request in flight still holds a view: unmapped when it lets go
             pass
 
-    return view, release, unpin is not None
+    return view, release, locked

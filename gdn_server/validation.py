@@ -11,16 +11,18 @@ inputs become float tensors here.
 
 Every input leaves here checked for NaN/Inf: bf16 bytes by gdn_server._wire (the parse, or
 `checked_digests` for the rest: one rule, in the same pass as the digests), f16/f32 bytes by
-gdn_client.proto.checks, a request with any input in device memory on that device, all of its
-inputs together (the check the resolver brings, `resolve.check_device`: one kernel launch for the
-requests of a turn of the event loop, which the servicer polls through a PendingCheck). Nothing
-after validation checks them again.
+gdn_client.proto.checks, a request with any input a GPU reads in place (a DeviceSpan) on that
+GPU, all of its inputs together (the check the resolver brings, `resolve.check_device`: one
+kernel launch for the requests of a turn of the event loop, which the servicer polls through a
+PendingCheck). Nothing after validation checks them again.
 
 Tensors by reference (TensorRef, into a shared-memory region the caller registered) become views
 of the region here, through the `resolve` function the servicer passes for the caller
-(gdn_server.shared_memory): host memory as buffers like a message's bytes, device memory as
-DeviceSpans (addresses). So the scheduler and the backends see a DecodeWork of views and never
-learn about regions; an output reference (o_ref) becomes `DecodeWork.output`, where the reply's o goes.
+(gdn_server.shared_memory): host memory as buffers like a message's bytes, memory a GPU reads in
+place as DeviceSpans (addresses): CUDA memory, and page-locked host memory where the request has
+a referenced tensor of DEVICE_READ_BYTES or more. So the scheduler and the backends see a
+DecodeWork of views and never learn about regions; an output reference (o_ref) becomes
+`DecodeWork.output`, where the reply's o goes.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from gdn_server._wire import CheckedStep, StepLimits
 from gdn_server.config import ModelShape
 from gdn_server.errors import FailedPrecondition, InvalidArgument
 from gdn_server.limits import MAX_REQUEST_ID_LEN, MAX_SESSION_ID_LEN
+from gdn_server.shared_memory import DEVICE_READ_BYTES
 from gdn_server.work import INPUT_NAMES, DecodeWork, DeviceSpan
 
 MAX_POSITION = _wire.MAX_POSITION  # 2^63 - 1: positions travel as uint64 and are kept as signed 64-bit counts
@@ -50,9 +53,9 @@ _ALL_BF16 = (gdn_pb2.BF16,) * 5
 # one pass over the bytes; the digest is what a retry of its step must match. gdn_server/_wire.c.
 checked_digests = _wire.checked_digests
 # A tensor reference's resolution (gdn_server.shared_memory.SharedMemoryRegistry.resolver):
-# (region, offset, byte count, output=False) -> a buffer of host memory or a DeviceSpan of device
-# memory (an output: also a pinned CPU uint8 tensor, which the launch writes); its `check_device`
-# starts the check of a request's tensors in device memory (None where there can be none)
+# (region, offset, byte count, device_read=False) -> a buffer of host memory or a DeviceSpan of
+# memory a GPU reads in place; its `check_device` starts the check of a request's DeviceSpans
+# (None where there can be none)
 Resolve = Callable[..., Any]
 
 
@@ -149,11 +152,13 @@ def _step_by_reference(step: CheckedStep, shape: ModelShape, owner: str | None, 
     checked every input's dtype (bf16), shape and inline length, so a reference needs only its
     resolution here (what `_resolved` does for any request, in one pass without layout checks)."""
     raw = list(step.inputs)
+    sizes = [2 * math.prod(d) for d in step.dims]
+    device_read = _device_read([n for x, n in zip(raw, sizes) if type(x) is tuple], step.o_ref, step.dims, shape)
     spans: list[tuple[str, int, int, str]] = []  # (region, start, end, tensor) of each reference
     for i, x in enumerate(raw):
         if type(x) is tuple:
-            raw[i] = _resolve(x, 2 * math.prod(step.dims[i]), INPUT_NAMES[i], resolve, spans)
-    output = _resolve_output(step.o_ref, step.dims, shape, resolve, spans)
+            raw[i] = _resolve(x, sizes[i], INPUT_NAMES[i], resolve, spans, device_read)
+    output = _resolve_output(step.o_ref, step.dims, shape, resolve, spans, device_read)
     common = dict(
         layer=step.layer, session_ids=step.session_ids, positions=step.positions, request_id=step.request_id,
         speculative=step.speculative, owner=owner, owner_key=owner_key, output=output,
@@ -167,8 +172,10 @@ def _resolved(raw: Sequence[Any], refs: Sequence[tuple[str, int] | None], o_ref:
     """The inputs' bytes, each reference (region, offset) resolved to a view of its region (the
     layout of each checked, by reference or inline), and where o goes (None: in the reply)."""
     spans: list[tuple[str, int, int, str]] = []  # (region, start, end, tensor) of each reference
+    sizes = [ITEMSIZE_OF.get(dtype, 0) * math.prod(d) for dtype, d in zip(dtypes, dims)]
+    device_read = _device_read([n for n, ref in zip(sizes, refs) if ref is not None], o_ref, dims, shape)
     out = []
-    for name, dtype, d, data, ref in zip(INPUT_NAMES, dtypes, dims, raw, refs):
+    for name, dtype, d, data, ref, nbytes in zip(INPUT_NAMES, dtypes, dims, raw, refs, sizes):
         if ref is None:
             try:
                 check_layout(dtype, d, len(data), name)
@@ -179,11 +186,26 @@ def _resolved(raw: Sequence[Any], refs: Sequence[tuple[str, int] | None], o_ref:
         if len(data):
             raise InvalidArgument(f"tensor {name} has both data and ref: its bytes are in one place")
         try:
-            check_layout(dtype, d, ITEMSIZE_OF.get(dtype, 0) * math.prod(d), name)
+            check_layout(dtype, d, nbytes, name)
         except WireFormatError as e:
             raise InvalidArgument(str(e)) from None
-        out.append(_resolve(ref, ITEMSIZE_OF[dtype] * math.prod(d), name, resolve, spans))
-    return tuple(out), _resolve_output(o_ref, dims, shape, resolve, spans)
+        out.append(_resolve(ref, nbytes, name, resolve, spans, device_read))
+    return tuple(out), _resolve_output(o_ref, dims, shape, resolve, spans, device_read)
+
+
+def _output_bytes(dims: Sequence[tuple[int, ...]], shape: ModelShape) -> int:
+    """The bytes of o, bf16 [B, T, HV, V]."""
+    return 2 * dims[0][0] * dims[0][1] * shape.num_v_heads * shape.head_dim_v
+
+
+def _device_read(input_ref_bytes: Sequence[int], o_ref: tuple[str, int] | None, dims: Sequence[tuple[int, ...]],
+                 shape: ModelShape) -> bool:
+    """Whether a request's references into page-locked host memory are read (and o written) by
+    the GPU in place: where one of its references, o_ref included, has DEVICE_READ_BYTES or more."""
+    biggest = max(input_ref_bytes, default=0)
+    if o_ref is not None:
+        biggest = max(biggest, _output_bytes(dims, shape))
+    return biggest >= DEVICE_READ_BYTES
 
 
 class PendingCheck:
@@ -213,9 +235,9 @@ class PendingCheck:
 def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequence[tuple[int, ...]],
                   resolve: Resolve | None = None) -> DecodeWork | PendingCheck:
     """The DecodeWork of resolved inputs of checked layout: their NaN/Inf check and digests. A
-    request with an input in device memory (a DeviceSpan) gets all five there as bf16 (`_on_device`),
-    checked there by `resolve.check_device` (a PendingCheck), and the backend copies them on the
-    device."""
+    request with an input a GPU reads in place (a DeviceSpan) gets all five so as bf16
+    (`_on_device`), checked there by `resolve.check_device` (a PendingCheck), and the backend's
+    launch reads them there."""
     B = len(common["session_ids"])
     on_device = [type(r) is DeviceSpan for r in raw]
     if tuple(dtypes) == _ALL_BF16 and not any(on_device):
@@ -237,10 +259,10 @@ def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequenc
 
 
 def _on_device(raw: Sequence[Any], dtypes: Sequence[int], on_device: Sequence[bool]) -> list[DeviceSpan]:
-    """A request's five inputs as bf16 DeviceSpans on the device of its first one in device memory:
-    those already there as bf16 at an even address as they are (no torch call: the common case),
-    the others copied there (message bytes, host shared memory, another GPU's memory), realigned
-    or cast, by torch."""
+    """A request's five inputs as bf16 DeviceSpans that the device of its first DeviceSpan reads:
+    those it reads where they are (its memory, page-locked host memory) as bf16 at an even address
+    as they are (no torch call: the common case), the others copied to it (message bytes, host
+    memory, another GPU's memory), realigned or cast, by torch."""
     device = next(r.device for r, there in zip(raw, on_device) if there)
     spans = []
     made = False  # whether any input was copied or cast here
@@ -262,25 +284,23 @@ def _on_device(raw: Sequence[Any], dtypes: Sequence[int], on_device: Sequence[bo
 
 
 def _resolve_output(o_ref: tuple[str, int] | None, dims: Sequence[tuple[int, ...]], shape: ModelShape,
-                    resolve: Resolve | None, spans: list[tuple[str, int, int, str]]) -> Any:
+                    resolve: Resolve | None, spans: list[tuple[str, int, int, str]], device_read: bool) -> Any:
     """Where o goes: the view of its bf16 [B, T, HV, V] bytes at `o_ref`, or None (in the reply)."""
     if o_ref is None:
         return None
-    B, T = dims[0][0], dims[0][1]
-    return _resolve(o_ref, 2 * B * T * shape.num_v_heads * shape.head_dim_v, "o_ref", resolve, spans)
+    return _resolve(o_ref, _output_bytes(dims, shape), "o_ref", resolve, spans, device_read)
 
 
 def _resolve(ref: tuple[str, int], nbytes: int, name: str, resolve: Resolve | None,
-             spans: list[tuple[str, int, int, str]]) -> Any:
-    """The view of `nbytes` bytes at `ref` (region, offset); an output (`o_ref`) must not overlap
-    an input."""
+             spans: list[tuple[str, int, int, str]], device_read: bool) -> Any:
+    """The view of `nbytes` bytes at `ref` (region, offset), a DeviceSpan where the region's memory
+    is a GPU's, or page-locked and `device_read`; an output (`o_ref`) must not overlap an input."""
     if resolve is None:
         raise FailedPrecondition(f"{name} refers to shared memory, which this server does not accept "
                                  "(gdn-server --allow-shared-memory)")
     region, start = ref
     output = name == "o_ref"
-    # NotFound, or InvalidArgument past the region's end
-    view = resolve(region, start, nbytes, output=True) if output else resolve(region, start, nbytes)
+    view = resolve(region, start, nbytes, device_read)  # NotFound, or InvalidArgument past the region's end
     end = start + nbytes
     if output:
         if type(view) is DeviceSpan and view.address % 2:  # written in bf16 words

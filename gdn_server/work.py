@@ -37,11 +37,6 @@ class DeviceSpan:
         return self.memory.view(torch.uint8).reshape(-1)[self.offset:self.offset + self.nbytes]
 
 
-# Outputs (DecodeWork.output) that a GPU launch writes itself: GPU memory (a DeviceSpan) and big
-# outputs in page-locked host memory (a pinned CPU uint8 tensor, gdn_server.shared_memory); o for
-# host memory (a memoryview) and for the reply is written when the request is answered
-LAUNCH_WRITTEN = (DeviceSpan, torch.Tensor)
-
 
 class _Input:
     """A DecodeWork input (q, k, v, a or b), built from the request's raw bf16 bytes on first use.
@@ -151,8 +146,8 @@ class DecodeResult:
         self.shape = shape
         self.positions = positions
         self.request_id = request_id
-        # answered from a kept output, not by a launch: an o_ref a launch writes itself (GPU memory,
-        # big page-locked host memory: gdn_server/backends/cuda.py) is written from `out` instead
+        # answered from a kept output, not by a launch: an o_ref a launch writes itself (a
+        # DeviceSpan: gdn_server/backends/cuda.py) is written from `out` instead
         self.replayed = replayed
 
     def __repr__(self) -> str:

@@ -287,19 +287,24 @@ def test_idle_regions_are_unmapped_a_dead_clients_too(shm):
         assert server.stop() == 0
 
 
-def test_a_page_locked_region_and_its_big_outputs(shm):
+def test_a_page_locked_region_is_read_in_place_and_stays_locked_while_a_request_holds_it(shm):
     """What a registry on a GPU server does with a system region, the page-lock recorded instead
-    of made (this box has no GPU): it locks the mapping's bytes at registration; a big output
-    there becomes a tensor over the same bytes (the launch writes it by DMA), a small one and the
-    inputs stay memoryviews; the lock ends with the region, whether its owner unregisters it or
-    the server shuts down."""
+    of made (this box has no GPU): it locks the mapping's bytes at registration; a reference of a
+    request the GPU reads (`device_read`) is a DeviceSpan at the bytes' own address, the other
+    references and one at an odd address stay memoryviews; the lock ends once the region is gone
+    and no request holds a span of it, whether its owner unregisters it or the server shuts down."""
+    import ctypes
+    import gc
+
     from gdn_server.limits import SharedMemoryLimits
-    from gdn_server.shared_memory import DMA_OUTPUT_BYTES, SharedMemoryRegistry
+    from gdn_server.shared_memory import SharedMemoryRegistry
+    from gdn_server.work import DeviceSpan
 
     events = []
 
     class RecordedDevice:  # the part of shared_memory.DeviceAccess a system region meets
         check = None
+        host_check_device = 3
 
         def pin(self, address: int, nbytes: int):
             events.append(("pin", address, nbytes))
@@ -309,14 +314,17 @@ def test_a_page_locked_region_and_its_big_outputs(shm):
     region = registry.register("me", "io", REGION_BYTES, system=("/" + shm.name, 0))
     assert region.pinned and events[0][0] == "pin" and events[0][2] >= REGION_BYTES
     resolve = registry.resolver("me")
-    big = resolve("io", 0, DMA_OUTPUT_BYTES, output=True)
-    assert type(big) is torch.Tensor and not big.is_cuda and big.numel() == DMA_OUTPUT_BYTES
-    big[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
-    assert bytes(shm.buf[:4]) == bytes([1, 2, 3, 4])  # the same bytes, not a copy
-    assert type(resolve("io", 0, DMA_OUTPUT_BYTES - 2, output=True)) is memoryview
-    assert type(resolve("io", 0, DMA_OUTPUT_BYTES)) is memoryview  # an input: the C check reads it
-    del big
+    span = resolve("io", 64, 1024, True)
+    assert type(span) is DeviceSpan and span.device == 3 and span.nbytes == 1024
+    ctypes.memmove(span.address, b"\1\2\3\4", 4)  # the region's own bytes, not a copy
+    assert bytes(shm.buf[64:68]) == bytes([1, 2, 3, 4])
+    assert bytes(span.tensor()[:4].tolist()) == bytes([1, 2, 3, 4])
+    assert type(resolve("io", 64, 1024)) is memoryview  # a small request's: the CPU checks and copies it
+    assert type(resolve("io", 65, 1024, True)) is memoryview  # the GPU's copies move 2-byte words
     registry.unregister("me", "io")
+    assert [e[0] for e in events] == ["pin"]  # a request in flight holds the span: still locked
+    del span
+    gc.collect()
     assert events[-1] == ("unpin", events[0][1])
     registry.register("me", "io", REGION_BYTES, system=("/" + shm.name, 0))
     registry.close()

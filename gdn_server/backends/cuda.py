@@ -18,11 +18,11 @@ Per batch, on the backend's own stream:
   3. one launch over all rows (mixed sessions, clients and layers): `gdn_decode` (after a
      `ring_fold` where some row has P > 0), or `ring_verify`;
   4. one device-to-host copy of the outputs into pinned memory, and an event.
-A launch with tensors in a client's shared memory that the device reads where they are (CUDA
-memory; page-locked host memory for inputs of PARALLEL_COPY_BYTES or more) copies them into the
-device buffer after step 2, by one `segments_copy` (DMA for host memory), and writes outputs whose
-o_ref is device-writable (CUDA memory; a big one in page-locked host memory, by DMA) there after
-step 4 by one more (`_referenced_steps`); such a launch runs directly, not as a graph.
+A launch with tensors in a client's shared memory that the device reads where they are
+(DeviceSpans: CUDA memory, or page-locked host memory of a big request) copies them into the
+device buffer after step 2, by one `segments_copy`, and writes the outputs whose o_ref is a
+DeviceSpan there after step 4 by one more (`_referenced_steps`); such a launch runs directly, not
+as a graph.
 `submit` returns at once; `result()` waits for the event. A ring of staging sets lets the scheduler
 assemble batch n+1 while batch n runs: a set is reused only after its previous event completed.
 Small launches (GRAPH_MAX_ROWS rows; plain T=1 steps and verifies of every T) replay steps 2-4
@@ -55,7 +55,7 @@ from gdn_server.config import ModelShape
 from gdn_server.kernels import HEAD_DIM, SegmentTable, check_variant, ring_bytes_per_row
 from gdn_server.kernels._ring_api import check_ring_variant
 from gdn_server.weights import GateParams
-from gdn_server.work import LAUNCH_WRITTEN, DeviceSpan, StepBatch
+from gdn_server.work import DeviceSpan, StepBatch
 
 log = logging.getLogger(__name__)
 
@@ -314,15 +314,15 @@ class CudaBackend(Backend):
         # 1. requests -> pinned staging: a memcpy per request and input for bf16 requests, a
         #    casting copy for f16/f32 ones; no per-row work. Inputs the device reads where they
         #    are (a client's shared memory) come back, to be copied on the device.
-        on_device = _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
-        out_refs = any(type(w.output) in LAUNCH_WRITTEN for w in batch.works)
+        on_device, host_from = _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
+        out_refs = any(type(w.output) is DeviceSpan for w in batch.works)
         # The backend's stream (and its device) becomes the thread's current one and stays so:
         # whatever else runs CUDA work on this thread names its stream itself. Entering and leaving
         # a torch.cuda.stream() context per launch cost about as much host time as the graph's
         # replay (bench/DECISIONS.md, entry 8).
         torch.cuda.set_stream(self.stream)
         if on_device or out_refs:
-            self._referenced_steps(batch, staging, views, kind, on_device)
+            self._referenced_steps(batch, staging, views, kind, on_device, host_from)
         else:
             graph = staging.graphs.get((kind, rows, T))
             if graph is not None:  # steps 2-4 as captured for this staging set, kind and (rows, T)
@@ -333,44 +333,41 @@ class CudaBackend(Backend):
         return _CudaStep(staging, views, self.device, R)
 
     def _referenced_steps(self, batch: StepBatch, staging: _Staging, views: _Views, kind: str,
-                          on_device: list[tuple[DeviceSpan | torch.Tensor, int, int]]) -> None:
+                          on_device: list[tuple[DeviceSpan, int, int]], host_from: int) -> None:
         """A launch's device work where some inputs or outputs are a client's shared memory the
-        device reads or writes in place: `_device_steps` with the inputs copied from there into
-        the device buffer after its host copy (this device's memory, DeviceSpans, by one
-        `segments_copy`; page-locked host memory by DMA) and the outputs of the requests whose
-        o_ref is device-written (a DeviceSpan, or page-locked host memory) copied into their
-        regions by one more `segments_copy` (torch's copies, DMA, for host memory and for memory
-        of another GPU, which this device's kernels do not address)."""
+        device reads or writes in place (DeviceSpans: its own memory, page-locked host memory):
+        `_device_steps` with the staging buffer's copy cut to the part filled on the host (from
+        byte `host_from`), the inputs copied from where they are into the device buffer by one
+        `segments_copy`, and the outputs of the requests with a DeviceSpan o_ref copied there by
+        one more (torch's copies for a span of another device)."""
         from gdn_server.kernels import segments_copy
 
         here = self.device.index
         dev_base = staging.dev.data_ptr()
         segments = []  # (src, dst, row words, rows) in this device's memory
-        copies = []  # (source, offset) for torch to copy: page-locked host memory, another GPU's memory
+        copies = []  # (source, offset) for torch to copy: spans of another device
         for src, offset, n in on_device:
-            if type(src) is not DeviceSpan:
-                copies.append((src, offset))
-            elif src.device == here:
+            if src.device == here:
                 segments.append((src.address, dev_base + offset, src.nbytes // 2 // n, n))  # bf16: a word each
             else:
                 copies.append((src.tensor(), offset))
         n_in = len(segments)
-        elsewhere = []  # (output view, region) for outputs in host memory or on another GPU
+        elsewhere = []  # (output view, region) for torch to copy: spans of another device
         row_bytes = views.out_dev[0].numel() * 2
         out_base, row = views.out_dev.data_ptr(), 0
         for w in batch.works:
             n = len(w.session_ids)
             output = w.output
-            if type(output) is DeviceSpan and output.device == here:
-                segments.append((out_base + row * row_bytes, output.address, row_bytes // 2, n))
-            elif type(output) in LAUNCH_WRITTEN:
-                out = views.out_dev[row:row + n].reshape(-1).view(torch.uint8)
-                elsewhere.append((out, output.tensor() if type(output) is DeviceSpan else output))
+            if type(output) is DeviceSpan:
+                if output.device == here:
+                    segments.append((out_base + row * row_bytes, output.address, row_bytes // 2, n))
+                else:
+                    elsewhere.append((views.out_dev[row:row + n].reshape(-1).view(torch.uint8), output.tensor()))
             row += n
         table = staging.segment_table(len(segments))
         table.write(0, [(*seg, 0, 0) for seg in segments])  # each row (src, dst, row words, rows, 0, 0)
         # 2. the host buffer's copy, then what the device reads where it is
-        views.dev_all.copy_(views.host_all, non_blocking=True)
+        views.dev_all[host_from:].copy_(views.host_all[host_from:], non_blocking=True)
         for src, offset in copies:  # a DMA each
             staging.dev[offset:offset + src.numel()].copy_(src, non_blocking=True)
         dev_table = table.upload(len(segments)) if segments else None

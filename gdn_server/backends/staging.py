@@ -76,7 +76,7 @@ def carve(buf: torch.Tensor, entry: tuple) -> torch.Tensor:
 
 def fill(
     batch: StepBatch, plan: StagingLayout, host_mem: memoryview, host_bytes: np.ndarray, host_views: dict[str, torch.Tensor]
-) -> list[tuple[DeviceSpan | torch.Tensor, int, int]]:
+) -> tuple[list[tuple[DeviceSpan, int, int]], int]:
     """Copies `batch` into a staging buffer laid out by `plan`: a memcpy per request and input for
     bf16 requests (their raw bytes, all of a batch's in one call of _wire.stage_inputs; torch's
     parallel copy for inputs of PARALLEL_COPY_BYTES or more), a casting copy for the others, then
@@ -87,12 +87,11 @@ def fill(
     `host_mem` and `host_bytes` are the buffer as a memoryview and a uint8 numpy array;
     `host_views` the plan's tensor views of it, used by requests that did not come as bf16.
 
-    Inputs the device can read where they are skip the host buffer: returned as (source, byte
-    offset in the layout, rows), for the backend to copy into its device buffer after the host
-    buffer's own copy. Those are inputs in device memory (bf16 DeviceSpans of a client's CUDA
-    shared memory, copied by the segments kernel) and bf16 inputs of PARALLEL_COPY_BYTES or more
-    in page-locked host memory (a client's registered system shared memory, a pinned CPU uint8
-    tensor copied by DMA; rows 0).
+    Inputs the device reads where they are (bf16 DeviceSpans of a client's shared memory: a
+    request has all five so or none) skip the host buffer: returned as (span, byte offset in the
+    layout, rows), for the backend to copy into its device buffer after the host buffer's own
+    copy, with the first byte of the buffer filled here (the index arrays' where every input is
+    such a span, else 0), where that copy can start.
     """
     R = batch.num_rows
     room = plan.rows
@@ -102,31 +101,30 @@ def fill(
     # (byte offset, bytes per row) of each input: a request's bytes go at offset + first row * per row
     places = [(entries[name][0], entries[name][3] // room) for name in INPUTS]
     raw_requests = []  # (first row, its five inputs' bytes) of the bf16 requests
-    on_device: list[tuple[DeviceSpan | torch.Tensor, int, int]] = []
+    on_device: list[tuple[DeviceSpan, int, int]] = []
+    host_from = entries["slots"][0]
     row = 0
     for work in batch.works:
         n = len(work.session_ids)
         raw = work.bf16_bytes
         if raw is not None:
             raw_requests.append((row, raw))
+            host_from = 0
+        elif type(work.q) is DeviceSpan:
+            for (offset, per_row), part in zip(places, (work.q, work.k, work.v, work.a, work.b)):
+                on_device.append((part, offset + row * per_row, n))
         else:
-            for name, (offset, per_row), part in zip(INPUTS, places, (work.q, work.k, work.v, work.a, work.b)):
-                if type(part) is DeviceSpan:
-                    on_device.append((part, offset + row * per_row, n))
-                else:
-                    host_views[name][row : row + n].copy_(part)
+            for name, part in zip(INPUTS, (work.q, work.k, work.v, work.a, work.b)):
+                host_views[name][row : row + n].copy_(part)
+            host_from = 0
         row += n
     if raw_requests:
         for start, data in _wire.stage_inputs(host_mem, places, raw_requests, PARALLEL_COPY_BYTES):
-            src = torch.frombuffer(data, dtype=torch.uint8)
-            if src.is_pinned():
-                on_device.append((src, start, 0))
-            else:
-                torch.from_numpy(host_bytes[start : start + len(data)]).copy_(src)
+            torch.from_numpy(host_bytes[start : start + len(data)]).copy_(torch.frombuffer(data, dtype=torch.uint8))
     for name, values, padding in (("slots", batch.rows, -1), ("layers", batch.layers, 0), ("hist", batch.hist, 0)):
         offset = entries[name][0]
         # struct packs a list of ints at a third of what numpy's conversion of it costs
         struct.pack_into(f"{R}i", host_mem, offset, *values)
         if R < room:
             struct.pack_into(f"{room - R}i", host_mem, offset + 4 * R, *(padding,) * (room - R))
-    return on_device
+    return on_device, host_from

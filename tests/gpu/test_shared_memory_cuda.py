@@ -1,10 +1,11 @@
 """Tensors in GPU memory through CUDA IPC between two processes: this test (the client, its
 region from gdn_client) and a real server process on the GPU with --allow-shared-memory. The
 outputs equal those of the same inputs sent inline, bit for bit, in the region and in the reply;
-a host region works on the GPU server too (big tensors by DMA from the page-locked region); a
-request with a NaN in GPU memory is refused with nothing applied; f32 tensors and a mix of region
-and inline tensors work; clients stepping at once through GPU memory each get their own answers;
-the server refuses a handle that does not open.
+a host region works on the GPU server too (a big request's tensors checked and read by the GPU
+in the page-locked region, a retry answered from the output kept); a request with a NaN in GPU
+or host memory is refused with nothing applied; f32 tensors and a mix of region and inline
+tensors work; clients stepping at once through GPU memory each get their own answers; the
+server refuses a handle that does not open.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from gdn_client import Client, InvalidArgumentError
 from gdn_client.proto.gdn.v1 import gdn_pb2, gdn_pb2_grpc
 from servers import start_server
-from util import random_inputs
+from util import decode_request, random_inputs
 
 H, HV, K = 16, 32, 128
 NAMES = "qkvab"
@@ -141,3 +142,62 @@ def test_a_handle_that_does_not_open_is_invalid_argument(gpu_server):
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         channel.close()
+
+
+def test_a_big_request_in_host_memory_is_read_by_the_gpu_refused_for_a_nan_and_retried_from_its_output(gpu_server):
+    """A request with a tensor of 512 KiB or more in a page-locked host region (B = 64: v is
+    512 KiB) is checked and read by the GPU where it is, its o written there from the GPU: a NaN
+    is refused with nothing applied; the outputs equal those of inline twins; a resent step (same
+    positions) is answered from the output kept when it was applied, written into its o_ref again."""
+    from multiprocessing import shared_memory
+
+    B, size = 64, 16 << 20
+    mem = shared_memory.SharedMemory(create=True, size=size)
+    channel = grpc.insecure_channel(gpu_server.address, options=[("grpc.use_local_subchannel_pool", 1)])
+    region = None
+    try:
+        stub = gdn_pb2_grpc.GdnDecodeStub(channel)
+        stub.RegisterSharedMemory(gdn_pb2.RegisterSharedMemoryRequest(
+            name="host", byte_size=size, system=gdn_pb2.SystemSharedMemory(key="/" + mem.name)), timeout=30)
+        shared = [stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=30).session_id for _ in range(B)]
+        inline = [stub.CreateSession(gdn_pb2.CreateSessionRequest(), timeout=30).session_id for _ in range(B)]
+        region = torch.frombuffer(mem.buf, dtype=torch.uint8)
+
+        def by_reference(x: dict, positions: list[int]) -> tuple[gdn_pb2.DecodeRequest, slice]:
+            req = decode_request(0, shared, x, positions=positions)
+            offset = 0
+            for n in NAMES:
+                tensor = getattr(req, n)
+                data = torch.frombuffer(bytearray(tensor.data), dtype=torch.uint8)
+                region[offset:offset + data.numel()] = data
+                tensor.ClearField("data")
+                tensor.ref.region, tensor.ref.offset = "host", offset
+                offset += -(-data.numel() // 256) * 256
+            req.o_ref.region, req.o_ref.offset = "host", offset
+            return req, slice(offset, offset + B * HV * K * 2)
+
+        gen = torch.Generator().manual_seed(5)
+        bad = random_inputs(B, 1, H, HV, gen=gen, dtype=torch.bfloat16)
+        bad["v"][7, 0, 3, 9] = float("nan")
+        req, _ = by_reference(bad, [0] * B)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Decode(req, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "v has NaN" in refused.value.details()
+        for step in range(2):  # nothing was applied: both sets start at position 0
+            x = random_inputs(B, 1, H, HV, gen=gen, dtype=torch.bfloat16)
+            req, o_bytes = by_reference(x, [step] * B)
+            got = stub.Decode(req, timeout=60)
+            want = stub.Decode(decode_request(0, inline, x, positions=[step] * B), timeout=60)
+            assert list(got.positions) == list(want.positions) == [step + 1] * B and not got.o.data
+            assert bytes(region[o_bytes].numpy()) == want.o.data
+        region[o_bytes] = 0
+        again = stub.Decode(req, timeout=60)  # the last step resent: answered from its kept output
+        assert list(again.positions) == [2] * B and bytes(region[o_bytes].numpy()) == want.o.data
+        stub.UnregisterSharedMemory(gdn_pb2.UnregisterSharedMemoryRequest(name=""), timeout=30)
+        for sid in shared + inline:
+            stub.CloseSession(gdn_pb2.CloseSessionRequest(session_id=sid), timeout=30)
+    finally:
+        region = None  # its export of the buffer ends before the close
+        channel.close()
+        mem.close()
+        mem.unlink()
