@@ -306,18 +306,25 @@ class Planner:
         shape = (work.rows, work.tokens, self._heads, self._head_dim)
         return DecodeResult(out, shape, positions, work.request_id, replayed=True)
 
-    def finish(self, launch: Launch, whole: bytes | memoryview) -> list[DecodeResult]:
+    def finish(self, launch: Launch, whole: bytes | memoryview,
+               kept: dict[int, memoryview] | None = None) -> list[DecodeResult]:
         """The answers of a finished launch, one per member in order, from its output `whole`
         (the backend's buffer, never kept: each member's rows are copied once, into its encoded
-        reply); keeps each step's output (its view in the reply) for retries."""
+        reply), or for a member whose o the launch wrote into its o_ref, from the copy the launch
+        kept (`kept`, by first row: PendingStep.kept_outputs); keeps each step's output (its view
+        in the reply, or that copy) for retries."""
         batch = launch.batch
         row_bytes = len(whole) // batch.num_rows
         tokens, heads, head_dim = batch.tokens, self._heads, self._head_dim
         results = []
         for m in launch.members:
             rows = len(m.sessions)
-            result = DecodeResult(whole[m.first_row * row_bytes : (m.first_row + rows) * row_bytes],
-                                  (rows, tokens, heads, head_dim), m.positions, m.item.work.request_id)
+            out = kept.get(m.first_row) if kept else None
+            if out is not None:
+                result = DecodeResult.written(out, (rows, tokens, heads, head_dim), m.positions, m.item.work.request_id)
+            else:
+                result = DecodeResult(whole[m.first_row * row_bytes : (m.first_row + rows) * row_bytes],
+                                      (rows, tokens, heads, head_dim), m.positions, m.item.work.request_id)
             m.record.out = result.out  # what a retry of this step is answered from, for each of its sessions
             results.append(result)
         return results

@@ -384,6 +384,7 @@ class Scheduler:
             batch, members, started = launch.batch, launch.members, launch.started
             try:
                 whole = launch.pending.result_bytes()  # the backend's buffer, reused later: read here, never kept
+                kept = launch.pending.kept_outputs()
             except Exception as e:
                 self._backend_failed(e, batch.num_rows)
                 for m in members:
@@ -399,7 +400,7 @@ class Scheduler:
             stats.requests += len(members)  # counted before the answers: a GetStats may follow one
             if self.on_launch is not None:
                 self.on_launch(batch.num_rows, device_s)
-            for m, result in zip(members, self._planner.finish(launch, whole)):
+            for m, result in zip(members, self._planner.finish(launch, whole, kept)):
                 m.item.done(result)
         self._keep_polling()
 

@@ -133,9 +133,10 @@ class DecodeResult:
     gdn_server._wire from the bf16 o [B, T, HV, V] given as raw little-endian bytes), and o's bytes
     inside it (`out`, a read-only view of `reply`: what a retry is answered from and an o_ref's
     region gets). The output is copied once, from the buffer it is given (a backend's, reused
-    later) into the reply; nothing else copies it. A plain slotted class, not a frozen
-    dataclass: one is made per answered request, and a frozen dataclass's __init__ costs several
-    times more. Not changed once made."""
+    later) into the reply; nothing else copies it. A step whose launch wrote o where the request
+    asked (a DeviceSpan o_ref) is answered by `written` instead, with no copy. A plain slotted
+    class, not a frozen dataclass: one is made per answered request, and a frozen dataclass's
+    __init__ costs several times more. Not changed once made."""
 
     __slots__ = ("reply", "out", "shape", "positions", "request_id", "replayed")
 
@@ -149,6 +150,17 @@ class DecodeResult:
         # answered from a kept output, not by a launch: an o_ref a launch writes itself (a
         # DeviceSpan: gdn_server/backends/cuda.py) is written from `out` instead
         self.replayed = replayed
+
+    @classmethod
+    def written(cls, out: memoryview, shape: tuple[int, ...], positions: tuple[int, ...],
+                request_id: str = "") -> "DecodeResult":
+        """The answer to a step whose launch wrote o into the request's o_ref: a reply with o's dtype
+        and shape only, and `out` the copy of o the launch kept apart (for retries)."""
+        result = cls.__new__(cls)
+        result.reply = encode_reply(b"", shape, positions, request_id)
+        result.out, result.shape, result.positions, result.request_id = out, shape, positions, request_id
+        result.replayed = False
+        return result
 
     def __repr__(self) -> str:
         return (f"DecodeResult(out=<{len(self.out)} bytes>, shape={self.shape}, positions={self.positions}, "

@@ -48,6 +48,13 @@ class PendingStep(ABC):
         """True once `result()` would not block (a scheduler on an event loop polls this)."""
         return True
 
+    def kept_outputs(self) -> dict[int, memoryview]:
+        """Once done: the outputs of the requests whose o the launch wrote into their own memory
+        (a DeviceSpan o_ref), each as a copy the launch made apart from its reused buffers, by
+        the request's first row: what a retry of such a step is answered from (`result()` need
+        not hold those rows). None here."""
+        return {}
+
     def wait(self) -> None:
         """Blocks until `result()` would not block, without holding the GIL where it can."""
         self.result()

@@ -194,12 +194,14 @@ class _Views:
 
 
 class _CudaStep(PendingStep):
-    def __init__(self, staging: _Staging, views: _Views, device: torch.device, rows: int) -> None:
+    def __init__(self, staging: _Staging, views: _Views, device: torch.device, rows: int,
+                 kept: dict[int, torch.Tensor] | None = None) -> None:
         self._staging = staging
         self._views = views
         self._device = device
         self._rows = rows  # the batch's rows: the first of the launch's (padded) rows
         self._padded = rows < views.rows
+        self._kept = kept  # first row -> pinned copy of the o a launch wrote into a DeviceSpan o_ref
 
     def result(self) -> torch.Tensor:
         self._staging.done.synchronize()
@@ -214,6 +216,11 @@ class _CudaStep(PendingStep):
 
     def ready(self) -> bool:
         return self._staging.done.query()
+
+    def kept_outputs(self) -> dict[int, memoryview]:
+        if not self._kept:
+            return {}
+        return {row: memoryview(out.numpy()) for row, out in self._kept.items()}
 
     def wait(self) -> None:
         # called on the scheduler's waiter thread, whose current device is nobody's choice
@@ -321,8 +328,9 @@ class CudaBackend(Backend):
         # a torch.cuda.stream() context per launch cost about as much host time as the graph's
         # replay (bench/DECISIONS.md, entry 8).
         torch.cuda.set_stream(self.stream)
+        kept = None
         if on_device or out_refs:
-            self._referenced_steps(batch, staging, views, kind, on_device, host_from)
+            kept = self._referenced_steps(batch, staging, views, kind, on_device, host_from)
         else:
             graph = staging.graphs.get((kind, rows, T))
             if graph is not None:  # steps 2-4 as captured for this staging set, kind and (rows, T)
@@ -330,16 +338,20 @@ class CudaBackend(Backend):
             else:
                 self._device_steps(views, kind)
         staging.done.record(self.stream)
-        return _CudaStep(staging, views, self.device, R)
+        return _CudaStep(staging, views, self.device, R, kept)
 
     def _referenced_steps(self, batch: StepBatch, staging: _Staging, views: _Views, kind: str,
-                          on_device: list[tuple[DeviceSpan, int, int]], host_from: int) -> None:
+                          on_device: list[tuple[DeviceSpan, int, int]], host_from: int) -> dict[int, torch.Tensor]:
         """A launch's device work where some inputs or outputs are a client's shared memory the
         device reads or writes in place (DeviceSpans: its own memory, page-locked host memory):
         `_device_steps` with the staging buffer's copy cut to the part filled on the host (from
         byte `host_from`), the inputs copied from where they are into the device buffer by one
         `segments_copy`, and the outputs of the requests with a DeviceSpan o_ref copied there by
-        one more (torch's copies for a span of another device)."""
+        one more (torch's copies for a span of another device). Those outputs are also copied
+        apart, each into pinned memory of its own (torch's caching host allocator), instead of
+        into the reused host buffer: what a retry is answered from, with no copy by the CPU;
+        returned by their first rows. The host buffer gets the outputs only where some request
+        is answered from it."""
         from gdn_server.kernels import segments_copy
 
         here = self.device.index
@@ -353,16 +365,19 @@ class CudaBackend(Backend):
                 copies.append((src.tensor(), offset))
         n_in = len(segments)
         elsewhere = []  # (output view, region) for torch to copy: spans of another device
+        kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # first row -> (device rows, pinned copy)
         row_bytes = views.out_dev[0].numel() * 2
         out_base, row = views.out_dev.data_ptr(), 0
         for w in batch.works:
             n = len(w.session_ids)
             output = w.output
             if type(output) is DeviceSpan:
+                out = views.out_dev[row:row + n].reshape(-1).view(torch.uint8)
+                kept[row] = (out, torch.empty(n * row_bytes, dtype=torch.uint8, pin_memory=True))
                 if output.device == here:
                     segments.append((out_base + row * row_bytes, output.address, row_bytes // 2, n))
                 else:
-                    elsewhere.append((views.out_dev[row:row + n].reshape(-1).view(torch.uint8), output.tensor()))
+                    elsewhere.append((out, output.tensor()))
             row += n
         table = staging.segment_table(len(segments))
         table.write(0, [(*seg, 0, 0) for seg in segments])  # each row (src, dst, row words, rows, 0, 0)
@@ -375,12 +390,16 @@ class CudaBackend(Backend):
             segments_copy(dev_table[:n_in], staging.scratch, max(n for *_, n in segments[:n_in]))
         # 3. the kernels
         self._launch_kernel(views.dev, views.out_dev, kind)
-        # 4. the outputs: to the host buffer (answers, retries) and to the regions that asked
-        views.out_host.copy_(views.out_dev, non_blocking=True)
+        # 4. the outputs: to the regions that asked, their copies kept apart, the host buffer
         if len(segments) > n_in:
             segments_copy(dev_table[n_in:], staging.scratch, max(n for *_, n in segments[n_in:]))
         for out, region in elsewhere:
             region.copy_(out, non_blocking=True)
+        for out, copy in kept.values():
+            copy.copy_(out, non_blocking=True)
+        if len(kept) < len(batch.works):
+            views.out_host.copy_(views.out_dev, non_blocking=True)
+        return {row: copy for row, (_, copy) in kept.items()}
 
     def _device_steps(self, views: _Views, kind: str) -> None:
         """A launch's device work, on the current stream, from a filled staging set."""
