@@ -58,9 +58,10 @@ CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 # with device_read of page-locked system memory at an even address; else a memoryview
 Resolver = Callable[..., Any]
 # A request with a tensor of this many bytes or more in page-locked memory is read by the GPU
-# there: the check on the GPU and the launch's own reads cost less than the CPU's pass over its
-# bytes (NaN/Inf check and digests) and the DMA calls; a smaller one is checked and copied by
-# the CPU, which answers sooner than a check launch can
+# there: the check on the GPU and the launch's own reads cost less than the CPU's passes over
+# its bytes (NaN/Inf check and digests, the copy into the staging buffer), which also leave the
+# CPU's caches cold for the rest of the step (bench/DECISIONS.md, entry 23); a smaller one is
+# checked and copied by the CPU, which answers sooner than a check launch can
 DEVICE_READ_BYTES = 512 << 10
 
 
