@@ -179,11 +179,6 @@ class Region:
             self._address = device_memory.data_ptr()
             self._device = device_memory.device.index if kind == "cuda" else device
 
-    @property
-    def pinned(self) -> bool:
-        """A system region page-locked, which a CUDA server's GPUs read and write in place."""
-        return self.kind == "system" and self._device_memory is not None
-
     def view(self, offset: int, nbytes: int, device_read: bool = False) -> Any:
         """The bytes [offset, offset + nbytes) of the region: a DeviceSpan of CUDA memory, and with
         `device_read` of page-locked memory at an even address (the GPU's copies move bf16
