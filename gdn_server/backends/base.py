@@ -49,10 +49,10 @@ class PendingStep(ABC):
         return True
 
     def kept_outputs(self) -> dict[int, memoryview]:
-        """Once done: the outputs of the requests whose o the launch wrote into their own memory
-        (a DeviceSpan o_ref), each as a copy the launch made apart from its reused buffers, by
-        the request's first row: what a retry of such a step is answered from (`result()` need
-        not hold those rows). None here."""
+        """Once done: outputs of requests whose o the launch wrote into their own memory (a
+        DeviceSpan o_ref) that it also copied apart from its reused buffers, by the request's
+        first row: what a retry of such a step is answered from (`result()` need not hold those
+        rows). None here."""
         return {}
 
     def wait(self) -> None:

@@ -88,6 +88,13 @@ MAPPED_MAX_ROWS = 1
 # per step, an fp32 state's ring keeps fp32 corrections.
 RING_MIN_ROWS = dict(bfloat16=16, float32=64)
 
+# A request's o of this many bytes or more that the launch writes into its o_ref is also copied
+# apart by the launch, into pinned memory of its own, for retries: the CPU's copy of megabytes into
+# the answer costs more than an allocation and a copy call, and leaves its caches cold for the
+# rest of the step (bench/DECISIONS.md, entry 23). A smaller one goes through the host buffer and
+# that copy, which costs less than the calls.
+KEEP_APART_BYTES = 512 << 10
+
 # What a launch runs (its graphs are keyed by it too)
 PLAIN = "plain"  # gdn_decode, in place
 FOLD_PLAIN = "fold+plain"  # ring_fold of the rows with P > 0, then gdn_decode
@@ -201,7 +208,7 @@ class _CudaStep(PendingStep):
         self._device = device
         self._rows = rows  # the batch's rows: the first of the launch's (padded) rows
         self._padded = rows < views.rows
-        self._kept = kept  # first row -> pinned copy of the o a launch wrote into a DeviceSpan o_ref
+        self._kept = kept  # first row -> pinned copy of a big o the launch wrote into a DeviceSpan o_ref
 
     def result(self) -> torch.Tensor:
         self._staging.done.synchronize()
@@ -347,11 +354,11 @@ class CudaBackend(Backend):
         `_device_steps` with the staging buffer's copy cut to the part filled on the host (from
         byte `host_from`), the inputs copied from where they are into the device buffer by one
         `segments_copy`, and the outputs of the requests with a DeviceSpan o_ref copied there by
-        one more (torch's copies for a span of another device). Those outputs are also copied
-        apart, each into pinned memory of its own (torch's caching host allocator), instead of
-        into the reused host buffer: what a retry is answered from, with no copy by the CPU;
-        returned by their first rows. The host buffer gets the outputs only where some request
-        is answered from it."""
+        one more (torch's copies for a span of another device). Those outputs of KEEP_APART_BYTES
+        or more are also copied apart, each into pinned memory of its own (torch's caching host
+        allocator), instead of into the reused host buffer: what a retry is answered from, with
+        no copy by the CPU; returned by their first rows. The host buffer gets the outputs only
+        where some request is answered from it."""
         from gdn_server.kernels import segments_copy
 
         here = self.device.index
@@ -373,7 +380,8 @@ class CudaBackend(Backend):
             output = w.output
             if type(output) is DeviceSpan:
                 out = views.out_dev[row:row + n].reshape(-1).view(torch.uint8)
-                kept[row] = (out, torch.empty(n * row_bytes, dtype=torch.uint8, pin_memory=True))
+                if output.nbytes >= KEEP_APART_BYTES:
+                    kept[row] = (out, torch.empty(output.nbytes, dtype=torch.uint8, pin_memory=True))
                 if output.device == here:
                     segments.append((out_base + row * row_bytes, output.address, row_bytes // 2, n))
                 else:
