@@ -33,9 +33,9 @@ class DeviceSpan:
         return cls(tensor, 0, tensor.numel() * tensor.element_size(), tensor.data_ptr(), tensor.device.index)
 
     def tensor(self) -> torch.Tensor:
-        """The bytes as a uint8 tensor, for the copies torch makes (to another GPU, a cast)."""
+        """The bytes as a uint8 tensor (on a GPU, or on the host for page-locked memory), for the
+        copies torch makes (to or from another device, a cast, a retry's o)."""
         return self.memory.view(torch.uint8).reshape(-1)[self.offset:self.offset + self.nbytes]
-
 
 
 class _Input:

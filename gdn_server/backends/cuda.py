@@ -113,6 +113,12 @@ def check_kernel_shape(shape: ModelShape) -> None:
         raise ValueError(f"the CUDA backend's kernels do not cover this shape ({e}): serve it with --device cpu") from None
 
 
+def _byte_rows(out: torch.Tensor, row: int, n: int) -> torch.Tensor:
+    """Rows [row, row + n) of a launch's output as flat bytes, for torch's copies (a few torch
+    calls: made only for the outputs that torch copies)."""
+    return out[row:row + n].reshape(-1).view(torch.uint8)
+
+
 def padded_rows(rows: int) -> int:
     """The rows a launch of `rows` rows is staged and run with (its graph bucket, or itself)."""
     if rows <= GRAPH_MAX_ROWS:
@@ -379,13 +385,13 @@ class CudaBackend(Backend):
             n = len(w.session_ids)
             output = w.output
             if type(output) is DeviceSpan:
-                out = views.out_dev[row:row + n].reshape(-1).view(torch.uint8)
-                if output.nbytes >= KEEP_APART_BYTES:
-                    kept[row] = (out, torch.empty(output.nbytes, dtype=torch.uint8, pin_memory=True))
                 if output.device == here:
                     segments.append((out_base + row * row_bytes, output.address, row_bytes // 2, n))
                 else:
-                    elsewhere.append((out, output.tensor()))
+                    elsewhere.append((_byte_rows(views.out_dev, row, n), output.tensor()))
+                if output.nbytes >= KEEP_APART_BYTES:
+                    kept[row] = (_byte_rows(views.out_dev, row, n), torch.empty(output.nbytes, dtype=torch.uint8,
+                                                                              pin_memory=True))
             row += n
         table = staging.segment_table(len(segments))
         table.write(0, [(*seg, 0, 0) for seg in segments])  # each row (src, dst, row words, rows, 0, 0)
