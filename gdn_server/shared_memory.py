@@ -13,9 +13,11 @@ that does not exist. A region is mapped once, at registration:
 On a CUDA server (`DeviceAccess`) a system region is also page-locked at registration, which
 makes it readable and writable by the GPUs at its own address. Tensors in CUDA regions, and the
 references of a big request (one with a tensor of DEVICE_READ_BYTES or more) into page-locked
-memory, are `DeviceSpan`s (addresses), not views: the GPU checks them (`DeviceAccess.check`: one
-kernel launch for the requests that arrive together, polled), the backend's launch reads them
-and writes o there, and none of their bytes pass through the server's CPU.
+memory, are `DeviceSpan`s (addresses), not views. A big request's the GPU checks
+(`DeviceAccess.check`: one kernel launch for the requests that arrive together, polled) and the
+backend's launch reads in place, with none of their bytes passing through the server's CPU; a
+small request's inputs in CUDA memory are copied to the host (`DeviceAccess.read`) and checked
+and staged as a message's bytes are. An o_ref in CUDA memory is written by the launch.
 
 It is unmapped when its owner unregisters it, when no request has used it for `idle_s` (a client
 that died must not pin memory for ever: `sweep`), and at shutdown (`close`). A request that holds
@@ -61,8 +63,14 @@ Resolver = Callable[..., Any]
 # there: the check on the GPU and the launch's own reads cost less than the CPU's passes over
 # its bytes (NaN/Inf check and digests, the copy into the staging buffer), which also leave the
 # CPU's caches cold for the rest of the step (bench/DECISIONS.md, entry 23); a smaller one is
-# checked and copied by the CPU, which answers sooner than a check launch can
+# checked and copied by the CPU, which answers sooner than a check launch can (its inputs in
+# CUDA memory copied to the host first, `DeviceAccess.read`)
 DEVICE_READ_BYTES = 512 << 10
+# A small request's tensors in CUDA memory are copied to the host by one copy per run of them
+# lying at most this far apart in one region (`DeviceAccess.read`): a few KB more bytes cost less
+# than another copy call
+READ_GAP_BYTES = 4096
+CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyKind: the direction from the addresses (unified addressing)
 
 
 def _nothing() -> None:
@@ -71,8 +79,9 @@ def _nothing() -> None:
 
 class DeviceAccess:
     """What a registry on a CUDA server does with the GPUs `devices`: opens CUDA IPC handles,
-    page-locks system regions and checks tensors in device memory (gdn_server.kernels.TensorScan,
-    one per device). Imports torch and the kernels only when made."""
+    page-locks system regions, checks a big request's tensors in device memory
+    (gdn_server.kernels.TensorScan, one per device) and copies a small one's to the host.
+    Imports torch and the kernels only when made."""
 
     def __init__(self, devices: list) -> None:
         import torch
@@ -85,6 +94,7 @@ class DeviceAccess:
         self.host_check_device = self._devices[0].index
         self._open_handle, self._ipc_error = open_handle, CudaIpcError
         self._scans: dict = {}
+        self._runtime: Any = None  # ctypes' handle of the CUDA runtime (`_cudart`)
 
     def open_cuda(self, handle: bytes, device: int, nbytes: int) -> tuple[Any, Callable[[], None]]:
         """The CUDA uint8 tensor of a CUDA IPC handle's memory and its close; InvalidArgument for a
@@ -128,7 +138,9 @@ class DeviceAccess:
 
     def _cudart(self) -> Any:
         """The CUDA runtime torch loaded, by its soname, for the calls torch's cudart module lacks."""
-        return ctypes.CDLL(f"libcudart.so.{(self._torch.version.cuda or '').split('.')[0]}")
+        if self._runtime is None:
+            self._runtime = ctypes.CDLL(f"libcudart.so.{(self._torch.version.cuda or '').split('.')[0]}")
+        return self._runtime
 
     def _clear_last_error(self) -> None:
         """Reads, and so clears, the CUDA runtime's last error: a failed call leaves it set, and
@@ -138,6 +150,37 @@ class DeviceAccess:
             self._cudart().cudaGetLastError()
         except (OSError, AttributeError):
             log.warning("could not clear the CUDA runtime's last error; the next launch may report it")
+
+    def read(self, spans: list) -> list[memoryview]:
+        """The bytes of a small request's DeviceSpans, copied into host memory: what the CPU then
+        checks and stages like a message's bytes (see DEVICE_READ_BYTES). Synchronous copies on
+        the device's legacy stream, which waits for none of the launches' streams; spans of one
+        memory at most READ_GAP_BYTES apart go in one copy (a client's tensors usually lie so)."""
+        runs: list[list] = []  # [address, end, spans] of each copy
+        for span in sorted(spans, key=lambda s: (id(s.memory), s.address)):
+            last = runs[-1] if runs else None
+            if (last is not None and last[2][-1].memory is span.memory
+                    and span.address - last[1] <= READ_GAP_BYTES):
+                last[1] = max(last[1], span.address + span.nbytes)
+                last[2].append(span)
+            else:
+                runs.append([span.address, span.address + span.nbytes, [span]])
+        host = bytearray(max(1, sum(end - start for start, end, _ in runs)))
+        base = ctypes.addressof(ctypes.c_char.from_buffer(host))
+        cudart = self._cudart()
+        views, offset = {}, 0
+        whole = memoryview(host)
+        for start, end, members in runs:
+            error = cudart.cudaMemcpy(ctypes.c_void_p(base + offset), ctypes.c_void_p(start),
+                                      ctypes.c_size_t(end - start), CUDA_MEMCPY_DEFAULT)
+            if error != 0:
+                self._clear_last_error()
+                raise RuntimeError(f"copying a request's tensors out of CUDA memory failed (CUDA error {error})")
+            for span in members:
+                at = offset + span.address - start
+                views[id(span)] = whole[at:at + span.nbytes]
+            offset += end - start
+        return [views[id(span)] for span in spans]
 
     def check(self, spans: list, rows: int) -> Any:
         """Starts the NaN/Inf check and digests of one request's bf16 tensors [rows, ...] that a
@@ -291,7 +334,9 @@ class SharedMemoryRegistry:
             region.last_used = clock()
             return region.view(offset, nbytes, device_read)
 
-        resolve.check_device = None if self._device is None else self._device.check  # type: ignore[attr-defined]
+        device = self._device
+        resolve.check_device = None if device is None else device.check  # type: ignore[attr-defined]
+        resolve.read_device = None if device is None else device.read  # type: ignore[attr-defined]
         return resolve
 
     def sweep(self) -> list[Region]:

@@ -11,16 +11,20 @@ inputs become float tensors here.
 
 Every input leaves here checked for NaN/Inf: bf16 bytes by gdn_server._wire (the parse, or
 `checked_digests` for the rest: one rule, in the same pass as the digests), f16/f32 bytes by
-gdn_client.proto.checks, a request with any input a GPU reads in place (a DeviceSpan) on that
-GPU, all of its inputs together (the check the resolver brings, `resolve.check_device`: one
-kernel launch for the requests of a turn of the event loop, which the servicer polls through a
-PendingCheck). Nothing after validation checks them again.
+gdn_client.proto.checks, a big request (a tensor or o of DEVICE_READ_BYTES or more) with any
+input a GPU reads in place (a DeviceSpan) on that GPU, all of its inputs together (the check the
+resolver brings, `resolve.check_device`: one kernel launch for the requests of a turn of the
+event loop, which the servicer polls through a PendingCheck). A small request's DeviceSpans are
+copied to the host first (`resolve.read_device`) and checked like a message's bytes: one copy
+answers sooner than a check launch and its polls, and the launch then replays its graph.
+Nothing after validation checks them again.
 
 Tensors by reference (TensorRef, into a shared-memory region the caller registered) become views
 of the region here, through the `resolve` function the servicer passes for the caller
 (gdn_server.shared_memory): host memory as buffers like a message's bytes, memory a GPU reads in
 place as DeviceSpans (addresses): CUDA memory, and page-locked host memory where the request has
-a referenced tensor of DEVICE_READ_BYTES or more. So the scheduler and the backends see a
+a referenced tensor of DEVICE_READ_BYTES or more (those of a small request in CUDA memory are
+then copied out, above). So the scheduler and the backends see a
 DecodeWork of views and never learn about regions; an output reference (o_ref) becomes
 `DecodeWork.output`, where the reply's o goes.
 """
@@ -138,12 +142,14 @@ def decode_work_from_request(
     dtypes = [m.dtype for m in messages]
     refs = [(m.ref.region, m.ref.offset) if m.HasField("ref") else None for m in messages]
     o_ref = (req.o_ref.region, req.o_ref.offset) if req.HasField("o_ref") else None
-    raw, output = _resolved(raw, refs, o_ref, dtypes, dims, shape, resolve)
+    device_read = _device_read([ITEMSIZE_OF.get(dtype, 0) * math.prod(d) for dtype, d, ref in zip(dtypes, dims, refs)
+                                if ref is not None], o_ref, dims, shape)
+    raw, output = _resolved(raw, refs, o_ref, dtypes, dims, shape, resolve, device_read)
     common = dict(
         layer=layer, session_ids=session_ids, positions=positions, request_id=request_id,
         speculative=speculative, owner=owner, owner_key=owner_key, output=output,
     )
-    return _checked_work(common, raw, dtypes, dims, resolve)
+    return _checked_work(common, raw, dtypes, dims, resolve, device_read)
 
 
 def _step_by_reference(step: CheckedStep, shape: ModelShape, owner: str | None, owner_key: str | None,
@@ -163,17 +169,16 @@ def _step_by_reference(step: CheckedStep, shape: ModelShape, owner: str | None, 
         layer=step.layer, session_ids=step.session_ids, positions=step.positions, request_id=step.request_id,
         speculative=step.speculative, owner=owner, owner_key=owner_key, output=output,
     )
-    return _checked_work(common, tuple(raw), _ALL_BF16, step.dims, resolve)
+    return _checked_work(common, tuple(raw), _ALL_BF16, step.dims, resolve, device_read)
 
 
 def _resolved(raw: Sequence[Any], refs: Sequence[tuple[str, int] | None], o_ref: tuple[str, int] | None,
               dtypes: Sequence[int], dims: Sequence[tuple[int, ...]], shape: ModelShape,
-              resolve: Resolve | None) -> tuple[tuple, Any]:
+              resolve: Resolve | None, device_read: bool) -> tuple[tuple, Any]:
     """The inputs' bytes, each reference (region, offset) resolved to a view of its region (the
     layout of each checked, by reference or inline), and where o goes (None: in the reply)."""
     spans: list[tuple[str, int, int, str]] = []  # (region, start, end, tensor) of each reference
     sizes = [ITEMSIZE_OF.get(dtype, 0) * math.prod(d) for dtype, d in zip(dtypes, dims)]
-    device_read = _device_read([n for n, ref in zip(sizes, refs) if ref is not None], o_ref, dims, shape)
     out = []
     for name, dtype, d, data, ref, nbytes in zip(INPUT_NAMES, dtypes, dims, raw, refs, sizes):
         if ref is None:
@@ -233,13 +238,19 @@ class PendingCheck:
 
 
 def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequence[tuple[int, ...]],
-                  resolve: Resolve | None = None) -> DecodeWork | PendingCheck:
+                  resolve: Resolve | None = None, device_read: bool = False) -> DecodeWork | PendingCheck:
     """The DecodeWork of resolved inputs of checked layout: their NaN/Inf check and digests. A
-    request with an input a GPU reads in place (a DeviceSpan) gets all five so as bf16
-    (`_on_device`), checked there by `resolve.check_device` (a PendingCheck), and the backend's
-    launch reads them there."""
+    big request (`device_read`) with an input a GPU reads in place (a DeviceSpan) gets all five so
+    as bf16 (`_on_device`), checked there by `resolve.check_device` (a PendingCheck), and the
+    backend's launch reads them there; a small one's DeviceSpans are copied to the host
+    (`resolve.read_device`) and checked and staged like a message's bytes."""
     B = len(common["session_ids"])
     on_device = [type(r) is DeviceSpan for r in raw]
+    if any(on_device) and not device_read:
+        spans = [r for r, there in zip(raw, on_device) if there]
+        copied = iter(resolve.read_device(spans))
+        raw = tuple(next(copied) if there else r for r, there in zip(raw, on_device))
+        on_device = [False] * len(raw)
     if tuple(dtypes) == _ALL_BF16 and not any(on_device):
         bad, digests = checked_digests(raw, B)
         if bad is not None:

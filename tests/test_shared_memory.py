@@ -303,7 +303,7 @@ def test_a_page_locked_region_is_read_in_place_and_stays_locked_while_a_request_
     events = []
 
     class RecordedDevice:  # the part of shared_memory.DeviceAccess a system region meets
-        check = None
+        check = read = None
         host_check_device = 3
 
         def pin(self, address: int, nbytes: int):
@@ -352,7 +352,7 @@ def test_a_cuda_region_closes_after_the_last_request_holding_it():
             return self.base
 
     class StandInDevice:
-        check = None
+        check = read = None
 
         def open_cuda(self, handle: bytes, device: int, nbytes: int):
             return Mapping(), lambda: closed.append(handle)

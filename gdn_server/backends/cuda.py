@@ -18,11 +18,12 @@ Per batch, on the backend's own stream:
   3. one launch over all rows (mixed sessions, clients and layers): `gdn_decode` (after a
      `ring_fold` where some row has P > 0), or `ring_verify`;
   4. one device-to-host copy of the outputs into pinned memory, and an event.
-A launch with tensors in a client's shared memory that the device reads where they are
-(DeviceSpans: CUDA memory, or page-locked host memory of a big request) copies them into the
-device buffer after step 2, by one `segments_copy`, and writes the outputs whose o_ref is a
-DeviceSpan there after step 4 by one more (`_referenced_steps`); such a launch runs directly, not
-as a graph.
+A launch with inputs in a client's shared memory that the device reads where they are
+(DeviceSpans of a big request: CUDA memory, or page-locked host memory) copies them into the
+device buffer after step 2, by one `segments_copy`, and runs directly, not as a graph
+(`_referenced_steps`); a small request's inputs come staged like a message's (the wire layer
+copied them out of CUDA memory). Outputs whose o_ref is a DeviceSpan are written there after
+step 3 (or after the graph) by one more `segments_copy` (`_write_outputs`).
 `submit` returns at once; `result()` waits for the event. A ring of staging sets lets the scheduler
 assemble batch n+1 while batch n runs: a set is reused only after its previous event completed.
 Small launches (GRAPH_MAX_ROWS rows; plain T=1 steps and verifies of every T) replay steps 2-4
@@ -143,7 +144,8 @@ class _Staging:
         self.done = torch.cuda.Event()
         self.used = False
         self._views: dict[tuple[int, int], _Views] = {}
-        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}  # (kind, R, T) -> launch
+        # (kind, R, T) -> (the launch's graph, the device memory its kernel writes o to)
+        self.graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # `host` and `out_host` as tensors on the device (MAPPED_MAX_ROWS), made on first use
         self._mapped: tuple[torch.Tensor, torch.Tensor] | None = None
         self._segments: SegmentTable | None = None  # made on the first launch with referenced tensors
@@ -335,83 +337,95 @@ class CudaBackend(Backend):
         #    casting copy for f16/f32 ones; no per-row work. Inputs the device reads where they
         #    are (a client's shared memory) come back, to be copied on the device.
         on_device, host_from = _fill_staging(batch, plan, staging.host_mem, staging.host_bytes, views.host)
-        out_refs = any(type(w.output) is DeviceSpan for w in batch.works)
         # The backend's stream (and its device) becomes the thread's current one and stays so:
         # whatever else runs CUDA work on this thread names its stream itself. Entering and leaving
         # a torch.cuda.stream() context per launch cost about as much host time as the graph's
         # replay (bench/DECISIONS.md, entry 8).
         torch.cuda.set_stream(self.stream)
-        kept = None
-        if on_device or out_refs:
-            kept = self._referenced_steps(batch, staging, views, kind, on_device, host_from)
+        out_refs = sum(type(w.output) is DeviceSpan for w in batch.works)
+        # one table of `segments_copy` segments for the launch: its inputs', then its outputs'
+        table = staging.segment_table(len(on_device) + out_refs) if on_device or out_refs else None
+        first_output = 0  # the outputs' first segment
+        if on_device:
+            out, first_output = self._referenced_steps(staging, views, kind, on_device, host_from, table)
         else:
-            graph = staging.graphs.get((kind, rows, T))
+            graph, out = staging.graphs.get((kind, rows, T), (None, views.out_dev))
             if graph is not None:  # steps 2-4 as captured for this staging set, kind and (rows, T)
                 graph.replay()
             else:
                 self._device_steps(views, kind)
+        kept = None
+        if out_refs:
+            kept = self._write_outputs(batch, staging, views, out, table, first_output, copy_to_host=bool(on_device))
+        elif on_device:
+            views.out_host.copy_(views.out_dev, non_blocking=True)
         staging.done.record(self.stream)
         return _CudaStep(staging, views, self.device, R, kept)
 
-    def _referenced_steps(self, batch: StepBatch, staging: _Staging, views: _Views, kind: str,
-                          on_device: list[tuple[DeviceSpan, int, int]], host_from: int) -> dict[int, torch.Tensor]:
-        """A launch's device work where some inputs or outputs are a client's shared memory the
-        device reads or writes in place (DeviceSpans: its own memory, page-locked host memory):
-        `_device_steps` with the staging buffer's copy cut to the part filled on the host (from
-        byte `host_from`), the inputs copied from where they are into the device buffer by one
-        `segments_copy`, and the outputs of the requests with a DeviceSpan o_ref copied there by
-        one more (torch's copies for a span of another device). Those outputs of KEEP_APART_BYTES
-        or more are also copied apart, each into pinned memory of its own (torch's caching host
-        allocator), instead of into the reused host buffer: what a retry is answered from, with
-        no copy by the CPU; returned by their first rows. The host buffer gets the outputs only
-        where some request is answered from it."""
+    def _referenced_steps(self, staging: _Staging, views: _Views, kind: str,
+                          on_device: list[tuple[DeviceSpan, int, int]], host_from: int,
+                          table: SegmentTable) -> tuple[torch.Tensor, int]:
+        """Steps 2 and 3 of a launch with inputs the device reads where they are (DeviceSpans:
+        its own memory, page-locked host memory of a big request): the staging buffer's copy cut
+        to the part filled on the host (from byte `host_from`), the inputs copied from where they
+        are into the device buffer by one `segments_copy` (torch's copies for a span of another
+        device), the kernels; their segments are the first rows of `table`. Returns the device
+        tensor holding o and the segments used; step 4 is the caller's."""
         from gdn_server.kernels import segments_copy
 
         here = self.device.index
         dev_base = staging.dev.data_ptr()
-        segments = []  # (src, dst, row words, rows) in this device's memory
-        copies = []  # (source, offset) for torch to copy: spans of another device
+        segments = []  # (src, dst, row words, rows, 0, 0) in this device's memory
         for src, offset, n in on_device:
             if src.device == here:
-                segments.append((src.address, dev_base + offset, src.nbytes // 2 // n, n))  # bf16: a word each
-            else:
-                copies.append((src.tensor(), offset))
-        n_in = len(segments)
-        elsewhere = []  # (output view, region) for torch to copy: spans of another device
+                segments.append((src.address, dev_base + offset, src.nbytes // 2 // n, n, 0, 0))  # bf16: a word each
+        views.dev_all[host_from:].copy_(views.host_all[host_from:], non_blocking=True)
+        for src, offset, n in on_device:  # a DMA each
+            if src.device != here:
+                staging.dev[offset:offset + src.nbytes].copy_(src.tensor(), non_blocking=True)
+        if segments:
+            table.write(0, segments)
+            segments_copy(table.upload(len(segments)), staging.scratch, max(seg[3] for seg in segments))
+        self._launch_kernel(views.dev, views.out_dev, kind)
+        return views.out_dev, len(segments)
+
+    def _write_outputs(self, batch: StepBatch, staging: _Staging, views: _Views, out: torch.Tensor,
+                       table: SegmentTable, first: int, copy_to_host: bool) -> dict[int, torch.Tensor]:
+        """Step 4 for the requests whose o_ref is a DeviceSpan, after the kernels wrote o into
+        `out` (device memory, or the mapped output buffer of a small graph): their rows copied
+        there by one `segments_copy` of `table`'s segments from `first` on (torch's copies for a
+        span of another device). Those of KEEP_APART_BYTES or more are also copied apart, each
+        into pinned memory of its own (torch's caching host allocator), instead of into the
+        reused host buffer: what a retry is answered from, with no copy by the CPU; returned by
+        their first rows. With `copy_to_host` (a launch whose outputs the kernels left on the
+        device) the host buffer gets the outputs too, where some request is answered from it."""
+        from gdn_server.kernels import segments_copy
+
+        here = self.device.index
+        segments = []  # (src, dst, row words, rows, 0, 0) in this device's memory
         kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # first row -> (device rows, pinned copy)
-        row_bytes = views.out_dev[0].numel() * 2
-        out_base, row = views.out_dev.data_ptr(), 0
+        row_bytes = out[0].numel() * 2
+        out_base, row = out.data_ptr(), 0
         for w in batch.works:
             n = len(w.session_ids)
             output = w.output
             if type(output) is DeviceSpan:
                 if output.device == here:
-                    segments.append((out_base + row * row_bytes, output.address, row_bytes // 2, n))
+                    segments.append((out_base + row * row_bytes, output.address, row_bytes // 2, n, 0, 0))
                 else:
-                    elsewhere.append((_byte_rows(views.out_dev, row, n), output.tensor()))
+                    output.tensor().copy_(_byte_rows(out, row, n), non_blocking=True)
                 if output.nbytes >= KEEP_APART_BYTES:
-                    kept[row] = (_byte_rows(views.out_dev, row, n), torch.empty(output.nbytes, dtype=torch.uint8,
-                                                                              pin_memory=True))
+                    kept[row] = (_byte_rows(out, row, n), torch.empty(output.nbytes, dtype=torch.uint8, pin_memory=True))
             row += n
-        table = staging.segment_table(len(segments))
-        table.write(0, [(*seg, 0, 0) for seg in segments])  # each row (src, dst, row words, rows, 0, 0)
-        # 2. the host buffer's copy, then what the device reads where it is
-        views.dev_all[host_from:].copy_(views.host_all[host_from:], non_blocking=True)
-        for src, offset in copies:  # a DMA each
-            staging.dev[offset:offset + src.numel()].copy_(src, non_blocking=True)
-        dev_table = table.upload(len(segments)) if segments else None
-        if n_in:
-            segments_copy(dev_table[:n_in], staging.scratch, max(n for *_, n in segments[:n_in]))
-        # 3. the kernels
-        self._launch_kernel(views.dev, views.out_dev, kind)
-        # 4. the outputs: to the regions that asked, their copies kept apart, the host buffer
-        if len(segments) > n_in:
-            segments_copy(dev_table[n_in:], staging.scratch, max(n for *_, n in segments[n_in:]))
-        for out, region in elsewhere:
-            region.copy_(out, non_blocking=True)
-        for out, copy in kept.values():
-            copy.copy_(out, non_blocking=True)
-        if len(kept) < len(batch.works):
+        if segments:
+            # rows [0, first) are uploaded again unchanged: one copy, where a second table would
+            # be a second buffer per staging set
+            table.write(first, segments)
+            dev_table = table.upload(first + len(segments))
+            segments_copy(dev_table[first:], staging.scratch, max(seg[3] for seg in segments))
+        for rows, copy in kept.values():
+            copy.copy_(rows, non_blocking=True)
+        if copy_to_host and len(kept) < len(batch.works):
             views.out_host.copy_(views.out_dev, non_blocking=True)
         return {row: copy for row, (_, copy) in kept.items()}
 
@@ -490,8 +504,10 @@ class CudaBackend(Backend):
                     views.host["layers"].zero_()
                     views.host["hist"].zero_()
                     if mapped and R <= mapped_rows:  # the kernel alone, on the pinned buffers
-                        steps = functools.partial(self._launch_kernel, *staging.mapped_views(plan, views), kind)
+                        inputs, out = staging.mapped_views(plan, views)
+                        steps = functools.partial(self._launch_kernel, inputs, out, kind)
                     else:
+                        out = views.out_dev
                         steps = functools.partial(self._device_steps, views, kind)
                     if i == 0:
                         with torch.cuda.stream(self.stream):
@@ -506,7 +522,7 @@ class CudaBackend(Backend):
                             steps()
                         finally:
                             graph.capture_end()
-                    staging.graphs[(kind, R, tokens)] = graph
+                    staging.graphs[(kind, R, tokens)] = (graph, out)
         if buckets:
             self._bucket_max = buckets[-1]
 

@@ -3,7 +3,8 @@ region from gdn_client) and a real server process on the GPU with --allow-shared
 outputs equal those of the same inputs sent inline, bit for bit, in the region and in the reply;
 a host region works on the GPU server too (a big request's tensors checked and read by the GPU
 in the page-locked region, a retry answered from the output kept); a request with a NaN in GPU
-or host memory is refused with nothing applied; f32 tensors and a mix of region and inline
+or host memory is refused with nothing applied (a small request's tensors copied out of GPU
+memory and checked by the CPU, a big one's checked by the GPU); f32 tensors and a mix of region and inline
 tensors work; clients stepping at once through GPU memory each get their own answers; the
 server refuses a handle that does not open.
 """
@@ -54,9 +55,9 @@ def test_region_tensors_equal_inline_tensors(gpu_server, device, B):
             client.close_session(s_)
 
 
-def test_a_nan_in_gpu_memory_is_refused_with_nothing_applied_and_f32_and_mixes_work(gpu_server):
+@pytest.mark.parametrize("B", [4, 64])  # 4: copied out and checked by the CPU; 64: checked by the GPU
+def test_a_nan_in_gpu_memory_is_refused_with_nothing_applied_and_f32_and_mixes_work(gpu_server, B):
     with Client(gpu_server.address) as client:
-        B = 4
         inline = [client.create_session() for _ in range(B)]
         shared = [client.create_session(colocate_with=inline[0]) for _ in range(B)]
         with client.shared_memory(4 << 20, device="cuda") as mem:
@@ -87,26 +88,28 @@ def test_a_nan_in_gpu_memory_is_refused_with_nothing_applied_and_f32_and_mixes_w
             got = client.decode_batch(0, shared, q, *(mixed[n] for n in "kvab"))
             want = client.decode_batch(0, inline, *mixed.values())
             assert torch.equal(got.cpu(), want)
+        for s_ in inline + shared:
+            client.close_session(s_)
 
 
 def test_concurrent_clients_through_gpu_memory_each_get_their_own_answers(gpu_server):
-    """Requests of several clients at once share the server's check launches (their checks join
-    one batch when they arrive together): each still gets the outputs of its own inputs, and a
-    NaN refuses only the request that holds it."""
+    """Requests of several clients at once, small ones (copied out of GPU memory and checked by
+    the CPU) beside a big one (checked on the GPU): each gets the outputs of its own inputs, and
+    a NaN or Inf refuses only the request that holds it."""
     def run(index: int) -> list[str]:
         problems = []
         with Client(gpu_server.address) as client:
-            B = 1 + index % 3
+            B = 64 if index == 2 else 1 + index % 3
             inline = [client.create_session() for _ in range(B)]
             shared = [client.create_session(colocate_with=inline[0]) for _ in range(B)]
-            with client.shared_memory(1 << 20, device="cuda") as mem:
+            with client.shared_memory(4 << 20, device="cuda") as mem:
                 for step in range(6):
                     x = random_inputs(B, 1, H, HV, gen=torch.Generator().manual_seed(100 * index + step),
                                       dtype=torch.bfloat16)
                     t = {n: mem.tensor(x[n].shape) for n in NAMES}
                     for n in NAMES:
                         t[n].copy_(x[n])
-                    poisoned = index == 3 and step == 2
+                    poisoned = (index, step) in ((3, 2), (2, 4))
                     if poisoned:
                         t["k"][0, 0, 1, 2] = float("inf")
                     torch.cuda.synchronize()
