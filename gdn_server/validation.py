@@ -142,9 +142,7 @@ def decode_work_from_request(
     dtypes = [m.dtype for m in messages]
     refs = [(m.ref.region, m.ref.offset) if m.HasField("ref") else None for m in messages]
     o_ref = (req.o_ref.region, req.o_ref.offset) if req.HasField("o_ref") else None
-    device_read = _device_read([ITEMSIZE_OF.get(dtype, 0) * math.prod(d) for dtype, d, ref in zip(dtypes, dims, refs)
-                                if ref is not None], o_ref, dims, shape)
-    raw, output = _resolved(raw, refs, o_ref, dtypes, dims, shape, resolve, device_read)
+    raw, output, device_read = _resolved(raw, refs, o_ref, dtypes, dims, shape, resolve)
     common = dict(
         layer=layer, session_ids=session_ids, positions=positions, request_id=request_id,
         speculative=speculative, owner=owner, owner_key=owner_key, output=output,
@@ -174,11 +172,13 @@ def _step_by_reference(step: CheckedStep, shape: ModelShape, owner: str | None, 
 
 def _resolved(raw: Sequence[Any], refs: Sequence[tuple[str, int] | None], o_ref: tuple[str, int] | None,
               dtypes: Sequence[int], dims: Sequence[tuple[int, ...]], shape: ModelShape,
-              resolve: Resolve | None, device_read: bool) -> tuple[tuple, Any]:
+              resolve: Resolve | None) -> tuple[tuple, Any, bool]:
     """The inputs' bytes, each reference (region, offset) resolved to a view of its region (the
-    layout of each checked, by reference or inline), and where o goes (None: in the reply)."""
+    layout of each checked, by reference or inline), where o goes (None: in the reply), and
+    whether the request is big enough for a GPU to read it in place (`_device_read`)."""
     spans: list[tuple[str, int, int, str]] = []  # (region, start, end, tensor) of each reference
     sizes = [ITEMSIZE_OF.get(dtype, 0) * math.prod(d) for dtype, d in zip(dtypes, dims)]
+    device_read = _device_read([n for n, ref in zip(sizes, refs) if ref is not None], o_ref, dims, shape)
     out = []
     for name, dtype, d, data, ref, nbytes in zip(INPUT_NAMES, dtypes, dims, raw, refs, sizes):
         if ref is None:
@@ -195,7 +195,7 @@ def _resolved(raw: Sequence[Any], refs: Sequence[tuple[str, int] | None], o_ref:
         except WireFormatError as e:
             raise InvalidArgument(str(e)) from None
         out.append(_resolve(ref, nbytes, name, resolve, spans, device_read))
-    return tuple(out), _resolve_output(o_ref, dims, shape, resolve, spans, device_read)
+    return tuple(out), _resolve_output(o_ref, dims, shape, resolve, spans, device_read), device_read
 
 
 def _output_bytes(dims: Sequence[tuple[int, ...]], shape: ModelShape) -> int:
