@@ -1,11 +1,11 @@
-"""gdn_server/backends/mapped.py refuses what it cannot alias, with or without a GPU."""
+"""gdn_server/kernels/_mapped.py refuses what it cannot alias, with or without a GPU."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.utils.dlpack
 
-from gdn_server.backends.mapped import _DLTensorHead, _capsule_pointer, device_alias
+from gdn_server.kernels._mapped import _DLTensorHead, _capsule_pointer, device_alias
 
 
 def test_only_pinned_host_tensors_onto_an_indexed_cuda_device():

@@ -23,7 +23,9 @@ A launch with inputs in a client's shared memory that the device reads where the
 device buffer after step 2, by one `segments_copy`, and runs directly, not as a graph
 (`_referenced_steps`); a small request's inputs come staged like a message's (the wire layer
 copied them out of CUDA memory). Outputs whose o_ref is a DeviceSpan are written there after
-step 3 (or after the graph) by one more `segments_copy` (`_write_outputs`).
+step 3 (or after the graph) by one more `segments_copy` (`_write_outputs`). Both read their
+segments from the staging set's table in mapped pinned memory (`kernels.SegmentTable`): a
+launch's host calls are the costly part of a small step, and a table needs none of its own.
 `submit` returns at once; `result()` waits for the event. A ring of staging sets lets the scheduler
 assemble batch n+1 while batch n runs: a set is reused only after its previous event completed.
 Small launches (GRAPH_MAX_ROWS rows; plain T=1 steps and verifies of every T) replay steps 2-4
@@ -34,7 +36,7 @@ would fill a ring, and graphs of it would double the captures. Graphs by bucket,
 count: a replay is one host call where a direct launch makes three (copy, kernel, copy), and a
 few buckets keep the captures (per staging set) few, at the cost of padding rows' device time.
 The graphs of up to MAPPED_MAX_ROWS rows hold the kernel alone: it reads the pinned staging
-buffer and writes the pinned outputs in place (gdn_server/backends/mapped.py), with no copy
+buffer and writes the pinned outputs in place (gdn_server/kernels/_mapped.py), with no copy
 before or after it.
 
 The backend takes only shapes its kernels cover (K = V = 128, HV a multiple of H and at most 8
@@ -50,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from gdn_server.backends.base import Backend, PendingStep, check_state_dtype
-from gdn_server.backends.mapped import device_alias
+from gdn_server.kernels._mapped import device_alias
 from gdn_server.backends.staging import StagingLayout, carve as _carve, fill as _fill_staging, make_layout
 from gdn_server.config import ModelShape
 from gdn_server.kernels import HEAD_DIM, SegmentTable, check_variant, ring_bytes_per_row
@@ -385,7 +387,7 @@ class CudaBackend(Backend):
                 staging.dev[offset:offset + src.nbytes].copy_(src.tensor(), non_blocking=True)
         if segments:
             table.write(0, segments)
-            segments_copy(table.upload(len(segments)), staging.scratch, max(seg[3] for seg in segments))
+            segments_copy(table.rows(0, len(segments)), staging.scratch, max(seg[3] for seg in segments))
         self._launch_kernel(views.dev, views.out_dev, kind)
         return views.out_dev, len(segments)
 
@@ -418,11 +420,8 @@ class CudaBackend(Backend):
                     kept[row] = (_byte_rows(out, row, n), torch.empty(output.nbytes, dtype=torch.uint8, pin_memory=True))
             row += n
         if segments:
-            # rows [0, first) are uploaded again unchanged: one copy, where a second table would
-            # be a second buffer per staging set
             table.write(first, segments)
-            dev_table = table.upload(first + len(segments))
-            segments_copy(dev_table[first:], staging.scratch, max(seg[3] for seg in segments))
+            segments_copy(table.rows(first, len(segments)), staging.scratch, max(seg[3] for seg in segments))
         for rows, copy in kept.values():
             copy.copy_(rows, non_blocking=True)
         if copy_to_host and len(kept) < len(batch.works):

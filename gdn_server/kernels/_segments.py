@@ -47,13 +47,21 @@ def _build(scan: bool) -> Callable[..., Any]:
         tid, _, _ = cute.arch.thread_idx()
         seg, first, _ = cute.arch.block_idx()
         _, step, _ = cute.arch.grid_dim()
+        # the segment's fields are read once: the table is pinned host memory, a read of it a
+        # round trip over PCIe
         row_words = Int32(table[seg, ROW_WORDS])
-        for row in range(first, Int32(table[seg, ROWS]), step):
+        rows = Int32(table[seg, ROWS])
+        src_base = table[seg, SRC]
+        if cutlass.const_expr(scan):
+            offset = Int32(table[seg, OFFSET])
+            first_row = Int32(table[seg, FIRST_ROW])
+        else:
+            dst_base = table[seg, DST]
+        for row in range(first, rows, step):
             start = Int64(row) * Int64(row_words)
-            src = cute.make_tensor(cute.make_ptr(Int16, table[seg, SRC] + start * 2, cute.AddressSpace.gmem,
+            src = cute.make_tensor(cute.make_ptr(Int16, src_base + start * 2, cute.AddressSpace.gmem,
                                                  assumed_align=2), cute.make_layout(row_words))
             if cutlass.const_expr(scan):
-                offset = Int32(table[seg, OFFSET])
                 total = Int32(0)
                 nonfinite = Int32(0)
                 for i in range(tid, row_words, THREADS):
@@ -64,11 +72,11 @@ def _build(scan: bool) -> Callable[..., Any]:
                         nonfinite = Int32(1)
                 total = cute.arch.warp_reduction_sum(total)
                 if tid % 32 == 0:
-                    cute.arch.atomic_add((digests.iterator + Int32(table[seg, FIRST_ROW]) + row).llvm_ptr, total)
+                    cute.arch.atomic_add((digests.iterator + first_row + row).llvm_ptr, total)
                 if nonfinite != 0:
                     cute.arch.atomic_max((bad.iterator + seg).llvm_ptr, Int32(1))
             else:
-                dst = cute.make_tensor(cute.make_ptr(Int16, table[seg, DST] + start * 2, cute.AddressSpace.gmem,
+                dst = cute.make_tensor(cute.make_ptr(Int16, dst_base + start * 2, cute.AddressSpace.gmem,
                                                      assumed_align=2), cute.make_layout(row_words))
                 for i in range(tid, row_words, THREADS):
                     dst[i] = src[i]
@@ -114,16 +122,25 @@ def segments_copy(table, scratch, max_rows: int) -> None:
 
 
 class SegmentTable:
-    """A pinned table of segments (int64 [capacity, SEGMENT_FIELDS]) and its device twin, which a
-    launch reads: filled on the host (`write`), copied over by `upload` on the current stream."""
+    """A pinned table of segments (int64 [capacity, SEGMENT_FIELDS]) that the kernels read where it
+    is, mapped into the device's address space (`_mapped.device_alias`): filled on the host
+    (`write`), passed to a launch as `rows(first, count)`. A launch's table then costs no copy call
+    before it (a host call, where the kernel's few reads of each row over PCIe cost less than a
+    microsecond of device time). Rows a launch in flight reads must not be written again before
+    it ends: the callers reuse a table only after the launches that read it."""
 
     def __init__(self, device: Any, capacity: int) -> None:
         import torch
 
+        from ._mapped import device_alias
+
         self.capacity = capacity
         self.host = torch.zeros(capacity, SEGMENT_FIELDS, dtype=torch.int64, pin_memory=True)
         self._host_mem = memoryview(self.host.numpy()).cast("B")
-        self.dev = torch.empty(capacity, SEGMENT_FIELDS, dtype=torch.int64, device=device)
+        device = torch.device(device)
+        if device.index is None:  # "cuda": the current device, as torch's own calls read it
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._mapped = device_alias(self.host, device)
 
     def write(self, first: int, rows: "list[tuple[int, ...]]") -> None:
         """Rows of SEGMENT_FIELDS ints from table row `first` on (one struct call: the fastest way
@@ -131,11 +148,9 @@ class SegmentTable:
         struct.pack_into(f"{SEGMENT_FIELDS * len(rows)}q", self._host_mem, 8 * SEGMENT_FIELDS * first,
                          *[v for row in rows for v in row])
 
-    def upload(self, count: int) -> Any:
-        """The first `count` rows, copied to the device (asynchronously): the table a launch takes."""
-        dev = self.dev[:count]
-        dev.copy_(self.host[:count], non_blocking=True)
-        return dev
+    def rows(self, first: int, count: int) -> Any:
+        """Rows [first, first + count) as the device sees them: the table a launch takes."""
+        return self._mapped[first:first + count]
 
 
 class TensorScan:
@@ -185,7 +200,7 @@ class TensorScan:
         b = batch.buffers
         S, rows = batch.segments, batch.rows
         with torch.cuda.stream(self.stream):
-            table = b.table.upload(S)
+            table = b.table.rows(0, S)
             b.dev_out.zero_()
             segments_scan(table, b.dev_out[:S], b.dev_out[b.segments:b.segments + rows], batch.max_rows)
             b.host_out.copy_(b.dev_out, non_blocking=True)

@@ -1,10 +1,10 @@
-"""Pinned host memory as a CUDA tensor (gdn_server/backends/mapped.py): the device reads and
+"""Pinned host memory as a CUDA tensor (gdn_server/kernels/_mapped.py): the device reads and
 writes it in place."""
 from __future__ import annotations
 
 import torch
 
-from gdn_server.backends.mapped import device_alias
+from gdn_server.kernels._mapped import device_alias
 
 
 def test_a_device_alias_is_the_pinned_memory_read_and_written_by_the_device():

@@ -6,7 +6,8 @@ goes over PCIe, with no copy before or after the launch. Torch has no call that 
 tensor, so `device_alias` takes a pinned tensor's own DLPack export and relabels its device
 from host to the GPU before importing it back. The alias shares the pinned tensor's memory and
 keeps it alive; torch ops on the alias would run on the GPU against host memory, so it is only
-for passing to kernels (gdn_server/backends/cuda.py, MAPPED_MAX_ROWS).
+for passing to kernels: the staging buffers of the smallest graphs (gdn_server/backends/cuda.py,
+MAPPED_MAX_ROWS) and the segment tables (`_segments.SegmentTable`).
 """
 from __future__ import annotations
 
