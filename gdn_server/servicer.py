@@ -61,10 +61,11 @@ def decode_response(result: DecodeResult, output: Any = None) -> bytes:
 
 
 async def _checked(pending: PendingCheck) -> DecodeWork:
-    """The DecodeWork of a request whose inputs are checked on their GPU, polled once per turn of
-    the event loop (the check takes tens of microseconds; other requests run meanwhile)."""
+    """The DecodeWork of a request whose inputs are checked on their GPU or copied out of it,
+    polled once per turn of the event loop (a check takes tens of microseconds; other requests
+    run meanwhile)."""
     try:
-        await asyncio.sleep(0)  # the requests of this turn of the loop join the same check launch
+        await asyncio.sleep(0)  # the requests of this turn of the loop join the same check or copies
         while not pending.ready():
             await asyncio.sleep(0)
     except BaseException:  # the call went away: the check's buffers go back all the same

@@ -16,8 +16,9 @@ references of a big request (one with a tensor of DEVICE_READ_BYTES or more) int
 memory, are `DeviceSpan`s (addresses), not views. A big request's the GPU checks
 (`DeviceAccess.check`: one kernel launch for the requests that arrive together, polled) and the
 backend's launch reads in place, with none of their bytes passing through the server's CPU; a
-small request's inputs in CUDA memory are copied to the host (`DeviceAccess.read`) and checked
-and staged as a message's bytes are. An o_ref in CUDA memory is written by the launch.
+small request's inputs in CUDA memory are copied to the host (`DeviceAccess.read`, the copies of
+the requests that arrive together made back to back) and checked and staged as a message's bytes
+are. An o_ref in CUDA memory is written by the launch.
 
 It is unmapped when its owner unregisters it, when no request has used it for `idle_s` (a client
 that died must not pin memory for ever: `sweep`), and at shutdown (`close`). A request that holds
@@ -80,7 +81,8 @@ def _nothing() -> None:
 class DeviceAccess:
     """What a registry on a CUDA server does with the GPUs `devices`: opens CUDA IPC handles,
     page-locks system regions, checks a big request's tensors in device memory
-    (gdn_server.kernels.TensorScan, one per device) and copies a small one's to the host.
+    (gdn_server.kernels.TensorScan, one per device) and copies small ones' to the host, the
+    requests that arrive together at once (`read`).
     Imports torch and the kernels only when made."""
 
     def __init__(self, devices: list) -> None:
@@ -95,6 +97,8 @@ class DeviceAccess:
         self._open_handle, self._ipc_error = open_handle, CudaIpcError
         self._scans: dict = {}
         self._runtime: Any = None  # ctypes' handle of the CUDA runtime (`_cudart`)
+        self._reads: _ReadBatch | None = None  # the copies out of CUDA memory not made yet
+        self._pinned: Any = None  # where they land first (grown to the largest batch)
 
     def open_cuda(self, handle: bytes, device: int, nbytes: int) -> tuple[Any, Callable[[], None]]:
         """The CUDA uint8 tensor of a CUDA IPC handle's memory and its close; InvalidArgument for a
@@ -151,36 +155,48 @@ class DeviceAccess:
         except (OSError, AttributeError):
             log.warning("could not clear the CUDA runtime's last error; the next launch may report it")
 
-    def read(self, spans: list) -> list[memoryview]:
-        """The bytes of a small request's DeviceSpans, copied into host memory: what the CPU then
-        checks and stages like a message's bytes (see DEVICE_READ_BYTES). Synchronous copies on
-        the device's legacy stream, which waits for none of the launches' streams; spans of one
-        memory at most READ_GAP_BYTES apart go in one copy (a client's tensors usually lie so)."""
-        runs: list[list] = []  # [address, end, spans] of each copy
-        for span in sorted(spans, key=lambda s: (id(s.memory), s.address)):
-            last = runs[-1] if runs else None
-            if (last is not None and last[2][-1].memory is span.memory
-                    and span.address - last[1] <= READ_GAP_BYTES):
-                last[1] = max(last[1], span.address + span.nbytes)
-                last[2].append(span)
-            else:
-                runs.append([span.address, span.address + span.nbytes, [span]])
-        host = bytearray(max(1, sum(end - start for start, end, _ in runs)))
-        base = ctypes.addressof(ctypes.c_char.from_buffer(host))
+    def read(self, spans: list) -> "PendingRead":
+        """Starts the copy of a small request's DeviceSpans into host memory: what the CPU then
+        checks and stages like a message's bytes (see DEVICE_READ_BYTES). The copies of every
+        request that joins before the first poll or read of any of them run together: one
+        `cudaMemcpyAsync` per run of spans at most READ_GAP_BYTES apart in one memory, back to
+        back into pinned memory, and one synchronize of the device's legacy stream (which waits
+        for none of the launches' streams) for all of them. A CUDA call costs 2-3x as much
+        between the rest of a step's work as next to another (the caches it runs from gone cold:
+        bench/DECISIONS.md, entry 23), so a turn's copies cost less made together than one
+        synchronous copy per request as it arrives."""
+        batch = self._reads
+        if batch is None or batch.copied:
+            batch = self._reads = _ReadBatch(self)
+        return batch.add(spans)
+
+    def _copy_out(self, runs: list[tuple[int, int]]) -> bytearray:
+        """The bytes of device memory [address, end) of each run, one after another, copied into
+        pinned memory and then into a bytearray of their own (the pinned buffer is the next
+        batch's). RuntimeError where a copy fails."""
+        total = max(1, sum(end - start for start, end in runs))
+        pinned = self._pinned
+        if pinned is None or pinned.numel() < total:
+            pinned = self._pinned = self._torch.empty(max(total, 1 << 20), dtype=self._torch.uint8, pin_memory=True)
         cudart = self._cudart()
-        views, offset = {}, 0
-        whole = memoryview(host)
-        for start, end, members in runs:
-            error = cudart.cudaMemcpy(ctypes.c_void_p(base + offset), ctypes.c_void_p(start),
-                                      ctypes.c_size_t(end - start), CUDA_MEMCPY_DEFAULT)
-            if error != 0:
-                self._clear_last_error()
-                raise RuntimeError(f"copying a request's tensors out of CUDA memory failed (CUDA error {error})")
-            for span in members:
-                at = offset + span.address - start
-                views[id(span)] = whole[at:at + span.nbytes]
-            offset += end - start
-        return [views[id(span)] for span in spans]
+        base, offset = pinned.data_ptr(), 0
+        if len(runs) == 1:  # one call where there is one copy: the synchronous one
+            start, end = runs[0]
+            error = cudart.cudaMemcpy(ctypes.c_void_p(base), ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                                      CUDA_MEMCPY_DEFAULT)
+        else:
+            for start, end in runs:
+                error = cudart.cudaMemcpyAsync(ctypes.c_void_p(base + offset), ctypes.c_void_p(start),
+                                               ctypes.c_size_t(end - start), CUDA_MEMCPY_DEFAULT, None)
+                if error != 0:
+                    break
+                offset += end - start
+            else:
+                error = cudart.cudaStreamSynchronize(None)
+        if error != 0:
+            self._clear_last_error()
+            raise RuntimeError(f"copying requests' tensors out of CUDA memory failed (CUDA error {error})")
+        return bytearray(memoryview(pinned.numpy())[:total])
 
     def check(self, spans: list, rows: int) -> Any:
         """Starts the NaN/Inf check and digests of one request's bf16 tensors [rows, ...] that a
@@ -194,6 +210,76 @@ class DeviceAccess:
 
             scan = self._scans[device] = TensorScan(device)
         return scan(spans, rows)
+
+
+class _ReadBatch:
+    """The copies out of CUDA memory of the requests that joined before any of them was polled."""
+
+    __slots__ = ("_access", "_requests", "copied", "_host", "_error")
+
+    def __init__(self, access: DeviceAccess) -> None:
+        self._access = access
+        self._requests: list[list] = []  # each request's spans
+        self.copied = False
+        self._host: list[list[memoryview]] = []  # each request's bytes, in its spans' order
+        self._error: Exception | None = None
+
+    def add(self, spans: list) -> "PendingRead":
+        self._requests.append(spans)
+        return PendingRead(self, len(self._requests) - 1)
+
+    def copy(self) -> None:
+        """Makes every request's copies (once); a failure is each request's to raise."""
+        if self.copied:
+            return
+        self.copied = True
+        runs: list[list] = []  # [address, end, [(request, span index, span)]] of each copy
+        for r, spans in enumerate(self._requests):
+            last = None
+            for i, span in sorted(enumerate(spans), key=lambda e: (id(e[1].memory), e[1].address)):
+                if (last is not None and last[2][-1][2].memory is span.memory
+                        and span.address - last[1] <= READ_GAP_BYTES):
+                    last[1] = max(last[1], span.address + span.nbytes)
+                    last[2].append((r, i, span))
+                else:
+                    last = [span.address, span.address + span.nbytes, [(r, i, span)]]
+                    runs.append(last)
+        try:
+            host = memoryview(self._access._copy_out([(start, end) for start, end, _ in runs]))
+        except RuntimeError as e:
+            self._error = e
+            return
+        self._host = [[None] * len(spans) for spans in self._requests]
+        offset = 0
+        for start, end, members in runs:
+            for r, i, span in members:
+                at = offset + span.address - start
+                self._host[r][i] = host[at:at + span.nbytes]
+            offset += end - start
+
+    def result(self, index: int) -> list[memoryview]:
+        self.copy()
+        if self._error is not None:
+            raise self._error
+        return self._host[index]
+
+
+class PendingRead:
+    """One request's copy out of CUDA memory (`DeviceAccess.read`): `ready()` makes its batch's
+    copies if they are not made yet (so it is always ready after), `result()` is its spans' bytes
+    in host memory, in order. RuntimeError for a copy that failed."""
+
+    __slots__ = ("_batch", "_index")
+
+    def __init__(self, batch: _ReadBatch, index: int) -> None:
+        self._batch, self._index = batch, index
+
+    def ready(self) -> bool:
+        self._batch.copy()
+        return True
+
+    def result(self) -> list[memoryview]:
+        return self._batch.result(self._index)
 
 
 class Region:

@@ -15,8 +15,9 @@ gdn_client.proto.checks, a big request (a tensor or o of DEVICE_READ_BYTES or mo
 input a GPU reads in place (a DeviceSpan) on that GPU, all of its inputs together (the check the
 resolver brings, `resolve.check_device`: one kernel launch for the requests of a turn of the
 event loop, which the servicer polls through a PendingCheck). A small request's DeviceSpans are
-copied to the host first (`resolve.read_device`) and checked like a message's bytes: one copy
-answers sooner than a check launch and its polls, and the launch then replays its graph.
+copied to the host first (`resolve.read_device`: the copies of the requests of a turn of the
+event loop made together, also polled through a PendingCheck) and checked like a message's bytes:
+copies answer sooner than a check launch and its polls, and the launch then replays its graph.
 Nothing after validation checks them again.
 
 Tensors by reference (TensorRef, into a shared-memory region the caller registered) become views
@@ -214,27 +215,50 @@ def _device_read(input_ref_bytes: Sequence[int], o_ref: tuple[str, int] | None, 
 
 
 class PendingCheck:
-    """A request whose inputs are being checked on their GPU (`resolve.check_device`, started):
-    the caller polls `ready()` (the event loop serves others meanwhile), then `work()` is its
-    DecodeWork, or raises InvalidArgument for a NaN or Inf."""
+    """A request whose inputs a GPU is checking (`resolve.check_device`) or copying to the host
+    (`resolve.read_device`), started: the caller polls `ready()` (the event loop serves others
+    meanwhile), then `work()` is its DecodeWork, or raises InvalidArgument for a NaN or Inf."""
 
-    __slots__ = ("_common", "_tensors", "_dims", "_scan")
+    __slots__ = ("_pending", "_finish")
 
-    def __init__(self, common: dict, tensors: dict, dims: tuple, scan: Any) -> None:
-        self._common, self._tensors, self._dims, self._scan = common, tensors, dims, scan
+    def __init__(self, pending: Any, finish: Callable[[Any], DecodeWork]) -> None:
+        self._pending, self._finish = pending, finish  # finish(pending.result()) -> DecodeWork
 
     def ready(self) -> bool:
-        return self._scan.ready()
+        return self._pending.ready()
 
     def abandon(self) -> None:
-        """Ends the check unread (its request will not be queued)."""
-        self._scan.result()
+        """Ends the check or copy unread (its request will not be queued)."""
+        try:
+            self._pending.result()  # a check's buffers go back once every check of its batch is read
+        except RuntimeError:  # a failed copy: nothing of it to give back
+            pass
 
     def work(self) -> DecodeWork:
-        bad, digests = self._scan.result()
+        return self._finish(self._pending.result())
+
+
+def _scanned(common: dict, tensors: dict, dims: tuple) -> Callable[[Any], DecodeWork]:
+    """The DecodeWork of a GPU check's (bad, digests) for inputs the launch reads where they are."""
+
+    def finish(result: tuple) -> DecodeWork:
+        bad, digests = result
         if bad is not None:
             raise nonfinite_input(INPUT_NAMES[bad])
-        return DecodeWork(**self._common, **self._tensors, input_dims=self._dims, digests=digests)
+        return DecodeWork(**common, **tensors, input_dims=dims, digests=digests)
+
+    return finish
+
+
+def _copied(common: dict, raw: tuple, on_device: Sequence[bool], dtypes: Sequence[int],
+            dims: Sequence[tuple[int, ...]]) -> Callable[[Any], DecodeWork]:
+    """The DecodeWork of a small request whose DeviceSpans were copied to the host, checked by the CPU."""
+
+    def finish(copied: list) -> DecodeWork:
+        host = iter(copied)
+        return _checked_work(common, tuple(next(host) if there else r for r, there in zip(raw, on_device)), dtypes, dims)
+
+    return finish
 
 
 def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequence[tuple[int, ...]],
@@ -243,14 +267,12 @@ def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequenc
     big request (`device_read`) with an input a GPU reads in place (a DeviceSpan) gets all five so
     as bf16 (`_on_device`), checked there by `resolve.check_device` (a PendingCheck), and the
     backend's launch reads them there; a small one's DeviceSpans are copied to the host
-    (`resolve.read_device`) and checked and staged like a message's bytes."""
+    (`resolve.read_device`, a PendingCheck too), then checked and staged like a message's bytes."""
     B = len(common["session_ids"])
     on_device = [type(r) is DeviceSpan for r in raw]
     if any(on_device) and not device_read:
         spans = [r for r, there in zip(raw, on_device) if there]
-        copied = iter(resolve.read_device(spans))
-        raw = tuple(next(copied) if there else r for r, there in zip(raw, on_device))
-        on_device = [False] * len(raw)
+        return PendingCheck(resolve.read_device(spans), _copied(common, raw, on_device, dtypes, dims))
     if tuple(dtypes) == _ALL_BF16 and not any(on_device):
         bad, digests = checked_digests(raw, B)
         if bad is not None:
@@ -258,7 +280,7 @@ def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequenc
         return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), digests=digests)
     if any(on_device):
         spans = _on_device(raw, dtypes, on_device)
-        return PendingCheck(common, dict(zip(INPUT_NAMES, spans)), tuple(dims), resolve.check_device(spans, B))
+        return PendingCheck(resolve.check_device(spans, B), _scanned(common, dict(zip(INPUT_NAMES, spans)), tuple(dims)))
     tensors = {}
     for name, dtype, d, data in zip(INPUT_NAMES, dtypes, dims, raw):
         torch_dtype = TORCH_DTYPE[dtype]

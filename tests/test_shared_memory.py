@@ -372,6 +372,82 @@ def test_a_cuda_region_closes_after_the_last_request_holding_it():
     assert closed == [handle, handle]  # nothing held it: closed with the registry
 
 
+
+def test_the_copies_out_of_cuda_memory_of_one_turn_are_made_together_and_checked_by_the_cpu():
+    """Small requests with tensors in CUDA memory (stand-ins here: spans at host addresses, the
+    copy itself reading them; this box has no GPU): nothing is copied until the first poll of any
+    of them, then every request that joined is copied by one `_copy_out` (a run per cluster of
+    tensors, a far one apart), and each request's DecodeWork is what the same bytes inline give.
+    A request after that starts the next batch; a NaN copied out is refused by the CPU's check;
+    a failed copy fails each request of its batch."""
+    import ctypes
+
+    from gdn_server.config import ModelShape
+    from gdn_server.errors import InvalidArgument
+    from gdn_server.shared_memory import READ_GAP_BYTES, DeviceAccess
+    from gdn_server.validation import PendingCheck, decode_work, parse_decode_request, step_limits
+    from gdn_server.work import DeviceSpan
+
+    shape = ModelShape(num_layers=3, num_q_heads=H, num_v_heads=HV, head_dim_k=K, head_dim_v=K)
+    memory = bytearray(1 << 16)  # the "device" memory of region "r"
+    base = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+    access = DeviceAccess(["cuda:0"])
+    copies = []
+
+    def copy_out(runs):
+        copies.append([(start - base, end - base) for start, end in runs])
+        if failing:
+            raise RuntimeError("copying requests' tensors out of CUDA memory failed (CUDA error 700)")
+        return bytearray(b"".join(ctypes.string_at(start, end - start) for start, end in runs))
+
+    access._copy_out = copy_out
+    failing = False
+
+    def resolve(region, offset, nbytes, device_read=False):
+        return DeviceSpan(memory, offset, nbytes, base + offset, 0)
+
+    resolve.read_device, resolve.check_device = access.read, None
+
+    def request(seed, at, far=None):
+        """A B = 2 step whose five inputs lie from `at` on, 64 bytes apart (v at `far` if given)."""
+        x = random_inputs(2, 1, H, HV, K, gen=torch.Generator().manual_seed(seed), dtype=torch.bfloat16)
+        req = decode_request(1, [f"s{seed}-0", f"s{seed}-1"], x, request_id=f"r{seed}")
+        inline = decode_work(parse_decode_request(req.SerializeToString(), step_limits(shape)), shape)
+        offset = at
+        for name in "qkvab":
+            data = x[name].contiguous().view(torch.uint8).numpy().tobytes()
+            where = far if name == "v" and far is not None else offset
+            memory[where:where + len(data)] = data
+            tensor = getattr(req, name)
+            tensor.ClearField("data")
+            tensor.ref.region, tensor.ref.offset = "r", where
+            offset = where + len(data) + 64 if where == offset else offset
+        step = parse_decode_request(req.SerializeToString(), step_limits(shape))
+        return decode_work(step, shape, resolve=resolve), inline
+
+    (a, a_inline), (b, b_inline) = request(1, 0, far=4096 + 2 * READ_GAP_BYTES), request(2, 24576)
+    assert type(a) is PendingCheck and type(b) is PendingCheck and copies == []
+    assert b.ready() and len(copies) == 1 and a.ready() and len(copies) == 1
+    (runs,) = copies
+    assert len(runs) == 3 and runs[0][0] == 0 and runs[1][0] == 4096 + 2 * READ_GAP_BYTES and runs[2][0] == 24576
+    for pending, inline in ((a, a_inline), (b, b_inline)):
+        work = pending.work()
+        assert work.digests == inline.digests and work.session_ids == inline.session_ids
+        assert [bytes(x) for x in work.bf16_bytes] == [bytes(x) for x in inline.bf16_bytes]
+    c, _ = request(3, 32768)
+    assert len(copies) == 1 and c.ready() and len(copies) == 2  # the next batch
+    d, _ = request(4, 40960)
+    memory[40960:40962] = b"\xc0\x7f"  # q's first value a bf16 NaN, before the copy
+    with pytest.raises(InvalidArgument, match="q has NaN or Inf"):
+        d.ready() and d.work()
+    failing = True
+    e, f = request(5, 49152)[0], request(6, 57344)[0]
+    for pending in (e, f):
+        assert pending.ready()
+        with pytest.raises(RuntimeError, match="CUDA error 700"):
+            pending.work()
+    assert len(copies) == 4
+
 # -- gdn_client ------------------------------------------------------------------------------------
 
 def test_client_passes_region_tensors_by_reference(shm_server):
