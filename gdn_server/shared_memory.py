@@ -71,7 +71,6 @@ DEVICE_READ_BYTES = 512 << 10
 # lying at most this far apart in one region (`DeviceAccess.read`): a few KB more bytes cost less
 # than another copy call
 READ_GAP_BYTES = 4096
-CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyKind: the direction from the addresses (unified addressing)
 
 
 def _nothing() -> None:
@@ -96,7 +95,6 @@ class DeviceAccess:
         self.host_check_device = self._devices[0].index
         self._open_handle, self._ipc_error = open_handle, CudaIpcError
         self._scans: dict = {}
-        self._runtime: Any = None  # ctypes' handle of the CUDA runtime (`_cudart`)
         self._reads: _ReadBatch | None = None  # the copies out of CUDA memory not made yet
         self._pinned: Any = None  # where they land first (grown to the largest batch)
 
@@ -113,10 +111,10 @@ class DeviceAccess:
         unified addressing gives); returns its unpin (which first waits for the devices' queued
         work, some of which may still read it), or None where the driver refuses or the GPU would
         see it at another address (the region then works through the staging buffer)."""
-        cudart = self._torch.cuda.cudart()
-        error = int(cudart.cudaHostRegister(address, nbytes, 0))
+        cudart = self._cudart()
+        error = cudart.cudaHostRegister(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), 0)
         if error == 0 and not self._same_address(address):
-            cudart.cudaHostUnregister(address)
+            cudart.cudaHostUnregister(ctypes.c_void_p(address))
             error = -1
         if error != 0:
             self._clear_last_error()
@@ -127,7 +125,7 @@ class DeviceAccess:
         def unpin() -> None:
             for device in self._devices:
                 self._torch.cuda.synchronize(device)
-            cudart.cudaHostUnregister(address)
+            cudart.cudaHostUnregister(ctypes.c_void_p(address))
 
         return unpin
 
@@ -141,15 +139,15 @@ class DeviceAccess:
         return error == 0 and pointer.value == address
 
     def _cudart(self) -> Any:
-        """The CUDA runtime torch loaded, by its soname, for the calls torch's cudart module lacks."""
-        if self._runtime is None:
-            self._runtime = ctypes.CDLL(f"libcudart.so.{(self._torch.version.cuda or '').split('.')[0]}")
-        return self._runtime
+        """The CUDA runtime torch loaded, through ctypes: torch's cudart module lacks some of the
+        calls made here (cudaGetLastError, cudaHostGetDevicePointer)."""
+        from gdn_server.kernels._cudart import runtime
+
+        return runtime()
 
     def _clear_last_error(self) -> None:
         """Reads, and so clears, the CUDA runtime's last error: a failed call leaves it set, and
-        the next launch's check (torch's, the kernels') would report it as that launch's failure.
-        torch's cudart module has no cudaGetLastError."""
+        the next launch's check (torch's, the kernels') would report it as that launch's failure."""
         try:
             self._cudart().cudaGetLastError()
         except (OSError, AttributeError):
@@ -178,16 +176,18 @@ class DeviceAccess:
         pinned = self._pinned
         if pinned is None or pinned.numel() < total:
             pinned = self._pinned = self._torch.empty(max(total, 1 << 20), dtype=self._torch.uint8, pin_memory=True)
+        from gdn_server.kernels._cudart import MEMCPY_DEFAULT
+
         cudart = self._cudart()
         base, offset = pinned.data_ptr(), 0
         if len(runs) == 1:  # one call where there is one copy: the synchronous one
             start, end = runs[0]
             error = cudart.cudaMemcpy(ctypes.c_void_p(base), ctypes.c_void_p(start), ctypes.c_size_t(end - start),
-                                      CUDA_MEMCPY_DEFAULT)
+                                      MEMCPY_DEFAULT)
         else:
             for start, end in runs:
                 error = cudart.cudaMemcpyAsync(ctypes.c_void_p(base + offset), ctypes.c_void_p(start),
-                                               ctypes.c_size_t(end - start), CUDA_MEMCPY_DEFAULT, None)
+                                               ctypes.c_size_t(end - start), MEMCPY_DEFAULT, None)
                 if error != 0:
                     break
                 offset += end - start

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from gdn_server.backends.base import Backend, PendingStep, check_state_dtype
+from gdn_server.kernels._cudart import runtime as cudart_runtime
 from gdn_server.kernels._mapped import device_alias
 from gdn_server.backends.staging import StagingLayout, carve as _carve, fill as _fill_staging, make_layout
 from gdn_server.config import ModelShape
@@ -146,8 +147,8 @@ class _Staging:
         self.done = torch.cuda.Event()
         self.used = False
         self._views: dict[tuple[int, int], _Views] = {}
-        # (kind, R, T) -> (the launch's graph, the device memory its kernel writes o to)
-        self.graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (kind, R, T) -> (the launch's graph, its cudaGraphExec_t, the memory its kernel writes o to)
+        self.graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, int, torch.Tensor]] = {}
         # `host` and `out_host` as tensors on the device (MAPPED_MAX_ROWS), made on first use
         self._mapped: tuple[torch.Tensor, torch.Tensor] | None = None
         self._segments: SegmentTable | None = None  # made on the first launch with referenced tensors
@@ -282,6 +283,10 @@ class CudaBackend(Backend):
         self.A_log = gates.A_log.float().contiguous().to(self.device)
         self.dt_bias = gates.dt_bias.float().contiguous().to(self.device)
         self.stream = torch.cuda.Stream(self.device)
+        # a graph is launched by cudaGraphLaunch on this stream, not torch's CUDAGraph.replay(),
+        # which costs ~10 us more host time a replay in the server (bench/DECISIONS.md, entry 8)
+        self._stream_handle = self.stream.cuda_stream
+        self._graph_launch = cudart_runtime().cudaGraphLaunch
         self._ring: list[_Staging | None] = [None] * RING
         self._plans: dict[tuple[int, int], StagingLayout] = {}
         self._next = 0
@@ -351,15 +356,18 @@ class CudaBackend(Backend):
         if on_device:
             out, first_output = self._referenced_steps(staging, views, kind, on_device, host_from, table)
         else:
-            graph, out = staging.graphs.get((kind, rows, T), (None, views.out_dev))
+            graph, graph_exec, out = staging.graphs.get((kind, rows, T), (None, 0, views.out_dev))
             if graph is not None:  # steps 2-4 as captured for this staging set, kind and (rows, T)
-                graph.replay()
+                error = self._graph_launch(graph_exec, self._stream_handle)
+                if error:
+                    cudart_runtime().cudaGetLastError()  # read, so that no later call reports it as its own
+                    raise RuntimeError(f"cudaGraphLaunch failed (CUDA error {error})")
             else:
                 self._device_steps(views, kind)
-        kept = None
-        if out_refs:
-            kept = self._write_outputs(batch, staging, views, out, table, first_output, copy_to_host=bool(on_device))
-        elif on_device:
+        kept = self._write_outputs(batch, staging, out, table, first_output) if out_refs else {}
+        # the host buffer gets o where the kernels left it on the device and some request is
+        # answered from that buffer (not every one had its rows kept apart)
+        if on_device and len(kept) < len(batch.works):
             views.out_host.copy_(views.out_dev, non_blocking=True)
         staging.done.record(self.stream)
         return _CudaStep(staging, views, self.device, R, kept)
@@ -391,16 +399,15 @@ class CudaBackend(Backend):
         self._launch_kernel(views.dev, views.out_dev, kind)
         return views.out_dev, len(segments)
 
-    def _write_outputs(self, batch: StepBatch, staging: _Staging, views: _Views, out: torch.Tensor,
-                       table: SegmentTable, first: int, copy_to_host: bool) -> dict[int, torch.Tensor]:
+    def _write_outputs(self, batch: StepBatch, staging: _Staging, out: torch.Tensor, table: SegmentTable,
+                       first: int) -> dict[int, torch.Tensor]:
         """Step 4 for the requests whose o_ref is a DeviceSpan, after the kernels wrote o into
         `out` (device memory, or the mapped output buffer of a small graph): their rows copied
         there by one `segments_copy` of `table`'s segments from `first` on (torch's copies for a
         span of another device). Those of KEEP_APART_BYTES or more are also copied apart, each
         into pinned memory of its own (torch's caching host allocator), instead of into the
         reused host buffer: what a retry is answered from, with no copy by the CPU; returned by
-        their first rows. With `copy_to_host` (a launch whose outputs the kernels left on the
-        device) the host buffer gets the outputs too, where some request is answered from it."""
+        their first rows."""
         from gdn_server.kernels import segments_copy
 
         here = self.device.index
@@ -424,8 +431,6 @@ class CudaBackend(Backend):
             segments_copy(table.rows(first, len(segments)), staging.scratch, max(seg[3] for seg in segments))
         for rows, copy in kept.values():
             copy.copy_(rows, non_blocking=True)
-        if copy_to_host and len(kept) < len(batch.works):
-            views.out_host.copy_(views.out_dev, non_blocking=True)
         return {row: copy for row, (_, copy) in kept.items()}
 
     def _device_steps(self, views: _Views, kind: str) -> None:
@@ -521,7 +526,7 @@ class CudaBackend(Backend):
                             steps()
                         finally:
                             graph.capture_end()
-                    staging.graphs[(kind, R, tokens)] = (graph, out)
+                    staging.graphs[(kind, R, tokens)] = (graph, graph.raw_cuda_graph_exec(), out)
         if buckets:
             self._bucket_max = buckets[-1]
 
