@@ -215,13 +215,14 @@ class DeviceAccess:
 class _ReadBatch:
     """The copies out of CUDA memory of the requests that joined before any of them was polled."""
 
-    __slots__ = ("_access", "_requests", "copied", "_host", "_error")
+    __slots__ = ("_access", "_requests", "copied", "_host", "_at", "_error")
 
     def __init__(self, access: DeviceAccess) -> None:
         self._access = access
         self._requests: list[list] = []  # each request's spans
         self.copied = False
-        self._host: list[list[memoryview]] = []  # each request's bytes, in its spans' order
+        self._host: memoryview | None = None  # every run's bytes, one after another
+        self._at: dict[int, int] = {}  # id(span) -> where its bytes start in `_host`
         self._error: Exception | None = None
 
     def add(self, spans: list) -> "PendingRead":
@@ -229,39 +230,45 @@ class _ReadBatch:
         return PendingRead(self, len(self._requests) - 1)
 
     def copy(self) -> None:
-        """Makes every request's copies (once); a failure is each request's to raise."""
+        """Makes every request's copies (once); a failure is each request's to raise. The spans of
+        all the requests in address order: CUDA allocations do not interleave, so one memory's
+        spans come together, and those at most READ_GAP_BYTES apart go in one copy (a request's
+        tensors usually lie so, and a stream's requests of one turn often do too)."""
         if self.copied:
             return
         self.copied = True
-        runs: list[list] = []  # [address, end, [(request, span index, span)]] of each copy
-        for r, spans in enumerate(self._requests):
-            last = None
-            for i, span in sorted(enumerate(spans), key=lambda e: (id(e[1].memory), e[1].address)):
-                if (last is not None and last[2][-1][2].memory is span.memory
-                        and span.address - last[1] <= READ_GAP_BYTES):
-                    last[1] = max(last[1], span.address + span.nbytes)
-                    last[2].append((r, i, span))
-                else:
-                    last = [span.address, span.address + span.nbytes, [(r, i, span)]]
-                    runs.append(last)
+        runs: list[tuple[int, int]] = []  # [address, end) of each copy
+        at = self._at
+        done = 0  # the bytes of the runs before the current one
+        start = end = 0
+        memory = None
+        for span in sorted((span for spans in self._requests for span in spans), key=_address):
+            address = span.address
+            if span.memory is memory and address - end <= READ_GAP_BYTES:
+                end = max(end, address + span.nbytes)
+            else:
+                if memory is not None:
+                    runs.append((start, end))
+                    done += end - start
+                start, end, memory = address, address + span.nbytes, span.memory
+            at[id(span)] = done + address - start
+        if memory is not None:
+            runs.append((start, end))
         try:
-            host = memoryview(self._access._copy_out([(start, end) for start, end, _ in runs]))
+            self._host = memoryview(self._access._copy_out(runs))
         except RuntimeError as e:
             self._error = e
-            return
-        self._host = [[None] * len(spans) for spans in self._requests]
-        offset = 0
-        for start, end, members in runs:
-            for r, i, span in members:
-                at = offset + span.address - start
-                self._host[r][i] = host[at:at + span.nbytes]
-            offset += end - start
 
     def result(self, index: int) -> list[memoryview]:
         self.copy()
         if self._error is not None:
             raise self._error
-        return self._host[index]
+        host, at = self._host, self._at
+        return [host[at[id(span)]:at[id(span)] + span.nbytes] for span in self._requests[index]]
+
+
+def _address(span: DeviceSpan) -> int:
+    return span.address
 
 
 class PendingRead:

@@ -155,20 +155,18 @@ def _step_by_reference(step: CheckedStep, shape: ModelShape, owner: str | None, 
                        resolve: Resolve | None) -> "DecodeWork | PendingCheck":
     """The DecodeWork of a step checked by the C parse with inputs or o by reference. The C has
     checked every input's dtype (bf16), shape and inline length, so a reference needs only its
-    resolution here (what `_resolved` does for any request, in one pass without layout checks)."""
+    resolution here (what `_resolved` does for any request, with the layout checks)."""
+    dims = step.dims
     raw = list(step.inputs)
-    sizes = [2 * math.prod(d) for d in step.dims]
-    device_read = _device_read([n for x, n in zip(raw, sizes) if type(x) is tuple], step.o_ref, step.dims, shape)
-    spans: list[tuple[str, int, int, str]] = []  # (region, start, end, tensor) of each reference
-    for i, x in enumerate(raw):
-        if type(x) is tuple:
-            raw[i] = _resolve(x, sizes[i], INPUT_NAMES[i], resolve, spans, device_read)
-    output = _resolve_output(step.o_ref, step.dims, shape, resolve, spans, device_read)
+    refs = [(i, x[0], x[1], 2 * math.prod(dims[i])) for i, x in enumerate(raw) if type(x) is tuple]
+    output, device_read = _resolve_all(raw, refs, step.o_ref, _output_bytes(dims, shape), resolve)
     common = dict(
         layer=step.layer, session_ids=step.session_ids, positions=step.positions, request_id=step.request_id,
         speculative=step.speculative, owner=owner, owner_key=owner_key, output=output,
     )
-    return _checked_work(common, tuple(raw), _ALL_BF16, step.dims, resolve, device_read)
+    if DeviceSpan not in map(type, raw):  # host memory: checked and digested as a message's bytes are
+        return _bf16_work(common, raw, dims)
+    return _checked_work(common, tuple(raw), _ALL_BF16, dims, resolve, device_read)
 
 
 def _resolved(raw: Sequence[Any], refs: Sequence[tuple[str, int] | None], o_ref: tuple[str, int] | None,
@@ -176,42 +174,56 @@ def _resolved(raw: Sequence[Any], refs: Sequence[tuple[str, int] | None], o_ref:
               resolve: Resolve | None) -> tuple[tuple, Any, bool]:
     """The inputs' bytes, each reference (region, offset) resolved to a view of its region (the
     layout of each checked, by reference or inline), where o goes (None: in the reply), and
-    whether the request is big enough for a GPU to read it in place (`_device_read`)."""
-    spans: list[tuple[str, int, int, str]] = []  # (region, start, end, tensor) of each reference
-    sizes = [ITEMSIZE_OF.get(dtype, 0) * math.prod(d) for dtype, d in zip(dtypes, dims)]
-    device_read = _device_read([n for n, ref in zip(sizes, refs) if ref is not None], o_ref, dims, shape)
-    out = []
-    for name, dtype, d, data, ref, nbytes in zip(INPUT_NAMES, dtypes, dims, raw, refs, sizes):
-        if ref is None:
-            try:
-                check_layout(dtype, d, len(data), name)
-            except WireFormatError as e:
-                raise InvalidArgument(str(e)) from None
-            out.append(data)
-            continue
-        if len(data):
+    whether the request is big enough for a GPU to read it in place (`_resolve_all`)."""
+    out = list(raw)
+    by_reference = []  # (input index, region, offset, bytes)
+    for i, (name, dtype, d, data, ref) in enumerate(zip(INPUT_NAMES, dtypes, dims, raw, refs)):
+        if ref is not None and len(data):
             raise InvalidArgument(f"tensor {name} has both data and ref: its bytes are in one place")
+        nbytes = ITEMSIZE_OF.get(dtype, 0) * math.prod(d) if ref is not None else len(data)
         try:
             check_layout(dtype, d, nbytes, name)
         except WireFormatError as e:
             raise InvalidArgument(str(e)) from None
-        out.append(_resolve(ref, nbytes, name, resolve, spans, device_read))
-    return tuple(out), _resolve_output(o_ref, dims, shape, resolve, spans, device_read), device_read
+        if ref is not None:
+            by_reference.append((i, ref[0], ref[1], nbytes))
+    output, device_read = _resolve_all(out, by_reference, o_ref, _output_bytes(dims, shape), resolve)
+    return tuple(out), output, device_read
+
+
+def _resolve_all(raw: list, refs: Sequence[tuple[int, str, int, int]], o_ref: tuple[str, int] | None,
+                 o_bytes: int, resolve: Resolve | None) -> tuple[Any, bool]:
+    """Resolves each reference (input index, region, offset, bytes) into `raw` at its index;
+    returns where o goes (the view of `o_bytes` at `o_ref`, or None: in the reply) and whether a
+    GPU reads the request's references in place: where one of them, o_ref included, has
+    DEVICE_READ_BYTES or more (page-locked host memory is then a DeviceSpan too). An output must
+    not overlap an input, and one in CUDA memory starts on an even byte (o is written in bf16
+    words). NotFound for an unknown region, InvalidArgument past a region's end."""
+    if resolve is None and (refs or o_ref is not None):
+        name = INPUT_NAMES[refs[0][0]] if refs else "o_ref"
+        raise FailedPrecondition(f"{name} refers to shared memory, which this server does not accept "
+                                 "(gdn-server --allow-shared-memory)")
+    device_read = max((n for _, _, _, n in refs), default=0) >= DEVICE_READ_BYTES or (
+        o_ref is not None and o_bytes >= DEVICE_READ_BYTES)
+    for i, region, offset, nbytes in refs:
+        raw[i] = resolve(region, offset, nbytes, device_read)
+    if o_ref is None:
+        return None, device_read
+    region, start = o_ref
+    output = resolve(region, start, o_bytes, device_read)
+    if type(output) is DeviceSpan and output.address % 2:
+        raise InvalidArgument(f"o_ref offset {start} in CUDA memory is odd: o is bf16, so it starts on an even byte")
+    end = start + o_bytes
+    for i, other_region, s, n in refs:
+        if other_region == region and start < s + n and s < end:
+            raise InvalidArgument(
+                f"o_ref overlaps input {INPUT_NAMES[i]} in region {region!r}: outputs go where no input is")
+    return output, device_read
 
 
 def _output_bytes(dims: Sequence[tuple[int, ...]], shape: ModelShape) -> int:
     """The bytes of o, bf16 [B, T, HV, V]."""
     return 2 * dims[0][0] * dims[0][1] * shape.num_v_heads * shape.head_dim_v
-
-
-def _device_read(input_ref_bytes: Sequence[int], o_ref: tuple[str, int] | None, dims: Sequence[tuple[int, ...]],
-                 shape: ModelShape) -> bool:
-    """Whether a request's references into page-locked host memory are read (and o written) by
-    the GPU in place: where one of its references, o_ref included, has DEVICE_READ_BYTES or more."""
-    biggest = max(input_ref_bytes, default=0)
-    if o_ref is not None:
-        biggest = max(biggest, _output_bytes(dims, shape))
-    return biggest >= DEVICE_READ_BYTES
 
 
 class PendingCheck:
@@ -256,9 +268,21 @@ def _copied(common: dict, raw: tuple, on_device: Sequence[bool], dtypes: Sequenc
 
     def finish(copied: list) -> DecodeWork:
         host = iter(copied)
-        return _checked_work(common, tuple(next(host) if there else r for r, there in zip(raw, on_device)), dtypes, dims)
+        inputs = [next(host) if there else r for r, there in zip(raw, on_device)]
+        if tuple(dtypes) == _ALL_BF16:
+            return _bf16_work(common, inputs, dims)
+        return _checked_work(common, tuple(inputs), dtypes, dims)
 
     return finish
+
+
+def _bf16_work(common: dict, raw: Sequence[Any], dims: Sequence[tuple[int, ...]]) -> DecodeWork:
+    """The DecodeWork of five bf16 inputs in host memory: checked for NaN/Inf and digested in one
+    pass (gdn_server._wire), carried as their bytes."""
+    bad, digests = checked_digests(raw, len(common["session_ids"]))
+    if bad is not None:
+        raise nonfinite_input(INPUT_NAMES[bad])
+    return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), digests=digests)
 
 
 def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequence[tuple[int, ...]],
@@ -274,10 +298,7 @@ def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequenc
         spans = [r for r, there in zip(raw, on_device) if there]
         return PendingCheck(resolve.read_device(spans), _copied(common, raw, on_device, dtypes, dims))
     if tuple(dtypes) == _ALL_BF16 and not any(on_device):
-        bad, digests = checked_digests(raw, B)
-        if bad is not None:
-            raise nonfinite_input(INPUT_NAMES[bad])
-        return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), digests=digests)
+        return _bf16_work(common, raw, dims)
     if any(on_device):
         spans = _on_device(raw, dtypes, on_device)
         return PendingCheck(resolve.check_device(spans, B), _scanned(common, dict(zip(INPUT_NAMES, spans)), tuple(dims)))
@@ -314,35 +335,6 @@ def _on_device(raw: Sequence[Any], dtypes: Sequence[int], on_device: Sequence[bo
     if made:  # those copies run on the thread's current stream; the check runs on its own
         torch.cuda.current_stream(device).synchronize()
     return spans
-
-
-def _resolve_output(o_ref: tuple[str, int] | None, dims: Sequence[tuple[int, ...]], shape: ModelShape,
-                    resolve: Resolve | None, spans: list[tuple[str, int, int, str]], device_read: bool) -> Any:
-    """Where o goes: the view of its bf16 [B, T, HV, V] bytes at `o_ref`, or None (in the reply)."""
-    if o_ref is None:
-        return None
-    return _resolve(o_ref, _output_bytes(dims, shape), "o_ref", resolve, spans, device_read)
-
-
-def _resolve(ref: tuple[str, int], nbytes: int, name: str, resolve: Resolve | None,
-             spans: list[tuple[str, int, int, str]], device_read: bool) -> Any:
-    """The view of `nbytes` bytes at `ref` (region, offset), a DeviceSpan where the region's memory
-    is a GPU's, or page-locked and `device_read`; an output (`o_ref`) must not overlap an input."""
-    if resolve is None:
-        raise FailedPrecondition(f"{name} refers to shared memory, which this server does not accept "
-                                 "(gdn-server --allow-shared-memory)")
-    region, start = ref
-    output = name == "o_ref"
-    view = resolve(region, start, nbytes, device_read)  # NotFound, or InvalidArgument past the region's end
-    end = start + nbytes
-    if output:
-        if type(view) is DeviceSpan and view.address % 2:  # written in bf16 words
-            raise InvalidArgument(f"o_ref offset {start} in CUDA memory is odd: o is bf16, so it starts on an even byte")
-        for other_region, s, e, other in spans:
-            if other_region == region and start < e and s < end:
-                raise InvalidArgument(f"o_ref overlaps input {other} in region {region!r}: outputs go where no input is")
-    spans.append((region, start, end, name))
-    return view
 
 
 def _malformed_session_id(sid: str) -> InvalidArgument:
