@@ -110,6 +110,10 @@ def main() -> None:
         host = torch.frombuffer(mapped.memory, dtype=torch.uint8)  # the region as "CUDA memory" at its address
         mapped.kind, mapped._device_memory, mapped._address, mapped._device = "cuda", host, host.data_ptr(), 0
         inline, by_ref = requests(region)
+        first = decode_work(parse_decode_request(by_ref, step_limits(SHAPE)), SHAPE, OWNER, OWNER, cuda.resolver(OWNER))
+        if type(first) is not PendingCheck:  # the "cuda" path must be the copy-out one it names
+            raise SystemExit("a reference into the stand-in CUDA region was not copied out: this script needs updating")
+        first.ready()
         for data, registry in ((inline, system), (by_ref, system), (by_ref, cuda)):  # warm-up
             per_request_us(data, registry, 1, args.turns // 10)
         rows = []

@@ -536,3 +536,18 @@ def test_loadtest_through_shared_memory(shm_server, tmp_path):
     assert result["request_bytes"] < 1024  # references, not tensors
     with open(f"/proc/{shm_server.proc.pid}/maps") as maps:
         assert "/dev/shm/gdn-" not in maps.read()
+
+
+def test_validation_benchmark_times_every_path(tmp_path):
+    """bench/validation.py runs the server's checks of one step inline and by reference (host
+    memory, and CUDA memory with its copy made by a memmove) and writes what it timed."""
+    import json
+
+    done = subprocess.run([sys.executable, "bench/validation.py", "--requests", "1,4", "--turns", "20",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    (path,) = tmp_path.glob("validation-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["requests"] for r in rows] == [1, 4]
+    assert all(r[k] > 0 for r in rows for k in ("inline_us", "system_us", "cuda_us"))
