@@ -27,6 +27,9 @@ MAX_EVICTED_IDS = 65536  # evicted ids remembered (oldest forgotten first), to a
 MAX_SESSION_ID_LEN = 128
 MAX_REQUEST_ID_LEN = 256
 MAX_REGION_NAME_LEN = 128  # a shared-memory region's name (a POSIX shm name or a CUDA IPC label)
+# request layouts (resolved references) a client's shared-memory resolver remembers: a client
+# steps through a model with a few sets of tensors, each a layout; past this many all are forgotten
+MAX_LAYOUTS_PER_CLIENT = 256
 SPECULATIVE_TIMEOUT_S = 60.0  # open drafts of a session unused this long are dropped (--speculative-timeout-s)
 # A message's room beyond its largest inputs, for the ids and positions of the sessions it names.
 MESSAGE_ROOM_BYTES = 1 << 20

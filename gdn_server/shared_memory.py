@@ -28,11 +28,11 @@ mapping, or ends the page-lock and then the mapping), so unmapping never pulls m
 a step in flight. Each owner holds at most `max_regions_per_client` regions of
 `max_bytes_per_client` bytes in all.
 
-`resolver(owner)` is what the wire layer (gdn_server.validation) gets: a function from (region,
-offset, byte count, device_read) to a view of those bytes (a writable memoryview of system
-memory, or a `DeviceSpan` of memory the GPU reads in place), raising NotFound or
-InvalidArgument, with the check of tensors the GPU reads as its `check_device`. Nothing below the
-wire layer learns about regions.
+`resolver(owner)` is what the wire layer (gdn_server.validation) gets: a `Resolver`, called with
+(region, offset, byte count, device_read) for a view of those bytes (a writable memoryview of
+system memory, or a `DeviceSpan` of memory the GPU reads in place), raising NotFound or
+InvalidArgument, with the check of tensors the GPU reads as its `check_device` and a memo of the
+owner's request layouts. Nothing below the wire layer learns about regions.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ import weakref
 from typing import Any, Callable
 
 from gdn_server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from gdn_server.limits import MAX_REGION_NAME_LEN, SharedMemoryLimits
+from gdn_server.limits import MAX_LAYOUTS_PER_CLIENT, MAX_REGION_NAME_LEN, SharedMemoryLimits
 from gdn_server.work import DeviceSpan
 
 log = logging.getLogger(__name__)
@@ -57,9 +57,6 @@ SHM_DIR = "/dev/shm"  # where Linux keeps shm_open's objects
 SHM_KEY = re.compile(r"/[^/\x00]{1,254}")
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 
-# What resolve(region, offset, nbytes, device_read=False) returns: a DeviceSpan of CUDA memory, or
-# with device_read of page-locked system memory at an even address; else a memoryview
-Resolver = Callable[..., Any]
 # A request with a tensor of this many bytes or more in page-locked memory is read by the GPU
 # there: the check on the GPU and the launch's own reads cost less than the CPU's passes over
 # its bytes (NaN/Inf check and digests, the copy into the staging buffer), which also leave the
@@ -346,6 +343,9 @@ class SharedMemoryRegistry:
         self._clock = clock
         self._regions: dict[tuple[str, str], Region] = {}
         self._held: dict[str, tuple[int, int]] = {}  # owner -> (regions, bytes)
+        # owner -> {a request's references: (the regions they name, what validation made of
+        # them)}: a client's requests name the same few tensors over and over (`Resolver.recall`)
+        self._layouts: dict[str, dict[Any, tuple[tuple[Region, ...], Any]]] = {}
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -415,22 +415,9 @@ class SharedMemoryRegistry:
             self._drop(region)
         return len(mine)
 
-    def resolver(self, owner: str) -> Resolver:
-        """The resolve(region, offset, nbytes, device_read=False) of `owner`'s requests (see the
-        module docstring and `Region.view`)."""
-        regions, clock = self._regions, self._clock
-
-        def resolve(name: str, offset: int, nbytes: int, device_read: bool = False) -> Any:
-            region = regions.get((owner, name))
-            if region is None:
-                raise NotFound(f"no shared-memory region {name!r}")
-            region.last_used = clock()
-            return region.view(offset, nbytes, device_read)
-
-        device = self._device
-        resolve.check_device = None if device is None else device.check  # type: ignore[attr-defined]
-        resolve.read_device = None if device is None else device.read  # type: ignore[attr-defined]
-        return resolve
+    def resolver(self, owner: str) -> "Resolver":
+        """The resolution of `owner`'s references (see the module docstring and `Resolver`)."""
+        return Resolver(self, owner)
 
     def sweep(self) -> list[Region]:
         """Unmaps the regions no request has used for `idle_s`; returns them."""
@@ -448,6 +435,9 @@ class SharedMemoryRegistry:
             self._drop(region)
 
     def _drop(self, region: Region) -> None:
+        # every layout the owner's requests had resolved goes with any of its regions: a name
+        # registered again names other memory, and the views must not hold the mapping open
+        self._layouts.pop(region.owner, None)
         del self._regions[(region.owner, region.name)]
         regions, held = self._held[region.owner]
         if regions == 1:
@@ -455,6 +445,54 @@ class SharedMemoryRegistry:
         else:
             self._held[region.owner] = (regions - 1, held - region.byte_size)
         region.unmap()
+
+
+class Resolver:
+    """One owner's references resolved, for validation: `resolver(region, offset, nbytes,
+    device_read=False)` is a view of those bytes (a writable memoryview of system memory, or a
+    DeviceSpan of memory a GPU reads in place; see `Region.view`), NotFound for a region the
+    owner has not registered, InvalidArgument past its end. `check_device` and `read_device` are
+    the GPU's check and copy out of such spans (`DeviceAccess`; None without a CUDA backend).
+
+    `keep(key, names, layout)` remembers what validation made of a request's references (`key`
+    naming them, `names` the regions they lie in) and `recall(key)` gives it back: a client's
+    requests name the same few tensors again and again, and resolving six references costs the
+    event loop more than checking the bytes they name (bench/validation.py). What an owner keeps
+    is forgotten when any of its regions goes, and at MAX_LAYOUTS_PER_CLIENT layouts."""
+
+    __slots__ = ("_regions", "_owner", "_clock", "_registry", "check_device", "read_device")
+
+    def __init__(self, registry: SharedMemoryRegistry, owner: str) -> None:
+        self._registry, self._owner = registry, owner
+        self._regions, self._clock = registry._regions, registry._clock
+        device = registry._device
+        self.check_device = None if device is None else device.check
+        self.read_device = None if device is None else device.read
+
+    def __call__(self, name: str, offset: int, nbytes: int, device_read: bool = False) -> Any:
+        region = self._regions.get((self._owner, name))
+        if region is None:
+            raise NotFound(f"no shared-memory region {name!r}")
+        region.last_used = self._clock()
+        return region.view(offset, nbytes, device_read)
+
+    def recall(self, key: Any) -> Any:
+        """The layout kept for `key`, its regions marked used now; None if none is."""
+        kept = self._registry._layouts.get(self._owner)
+        hit = None if kept is None else kept.get(key)
+        if hit is None:
+            return None
+        now = self._clock()
+        for region in hit[0]:
+            region.last_used = now
+        return hit[1]
+
+    def keep(self, key: Any, names: Any, layout: Any) -> None:
+        """Remembers `layout` for `key`; `names` the regions its references lie in (registered)."""
+        kept = self._registry._layouts.setdefault(self._owner, {})
+        if len(kept) >= MAX_LAYOUTS_PER_CLIENT:
+            kept.clear()
+        kept[key] = (tuple(self._regions[(self._owner, name)] for name in set(names)), layout)
 
 
 def map_system(key: str, offset: int, byte_size: int, pin: Callable[[int, int], Callable[[], None] | None] | None = None,

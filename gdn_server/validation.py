@@ -52,6 +52,7 @@ from gdn_server.work import INPUT_NAMES, DecodeWork, DeviceSpan
 MAX_POSITION = _wire.MAX_POSITION  # 2^63 - 1: positions travel as uint64 and are kept as signed 64-bit counts
 TORCH_DTYPE = torch_dtypes()
 _ALL_BF16 = (gdn_pb2.BF16,) * 5
+_ALL_REFS = (tuple,) * 5  # the types of a CheckedStep's inputs when all five are by reference
 
 # (inputs, rows, bf16=True) -> (index of the first bf16 input with a NaN or Inf, or None; each
 # session's inputs as sent, digested: a CRC-32 of its q, k, v, a, b rows, sampled when long), in
@@ -59,8 +60,10 @@ _ALL_BF16 = (gdn_pb2.BF16,) * 5
 checked_digests = _wire.checked_digests
 # A tensor reference's resolution (gdn_server.shared_memory.SharedMemoryRegistry.resolver):
 # (region, offset, byte count, device_read=False) -> a buffer of host memory or a DeviceSpan of
-# memory a GPU reads in place; its `check_device` starts the check of a request's DeviceSpans
-# (None where there can be none)
+# memory a GPU reads in place; its `check_device` starts the check of a big request's DeviceSpans
+# and `read_device` the copy of a small one's (None where there can be none); `recall` and `keep`
+# hold the resolved references of a request that names only references, for the next naming the
+# same (gdn_server.shared_memory.Resolver)
 Resolve = Callable[..., Any]
 
 
@@ -157,9 +160,19 @@ def _step_by_reference(step: CheckedStep, shape: ModelShape, owner: str | None, 
     checked every input's dtype (bf16), shape and inline length, so a reference needs only its
     resolution here (what `_resolved` does for any request, with the layout checks)."""
     dims = step.dims
-    raw = list(step.inputs)
-    refs = [(i, x[0], x[1], 2 * math.prod(dims[i])) for i, x in enumerate(raw) if type(x) is tuple]
-    output, device_read = _resolve_all(raw, refs, step.o_ref, _output_bytes(dims, shape), resolve)
+    inputs = step.inputs
+    # a request with every tensor by reference: its references' resolution is kept for the
+    # next request naming the same (a client steps through a model with a few sets of tensors)
+    key = (inputs, step.o_ref, dims) if resolve is not None and _ALL_REFS == tuple(map(type, inputs)) else None
+    layout = None if key is None else resolve.recall(key)
+    if layout is None:
+        raw = list(inputs)
+        refs = [(i, x[0], x[1], 2 * math.prod(dims[i])) for i, x in enumerate(raw) if type(x) is tuple]
+        output, device_read = _resolve_all(raw, refs, step.o_ref, _output_bytes(dims, shape), resolve)
+        if key is not None:
+            resolve.keep(key, [r[1] for r in refs] + ([step.o_ref[0]] if step.o_ref else []), (tuple(raw), output, device_read))
+    else:
+        raw, output, device_read = layout
     common = dict(
         layer=step.layer, session_ids=step.session_ids, positions=step.positions, request_id=step.request_id,
         speculative=step.speculative, owner=owner, owner_key=owner_key, output=output,

@@ -139,6 +139,55 @@ def test_a_stream_and_a_batch_by_reference(stub, shm):
     assert bytes(shm.buf[at:at + len(want.o.data)]) == want.o.data
 
 
+def test_a_name_registered_again_is_read_anew_by_the_same_references(stub, shm):
+    """A client's requests naming the same tensors again reuse their resolution (the server
+    keeps it), but only while the regions are the same: a name unregistered and registered again
+    over another shm object is read there, and its old memory no more."""
+    other = shared_memory.SharedMemory(create=True, size=REGION_BYTES)
+    try:
+        inline, shared = stub.session(), stub.session()
+        for step, mem in enumerate((shm, shm, other, other)):
+            if step in (0, 2):
+                if step:
+                    stub.rpc.UnregisterSharedMemory(gdn_pb2.UnregisterSharedMemoryRequest(name="io"), timeout=10)
+                stub.register("io", "/" + mem.name)
+            x = inputs(10 + step)
+            want = stub.rpc.Decode(decode_request(1, [inline], x, [step]), timeout=10)
+            req = decode_request(1, [shared], x, [step])
+            at = by_reference(req, mem, "io")  # the same offsets every step
+            assert list(stub.rpc.Decode(req, timeout=10).positions) == [step + 1]
+            assert bytes(mem.buf[at:at + len(want.o.data)]) == want.o.data
+        stub.rpc.UnregisterSharedMemory(gdn_pb2.UnregisterSharedMemoryRequest(name="io"), timeout=10)
+    finally:
+        other.close()
+        other.unlink()
+
+
+def test_a_clients_remembered_layouts_are_bounded_used_and_go_with_its_regions(shm):
+    """What a client's resolver keeps: at most MAX_LAYOUTS_PER_CLIENT layouts (then it starts
+    over), another client's never, a recall marks the regions used (the idle sweep spares them),
+    and everything of a client goes when any of its regions does."""
+    from gdn_server.limits import MAX_LAYOUTS_PER_CLIENT, SharedMemoryLimits
+    from gdn_server.shared_memory import SharedMemoryRegistry
+
+    now = [0.0]
+    registry = SharedMemoryRegistry(SharedMemoryLimits(idle_s=10), clock=lambda: now[0])
+    region = registry.register("c", "io", REGION_BYTES, system=("/" + shm.name, 0))
+    registry.register("c", "other", REGION_BYTES, system=("/" + shm.name, 0))
+    resolve = registry.resolver("c")
+    for i in range(MAX_LAYOUTS_PER_CLIENT):
+        resolve.keep(i, ["io", "io"], f"layout {i}")
+    assert registry.resolver("c").recall(0) == "layout 0" and registry.resolver("d").recall(0) is None
+    resolve.keep("one more", ["io"], "x")
+    assert resolve.recall(0) is None and resolve.recall("one more") == "x"
+    now[0] = 8.0
+    assert resolve.recall("one more") == "x" and region.last_used == 8.0
+    now[0] = 15.0
+    assert [r.name for r in registry.sweep()] == ["other"]  # "io" was used at 8 s, "other" never
+    assert resolve.recall("one more") is None  # its client's region "other" went
+    registry.close()
+
+
 def test_register_statuses(stub, shm, shm_server):
     bad = [
         ("x", "no-slash", REGION_BYTES, 0), ("x", "/a/b", REGION_BYTES, 0), ("x", "/..", REGION_BYTES, 0),
@@ -407,6 +456,7 @@ def test_the_copies_out_of_cuda_memory_of_one_turn_are_made_together_and_checked
         return DeviceSpan(memory, offset, nbytes, base + offset, 0)
 
     resolve.read_device, resolve.check_device = access.read, None
+    resolve.recall, resolve.keep = (lambda key: None), (lambda key, names, layout: None)  # no memo here
 
     def request(seed, at, far=None):
         """A B = 2 step whose five inputs lie from `at` on, 64 bytes apart (v at `far` if given)."""

@@ -51,6 +51,9 @@ def resolve(region: str, offset: int, nbytes: int, output: bool = False) -> memo
     return memoryview(REGION)[offset:offset + nbytes]
 
 
+resolve.recall, resolve.keep = (lambda key: None), (lambda key, names, layout: None)  # keeps no layouts
+
+
 def plain(B=1, T=1, layer=1, positions=None, request_id="r-1", seed=0, ids=None, refs="",
           o_ref=None, speculative=False) -> gdn_pb2.DecodeRequest:
     """A plain step (a draft where `speculative`); the inputs named in `refs` by reference into
