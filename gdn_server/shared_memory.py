@@ -448,8 +448,8 @@ class SharedMemoryRegistry:
 
 
 class Resolver:
-    """One owner's references resolved, for validation: `resolver(region, offset, nbytes,
-    device_read=False)` is a view of those bytes (a writable memoryview of system memory, or a
+    """One owner's references resolved, for validation: called with (region, offset, nbytes,
+    device_read=False), a view of those bytes (a writable memoryview of system memory, or a
     DeviceSpan of memory a GPU reads in place; see `Region.view`), NotFound for a region the
     owner has not registered, InvalidArgument past its end. `check_device` and `read_device` are
     the GPU's check and copy out of such spans (`DeviceAccess`; None without a CUDA backend).
