@@ -177,8 +177,6 @@ def _step_by_reference(step: CheckedStep, shape: ModelShape, owner: str | None, 
         layer=step.layer, session_ids=step.session_ids, positions=step.positions, request_id=step.request_id,
         speculative=step.speculative, owner=owner, owner_key=owner_key, output=output,
     )
-    if DeviceSpan not in map(type, raw):  # host memory: checked and digested as a message's bytes are
-        return _bf16_work(common, raw, dims)
     return _checked_work(common, tuple(raw), _ALL_BF16, dims, resolve, device_read)
 
 
@@ -281,21 +279,9 @@ def _copied(common: dict, raw: tuple, on_device: Sequence[bool], dtypes: Sequenc
 
     def finish(copied: list) -> DecodeWork:
         host = iter(copied)
-        inputs = [next(host) if there else r for r, there in zip(raw, on_device)]
-        if tuple(dtypes) == _ALL_BF16:
-            return _bf16_work(common, inputs, dims)
-        return _checked_work(common, tuple(inputs), dtypes, dims)
+        return _checked_work(common, tuple(next(host) if there else r for r, there in zip(raw, on_device)), dtypes, dims)
 
     return finish
-
-
-def _bf16_work(common: dict, raw: Sequence[Any], dims: Sequence[tuple[int, ...]]) -> DecodeWork:
-    """The DecodeWork of five bf16 inputs in host memory: checked for NaN/Inf and digested in one
-    pass (gdn_server._wire), carried as their bytes."""
-    bad, digests = checked_digests(raw, len(common["session_ids"]))
-    if bad is not None:
-        raise nonfinite_input(INPUT_NAMES[bad])
-    return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), digests=digests)
 
 
 def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequence[tuple[int, ...]],
@@ -306,15 +292,18 @@ def _checked_work(common: dict, raw: tuple, dtypes: Sequence[int], dims: Sequenc
     backend's launch reads them there; a small one's DeviceSpans are copied to the host
     (`resolve.read_device`, a PendingCheck too), then checked and staged like a message's bytes."""
     B = len(common["session_ids"])
-    on_device = [type(r) is DeviceSpan for r in raw]
-    if any(on_device) and not device_read:
-        spans = [r for r, there in zip(raw, on_device) if there]
-        return PendingCheck(resolve.read_device(spans), _copied(common, raw, on_device, dtypes, dims))
-    if tuple(dtypes) == _ALL_BF16 and not any(on_device):
-        return _bf16_work(common, raw, dims)
-    if any(on_device):
+    if DeviceSpan in map(type, raw):
+        on_device = [type(r) is DeviceSpan for r in raw]
+        if not device_read:
+            spans = [r for r, there in zip(raw, on_device) if there]
+            return PendingCheck(resolve.read_device(spans), _copied(common, raw, on_device, dtypes, dims))
         spans = _on_device(raw, dtypes, on_device)
         return PendingCheck(resolve.check_device(spans, B), _scanned(common, dict(zip(INPUT_NAMES, spans)), tuple(dims)))
+    if tuple(dtypes) == _ALL_BF16:  # checked and digested in one pass (gdn_server._wire)
+        bad, digests = checked_digests(raw, B)
+        if bad is not None:
+            raise nonfinite_input(INPUT_NAMES[bad])
+        return DecodeWork(**common, bf16_bytes=tuple(raw), input_dims=tuple(dims), digests=digests)
     tensors = {}
     for name, dtype, d, data in zip(INPUT_NAMES, dtypes, dims, raw):
         torch_dtype = TORCH_DTYPE[dtype]
