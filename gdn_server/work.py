@@ -129,12 +129,12 @@ class DecodeWork:
 
 
 class DecodeResult:
-    """The answer to one DecodeWork: its DecodeResponse as sent (`reply`, encoded by
-    gdn_server._wire from the bf16 o [B, T, HV, V] given as raw little-endian bytes), and o's bytes
-    inside it (`out`, a read-only view of `reply`: what a retry is answered from and an o_ref's
-    region gets). The output is copied once, from the buffer it is given (a backend's, reused
-    later) into the reply; nothing else copies it. A step whose launch wrote o where the request
-    asked (a DeviceSpan o_ref) is answered by `written` instead, with no copy. A plain slotted
+    """The answer to one DecodeWork: its DecodeResponse as sent where o travels in it (`reply`,
+    encoded by gdn_server._wire from the bf16 o [B, T, HV, V] given as raw little-endian bytes),
+    and o's bytes inside it (`out`, a read-only view of `reply`: what a retry is answered from and
+    an o_ref's region gets). The output is copied once, from the buffer it is given (a backend's,
+    reused later) into the reply; nothing else copies it. A step whose launch wrote o where the
+    request asked (a DeviceSpan o_ref) is answered by `written` instead, with no copy. A plain slotted
     class, not a frozen dataclass: one is made per answered request, and a frozen dataclass's
     __init__ costs several times more. Not changed once made."""
 
@@ -154,10 +154,11 @@ class DecodeResult:
     @classmethod
     def written(cls, out: memoryview, shape: tuple[int, ...], positions: tuple[int, ...],
                 request_id: str = "") -> "DecodeResult":
-        """The answer to a step whose launch wrote o into the request's o_ref: a reply with o's dtype
-        and shape only, and `out` the copy of o the launch kept apart (for retries)."""
+        """The answer to a step whose launch wrote o into the request's o_ref: `out` the copy of o
+        the launch kept apart (for retries), and no `reply` (None): an answer into an o_ref is
+        encoded by the servicer, with o's dtype and shape only (servicer.decode_response)."""
         result = cls.__new__(cls)
-        result.reply = encode_reply(b"", shape, positions, request_id)
+        result.reply = None
         result.out, result.shape, result.positions, result.request_id = out, shape, positions, request_id
         result.replayed = False
         return result
