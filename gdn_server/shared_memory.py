@@ -85,12 +85,14 @@ class DeviceAccess:
         import torch
 
         from gdn_client.proto.cuda_ipc import CudaIpcError, open_handle
+        from gdn_server.kernels._cudart import clear_last_error
 
         self._torch = torch
         self._devices = [torch.device(d) for d in devices]
         # the GPU that checks the tensors in page-locked host memory (every GPU can read them)
         self.host_check_device = self._devices[0].index
         self._open_handle, self._ipc_error = open_handle, CudaIpcError
+        self._clear_last_error = clear_last_error  # after a failed runtime call (page-locking, copies)
         self._scans: dict = {}
         self._reads: _ReadBatch | None = None  # the copies out of CUDA memory not made yet
         self._pinned: Any = None  # where they land first (grown to the largest batch)
@@ -137,18 +139,10 @@ class DeviceAccess:
 
     def _cudart(self) -> Any:
         """The CUDA runtime torch loaded, through ctypes: torch's cudart module lacks some of the
-        calls made here (cudaGetLastError, cudaHostGetDevicePointer)."""
+        calls made here (cudaHostGetDevicePointer, cudaMemcpyAsync)."""
         from gdn_server.kernels._cudart import runtime
 
         return runtime()
-
-    def _clear_last_error(self) -> None:
-        """Reads, and so clears, the CUDA runtime's last error: a failed call leaves it set, and
-        the next launch's check (torch's, the kernels') would report it as that launch's failure."""
-        try:
-            self._cudart().cudaGetLastError()
-        except (OSError, AttributeError):
-            log.warning("could not clear the CUDA runtime's last error; the next launch may report it")
 
     def read(self, spans: list) -> "PendingRead":
         """Starts the copy of a small request's DeviceSpans into host memory: what the CPU then

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from gdn_server.backends.base import Backend, PendingStep, check_state_dtype
-from gdn_server.kernels._cudart import runtime as cudart_runtime
+from gdn_server.kernels._cudart import clear_last_error, runtime as cudart_runtime
 from gdn_server.kernels._mapped import device_alias
 from gdn_server.backends.staging import StagingLayout, carve as _carve, fill as _fill_staging, make_layout
 from gdn_server.config import ModelShape
@@ -360,7 +360,7 @@ class CudaBackend(Backend):
             if graph is not None:  # steps 2-4 as captured for this staging set, kind and (rows, T)
                 error = self._graph_launch(graph_exec, self._stream_handle)
                 if error:
-                    cudart_runtime().cudaGetLastError()  # read, so that no later call reports it as its own
+                    clear_last_error()
                     raise RuntimeError(f"cudaGraphLaunch failed (CUDA error {error})")
             else:
                 self._device_steps(views, kind)

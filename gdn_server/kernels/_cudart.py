@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 MEMCPY_DEFAULT = 4  # cudaMemcpyKind: the direction from the addresses (unified addressing)
 
@@ -19,3 +22,12 @@ def runtime() -> Any:
     lib = ctypes.CDLL(f"libcudart.so.{(torch.version.cuda or '').split('.')[0]}")
     lib.cudaGraphLaunch.argtypes = (ctypes.c_void_p, ctypes.c_void_p)  # (cudaGraphExec_t, cudaStream_t)
     return lib
+
+
+def clear_last_error() -> None:
+    """Reads, and so clears, the runtime's last error: a failed call leaves it set, and the next
+    launch's check (torch's, the kernels') would report it as that launch's failure."""
+    try:
+        runtime().cudaGetLastError()
+    except (OSError, AttributeError):
+        log.warning("could not clear the CUDA runtime's last error; the next launch may report it")
