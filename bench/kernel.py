@@ -454,7 +454,7 @@ def host_breakdown(log):
     q, k, v, a, b, A_log, dt_bias, layers = make_inputs(B, T, H, HV)
     out = torch.empty(B, T, HV, D, device=DEV, dtype=torch.bfloat16)
     args = (pool, slots, layers, q, k, v, a, b, A_log, dt_bias, out)
-    raw = compile_variant(T, H, HV, state_dtype=str(STATE)[6:]).__tvm_ffi_object__()
+    raw = compile_variant(T, H, HV, state_dtype=str(STATE)[6:])
     scale = 1.0 / math.sqrt(D)
     r = {}
     r["raw_tvm_ffi_us"] = time_host(lambda: raw(pool, slots, slots, *args[2:], scale, 1.0, 20.0))[1]
@@ -470,7 +470,7 @@ def ours(pool, slots, layers, q, k, v, a, b, A_log, dt_bias, out):
 def tiled(T, H, HV, warps, rpt, prep, scatter):
     """The compiled variant as a gdn_decode-like callable (in-place update)."""
     fn = compile_variant(T, H, HV, warps=warps, rows_per_thread=rpt, prep=prep, scatter=scatter,
-                         state_dtype=str(STATE)[6:]).__tvm_ffi_object__()
+                         state_dtype=str(STATE)[6:])
     scale = 1.0 / math.sqrt(D)
 
     def call(pool, slots, layers, q, k, v, a, b, A_log, dt_bias, out):

@@ -285,6 +285,9 @@ def _check_server_pod(pod: dict) -> dict:
     assert pod["securityContext"]["runAsNonRoot"] is True
     state = next(m for m in c["volumeMounts"] if m["mountPath"] == env["GDN_STATE_DIR"])
     assert state["name"] == "state"
+    # the compiled kernels (--kernel-cache, in the image's $HOME/.cache) outlive a container's restart
+    kernels = next(m for m in c["volumeMounts"] if m["mountPath"] == "/var/lib/gdn/.cache")
+    assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == kernels["name"])
     return c
 
 
@@ -315,7 +318,7 @@ def test_kubernetes_replicas_structure():
     # every pod gets its own --state-dir volume, kept across restarts
     (claim,) = spec["volumeClaimTemplates"]
     assert claim["metadata"]["name"] == "state" and claim["spec"]["accessModes"] == ["ReadWriteOnce"]
-    assert not spec["template"]["spec"].get("volumes")
+    assert "state" not in {v["name"] for v in spec["template"]["spec"]["volumes"]}
     # headless: pod DNS names gdn-serve-N.gdn-serve-headless.<ns>.svc, also while a pod drains
     assert spec["serviceName"] == headless["metadata"]["name"] == "gdn-serve-headless"
     assert sts["metadata"]["name"] == "gdn-serve"

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import tvm_ffi
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -39,7 +40,7 @@ CHECKED = [(T, H, HV) for i, (H, HV) in enumerate(CHECKED_HEADS) for T in (SUPPO
 def test_variant_compiles_for_sm90a(T, H, HV):
     fn = compile_variant(T, H, HV)
     assert fn is compile_variant(T, H, HV)  # cached: compiled once per (T, H, HV)
-    assert fn.__tvm_ffi_object__() is not None
+    assert isinstance(fn, tvm_ffi.Function)  # the bare function, called with positional arguments
 
 
 @pytest.mark.parametrize("scan", [True, False])

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+import tvm_ffi
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -25,7 +26,7 @@ COMPILED = [(1, 16, 32), (4, 16, 32), (8, 16, 32), (0, 16, 32), (4, 8, 32), (4, 
 def test_compiles_for_sm90a(T, H, HV, state_dtype):
     fn = compile_ring(T, H, HV, state_dtype)
     assert fn is compile_ring(T, H, HV, state_dtype)  # cached per state dtype
-    assert fn.__tvm_ffi_object__() is not None
+    assert isinstance(fn, tvm_ffi.Function)  # the bare function, called with positional arguments
 
 
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "float32"])

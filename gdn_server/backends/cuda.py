@@ -246,6 +246,22 @@ class _CudaStep(PendingStep):
             self._staging.done.synchronize()
 
 
+def compile_kernels(shape: ModelShape) -> int:
+    """Compiles (or loads, `kernels._compiled`) every kernel a backend of `shape` launches, as its
+    warm-up does; no GPU needed (CUTE_DSL_ARCH=sm_90a without one). Returns how many."""
+    from gdn_server.kernels import compile_ring, compile_variant, ring_variants
+
+    s, count = shape, 0
+    for T in range(1, s.max_tokens_per_step + 1):  # plain steps longer than this are refused upstream
+        compile_variant(T, s.num_q_heads, s.num_v_heads, state_dtype=s.state_dtype)
+        count += 1
+    for T in range(s.max_speculative_tokens + 1):  # T = 0: the fold
+        for qk_heads in ring_variants(T, s.num_q_heads, s.num_v_heads):  # CTA widths by launch size
+            compile_ring(T, s.num_q_heads, s.num_v_heads, s.state_dtype, qk_heads)
+            count += 1
+    return count
+
+
 class CudaBackend(Backend):
     name = "cuda-cute"
 
@@ -468,14 +484,7 @@ class CudaBackend(Backend):
         for staging in self._ring:
             for rows in range(1, self._rows_hint + 1):
                 staging.views_for(self._plan(rows, 1), (rows, 1))
-        from gdn_server.kernels import compile_ring, compile_variant, ring_variants
-
-        s = self.shape
-        for T in range(1, s.max_tokens_per_step + 1):  # plain steps longer than this are refused upstream
-            compile_variant(T, s.num_q_heads, s.num_v_heads, state_dtype=s.state_dtype)
-        for T in range(s.max_speculative_tokens + 1):  # T = 0: the fold
-            for qk_heads in ring_variants(T, s.num_q_heads, s.num_v_heads):  # CTA widths by launch size
-                compile_ring(T, s.num_q_heads, s.num_v_heads, s.state_dtype, qk_heads)
+        compile_kernels(self.shape)
         try:
             self._capture_graphs()
         except Exception:  # a driver or library that cannot capture: launch directly

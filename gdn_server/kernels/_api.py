@@ -10,11 +10,13 @@ torch's current CUDA stream, allocates nothing and can be captured in a CUDA gra
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 
-from gdn_server.config import STATE_DTYPE_BYTES
 from typing import Any, Callable, Iterable
+
+from gdn_server.config import STATE_DTYPE_BYTES
+
+from ._compiled import cached_compile
 
 HEAD_DIM = 128
 SUPPORTED_T = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -41,9 +43,8 @@ class Variant:
 
 
 _cache: dict[Variant, Callable[..., Any]] = {}
-# (T, H, HV, K, V, state torch dtype) -> the bare compiled function
+# (T, H, HV, K, V, state torch dtype) -> the compiled function
 _launchers: dict[tuple[Any, ...], Callable[..., Any]] = {}
-_lock = threading.Lock()
 
 
 def default_variant(T: int, H: int, HV: int, state_dtype: str = "bfloat16") -> Variant:
@@ -69,7 +70,8 @@ def compile_variant(
     T: int, H: int, HV: int, *, warps: int | None = None, rows_per_thread: int | None = None, prep: bool | None = None,
     scatter: bool | None = None, state_dtype: str = "bfloat16",
 ) -> Callable[..., Any]:
-    """Compile (or fetch from the cache) the kernel for one (T, H, HV) and state dtype; no GPU needed.
+    """Compile (or fetch from the caches, `_compiled.cached_compile`) the kernel for one (T, H, HV)
+    and state dtype; no GPU needed.
 
     Unset tiling options take `default_variant`'s. Without a GPU, set CUTE_DSL_ARCH=sm_90a. The
     result takes (state, slots, out_slots, layers, q, k, v, a, b, A_log, dt_bias, out, scale,
@@ -83,18 +85,6 @@ def compile_variant(
         d.prep if prep is None else prep, d.scatter if scatter is None else scatter, state_dtype,
     )
     return cached_compile(_cache, variant, lambda: _compile(variant))
-
-
-def cached_compile(cache: dict, key: Any, build: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
-    """`cache[key]`, built once by `build` (under a lock: compiles take seconds, threads may race)."""
-    fn = cache.get(key)
-    if fn is not None:
-        return fn
-    with _lock:
-        fn = cache.get(key)
-        if fn is None:
-            fn = cache[key] = build()
-    return fn
 
 
 def compile_all_variants(
@@ -232,9 +222,7 @@ def _launcher(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out, out_slot
     validate_decode_args(state, slots, layers, q, k, v, a, b, A_log, dt_bias, out, out_slots=out_slots)
     _, T, H, _ = q.shape
     HV = v.shape[2]
-    compiled = compile_variant(T, H, HV, state_dtype=str(state.dtype).removeprefix("torch."))
-    # Call the bare tvm-ffi function: the DSL's keyword wrapper costs a few microseconds.
-    fn = compiled.__tvm_ffi_object__() or compiled
+    fn = compile_variant(T, H, HV, state_dtype=str(state.dtype).removeprefix("torch."))
     _launchers[(T, H, HV, HEAD_DIM, HEAD_DIM, state.dtype)] = fn
     return fn
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from ._api import STATE_DTYPES, cached_compile, check_placement, fake, fake_step_inputs
+from ._api import STATE_DTYPES, check_placement, fake, fake_step_inputs
+from ._compiled import cached_compile
 
 HEAD_DIM = 128
 RING = 16  # entries per (pool row, head); `_ring_kernel.RING`
@@ -238,7 +239,7 @@ def ring_verify(state, rows, hist, layers, q, k, v, a, b, A_log, dt_bias, ring_k
         _checked.add(key)
     if qk_heads is None:
         qk_heads = verify_qk_heads(q.shape[0], *key[:3])
-    fn = compile_ring(*key, qk_heads=qk_heads).__tvm_ffi_object__()
+    fn = compile_ring(*key, qk_heads=qk_heads)
     if q.shape[0] == 0:
         return out
     scale = 1.0 / math.sqrt(HEAD_DIM) if scale is None else scale
@@ -257,7 +258,7 @@ def ring_fold(state, rows, hist, ring_k, ring_u, ring_g) -> None:
     if key not in _checked:
         validate_ring_args(state, rows, hist, ring_k, ring_u, ring_g)
         _checked.add(key)
-    fn = compile_ring(*key).__tvm_ffi_object__()
+    fn = compile_ring(*key)
     if rows.shape[0] == 0:
         return
     try:

@@ -19,10 +19,11 @@ a batch's segments instead of one copy call per tensor. Both run on torch's curr
 """
 
 import struct
-import threading
 from typing import Any, Callable
 
 import numpy as np
+
+from ._compiled import cached_compile
 
 # Columns of a segment table row
 SRC, DST, ROW_WORDS, ROWS, FIRST_ROW, OFFSET = range(6)
@@ -30,8 +31,7 @@ SEGMENT_FIELDS = 6
 THREADS = 256
 MAX_GRID_ROWS = 65535  # CUDA's bound on a grid's y extent: a CTA takes every MAX_GRID_ROWS-th row past it
 
-_compiled: dict[bool, Callable[..., Any]] = {}
-_lock = threading.Lock()
+_cache: dict[tuple[str, bool], Callable[..., Any]] = {}
 
 
 def _build(scan: bool) -> Callable[..., Any]:
@@ -91,19 +91,13 @@ def _build(scan: bool) -> Callable[..., Any]:
         fake(Int32, (cute.sym_int(),), 4),
         Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi",
     )
-    return compiled.__tvm_ffi_object__() or compiled
+    return compiled
 
 
 def compiled_segments(scan: bool) -> Callable[..., Any]:
     """The compiled launcher (table, bad, digests, max_rows) of the scan or the copy; no GPU needed
     (CUTE_DSL_ARCH=sm_90a without one)."""
-    fn = _compiled.get(scan)
-    if fn is None:
-        with _lock:
-            fn = _compiled.get(scan)
-            if fn is None:
-                fn = _compiled[scan] = _build(scan)
-    return fn
+    return cached_compile(_cache, ("segments", scan), lambda: _build(scan))
 
 
 def segments_scan(table, bad, digests, max_rows: int) -> None:
