@@ -47,11 +47,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from gdn_server.backends.base import Backend, PendingStep, check_state_dtype
+from gdn_server.kernels._compiled import folder as kernel_cache_folder
 from gdn_server.kernels._cudart import clear_last_error, runtime as cudart_runtime
 from gdn_server.kernels._mapped import device_alias
 from gdn_server.backends.staging import StagingLayout, carve as _carve, fill as _fill_staging, make_layout
@@ -484,7 +486,11 @@ class CudaBackend(Backend):
         for staging in self._ring:
             for rows in range(1, self._rows_hint + 1):
                 staging.views_for(self._plan(rows, 1), (rows, 1))
-        compile_kernels(self.shape)
+        started = time.perf_counter()
+        count = compile_kernels(self.shape)
+        folder = kernel_cache_folder()
+        log.info("%d kernels ready in %.1f s (%s)", count, time.perf_counter() - started,
+                 f"kernel cache {folder}" if folder is not None else "compiled: no kernel cache")
         try:
             self._capture_graphs()
         except Exception:  # a driver or library that cannot capture: launch directly

@@ -70,6 +70,11 @@ def use_disk_cache(folder: str | os.PathLike | None) -> Path | None:
     return path
 
 
+def folder() -> Path | None:
+    """The folder compiled kernels are kept in (`use_disk_cache`), None where none is."""
+    return _folder
+
+
 def cached_compile(cache: dict, key: Any, build: Callable[[], Any]) -> Any:
     """The compiled kernel of `key`: from `cache`, else loaded from the disk cache, else compiled
     by `build()` (a DSL compile with tvm-ffi, whose export goes to the disk cache). Returns the
