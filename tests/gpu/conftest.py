@@ -1,6 +1,9 @@
 """GPU tests: every test in this folder is marked `gpu` and skipped cleanly where CUDA is absent."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -12,14 +15,43 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# The kernels of the test servers' shape (H = 16, HV = 32, both state dtypes, the segment kernels
+# of --allow-shared-memory), compiled into the kernel cache once before any test runs.
+_FILL_CACHE = """
+import dataclasses, sys
+from gdn_server.backends.cuda import compile_kernels
+from gdn_server.config import ModelShape
+from gdn_server.kernels import _compiled, compiled_segments
+_compiled.use_disk_cache(_compiled.default_folder())
+compile_kernels(ModelShape(2, 16, 32, state_dtype=sys.argv[1]))
+compiled_segments(True), compiled_segments(False)
+"""
+
+
 def pytest_configure(config):
     """On a GPU machine, kernels compiled in this process go to the kernel cache that the test
-    servers use too (`gdn-server --kernel-cache`'s default): each is compiled once for the run, not
-    once per worker and server."""
-    if _cuda_available():
-        from gdn_server.kernels._compiled import default_folder, use_disk_cache
+    servers use too (`gdn-server --kernel-cache`'s default), so each is compiled once for the run,
+    not once per worker and server; and the run's first process (xdist's controller, or the only
+    one) fills that cache with the test servers' kernels before the workers start, two processes
+    at once, so that servers starting together do not all compile. A failure there is a warning:
+    the servers then compile for themselves."""
+    if not _cuda_available():
+        return
+    from gdn_server.kernels._compiled import default_folder, use_disk_cache
 
-        use_disk_cache(default_folder())
+    use_disk_cache(default_folder())
+    if hasattr(config, "workerinput"):
+        return
+    fills = [subprocess.Popen([sys.executable, "-c", _FILL_CACHE, dtype], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for dtype in ("bfloat16", "float32")]
+    for fill in fills:
+        try:
+            _, err = fill.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            fill.kill()
+            err = "timed out"
+        if fill.returncode:
+            warnings.warn(f"could not fill the kernel cache before the GPU tests: {err[-2000:]}")
 
 
 def pytest_collection_modifyitems(config, items):
