@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -100,15 +101,19 @@ def test_the_target_architecture_names_other_files(monkeypatch):
     assert _compiled._source_digest() != hopper
 
 
-def test_the_least_recently_used_files_go_past_the_bound(tmp_path, monkeypatch):
+def test_the_least_recently_used_files_go_past_the_bound_and_dead_writes_go(tmp_path, monkeypatch):
     monkeypatch.setattr(_compiled, "MAX_FILES", 4)
     for i in range(6):
         path = tmp_path / f"gdn_{i}.o"
         path.write_bytes(b"x")
         os.utime(path, (1000 + i, 1000 + i))
     (tmp_path / "other.txt").write_text("not ours")
+    for name, age in ((".tmp-dead.o", 7200), (".tmp-writing.o", 10)):  # a dead writer's, a live one's
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (time.time() - age, time.time() - age))
     _compiled._prune(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gdn_2.o", "gdn_3.o", "gdn_4.o", "gdn_5.o", "other.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".tmp-writing.o", "gdn_2.o", "gdn_3.o", "gdn_4.o", "gdn_5.o", "other.txt"]
 
 
 @pytest.mark.parametrize("value", ["", None])

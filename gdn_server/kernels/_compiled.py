@@ -26,6 +26,7 @@ import stat
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -162,7 +163,15 @@ def _target_arch() -> str:
 
 
 def _prune(folder: Path) -> None:
-    """Removes the oldest compiled kernels beyond MAX_FILES (those of other versions, mostly)."""
+    """Removes the oldest compiled kernels beyond MAX_FILES (those of other versions, mostly), and
+    what a process that died while writing one left (an hour on)."""
+    stale = time.time() - 3600
+    for tmp in folder.glob(".tmp-*" + _SUFFIX):
+        try:
+            if tmp.stat().st_mtime < stale:
+                tmp.unlink()
+        except OSError:  # finished or removed meanwhile
+            pass
     files = []
     for path in folder.glob("gdn_*" + _SUFFIX):
         try:
