@@ -12,8 +12,8 @@ import sys
 # load (config.GRPC_EXPERIMENTS, config.OMP_WAIT_POLICY)
 from gdn_server.config import (
     DEFAULT_STATE_DTYPE, GRPC_EXPERIMENTS, OMP_WAIT_POLICY, PRESETS, STATE_DTYPE_BYTES, ModelShape, SchedulerConfig,
+    default_kernel_cache,
 )
-from gdn_server.kernels._compiled import default_folder as default_kernel_cache, use_disk_cache
 from gdn_server.limits import SPECULATIVE_TIMEOUT_S, Limits, SharedMemoryLimits
 
 # the shapes served when the command line names none: the model this service was built for
@@ -223,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.processes > 1 and args.process_index is None:
         return _supervise(args, argv, devices)
     if args.kernel_cache and _gpus(args, devices) is not None:
+        from gdn_server.kernels._compiled import use_disk_cache
+
         use_disk_cache(args.kernel_cache)
     settings = server.ServerSettings(
         shape=shape,

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 MAX_TOKENS_PER_STEP = 4
 MAX_SPECULATIVE_TOKENS = 8  # draft tokens of one speculative step
@@ -69,6 +71,13 @@ class ModelShape:
         """The state of one session over all layers and value heads, in the state dtype."""
         return self.state_element_bytes * self.num_layers * self.num_v_heads * self.head_dim_v * self.head_dim_k
 
+
+
+def default_kernel_cache() -> Path:
+    """Where a CUDA server keeps its compiled kernels (`gdn-server --kernel-cache`):
+    `$XDG_CACHE_HOME/gdn-serve/kernels`, else `~/.cache/gdn-serve/kernels`."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "gdn-serve" / "kernels"
 
 PRESETS: dict[str, ModelShape] = {
     # Qwen3-Next-80B-A3B: 36 Gated DeltaNet layers (of 48), 16 q/k heads, 32 value heads, 128-dim heads

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from gdn_server.backends.base import Backend, PendingStep, check_state_dtype
-from gdn_server.kernels._compiled import folder as kernel_cache_folder
+from gdn_server.kernels._compiled import disk_cache_folder
 from gdn_server.kernels._cudart import clear_last_error, runtime as cudart_runtime
 from gdn_server.kernels._mapped import device_alias
 from gdn_server.backends.staging import StagingLayout, carve as _carve, fill as _fill_staging, make_layout
@@ -488,7 +488,7 @@ class CudaBackend(Backend):
                 staging.views_for(self._plan(rows, 1), (rows, 1))
         started = time.perf_counter()
         count = compile_kernels(self.shape)
-        folder = kernel_cache_folder()
+        folder = disk_cache_folder()
         log.info("%d kernels ready in %.1f s (%s)", count, time.perf_counter() - started,
                  f"kernel cache {folder}" if folder is not None else "compiled: no kernel cache")
         try:

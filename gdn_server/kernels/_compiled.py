@@ -3,9 +3,10 @@
 `cached_compile(cache, key, build)` is how every kernel here is compiled: `build()` runs the
 CuTe DSL compile (seconds each; a CUDA server compiles some twenty variants as it starts), and
 its result is kept in `cache` for the process. Where `use_disk_cache(folder)` named a folder (the
-server does, `gdn-server --kernel-cache`), the compiled object code is also written there, and a
-later process with the same kernels loads it in milliseconds instead of compiling: a restarted
-server, every process of `--processes K` after the first start, every test server.
+server does: `gdn-server --kernel-cache`, by default `config.default_kernel_cache()`), the
+compiled object code is also written there, and a later process with the same kernels loads it
+in milliseconds instead of compiling: a restarted server, every process of `--processes K` after
+the first start, every test server.
 
 What a file holds is the DSL's own export of the compiled function (`export_to_c`: host code and
 the cubin), loaded back by the DSL's `cutlass.runtime.load_module`, the same object code the
@@ -40,12 +41,6 @@ _folder: Path | None = None
 _digest: str | None = None  # of the package's source, the versions and the target (once a process)
 
 
-def default_folder() -> Path:
-    """`$XDG_CACHE_HOME/gdn-serve/kernels`, else `~/.cache/gdn-serve/kernels`."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "gdn-serve" / "kernels"
-
-
 def use_disk_cache(folder: str | os.PathLike | None) -> Path | None:
     """Keeps compiled kernels in `folder` from now on (created, mode 0700, where missing); None or
     "" keeps them in memory only. Returns the folder used: None as well where it cannot be created
@@ -71,7 +66,7 @@ def use_disk_cache(folder: str | os.PathLike | None) -> Path | None:
     return path
 
 
-def folder() -> Path | None:
+def disk_cache_folder() -> Path | None:
     """The folder compiled kernels are kept in (`use_disk_cache`), None where none is."""
     return _folder
 

@@ -20,9 +20,9 @@ def _cuda_available() -> bool:
 _FILL_CACHE = """
 import dataclasses, sys
 from gdn_server.backends.cuda import compile_kernels
-from gdn_server.config import ModelShape
+from gdn_server.config import ModelShape, default_kernel_cache
 from gdn_server.kernels import _compiled, compiled_segments
-_compiled.use_disk_cache(_compiled.default_folder())
+_compiled.use_disk_cache(default_kernel_cache())
 compile_kernels(ModelShape(2, 16, 32, state_dtype=sys.argv[1]))
 compiled_segments(True), compiled_segments(False)
 """
@@ -37,9 +37,10 @@ def pytest_configure(config):
     the servers then compile for themselves."""
     if not _cuda_available():
         return
-    from gdn_server.kernels._compiled import default_folder, use_disk_cache
+    from gdn_server.config import default_kernel_cache
+    from gdn_server.kernels._compiled import use_disk_cache
 
-    use_disk_cache(default_folder())
+    use_disk_cache(default_kernel_cache())
     if hasattr(config, "workerinput"):
         return
     fills = [subprocess.Popen([sys.executable, "-c", _FILL_CACHE, dtype], stdout=subprocess.DEVNULL,
