@@ -3,7 +3,8 @@
 Two fresh processes each get every kernel a CUDA backend of the model launches
 (`backends.cuda.compile_kernels`, what its warm-up runs) with one kernel-cache folder
 (`gdn-server --kernel-cache`): the first finds it empty and compiles, the second loads what the
-first kept. No GPU needed: without one the kernels are compiled for CUTE_DSL_ARCH (sm_90a here).
+first kept. No GPU needed: without one the kernels are compiled for CUTE_DSL_ARCH (sm_90a unless
+set); with one, for that GPU.
 
     python bench/compile.py                              # qwen3-next, bf16 state
     python bench/compile.py --state-dtype float32
@@ -36,9 +37,16 @@ print(json.dumps({"kernels": count, "import_s": imported - start, "kernels_s": t
 """
 
 
+def gpu_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run(folder: str, preset: str, state_dtype: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(common.REPO), os.environ.get("PYTHONPATH", "")])}
-    env.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    if not gpu_present():
+        env.setdefault("CUTE_DSL_ARCH", "sm_90a")  # what the DSL compiles for where it finds no GPU to ask
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", CHILD, folder, preset, state_dtype], capture_output=True, text=True,
                           env=env, timeout=1800, check=True)

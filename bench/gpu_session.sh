@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The maintained benchmarks on a GPU host, one part per call (each fits in ten minutes).
 # From the repo root of the host's copy of the tree:
-#   source .devbundle/p2/activate.sh && bash bench/gpu_session.sh kernel|ring|serve|scale|profile
+#   source .devbundle/p2/activate.sh && bash bench/gpu_session.sh kernel|ring|serve|scale|profile|compile
 # Results go to $OUT when it is set (the folder the host hands back), else bench/out.
 # A copy without .git cannot name its commit: set BENCH_COMMIT=<commit> to record it.
 # Knobs (all optional): CLIENTS, DURATION, ROUNDS, LOAD_PROCS, SERVER_FLAGS, LOAD_FLAGS;
@@ -34,5 +34,8 @@ case "${1:-}" in
       --spy-on "${SPY_ON:-server}" --load-processes "${LOAD_PROCS:-1}" --server-flags="${SERVER_FLAGS:-}" \
       --out "$out" 2>&1 | tail -60
     ;;
-  *) echo "usage: $0 kernel|ring|serve|scale|profile" >&2; exit 2 ;;
+  compile)
+    timeout 300 python3 bench/compile.py --out "$out" 2>&1 | tail -8
+    ;;
+  *) echo "usage: $0 kernel|ring|serve|scale|profile|compile" >&2; exit 2 ;;
 esac
