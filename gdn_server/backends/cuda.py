@@ -474,6 +474,8 @@ class CudaBackend(Backend):
         self._decode(self.state_pool, rows, layers, q, k, v, a, b, self.A_log, self.dt_bias, out, scale=self.scale)
 
     def warmup(self) -> None:
+        # each stage's time goes in the log: where a start spends its time, for operators and for us
+        started = time.perf_counter()
         # the whole ring now: pinned allocations take milliseconds each, a stall of the first
         # launches (and of every request behind them) if left to the first RING batches
         for idx, staging in enumerate(self._ring):
@@ -486,11 +488,10 @@ class CudaBackend(Backend):
         for staging in self._ring:
             for rows in range(1, self._rows_hint + 1):
                 staging.views_for(self._plan(rows, 1), (rows, 1))
-        started = time.perf_counter()
+        staged = time.perf_counter()
         count = compile_kernels(self.shape)
         folder = disk_cache_folder()
-        log.info("%d kernels ready in %.1f s (%s)", count, time.perf_counter() - started,
-                 f"kernel cache {folder}" if folder is not None else "compiled: no kernel cache")
+        compiled = time.perf_counter()
         try:
             self._capture_graphs()
         except Exception:  # a driver or library that cannot capture: launch directly
@@ -498,6 +499,10 @@ class CudaBackend(Backend):
             for staging in self._ring:
                 staging.graphs.clear()
         torch.cuda.synchronize(self.device)
+        log.info("warm-up %.1f s: staging %.1f s, %d kernels %.1f s (%s), %d graphs %.1f s",
+                 time.perf_counter() - started, staged - started, count, compiled - staged,
+                 f"kernel cache {folder}" if folder is not None else "compiled: no kernel cache",
+                 sum(len(staging.graphs) for staging in self._ring), time.perf_counter() - compiled)
 
     def _capture_graphs(self) -> None:
         """A graph of each staging set's plain T=1 launch and verify of every T for every row count
