@@ -13,9 +13,9 @@ the cubin), loaded back by the DSL's `cutlass.runtime.load_module`, the same obj
 compile itself would run. A file is named by a digest of everything that shapes that code: the
 key (shape, state dtype, tiling), the source of this package, the DSL and tvm-ffi versions and
 the target GPU architecture; any change names other files, and the least recently used are
-removed once the folder holds more than MAX_FILES. Loading object code is running it, so the folder must belong
-to the server's user and be writable by no one else (it is created so, mode 0700); a folder
-that is not is not used (a warning says why) and every kernel is compiled.
+removed once the folder holds more than MAX_FILES. Loading object code is running it, so the
+folder must belong to the server's user and be writable by no one else (it is created so, mode
+0700); a folder that is not is not used (a warning says why) and every kernel is compiled.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ def _cuda_available() -> bool:
 # The kernels of the test servers' shape (H = 16, HV = 32, both state dtypes, the segment kernels
 # of --allow-shared-memory), compiled into the kernel cache once before any test runs.
 _FILL_CACHE = """
-import dataclasses, sys
+import sys
 from gdn_server.backends.cuda import compile_kernels
 from gdn_server.config import ModelShape, default_kernel_cache
 from gdn_server.kernels import _compiled, compiled_segments
