@@ -99,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="on shutdown, how long in-flight RPCs may take to finish (default 30)")
     ops.add_argument("--kernel-cache", default=str(default_kernel_cache()), metavar="DIR",
                      help="keep the compiled CUDA kernels in this folder (mode 0700, this user's only), so that "
-                          "later starts load them in milliseconds instead of compiling for a minute; '' compiles "
-                          "at every start (default %(default)s)")
+                          "later starts load them in milliseconds instead of compiling each for a second or two; "
+                          "'' compiles at every start (default %(default)s)")
     sec = p.add_argument_group("security")
     sec.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key; default: plaintext)")
     sec.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
