@@ -47,7 +47,7 @@ def pytest_configure(config):
                               stderr=subprocess.PIPE, text=True) for dtype in ("bfloat16", "float32")]
     for fill in fills:
         try:
-            _, err = fill.communicate(timeout=600)
+            _, err = fill.communicate(timeout=300)
         except subprocess.TimeoutExpired:
             fill.kill()
             err = "timed out"
