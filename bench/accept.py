@@ -106,8 +106,8 @@ def point(busy_ms: float, switch_ms: float, accept_loops: int, calls: int, round
         child.kill()
         child.wait(10)
     spread = statistics.median(spreads)
-    return {"busy_ms": busy_ms, "switch_ms": switch_ms, "accept_loops": accept_loops, "calls": calls, "burst_ms": spread * 1e3,
-            "per_call_ms": spread * 1e3 / calls, "bursts_ms": [s * 1e3 for s in spreads]}
+    return {"busy_ms": busy_ms, "switch_ms": switch_ms, "accept_loops": accept_loops, "calls": calls,
+            "burst_ms": spread * 1e3, "per_call_ms": spread * 1e3 / calls, "bursts_ms": [s * 1e3 for s in spreads]}
 
 
 def main() -> None:
@@ -122,8 +122,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default=None, help="folder of the result file (default bench/out)")
     args = p.parse_args()
-    results = [point(float(b), float(s), int(n), args.calls, args.rounds)
-               for s in args.switch_ms.split(",") for n in args.accept_loops.split(",") for b in args.busy_ms.split(",")]
+    results = [point(float(b), float(s), int(n), args.calls, args.rounds) for s in args.switch_ms.split(",")
+               for n in args.accept_loops.split(",") for b in args.busy_ms.split(",")]
     print(common.markdown_table(
         ["busy chunk ms", "GIL switch ms", "accept loops", f"burst of {args.calls}, ms (median)", "per call, ms"],
         [(r["busy_ms"], r["switch_ms"], r["accept_loops"], f"{r['burst_ms']:.1f}", f"{r['per_call_ms']:.2f}")
