@@ -121,3 +121,16 @@ def test_the_server_flag_off_compiles_at_every_start(value, tmp_path):
     """`--kernel-cache ''` (or no folder): nothing is written, each kernel compiled in memory."""
     _compiled.use_disk_cache(value)
     assert _compiled._folder is None
+
+
+def test_a_gpu_is_named_as_the_dsl_names_it(monkeypatch):
+    """Without CUTE_DSL_ARCH the files are named for the GPU's architecture as the DSL compiles for
+    it (sm_90a on Hopper), so kernels compiled without a GPU for sm_90a are a Hopper server's."""
+    import torch
+
+    monkeypatch.delenv("CUTE_DSL_ARCH")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, name in (((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((8, 0), "sm_80")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
+        assert _compiled._target_arch() == name
+

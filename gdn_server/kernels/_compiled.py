@@ -141,8 +141,10 @@ def _source_digest() -> str:
 
 
 def _target_arch() -> str:
-    """The architecture the DSL compiles for: CUTE_DSL_ARCH where set (a machine without a GPU),
-    else the current GPU's compute capability."""
+    """The architecture the DSL compiles for, named as the DSL names it: CUTE_DSL_ARCH where set
+    (a machine without a GPU), else the current GPU's, with the "a" the DSL adds from Hopper on
+    (an H200 is sm_90a). So kernels compiled without a GPU for CUTE_DSL_ARCH=sm_90a, as an image's
+    build does (`gdn-server --compile-kernels`), are the files a Hopper GPU's server loads."""
     arch = os.environ.get("CUTE_DSL_ARCH")
     if arch:
         return arch
@@ -151,7 +153,7 @@ def _target_arch() -> str:
 
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
-            return f"sm_{major}{minor}"
+            return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
     except Exception:  # no usable torch.cuda: the name says so
         pass
     return "unknown"
