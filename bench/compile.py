@@ -1,10 +1,9 @@
 """What a CUDA server's start spends on its kernels, compiled, then loaded from the kernel cache.
 
-Two fresh processes each get every kernel a CUDA backend of the model launches
-(`backends.cuda.compile_kernels`, what its warm-up runs) with one kernel-cache folder
-(`gdn-server --kernel-cache`): the first finds it empty and compiles, the second loads what the
-first kept. No GPU needed: without one the kernels are compiled for CUTE_DSL_ARCH (sm_90a unless
-set); with one, for that GPU.
+`gdn-server --compile-kernels` runs twice with one fresh kernel-cache folder: the first finds it
+empty and compiles every kernel a CUDA server of the model launches (its warm-up's, and the
+shared-memory ones), the second loads what the first kept. No GPU needed: without one the
+kernels are compiled for CUTE_DSL_ARCH (sm_90a unless set); with one, for that GPU.
 
     python bench/compile.py                              # qwen3-next, bf16 state
     python bench/compile.py --state-dtype float32
@@ -14,8 +13,8 @@ Prints one table and writes bench/out/compile-<UTC time>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,36 +22,19 @@ import time
 
 import common
 
-CHILD = """
-import dataclasses, json, sys, time
-start = time.perf_counter()
-from gdn_server.backends.cuda import compile_kernels
-from gdn_server.config import PRESETS
-from gdn_server.kernels import _compiled
-imported = time.perf_counter()
-_compiled.use_disk_cache(sys.argv[1])
-shape = dataclasses.replace(PRESETS[sys.argv[2]], state_dtype=sys.argv[3])
-count = compile_kernels(shape)
-print(json.dumps({"kernels": count, "import_s": imported - start, "kernels_s": time.perf_counter() - imported}))
-"""
-
-
-def gpu_present() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+# gdn-server --compile-kernels' line: "N kernels for ARCH in DIR: C compiled, F there already (S s)"
+SAID = re.compile(r"(\d+) kernels for (\S+) in .*: (\d+) compiled, (\d+) there already \(([\d.]+) s\)")
 
 
 def run(folder: str, preset: str, state_dtype: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(common.REPO), os.environ.get("PYTHONPATH", "")])}
-    if not gpu_present():
-        env.setdefault("CUTE_DSL_ARCH", "sm_90a")  # what the DSL compiles for where it finds no GPU to ask
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", CHILD, folder, preset, state_dtype], capture_output=True, text=True,
-                          env=env, timeout=1800, check=True)
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    result["process_s"] = time.perf_counter() - start
-    return result
+    done = subprocess.run([sys.executable, "-m", "gdn_server", "--preset", preset, "--state-dtype", state_dtype,
+                           "--compile-kernels", "--kernel-cache", folder], capture_output=True, text=True, env=env,
+                          timeout=1800, check=True)
+    kernels, arch, compiled, found, seconds = SAID.search(done.stdout).groups()
+    return {"kernels": int(kernels), "arch": arch, "compiled": int(compiled), "found": int(found),
+            "kernels_s": float(seconds), "process_s": time.perf_counter() - start}
 
 
 def main() -> None:
@@ -64,11 +46,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, "kernels")
         rows = [{"start": name, **run(folder, args.preset, args.state_dtype)} for name in ("empty cache", "kept")]
-        rows[-1]["files"] = len(os.listdir(folder))
     print(common.markdown_table(
-        ["start", "kernels", "imports s", "kernels s", "whole process s"],
-        [(r["start"], r["kernels"], f"{r['import_s']:.1f}", f"{r['kernels_s']:.2f}", f"{r['process_s']:.1f}")
-         for r in rows]))
+        ["start", "arch", "kernels", "compiled", "loaded", "kernels s", "whole process s"],
+        [(r["start"], r["arch"], r["kernels"], r["compiled"], r["found"], f"{r['kernels_s']:.2f}",
+          f"{r['process_s']:.1f}") for r in rows]))
     path = common.write_json(common.out_path("compile", args.out), {"args": vars(args), "rows": rows})
     print(f"wrote {path}")
 

@@ -18,6 +18,9 @@ from gdn_server.limits import SPECULATIVE_TIMEOUT_S, Limits, SharedMemoryLimits
 
 # the shapes served when the command line names none: the model this service was built for
 DEFAULT_PRESET = "qwen3-next"
+# what `--compile-kernels` compiles for on a machine without a GPU: the GPUs the kernels are built
+# and measured on (H100, H200)
+HOPPER_ARCH = "sm_90a"
 from gdn_server.tuning import tune_process
 
 log = logging.getLogger("gdn_server")
@@ -101,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="keep the compiled CUDA kernels in this folder (mode 0700, this user's only), so that "
                           "later starts load them in milliseconds instead of compiling each for a second or two; "
                           "'' compiles at every start (default %(default)s)")
+    ops.add_argument("--compile-kernels", action="store_true",
+                     help="compile every CUDA kernel a server of this model shape and --state-dtype launches into "
+                          "--kernel-cache, then exit without serving; needs no GPU (without one the kernels are "
+                          f"for CUTE_DSL_ARCH, {HOPPER_ARCH} unless set): an image's build runs it, so that its "
+                          "containers start without compiling (default: off)")
     sec = p.add_argument_group("security")
     sec.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key; default: plaintext)")
     sec.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
@@ -163,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shape = shape_from_args(args, parser)
+    if args.compile_kernels:
+        return _compile_kernels(shape, args.kernel_cache)
     for flag in ("max_sessions", "max_batch_rows"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -279,6 +289,40 @@ def _processes(value: str) -> int | str:
     if count < 1:
         raise argparse.ArgumentTypeError(f"takes a count >= 1 or auto, got {value!r}")
     return count
+
+
+def _compile_kernels(shape: ModelShape, folder: str) -> int:
+    """`--compile-kernels`: every kernel a CUDA server of `shape` launches (its warm-up's, and the
+    shared-memory checks and copies), compiled into the kernel cache `folder` or found there."""
+    import time
+
+    from gdn_server.supervisor import device_count
+
+    if not folder:
+        log.error("--compile-kernels keeps the kernels in --kernel-cache: give it a folder")
+        return 2
+    if not os.environ.get("CUTE_DSL_ARCH") and device_count() == 0:
+        # the DSL's own guess without a GPU is its newest architecture, not the GPUs this serves
+        os.environ["CUTE_DSL_ARCH"] = HOPPER_ARCH
+    from gdn_server.backends.cuda import check_kernel_shape, compile_kernels
+    from gdn_server.kernels import _compiled, compiled_segments
+
+    try:
+        check_kernel_shape(shape)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    kept = _compiled.use_disk_cache(folder)
+    if kept is None:  # use_disk_cache said why
+        return 2
+    before = set(kept.glob("gdn_*.o"))
+    started = time.perf_counter()
+    count = compile_kernels(shape)
+    compiled_segments(True), compiled_segments(False)
+    compiled = len(set(kept.glob("gdn_*.o")) - before)
+    print(f"{count + 2} kernels for {os.environ.get('CUTE_DSL_ARCH') or 'this GPU'} in {kept}: {compiled} compiled, "
+          f"{count + 2 - compiled} there already ({time.perf_counter() - started:.1f} s)", flush=True)
+    return 0
 
 
 def _gpus(args: argparse.Namespace, devices: tuple[int, ...] | None) -> list[int] | None:

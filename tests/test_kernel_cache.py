@@ -134,3 +134,30 @@ def test_a_gpu_is_named_as_the_dsl_names_it(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
         assert _compiled._target_arch() == name
 
+
+def test_compile_kernels_fills_the_folder_and_a_second_run_finds_them(tmp_path):
+    """`gdn-server --compile-kernels` (what an image's build runs) compiles every kernel a CUDA server
+    of the shape launches, for sm_90a where no GPU and no CUTE_DSL_ARCH say otherwise; run again it
+    compiles none; a shape the kernels do not cover, or no folder, is an error."""
+    folder = tmp_path / "kernels"
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+
+    def run(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "gdn_server", "--layers", "1", "--q-heads", "16", "--v-heads",
+                               "32", "--compile-kernels", *flags], capture_output=True, text=True, timeout=300, env=env)
+
+    first = run("--kernel-cache", str(folder))
+    assert first.returncode == 0, first.stderr[-3000:]
+    files = {f.name: f.stat().st_ino for f in folder.iterdir()}
+    count = len(files)
+    assert count >= 17 and all(name.startswith("gdn_") and name.endswith(".o") for name in files)
+    said = f"{count} kernels for sm_90a in {folder}: {count} compiled, 0 there already ("
+    assert first.stdout.startswith(said), first.stdout
+    second = run("--kernel-cache", str(folder))
+    assert second.returncode == 0 and f": 0 compiled, {count} there already" in second.stdout
+    assert {f.name: f.stat().st_ino for f in folder.iterdir()} == files  # loaded, not written again
+    for flags, said in ((("--kernel-cache", ""), "give it a folder"),
+                        (("--kernel-cache", str(folder), "--head-dim", "64"), "head dims K = V = 128")):
+        refused = run(*flags)
+        assert refused.returncode == 2 and said in refused.stderr

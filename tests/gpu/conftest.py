@@ -17,16 +17,8 @@ def _cuda_available() -> bool:
 
 # The kernels of the test servers' shape (H = 16, HV = 32, both state dtypes, the segment kernels
 # of --allow-shared-memory), compiled into the kernel cache once before any test runs.
-_FILL_CACHE = """
-import sys
-from gdn_server.backends.cuda import compile_kernels
-from gdn_server.config import ModelShape, default_kernel_cache
-from gdn_server.kernels import _compiled, compiled_segments
-_compiled.use_disk_cache(default_kernel_cache())
-compile_kernels(ModelShape(2, 16, 32, state_dtype=sys.argv[1]))
-if sys.argv[1] == "bfloat16":  # the segment kernels know no state dtype: one of the two fills them
-    compiled_segments(True), compiled_segments(False)
-"""
+_FILL_CACHE = [sys.executable, "-m", "gdn_server", "--layers", "2", "--q-heads", "16", "--v-heads", "32",
+               "--compile-kernels", "--state-dtype"]
 
 
 def pytest_configure(config):
@@ -44,8 +36,8 @@ def pytest_configure(config):
     use_disk_cache(default_kernel_cache())
     if hasattr(config, "workerinput"):
         return
-    fills = [subprocess.Popen([sys.executable, "-c", _FILL_CACHE, dtype], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for dtype in ("bfloat16", "float32")]
+    fills = [subprocess.Popen([*_FILL_CACHE, dtype], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for dtype in ("bfloat16", "float32")]
     for fill in fills:
         try:
             _, err = fill.communicate(timeout=300)
