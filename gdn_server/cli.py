@@ -313,7 +313,8 @@ def _compile_kernels(shape: ModelShape, folder: str) -> int:
         log.error("%s", e)
         return 2
     kept = _compiled.use_disk_cache(folder)
-    if kept is None:  # use_disk_cache said why
+    if kept is None:  # use_disk_cache logged why
+        log.error("--compile-kernels: no kernels can be kept in %s", folder)
         return 2
     before = set(kept.glob("gdn_*.o"))
     started = time.perf_counter()

@@ -157,7 +157,11 @@ def test_compile_kernels_fills_the_folder_and_a_second_run_finds_them(tmp_path):
     second = run("--kernel-cache", str(folder))
     assert second.returncode == 0 and f": 0 compiled, {count} there already" in second.stdout
     assert {f.name: f.stat().st_ino for f in folder.iterdir()} == files  # loaded, not written again
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    shared.chmod(0o770)
     for flags, said in ((("--kernel-cache", ""), "give it a folder"),
+                        (("--kernel-cache", str(shared)), "no kernels can be kept in"),
                         (("--kernel-cache", str(folder), "--head-dim", "64"), "head dims K = V = 128")):
         refused = run(*flags)
         assert refused.returncode == 2 and said in refused.stderr
