@@ -21,6 +21,12 @@ the ratios, not absolute figures across calls.
     python bench/serve.py --shared-memory system,cuda        # inline, host shm and CUDA IPC
     python bench/serve.py --device cpu --model "--layers 4 --q-heads 2 --v-heads 4" \\
         --clients 1,8 --batch-sessions 16 --duration 2       # a smoke run on any machine
+    python bench/serve.py --null-launch --clients 1 --rounds 2   # qwen3-next shapes, no GPU
+
+--null-launch measures the server without its kernels, on any machine: a CPU server whose launches
+do no math (each answers zeros of the output's shape) and everything else real (gRPC, admission,
+validation and its C pass, scheduler, planner, answers). Beside the echo it says what the
+server's own work adds to a step; with --server-tree, which of two commits adds less, with no GPU.
 
 Parts with the same server flags share one server process, started afresh for them. With several
 --server-tree, a server of each tree runs side by side (the idle ones take no CPU; --max-sessions
@@ -34,10 +40,28 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 import tempfile
 from pathlib import Path
 
 import common
+
+# `--null-launch`: gdn-server (its own command line, after `-c`) with the CPU backend's launch
+# replaced by one that does no math
+NULL_LAUNCH = """
+import sys, torch
+from gdn_server.backends import cpu
+from gdn_server.backends.base import DoneStep
+from gdn_server.cli import main
+outputs = {}
+def submit(self, batch):
+    key = (batch.num_rows, batch.tokens)
+    if key not in outputs:
+        outputs[key] = DoneStep(torch.zeros(*key, self.shape.num_v_heads, self.shape.head_dim_v, dtype=torch.bfloat16))
+    return outputs[key]
+cpu.CpuBackend.submit = submit
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 def parts(args: argparse.Namespace) -> list[tuple[str, list[str], list[str]]]:
@@ -105,8 +129,14 @@ def main() -> None:
                    help="run the server from this source tree instead of this checkout (e.g. an older "
                         "commit's; '.' is this checkout); given several times, every part runs against "
                         "each tree in turn, to measure before and after in one run; the load stays this one's")
+    p.add_argument("--null-launch", action="store_true",
+                   help="a CPU server whose launches do no math: the server's own cost beside the echo, no GPU")
     p.add_argument("--out", default=None, help="folder of the result file (default bench/out)")
     args = p.parse_args()
+    if args.null_launch:
+        args.device = "cpu"
+        if args.model == p.get_default("model"):  # the same shapes, not on GPU 0
+            args.model = "--preset qwen3-next"
 
     path = common.out_path("serve", args.out)
     results: list[dict] = []
@@ -118,6 +148,8 @@ def main() -> None:
         for server_flags, group in groups.items():
             cmd = common.server_command(args.device, args.model, args.max_sessions,
                                         [*server_flags, *shlex.split(args.server_flags)])
+            if args.null_launch:  # the same command line, through NULL_LAUNCH
+                cmd = [sys.executable, "-c", NULL_LAUNCH, *cmd[cmd.index("gdn_server") + 1:]]
             servers = [common.Server(cmd, cwd=tree if tree not in (None, ".") else None) for tree in trees]
             try:
                 for server in servers:  # their warm-ups overlap
