@@ -128,7 +128,7 @@ def test_a_gpu_is_named_as_the_dsl_names_it(monkeypatch):
     it (sm_90a on Hopper), so kernels compiled without a GPU for sm_90a are a Hopper server's."""
     import torch
 
-    monkeypatch.delenv("CUTE_DSL_ARCH")
+    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for capability, name in (((9, 0), "sm_90a"), ((10, 0), "sm_100a"), ((8, 0), "sm_80")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, c=capability: c)
