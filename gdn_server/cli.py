@@ -305,7 +305,7 @@ def _compile_kernels(shape: ModelShape, folder: str) -> int:
         # the DSL's own guess without a GPU is its newest architecture, not the GPUs this serves
         os.environ["CUTE_DSL_ARCH"] = HOPPER_ARCH
     from gdn_server.backends.cuda import check_kernel_shape, compile_kernels
-    from gdn_server.kernels import _compiled, compiled_segments
+    from gdn_server.kernels import _compiled, compile_segment_kernels
 
     try:
         check_kernel_shape(shape)
@@ -318,9 +318,7 @@ def _compile_kernels(shape: ModelShape, folder: str) -> int:
         return 2
     before = set(kept.glob("gdn_*.o"))
     started = time.perf_counter()
-    count = compile_kernels(shape)
-    compiled_segments(True), compiled_segments(False)  # a server with --allow-shared-memory's two more
-    count += 2
+    count = compile_kernels(shape) + compile_segment_kernels()  # the latter: --allow-shared-memory's
     compiled = len(set(kept.glob("gdn_*.o")) - before)
     print(f"{count} kernels for {os.environ.get('CUTE_DSL_ARCH') or 'this GPU'} in {kept}: {compiled} compiled, "
           f"{count - compiled} there already ({time.perf_counter() - started:.1f} s)", flush=True)

@@ -104,9 +104,9 @@ def build_app(settings: ServerSettings) -> GdnApp:
     if settings.shared_memory is not None:
         on_gpu = shards[0].backend.name.startswith("cuda")
         if on_gpu:
-            from gdn_server.kernels import compiled_segments
+            from gdn_server.kernels import compile_segment_kernels
 
-            compiled_segments(True), compiled_segments(False)  # the check and copy of referenced tensors
+            compile_segment_kernels()  # the check and copy of referenced tensors
         access = DeviceAccess([shard.backend.device for shard in shards]) if on_gpu else None
         servicer.shared_memory = SharedMemoryRegistry(settings.shared_memory, access)
     app = GdnApp(settings, placement, servicer)

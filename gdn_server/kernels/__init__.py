@@ -24,7 +24,7 @@ from ._api import (
 from ._ring_api import (
     compile_ring, folded_base, new_ring, ring_bytes_per_row, ring_dtypes, ring_fold, ring_variants, ring_verify,
 )
-from ._segments import SEGMENT_FIELDS, SegmentTable, TensorScan, compiled_segments, segments_copy, segments_scan
+from ._segments import SEGMENT_FIELDS, SegmentTable, TensorScan, compile_segment_kernels, compiled_segments, segments_copy, segments_scan
 
 __all__ = [
     "CHECKED_HEADS",
@@ -39,6 +39,7 @@ __all__ = [
     "compile_ring",
     "compile_all_variants",
     "compile_variant",
+    "compile_segment_kernels",
     "compiled_segments",
     "default_variant",
     "folded_base",

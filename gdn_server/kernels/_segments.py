@@ -100,6 +100,13 @@ def compiled_segments(scan: bool) -> Callable[..., Any]:
     return cached_compile(_cache, ("segments", scan), lambda: _build(scan))
 
 
+def compile_segment_kernels() -> int:
+    """Compiles (or loads) the scan and the copy, what a server with shared memory launches beside
+    its decode kernels; returns how many (2)."""
+    compiled_segments(True), compiled_segments(False)
+    return 2
+
+
 def segments_scan(table, bad, digests, max_rows: int) -> None:
     """NaN/Inf flags `bad` [S] and row digests `digests` [rows] (int32, zeroed by the caller) of
     the segments of `table` [S, SEGMENT_FIELDS] (int64, on the device), `max_rows` the most rows
